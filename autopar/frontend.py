@@ -1,0 +1,198 @@
+"""Front end: an unmodified nn.Module (+ loss) becomes a joint forward+backward ATen graph.
+
+torch APIs used, and why (all private in torch 2.13, so they are wrapped here and nowhere else):
+
+- ``torch._dynamo.functional_export._dynamo_graph_capture_for_export``: dynamo capture of the
+  user's Python into an FX graph with parameters lifted, keeping ``stack_trace`` and
+  ``nn_module_stack`` so every node can name the user's source line.
+- ``torch._functorch.aot_autograd.aot_export_joint_with_descriptors``: AOTAutograd traces the
+  forward and the autograd backward together into one functional ATen graph under
+  FakeTensorMode; each placeholder/output carries a descriptor (``ParamAOTInput``,
+  ``GradAOTOutput``...) so we know which gradient belongs to which parameter without
+  relying on positions. It is the API meta-pytorch/autoparallel is built on.
+- ``torch.export.export`` (+ ``run_decompositions``) for the forward-only (eval) program:
+  public, and it names parameters in its graph signature.
+
+Decompositions: none beyond what AOTAutograd does by default, so layer_norm-style ops,
+``_log_softmax``, ``nll_loss_*``, SDPA and ``embedding_dense_backward`` stay single ops
+that the sharding rules can see.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from autopar.errors import CaptureError
+from autopar.ir import Program
+
+
+class _WithLoss(nn.Module):
+    """model + loss as one module: ``loss_fn(model(*inputs[:-1]), inputs[-1])``."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable | None):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *inputs):
+        if self.loss_fn is None:
+            return _unwrap_output(self.model(*inputs))
+        return self.loss_fn(_unwrap_output(self.model(*inputs[:-1])), inputs[-1])
+
+
+def _unwrap_output(out):
+    """Hugging Face models return a ModelOutput; the loss wants its logits (or its loss)."""
+    if hasattr(out, "logits") and not isinstance(out, torch.Tensor):
+        return out.loss if getattr(out, "loss", None) is not None else out.logits
+    return out
+
+
+def _tensor_names(module: nn.Module) -> dict[int, tuple[str, str]]:
+    names: dict[int, tuple[str, str]] = {}
+    for n, p in module.named_parameters(remove_duplicate=True):
+        names.setdefault(id(p), ("param", n))
+    for n, b in module.named_buffers(remove_duplicate=True):
+        names.setdefault(id(b), ("buffer", n))
+    return names
+
+
+def capture_joint(model: nn.Module, example_inputs: tuple, loss_fn: Callable | None) -> Program:
+    """Trace model (+loss) into the joint graph. Parameter names are the user's names."""
+    wrapper = _WithLoss(model, loss_fn)
+    ids = _tensor_names(model)
+    try:
+        from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
+        from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            gm = _dynamo_graph_capture_for_export(wrapper)(*example_inputs)
+            stack = contextlib.ExitStack()
+            with stack:
+                joint = aot_export_joint_with_descriptors(stack, gm, tuple(example_inputs))
+                graph = joint.graph_module.graph
+    except Exception as e:  # noqa: BLE001 - re-raised with context
+        raise CaptureError(
+            f"could not trace the model into a joint forward+backward graph: {type(e).__name__}: {e}",
+            where=type(model).__name__,
+            fix="make the model traceable by torch.export (no data-dependent Python control flow; "
+            "HF models need use_cache=False)",
+        ) from e
+    return _describe(graph, gm, ids, model)
+
+
+def _describe(graph: fx.Graph, gm: fx.GraphModule, ids, model) -> Program:
+    """Turn AOT descriptors into autopar's placeholder/output roles, with user names."""
+    from torch._functorch._aot_autograd import descriptors as d
+
+    def real_name(target: str) -> tuple[str, str]:
+        t = _get_attr(gm, target)
+        if t is None or id(t) not in ids:
+            raise CaptureError(f"cannot map traced tensor {target!r} back to a model parameter or buffer")
+        return ids[id(t)]
+
+    inputs: list[tuple[str, Any]] = []
+    params: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    named = dict(model.named_parameters())
+    named_b = dict(model.named_buffers())
+    for n in graph.nodes:
+        if n.op != "placeholder":
+            continue
+        desc = n.meta.get("desc")
+        if isinstance(desc, d.ParamAOTInput):
+            kind, name = real_name(desc.target)
+            inputs.append(("param", name))
+            params[name] = named[name]
+        elif isinstance(desc, d.BufferAOTInput):
+            kind, name = real_name(desc.target)
+            inputs.append(("buffer", name))
+            buffers[name] = named_b[name]
+        elif isinstance(desc, d.PlainAOTInput):
+            inputs.append(("input", desc.idx))
+        elif isinstance(desc, d.TangentAOTInput):
+            inputs.append(("tangent", len([i for i in inputs if i[0] == "tangent"])))
+        else:
+            raise CaptureError(f"unsupported graph input {desc!r}",
+                               fix="inputs must be tensors, parameters and buffers")
+        n.meta["autopar_role"] = inputs[-1]
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    outputs: list[tuple[str, Any]] = []
+    for desc in out_node.meta.get("desc", []):
+        if isinstance(desc, d.PlainAOTOutput):
+            outputs.append(("loss", desc.idx))
+        elif isinstance(desc, d.GradAOTOutput) and isinstance(desc.grad_of, d.ParamAOTInput):
+            outputs.append(("grad", real_name(desc.grad_of.target)[1]))
+        elif desc is None or isinstance(desc, d.GradAOTOutput):
+            outputs.append(("none", None))
+        else:
+            raise CaptureError(
+                f"unsupported graph output {desc!r} (buffer mutation in forward?)",
+                fix="autopar does not support models that mutate buffers in forward yet")
+    return Program(graph=graph, inputs=inputs, outputs=outputs, params=params, buffers=buffers)
+
+
+def _get_attr(gm: nn.Module, target: str):
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def capture_forward(model: nn.Module, example_inputs: tuple) -> Program:
+    """Forward-only (eval) program via torch.export; outputs are the model's tensors."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+
+            class _Fwd(nn.Module):
+                def __init__(self, m):
+                    super().__init__()
+                    self.model = m
+
+                def forward(self, *xs):
+                    return _unwrap_output(self.model(*xs))
+
+            ep = torch.export.export(_Fwd(model), tuple(example_inputs), strict=False)
+            ep = ep.run_decompositions({})
+    except Exception as e:  # noqa: BLE001
+        raise CaptureError(f"could not export the model's forward: {type(e).__name__}: {e}",
+                           where=type(model).__name__) from e
+    sig = ep.graph_signature
+    graph = ep.graph_module.graph
+    named = dict(model.named_parameters())
+    named_b = dict(model.named_buffers())
+    inputs = []
+    params, buffers = {}, {}
+    user_idx = 0
+    consts = ep.constants
+    for n in graph.nodes:
+        if n.op != "placeholder":
+            continue
+        if n.name in sig.inputs_to_parameters:
+            name = sig.inputs_to_parameters[n.name].removeprefix("model.")
+            inputs.append(("param", name))
+            params[name] = named[name]
+        elif n.name in sig.inputs_to_buffers:
+            name = sig.inputs_to_buffers[n.name].removeprefix("model.")
+            inputs.append(("buffer", name))
+            buffers[name] = named_b[name] if name in named_b else consts[sig.inputs_to_buffers[n.name]]
+        elif n.name in sig.inputs_to_lifted_tensor_constants:
+            name = sig.inputs_to_lifted_tensor_constants[n.name]
+            inputs.append(("buffer", name))
+            buffers[name] = consts[name]
+        else:
+            inputs.append(("input", user_idx))
+            user_idx += 1
+        n.meta["autopar_role"] = inputs[-1]
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    outputs = [("output", i) for i in range(len(out_node.args[0]))]
+    return Program(graph=graph, inputs=inputs, outputs=outputs, params=params, buffers=buffers)

@@ -1,0 +1,52 @@
+"""``autopar.mesh(dp=2, tp=2)``: a torch DeviceMesh with named axes.
+
+Under torchrun (or any launcher that set up torch.distributed) it uses the existing process
+group; in a plain single process it starts a one-rank gloo group, so the same script runs
+unchanged on a laptop. NCCL is used when CUDA is available, gloo otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autopar.errors import PlanError
+
+
+def mesh(device_type: str | None = None, **axes: int) -> DeviceMesh:
+    if not axes:
+        raise PlanError("autopar.mesh needs at least one named axis", fix="e.g. autopar.mesh(dp=2, tp=2)")
+    for name, size in axes.items():
+        if not isinstance(size, int) or size < 1:
+            raise PlanError(f"mesh axis {name!r} must have a positive integer size, got {size!r}")
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            dist.init_process_group("gloo", rank=0, world_size=1)
+    world = dist.get_world_size()
+    n = math.prod(axes.values())
+    if n != world:
+        raise PlanError(
+            f"mesh {dict(axes)} has {n} ranks but the process group has {world}",
+            where="autopar.mesh(...)",
+            fix=f"launch {n} processes (e.g. torchrun --nproc-per-node {n}) or change the axis sizes")
+    if device_type == "cuda":
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    return init_device_mesh(device_type, tuple(axes.values()), mesh_dim_names=tuple(axes))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,314 @@
+"""autopar's own sharding rules: overrides and ops DTensor lacks.
+
+DTensor's registered op strategies are the default rule source (see passes/propagate.py).
+A rule here takes precedence for its ops. Each rule is a function
+
+    rule(node, in_specs, ctx) -> RuleResult | None
+
+that returns ``None`` when it does not apply (the propagator then asks DTensor). A result
+names the placements each tensor input must have (the collectives pass makes it so), the
+placements of each output, and, when the op cannot simply run on local shards, a local
+implementation. An implementation may contain collectives; they are traced into the per-rank
+graph like any other and tagged with the rule's name as their reason.
+
+Every rule is checked against the unsharded op by tests/test_rules.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from autopar.ir import ShardSpec
+
+aten = torch.ops.aten
+R = Replicate()
+PSUM = Partial("sum")
+
+
+@dataclass
+class RuleResult:
+    inputs: list[tuple[Placement, ...]]  # one per tensor input (ir.tensor_args order)
+    outputs: object  # placements tuple, or a tuple of them for multi-output ops
+    impl: Callable | None = None  # impl(ctx, *args with local tensors) -> local output(s)
+    name: str = ""
+
+
+RULES: dict[object, Callable] = {}
+
+
+def rule(*ops):
+    def register(fn):
+        for op in ops:
+            RULES[op] = fn
+        return fn
+
+    return register
+
+
+def _norm(dim: int, ndim: int) -> int:
+    return dim % ndim if ndim else 0
+
+
+def _shard_dim(p: Placement) -> int | None:
+    return p.dim if isinstance(p, Shard) else None
+
+
+def _offset(ctx, axes: list[int], local_size: int) -> int:
+    """Global index of this rank's first element along a dim sharded over ``axes``."""
+    idx = 0
+    for a in axes:
+        idx = idx * ctx.axis_sizes[a] + ctx.coord[a]
+    return idx * local_size
+
+
+def _all_reduce(ctx, x: torch.Tensor, op: str, axes: list[int]) -> torch.Tensor:
+    for a in axes:
+        x = ctx.all_reduce(x, op, a)
+    return x
+
+
+# ---------------------------------------------------------------------------------------
+# attention: shards over batch and heads
+
+
+def _attention_rule(q_pos: int, n_tensor_in: int, n_out: int):
+    def attention_rule(node: fx.Node, in_specs: list[ShardSpec], ctx) -> RuleResult | None:
+        """Keeps Shard(0) (batch) and Shard(1) (heads) of q on every tensor input and output;
+        anything else (sequence shards, Partial) is replicated first: attention mixes the
+        sequence, and softmax is not linear."""
+        q = in_specs[q_pos]
+        want = tuple(p if isinstance(p, Shard) and p.dim in (0, 1) else R for p in q.placements)
+        if len(in_specs) != n_tensor_in:  # an explicit attn_mask: keep it simple, replicate it
+            ins = [want] * n_tensor_in + [tuple(R for _ in want)] * (len(in_specs) - n_tensor_in)
+        else:
+            ins = [want] * len(in_specs)
+        return RuleResult(ins, tuple(want for _ in range(n_out)), None, "attention over batch/heads")
+
+    return attention_rule
+
+
+rule(aten._scaled_dot_product_flash_attention_for_cpu.default)(_attention_rule(0, 3, 2))
+rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)(_attention_rule(1, 6, 3))
+
+
+# ---------------------------------------------------------------------------------------
+# vocab-parallel log-softmax / nll-loss: the class dim stays sharded, logits are never gathered
+
+
+def _rows_or_classes(x: ShardSpec, class_dim: int) -> tuple[Placement, ...]:
+    """Shard(class) and Shard(row) survive; Partial must be reduced first (log is not linear)."""
+    return tuple(p if isinstance(p, Shard) else R for p in x.placements)
+
+
+@rule(aten._log_softmax.default)
+def log_softmax_rule(node, in_specs, ctx):
+    """Keeps any Shard. On axes that shard the softmax dim it computes max and sum-of-exp
+    locally and all-reduces them (max, then sum): two small all-reduces instead of gathering
+    the logits. Partial inputs are reduced first."""
+    (x,) = in_specs
+    dim = _norm(node.args[1], len(x.shape))
+    want = _rows_or_classes(x, dim)
+    axes = [a for a, p in enumerate(want) if _shard_dim(p) == dim]
+    if not axes:
+        return RuleResult([want], want, None, "log_softmax on local rows")
+
+    def impl(ctx, x, dim_, half_to_float):
+        xf = x.float() if half_to_float else x
+        m = _all_reduce(ctx, xf.amax(dim, keepdim=True), "max", axes)
+        s = _all_reduce(ctx, (xf - m).exp().sum(dim, keepdim=True), "sum", axes)
+        return xf - m - s.log()
+
+    return RuleResult([want], want, impl, "vocab-parallel log_softmax")
+
+
+@rule(aten._log_softmax_backward_data.default)
+def log_softmax_backward_rule(node, in_specs, ctx):
+    """grad_in = grad - exp(out) * sum(grad): the sum over a sharded softmax dim is all-reduced."""
+    grad, out = in_specs
+    dim = _norm(node.args[2], len(out.shape))
+    want = _rows_or_classes(out, dim)
+    axes = [a for a, p in enumerate(want) if _shard_dim(p) == dim]
+    if not axes:
+        return RuleResult([want, want], want, None, "log_softmax backward on local rows")
+
+    def impl(ctx, grad, out, dim_, dtype):
+        s = _all_reduce(ctx, grad.sum(dim, keepdim=True), "sum", axes)
+        return (grad - out.exp() * s).to(dtype)
+
+    return RuleResult([want, want], want, impl, "vocab-parallel log_softmax backward")
+
+
+def _nll_layout(x: ShardSpec, target: ShardSpec | None):
+    """Per axis: 'row' (batch-sharded), 'class' (vocab-sharded) or 'rep'."""
+    kinds, xs, ts = [], [], []
+    for p in x.placements:
+        if isinstance(p, Shard) and p.dim == 0 and len(x.shape) == 2:
+            kinds.append("row"), xs.append(Shard(0)), ts.append(Shard(0))
+        elif isinstance(p, Shard) and p.dim == len(x.shape) - 1:
+            kinds.append("class"), xs.append(p), ts.append(R)
+        else:
+            kinds.append("rep"), xs.append(R), ts.append(R)
+    return kinds, tuple(xs), tuple(ts)
+
+
+def _picked(ctx, x, target, ignore_index, class_axes):
+    """-x[i, target[i]] where this rank holds class target[i], else 0; and the valid mask."""
+    c_local = x.shape[-1]
+    offset = _offset(ctx, class_axes, c_local) if class_axes else 0
+    valid = target != ignore_index
+    t = target - offset
+    here = valid & (t >= 0) & (t < c_local)
+    idx = torch.where(here, t, torch.zeros_like(t)).unsqueeze(-1)
+    return idx, here, valid
+
+
+@rule(aten.nll_loss_forward.default)
+def nll_loss_forward_rule(node, in_specs, ctx):
+    """Batch-sharded rows and/or vocab-sharded classes, exact with ignore_index.
+
+    DTensor's own rule reduces a batch-sharded mean with Partial("avg"), which is wrong when
+    ranks hold different numbers of ignored tokens; this one all-reduces the loss sum and the
+    token count separately. On vocab-sharded axes each rank picks the target logit only where
+    it owns the class, so the logits are never gathered. Class weights are supported on
+    batch-sharded axes only (a weight with vocab-sharded logits replicates the logits)."""
+    x, target = in_specs[0], in_specs[1]
+    weight = in_specs[2] if len(in_specs) > 2 else None
+    reduction, ignore_index = node.args[3], node.args[4]
+    if len(x.shape) not in (1, 2):
+        return None
+    kinds, xs, ts = _nll_layout(x, target)
+    if weight is not None and "class" in kinds:
+        kinds = ["rep" if k == "class" else k for k in kinds]
+        xs = tuple(R if k == "rep" else p for k, p in zip(kinds, xs))
+    row_axes = [a for a, k in enumerate(kinds) if k == "row"]
+    class_axes = [a for a, k in enumerate(kinds) if k == "class"]
+    ins = [xs, ts] + ([tuple(R for _ in xs)] if weight is not None else [])
+    if reduction == 0:  # none: per-row loss, partial over the class axes
+        out = tuple(Shard(0) if k == "row" else PSUM if k == "class" else R for k in kinds)
+    else:  # sum and mean: reduced inside (the mean needs the global count first)
+        out = tuple(R for _ in kinds)
+    tw_out = tuple(R for _ in kinds)
+
+    def impl(ctx, x, target, weight, reduction_, ignore_index_):
+        idx, here, valid = _picked(ctx, x, target, ignore_index, class_axes)
+        picked = torch.where(here, x.gather(-1, idx).squeeze(-1), torch.zeros((), dtype=x.dtype))
+        w = valid.to(x.dtype)
+        if weight is not None:
+            w = w * weight[torch.where(valid, target, torch.zeros_like(target))]
+        loss = -picked * w
+        if reduction == 0:
+            return loss, torch.zeros((), dtype=x.dtype)
+        s = _all_reduce(ctx, loss.sum(), "sum", row_axes + class_axes)
+        tw = _all_reduce(ctx, w.sum(), "sum", row_axes)
+        return (s / tw if reduction == 1 else s), tw
+
+    return RuleResult(ins, (out, tw_out), impl, "nll_loss over sharded rows/classes")
+
+
+@rule(aten.nll_loss_backward.default)
+def nll_loss_backward_rule(node, in_specs, ctx):
+    """The gradient is local: each rank scatters -grad/total_weight into the rows and classes
+    it holds. Needs the global total_weight, which the forward rule returns replicated."""
+    grad_out, x, target = in_specs[0], in_specs[1], in_specs[2]
+    has_weight = len(in_specs) == 5
+    reduction, ignore_index = node.args[4], node.args[5]
+    if len(x.shape) not in (1, 2):
+        return None
+    kinds, xs, ts = _nll_layout(x, target)
+    if has_weight and "class" in kinds:
+        kinds = ["rep" if k == "class" else k for k in kinds]
+        xs = tuple(R if k == "rep" else p for k, p in zip(kinds, xs))
+    class_axes = [a for a, k in enumerate(kinds) if k == "class"]
+    rep = tuple(R for _ in kinds)
+    g = tuple(Shard(0) if k == "row" else R for k in kinds) if reduction == 0 else rep
+    ins = [g, xs, ts] + ([rep] if has_weight else []) + [rep]
+
+    def impl(ctx, grad_out, x, target, weight, reduction_, ignore_index_, total_weight):
+        idx, here, valid = _picked(ctx, x, target, ignore_index, class_axes)
+        w = valid.to(x.dtype)
+        if weight is not None:
+            w = w * weight[torch.where(valid, target, torch.zeros_like(target))]
+        g = grad_out / total_weight if reduction == 1 else grad_out
+        val = torch.where(here, -g * w, torch.zeros((), dtype=x.dtype))
+        return torch.zeros_like(x).scatter(-1, idx, val.unsqueeze(-1))
+
+    return RuleResult(ins, xs, impl, "nll_loss backward over sharded rows/classes")
+
+
+# ---------------------------------------------------------------------------------------
+# vocab-parallel embedding
+
+
+@rule(aten.embedding.default)
+def embedding_rule(node, in_specs, ctx):
+    """weight Shard(0) (vocab) with replicated indices: each rank looks up the tokens it owns
+    and zeroes the rest, giving Partial(sum). weight Shard(1) (hidden) gives a hidden-sharded
+    output. Sharded indices (batch) give the same sharding of the output. Every other
+    combination replicates the weight on that axis."""
+    weight, idx = in_specs
+    ws, xs, outs = [], [], []
+    nd = len(idx.shape)
+    for pw, pi in zip(weight.placements, idx.placements):
+        if isinstance(pw, Shard) and pw.dim == 0:
+            ws.append(pw), xs.append(R), outs.append(PSUM)
+        elif isinstance(pw, Shard) and pw.dim == 1 and not isinstance(pi, Shard):
+            ws.append(pw), xs.append(R), outs.append(Shard(nd))
+        elif isinstance(pi, Shard):
+            ws.append(R), xs.append(pi), outs.append(pi)
+        else:
+            ws.append(R), xs.append(R), outs.append(R)
+    vocab_axes = [a for a, p in enumerate(outs) if isinstance(p, Partial)]
+    ins = [tuple(ws), tuple(xs)]
+    if not vocab_axes:
+        return RuleResult(ins, tuple(outs), None, "embedding")
+
+    def impl(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+        v_local = weight.shape[0]
+        t = indices - _offset(ctx, vocab_axes, v_local)
+        here = (t >= 0) & (t < v_local)
+        out = aten.embedding(weight, torch.where(here, t, torch.zeros_like(t)))
+        return out * here.unsqueeze(-1).to(out.dtype)
+
+    return RuleResult(ins, tuple(outs), impl, "vocab-parallel embedding")
+
+
+@rule(aten.embedding_dense_backward.default)
+def embedding_backward_rule(node, in_specs, ctx):
+    """Produces the weight gradient in the layout its consumer wants (the parameter's
+    placement, known from the plan): Shard(0) from replicated tokens by masking, Partial(sum)
+    from batch-sharded tokens (reduced by the collectives pass), Shard(1) from hidden-sharded
+    gradients."""
+    grad, idx = in_specs
+    scale_by_freq = node.args[4] if len(node.args) > 4 else False
+    hint = ctx.output_hint(node)
+    gs, xs, outs = [], [], []
+    for a, (pg, pi) in enumerate(zip(grad.placements, idx.placements)):
+        want = hint[a] if hint else R
+        if isinstance(pi, Shard) and isinstance(pg, Shard) and pg.dim == pi.dim and not scale_by_freq:
+            gs.append(pg), xs.append(pi), outs.append(PSUM)
+        elif isinstance(want, Shard) and want.dim == 0 and not scale_by_freq:
+            gs.append(R), xs.append(R), outs.append(Shard(0))
+        elif isinstance(pg, Shard) and pg.dim == len(grad.shape) - 1:
+            gs.append(pg), xs.append(R), outs.append(Shard(1))
+        else:
+            gs.append(R), xs.append(R), outs.append(R)
+    vocab_axes = [a for a, p in enumerate(outs) if p == Shard(0)]
+    ins = [tuple(gs), tuple(xs)]
+    if not vocab_axes:
+        return RuleResult(ins, tuple(outs), None, "embedding backward")
+
+    def impl(ctx, grad, indices, num_weights, padding_idx, scale_grad_by_freq):
+        v_local = num_weights // ctx.prod(vocab_axes)
+        off = _offset(ctx, vocab_axes, v_local)
+        t = indices - off
+        here = (t >= 0) & (t < v_local)
+        g = grad * here.unsqueeze(-1).to(grad.dtype)
+        pad = padding_idx - off if 0 <= padding_idx - off < v_local else -1
+        return aten.embedding_dense_backward(g, torch.where(here, t, torch.zeros_like(t)), v_local, pad, False)
+
+    return RuleResult(ins, tuple(outs), impl, "vocab-parallel embedding backward")

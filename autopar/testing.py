@@ -1,0 +1,179 @@
+"""Run functions on N gloo processes, and compare programs against one process.
+
+``DistPool(n)`` spawns n workers once (spawning costs seconds), each with a gloo process
+group, and runs module-level functions on all of them; the tests and the demo share it.
+``parity_job`` + ``reference_run`` are the numerics check behind the parity tests (and
+``autopar.verify``): same init, same data, AdamW, losses / gradients / parameters compared.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import queue
+import time
+import socket
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+_TIMEOUT_S = float(os.environ.get("AUTOPAR_POOL_TIMEOUT", "600"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, jobs, results):
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    while True:
+        job = jobs.get()
+        if job is None:
+            break
+        fn, args, kwargs = job
+        try:
+            out = fn(*args, **kwargs)
+            payload = pickle.dumps(out if rank == 0 else None)  # fail here, not in the feeder thread
+            results.put((rank, True, payload))
+        except BaseException as e:  # noqa: BLE001 - reported to the caller
+            results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class DistPool:
+    """n persistent gloo worker processes; ``run(fn, *args)`` returns rank 0's result."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        self.jobs = [ctx.Queue() for _ in range(world_size)]
+        port = _free_port()
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.jobs[r], self.results),
+                                  daemon=True) for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, *args, **kwargs):
+        for q in self.jobs:
+            q.put((fn, args, kwargs))
+        out, errors = None, []
+        deadline = time.monotonic() + _TIMEOUT_S
+        for _ in range(self.world_size):
+            while True:
+                try:
+                    rank, ok, val = self.results.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                    if dead or time.monotonic() > deadline:
+                        self.close(force=True)
+                        why = (f"worker rank(s) {dead} died (exit codes "
+                               f"{[self.procs[r].exitcode for r in dead]})" if dead
+                               else f"did not finish in {_TIMEOUT_S}s")
+                        raise RuntimeError(f"distributed job {fn.__name__}: {why}") from None
+            if not ok:
+                errors.append(f"rank {rank}: {val}")
+            elif rank == 0:
+                out = pickle.loads(val)
+        if errors:
+            self.close(force=True)
+            raise RuntimeError("distributed job failed\n" + "\n".join(errors))
+        return out
+
+    def close(self, force: bool = False):
+        for q, p in zip(self.jobs, self.procs):
+            if p.is_alive() and not force:
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=2 if force else 20)
+            if p.is_alive():
+                p.kill()
+
+
+# ---------------------------------------------------------------------------------------
+# parity: the same model, init and data on one process and on the mesh
+
+
+def build_model(name: str, seed: int = 0):
+    """(model, example_inputs, loss_fn) for the built-in test models."""
+    torch.manual_seed(seed)
+    if name in ("llama", "gpt"):
+        from autopar.models.llama import Llama, LlamaConfig, cross_entropy
+
+        cfg = LlamaConfig(mlp="swiglu" if name == "llama" else "gelu", n_kv_heads=2 if name == "llama" else 4)
+        model = Llama(cfg)
+        vocab, loss_fn = cfg.vocab_size, cross_entropy
+    elif name == "hf_llama":
+        from transformers import LlamaConfig as HFConfig
+        from transformers import LlamaForCausalLM
+
+        cfg = HFConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       use_cache=False, tie_word_embeddings=False)
+        cfg._attn_implementation = "sdpa"
+        model = LlamaForCausalLM(cfg)
+        vocab = 256
+
+        def loss_fn(logits, targets):
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+    else:
+        raise ValueError(f"unknown test model {name!r}")
+    g = torch.Generator().manual_seed(seed + 1)
+    batches = [(torch.randint(0, vocab, (4, 16), generator=g), torch.randint(0, vocab, (4, 16), generator=g))
+               for _ in range(3)]
+    return model, batches, loss_fn
+
+
+def reference_run(name: str, steps: int = 3, lr: float = 1e-2):
+    model, batches, loss_fn = build_model(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    from autopar.frontend import _unwrap_output
+
+    losses, grads = [], []
+    for i in range(steps):
+        x, y = batches[i % len(batches)]
+        loss = loss_fn(_unwrap_output(model(x)), y)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "grads": grads, "params": params}
+
+
+def parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: float = 1e-2):
+    """Runs on every rank of a pool: compile, train ``steps`` AdamW steps, gather everything."""
+    import autopar
+
+    mesh = autopar.mesh(**axes)
+    model, batches, loss_fn = build_model(name)
+    pm = autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn, plan=plan, debug=True)
+    opt = torch.optim.AdamW(pm.parameters(), lr=lr)
+    losses, grads = [], []
+    pm.counter.reset()
+    for i in range(steps):
+        loss = pm.train_step(*batches[i % len(batches)])
+        losses.append(loss.item())
+        grads.append({n: p.grad.full_tensor().detach() for n, p in pm.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    params = {n: p.detach().full_tensor() for n, p in pm.named_parameters()}
+    records = [copy.copy(r) for r in pm.collectives()]
+    return {"losses": losses, "grads": grads, "params": params, "records": records,
+            "measured": pm.counter.summary(), "steps": steps,
+            "optimizer_state_local_bytes": sum(
+                v.to_local().numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                if hasattr(v, "to_local"))}

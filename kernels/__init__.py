@@ -1,0 +1,1 @@
+"""Triton kernels and their PyTorch reference paths (see the kernels issue)."""

@@ -1,0 +1,120 @@
+"""collectives: make every consumer see the placements it asked for.
+
+Wherever a value's placements differ from what an op (or the program's output) needs, insert
+one ``redistribute`` marker node. Its ``CommRecord``s predict each collective step: kind,
+mesh axis, bytes per rank, the reason, and the user source line of the consumer that caused
+it. ``localize`` lowers the markers to ``_c10d_functional`` collectives with the same steps.
+
+The step plan (``plan_steps``) is the one place that decides how a change of placements is
+carried out; localize executes exactly these steps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch.fx as fx
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from autopar.ir import CommRecord, Program, ShardSpec, fmt_placements, phase_of, redistribute, source_line, spec_of
+
+
+def plan_steps(src, dst) -> list[tuple[int, object, object]]:
+    """(axis, from, to) steps: reductions/gathers innermost axis first, then new shards
+    outermost first, so nested shards of one dim stay in DTensor's order."""
+    src, dst = tuple(src), tuple(dst)
+    steps = []
+    cur = list(src)
+    for a in reversed(range(len(src))):
+        if cur[a] != dst[a] and not (isinstance(cur[a], Replicate) and isinstance(dst[a], Shard)):
+            steps.append((a, cur[a], dst[a]))
+            cur[a] = dst[a]
+    for a in range(len(src)):
+        if cur[a] != dst[a]:
+            steps.append((a, cur[a], dst[a]))
+            cur[a] = dst[a]
+    return steps
+
+
+def step_kind(p, q) -> str:
+    if isinstance(p, Partial) and isinstance(q, Replicate):
+        return "all_reduce"
+    if isinstance(p, Partial) and isinstance(q, Shard):
+        return "reduce_scatter"
+    if isinstance(p, Shard) and isinstance(q, (Replicate, Partial)):
+        return "all_gather"
+    if isinstance(p, Shard) and isinstance(q, Shard):
+        return "all_gather"  # gather then take the new shard locally
+    return "local"  # Replicate -> Shard (chunk), Replicate -> Partial (mask)
+
+
+def predict_records(spec: ShardSpec, dst, ctx, reason: str, source: str, phase: str) -> list[CommRecord]:
+    records = []
+    cur = list(spec.placements)
+    for a, p, q in plan_steps(spec.placements, dst):
+        kind = step_kind(p, q)
+        local = ShardSpec(tuple(cur), spec.shape, spec.dtype).local_shape(ctx.axis_sizes)
+        nbytes = math.prod(local) * spec.dtype.itemsize
+        if kind != "local":
+            records.append(CommRecord(kind, ctx.axis_names[a], ctx.axis_sizes[a], nbytes, reason, source, phase))
+        cur[a] = q
+    return records
+
+
+def collectives_pass(program: Program, ctx) -> Program:
+    graph = program.graph
+    cache: dict[tuple[fx.Node, tuple], fx.Node] = {}
+    for n in list(graph.nodes):
+        wants = n.meta.get("autopar_in")
+        if wants is None:
+            continue
+        if n.op == "output":
+            new = [_fix(graph, o, w, n, ctx, cache, _output_reason(role))
+                   if isinstance(o, fx.Node) and w is not None else o
+                   for o, w, role in zip(n.args[0], wants, program.outputs)]
+            n.args = (type(n.args[0])(new),)
+            continue
+        it = iter(wants)
+
+        def repl(a):
+            if isinstance(a, fx.Node):
+                w = next(it)
+                return _fix(graph, a, w, n, ctx, cache, None) if w is not None else a
+            if isinstance(a, (list, tuple)):
+                return type(a)(repl(x) for x in a)
+            return a
+
+        n.args = tuple(repl(a) for a in n.args)
+        n.kwargs = {k: repl(v) for k, v in n.kwargs.items()}
+    return program
+
+
+def _output_reason(role) -> str:
+    kind, what = role
+    if kind == "grad":
+        return f"gradient of {what} to its parameter's placement"
+    return f"program {kind} {what} replicated"
+
+
+def _fix(graph, a: fx.Node, want, consumer: fx.Node, ctx, cache, reason) -> fx.Node:
+    have = spec_of(a)
+    if have is None or tuple(have.placements) == tuple(want):
+        return a
+    key = (a, tuple(want))
+    if key in cache:
+        return cache[key]
+    if reason is None:
+        reason = (f"{fmt_placements(have.placements)} -> {fmt_placements(want)} for "
+                  f"{getattr(consumer.target, '__name__', consumer.target)} ({consumer.name})")
+    src = source_line(consumer) or source_line(a)
+    phase = phase_of(consumer) if consumer.op != "output" else "backward" if "gradient" in reason else "forward"
+    with graph.inserting_before(consumer):
+        r = graph.call_function(redistribute, (a, tuple(have.placements), tuple(want)))
+    r.meta["val"] = a.meta["val"]
+    r.meta["autopar"] = ShardSpec(tuple(want), have.shape, have.dtype)
+    r.meta["stack_trace"] = consumer.meta.get("stack_trace") or a.meta.get("stack_trace")
+    r.meta["partitioner_tag"] = "is_backward" if phase == "backward" else "is_forward"
+    r.meta["autopar_reason"] = reason
+    r.meta["autopar_comm"] = predict_records(have, want, ctx, reason, src, phase)
+    cache[key] = r
+    return r

@@ -1,0 +1,193 @@
+"""localize: trace the per-rank program.
+
+The annotated global graph is executed symbolically (make_fx, fake tensors of LOCAL shapes):
+
+- a ``redistribute`` marker runs ``plan_steps`` with explicit ``_c10d_functional``
+  collectives, each followed by its ``wait_tensor``;
+- an op whose rule has a local implementation runs it (its collectives are traced too);
+- any other op runs through DTensor on the placements propagate chose, which turns global
+  shape arguments (view sizes, expand sizes...) into local ones; its inputs already have the
+  placements DTensor asked for, so DTensor inserts nothing (checked: every collective in the
+  result must come from a marker or a rule).
+
+Every per-rank node keeps the stack trace and forward/backward tag of the global node it
+came from; collective nodes get a ``CommRecord`` in ``meta["autopar_comm"]``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from autopar.errors import ShardingError
+from autopar.ir import CommRecord, Program, fmt_placements, phase_of, redistribute, source_line, spec_of
+from autopar.passes.collectives import plan_steps
+
+c10d = torch.ops._c10d_functional
+VIEW_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
+COLLECTIVES = {
+    c10d.all_reduce.default: "all_reduce",
+    c10d.all_gather_into_tensor.default: "all_gather",
+    c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    c10d.all_to_all_single.default: "all_to_all",
+}
+
+
+def localize_pass(program: Program, ctx) -> Program:
+    graph = program.graph
+    for n in graph.nodes:
+        n.meta["custom"] = {"autopar_origin": n.name}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    example = [_local_example(n, ctx) for n in placeholders]
+    origins = {n.name: n for n in graph.nodes}
+
+    def run(*args):
+        env: dict[fx.Node, object] = {}
+        it = iter(args)
+        for n in graph.nodes:
+            with fx_traceback.set_current_meta(n):
+                if n.op == "placeholder":
+                    env[n] = next(it)
+                elif n.op == "output":
+                    return [env[o] if isinstance(o, fx.Node) else None for o in n.args[0]]
+                else:
+                    env[n] = _run_node(n, env, ctx)
+
+    with fx_traceback.preserve_node_meta(), torch.no_grad():
+        gm = make_fx(run, tracing_mode="fake")(*example)
+    _annotate_collectives(gm.graph, origins, ctx)
+    program.local = gm
+    return program
+
+
+def _local_example(n: fx.Node, ctx) -> torch.Tensor:
+    spec = spec_of(n)
+    for p, size, name in zip(spec.placements, ctx.axis_sizes, ctx.axis_names):
+        if isinstance(p, Shard) and spec.shape[p.dim] % size:
+            raise ShardingError(
+                f"dimension {p.dim} of size {spec.shape[p.dim]} is not divisible by mesh axis '{name}' ({size})",
+                where=_role_str(n),
+                fix=f"pick a '{name}' size that divides {spec.shape[p.dim]}, or replicate it with a plan rule",
+            )
+    return torch.empty(spec.local_shape(ctx.axis_sizes), dtype=spec.dtype, device=ctx.device)
+
+
+def _role_str(n: fx.Node) -> str:
+    kind, what = n.meta.get("autopar_role", ("value", n.name))
+    return {"param": f"parameter '{what}'", "input": f"input #{what}"}.get(kind, f"{kind} {what}")
+
+
+def _map(a, f):
+    if isinstance(a, fx.Node):
+        return f(a)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_map(x, f) for x in a)
+    if isinstance(a, dict):
+        return {k: _map(v, f) for k, v in a.items()}
+    return a
+
+
+def _run_node(n: fx.Node, env, ctx):
+    if n.target is redistribute:
+        x, src, dst = n.args
+        return apply_redistribute(env[x], src, dst, spec_of(n), ctx)
+    if n.target is operator.getitem:
+        return env[n.args[0]][n.args[1]]
+    rule = n.meta.get("autopar_rule")
+    args = _map(n.args, lambda a: env[a])
+    kwargs = _map(n.kwargs, lambda a: env[a])
+    if rule is not None and rule.impl is not None:
+        return rule.impl(ctx, *args, **kwargs)
+    in_specs = [spec_of(a) for a in _flat_nodes(n)]
+    if rule is None or rule.name != "dtensor" or all(
+            all(isinstance(p, Replicate) for p in s.placements) for s in in_specs):
+        return n.target(*args, **kwargs)  # local shards need no shape changes
+    def wrap(a: fx.Node):
+        s, v = spec_of(a), a.meta["val"]
+        dspec = DTensorSpec(ctx.mesh, s.placements, TensorMeta(v.shape, v.stride(), v.dtype))
+        local = env[a]
+        if n.target in VIEW_OPS:  # local strides can differ from the global value's
+            local = local.contiguous()
+        return DTensor(local, dspec, requires_grad=False)
+    out = n.target(*_map(n.args, wrap), **_map(n.kwargs, wrap))
+    want = spec_of(n)
+    def unwrap(o, w):
+        if isinstance(o, DTensor):
+            if w is not None and tuple(o.placements) != tuple(w.placements):
+                raise ShardingError(
+                    f"internal: DTensor produced {fmt_placements(o.placements)} for {n.name}, "
+                    f"propagate predicted {fmt_placements(w.placements)}", where=source_line(n))
+            return o._local_tensor
+        return o
+    if isinstance(out, (tuple, list)):
+        return type(out)(unwrap(o, w) for o, w in zip(out, want))
+    return unwrap(out, want)
+
+
+def _flat_nodes(n):
+    from autopar.ir import tensor_args
+    return tensor_args(n)
+
+
+def apply_redistribute(x: torch.Tensor, src, dst, spec, ctx) -> torch.Tensor:
+    """Carry out collectives.plan_steps with explicit functional collectives."""
+    for a, p, q in plan_steps(src, dst):
+        n, group = ctx.axis_sizes[a], ctx.group_name(a)
+        if isinstance(p, Partial) and isinstance(q, Replicate):
+            x = c10d.wait_tensor(c10d.all_reduce(x, _reduce_op(p), group))
+        elif isinstance(p, Partial) and isinstance(q, Shard):
+            d = q.dim
+            if d != 0:
+                x = torch.cat(torch.chunk(x, n, dim=d), dim=0)
+            x = c10d.wait_tensor(c10d.reduce_scatter_tensor(x.contiguous(), _reduce_op(p), n, group))
+        elif isinstance(p, Shard):
+            d = p.dim
+            g = c10d.wait_tensor(c10d.all_gather_into_tensor(x.contiguous(), n, group))
+            x = g if d == 0 else torch.cat(torch.chunk(g, n, dim=0), dim=d)
+            if isinstance(q, Shard):
+                x = torch.chunk(x, n, dim=q.dim)[ctx.coord[a]]
+            elif isinstance(q, Partial):
+                x = x if ctx.coord[a] == 0 else torch.zeros_like(x)
+        elif isinstance(p, Replicate) and isinstance(q, Shard):
+            x = torch.chunk(x, n, dim=q.dim)[ctx.coord[a]].contiguous()
+        elif isinstance(p, Replicate) and isinstance(q, Partial):
+            x = x if ctx.coord[a] == 0 else torch.zeros_like(x)
+        else:
+            raise ShardingError(f"cannot redistribute {fmt_placements(src)} -> {fmt_placements(dst)}")
+    return x
+
+
+def _reduce_op(p: Partial) -> str:
+    op = p.reduce_op
+    return {"sum": "sum", "avg": "avg", "max": "max", "min": "min"}.get(op, op)
+
+
+def _annotate_collectives(graph: fx.Graph, origins, ctx) -> None:
+    """Attach a CommRecord to every collective node of the per-rank graph."""
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target not in COLLECTIVES:
+            continue
+        kind = COLLECTIVES[n.target]
+        group = n.args[-1]
+        a = ctx.axis_of_group(group)
+        inp = n.args[0].meta["val"]
+        payload = math.prod(inp.shape) * inp.dtype.itemsize
+        origin = origins.get((n.meta.get("custom") or {}).get("autopar_origin", ""))
+        if origin is None:
+            reason, src, phase = "unattributed", "", "forward"
+        elif origin.target is redistribute:
+            reason, src, phase = origin.meta["autopar_reason"], source_line(origin), phase_of(origin)
+        else:
+            rule = origin.meta.get("autopar_rule")
+            reason = f"inside rule: {rule.name}" if rule else "unattributed"
+            src, phase = source_line(origin), phase_of(origin)
+        n.meta["autopar_comm"] = CommRecord(kind, ctx.axis_names[a], ctx.axis_sizes[a], payload,
+                                            reason, src, phase, n.name)

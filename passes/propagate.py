@@ -1,0 +1,231 @@
+"""propagate: give every value a ShardSpec.
+
+Placeholders take the plan's placements (parameters), the input layout (batch dims sharded on
+data-parallel axes) or Replicate. Each op then asks, in order:
+
+1. autopar's own rules (autopar/rules.py), for overrides and ops DTensor lacks;
+2. DTensor's registered strategies (``sharding_propagator.propagate_op_sharding``), which pick
+   the cheapest strategy given the inputs' placements;
+3. if neither has a rule and every input is replicated, the op runs as is (replicated).
+
+Otherwise it is an error naming the op and the user's source line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import _sharding_prop
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from autopar.errors import ShardingError
+from autopar.ir import Program, ShardSpec, fmt_placements, source_line, spec_of, tensor_args
+from autopar.rules import RULES, RuleResult
+
+VIEW_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+            torch.ops.aten.reshape.default}
+
+
+def propagate_pass(program: Program, ctx) -> Program:
+    graph = program.graph
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            val = n.meta["val"]
+            placements = ctx.placeholder_placements(n.meta["autopar_role"], tuple(val.shape))
+            n.meta["autopar"] = ShardSpec(tuple(placements), tuple(val.shape), val.dtype)
+        elif n.op == "call_function":
+            _propagate_node(n, ctx)
+        elif n.op == "output":
+            outs = n.args[0]
+            want = []
+            for role, o in zip(program.outputs, outs):
+                want.append(ctx.output_placements(role, spec_of(o)) if isinstance(o, fx.Node) else None)
+            n.meta["autopar_in"] = want
+        elif n.op == "get_attr":
+            raise ShardingError(f"unexpected get_attr node {n.target} in the captured graph")
+    return program
+
+
+def _spec_from_val(val, placements) -> ShardSpec | None:
+    if isinstance(val, torch.Tensor):
+        return ShardSpec(tuple(placements), tuple(val.shape), val.dtype)
+    return None
+
+
+def _propagate_node(n: fx.Node, ctx) -> None:
+    if n.target is operator.getitem:
+        parent, idx = n.args
+        n.meta["autopar"] = spec_of(parent)[idx]
+        return
+    in_specs = [spec_of(a) for a in tensor_args(n)]
+    res = None
+    if n.target in RULES:
+        res = RULES[n.target](n, in_specs, ctx)
+    if res is None:
+        res = _dtensor_rule(n, in_specs, ctx)
+    val = n.meta["val"]
+    if isinstance(val, (tuple, list)):
+        n.meta["autopar"] = tuple(
+            _spec_from_val(v, p) if p is not None else None for v, p in zip(val, res.outputs))
+    else:
+        n.meta["autopar"] = _spec_from_val(val, res.outputs)
+    n.meta["autopar_in"] = [tuple(p) if p is not None else None for p in res.inputs]
+    n.meta["autopar_rule"] = res
+
+
+def _dtensor_rule(n: fx.Node, in_specs, ctx) -> RuleResult:
+    prop = DTensor._op_dispatcher.sharding_propagator
+    op = n.target
+    known = (op in prop.op_strategy_funcs or op in prop.op_to_rules
+             or op in getattr(prop, "op_single_dim_strategy_funcs", {}))
+    if not known:
+        if all(all(isinstance(p, Replicate) for p in s.placements) for s in in_specs if s):
+            return RuleResult([s.placements for s in in_specs], _replicated_outputs(n, ctx), None,
+                              "no rule; replicated inputs run as is")
+        raise ShardingError(
+            f"no sharding rule for op {op} with inputs "
+            + ", ".join(fmt_placements(s.placements) for s in in_specs if s),
+            where=source_line(n) or n.name,
+            fix="replicate its inputs with a plan rule, or add a rule for this op in autopar/rules.py",
+        )
+
+    def to_dspec(a):
+        s = spec_of(a)
+        v = a.meta["val"]
+        return DTensorSpec(ctx.mesh, s.placements, TensorMeta(v.shape, v.stride(), v.dtype))
+
+    def conv(x):
+        if isinstance(x, fx.Node):
+            return to_dspec(x)
+        if isinstance(x, (list, tuple)):
+            return type(x)(conv(i) for i in x)
+        return x
+
+    schema = OpSchema(op, tuple(conv(a) for a in n.args), {k: conv(v) for k, v in n.kwargs.items()},
+                      schema_info=prop.op_to_schema_info.get(op))
+    try:
+        with _choose_with(n):
+            out = prop.propagate_op_sharding_non_cached(schema)
+    except Exception as e:  # noqa: BLE001
+        raise ShardingError(
+            f"DTensor has no strategy for {op} with inputs "
+            + ", ".join(fmt_placements(s.placements) for s in in_specs if s) + f": {e}",
+            where=source_line(n) or n.name,
+            fix="change the plan so this op's inputs are replicated, or add a rule in autopar/rules.py",
+        ) from e
+    if out.redistribute_schema is not None:
+        wanted = [s.placements for s in _flat_specs(out.redistribute_schema.args_schema)
+                  + _flat_specs(list(out.redistribute_schema.kwargs_schema.values()))]
+    else:
+        wanted = [s.placements for s in in_specs]
+    if n.target in VIEW_OPS:
+        _check_view_keeps_shards(n, in_specs[0], wanted[0], ctx)
+    outs = out.output_spec
+    if isinstance(outs, (tuple, list)):
+        outputs = tuple(o.placements if o is not None else None for o in outs)
+    else:
+        outputs = outs.placements
+    return RuleResult(wanted, outputs, None, "dtensor")
+
+
+# Penalty (in DTensor's cost units, which are ~microseconds) for choices that are cheap for
+# one op but costly for the program: they make DTensor's greedy choice program-aware.
+INVENT = 1e6
+
+
+@contextlib.contextmanager
+def _choose_with(node: fx.Node):
+    """Swap DTensor's strategy selector for ``_select_strategy`` while propagating ``node``."""
+    orig = _sharding_prop._select_min_cost_strategy
+    _sharding_prop._select_min_cost_strategy = functools.partial(_select_strategy, node)
+    try:
+        yield
+    finally:
+        _sharding_prop._select_min_cost_strategy = orig
+
+
+def _select_strategy(node: fx.Node, strategy, op_schema=None):
+    """DTensor's min-cost choice plus three program-level preferences:
+
+    - do not turn a Replicate input into Partial (it only defers a reduction);
+    - do not invent a Shard on an axis where no input is sharded (a reduce-scatter of an
+      activation that later needs an all-gather: sequence parallelism is a plan, not an
+      accident of greedy choice);
+    - reduce a Partial value that has several consumers once, instead of carrying it along
+      each consumer and reducing each result.
+    """
+    specs = strategy.strategies
+    if len(specs) == 1 or op_schema is None:
+        return specs[0]
+    cur = op_schema.args_spec
+    ins = tensor_args(node)
+    best, best_key = None, None
+    for spec in specs:
+        base = float(sum(sum(c) for c in spec.redistribute_cost)) if spec.redistribute_cost else 0.0
+        penalty, moves = 0.0, False
+        desired = spec.input_specs if spec.input_specs is not None else [spec.output_spec] * len(cur)
+        for i, (c, d) in enumerate(zip(cur, desired)):
+            many_users = i < len(ins) and len(ins[i].users) > 1
+            for pc, pd in zip(c.placements, d.placements):
+                if pc != pd:
+                    moves = True
+                if isinstance(pc, Replicate) and isinstance(pd, Partial):
+                    penalty += INVENT
+                if isinstance(pc, Partial) and isinstance(pd, Shard):
+                    penalty += INVENT
+                if isinstance(pc, Partial) and isinstance(pd, Partial) and many_users:
+                    penalty += INVENT
+        outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
+        for o in outs:
+            if o is None:
+                continue
+            for a, po in enumerate(o.placements):
+                if isinstance(po, Shard) and not any(isinstance(c.placements[a], Shard) for c in cur):
+                    penalty += INVENT
+        key = (base + penalty, moves)
+        if best_key is None or key < best_key:
+            best, best_key = spec, key
+    return best
+
+
+def _flat_specs(args) -> list[DTensorSpec]:
+    out = []
+    for a in args:
+        if isinstance(a, DTensorSpec):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(x for x in a if isinstance(x, DTensorSpec))
+    return out
+
+
+def _replicated_outputs(n: fx.Node, ctx):
+    val = n.meta["val"]
+    rep = tuple(Replicate() for _ in ctx.axis_names)
+    if isinstance(val, (tuple, list)):
+        return tuple(rep if isinstance(v, torch.Tensor) else None for v in val)
+    return rep
+
+
+def _check_view_keeps_shards(n: fx.Node, have: ShardSpec, want, ctx) -> None:
+    """A reshape that must gather a sharded dim means the dim does not split across the axis
+    (e.g. 4 heads on tp=8): that silently replicates the activation, so it is an error."""
+    for a, (p, q) in enumerate(zip(have.placements, want)):
+        if isinstance(p, Shard) and not isinstance(q, Shard):
+            out_shape = tuple(n.meta["val"].shape)
+            size = have.shape[p.dim]
+            raise ShardingError(
+                f"reshape {list(have.shape)} -> {list(out_shape)} cannot keep dim {p.dim} (size {size}) "
+                f"sharded over mesh axis '{ctx.axis_names[a]}' of size {ctx.axis_sizes[a]}: the leading "
+                f"dimension it splits into is not divisible by {ctx.axis_sizes[a]} "
+                "(e.g. the number of attention heads or KV heads % tp != 0)",
+                where=source_line(n) or n.name,
+                fix=f"use a '{ctx.axis_names[a]}' size that divides the head counts, or replicate "
+                "these projections with a plan rule",
+            )
