@@ -119,16 +119,13 @@ def compile(
     ctx.timings["capture"] = time.perf_counter() - t0
     program = run_passes(program, ctx, skip=skip_passes, debug=debug)
     ctx.timings["total"] = time.perf_counter() - t0
-    forward_builder = functools.partial(_build_forward, model, ctx, example_inputs, loss_fn, debug)
+    # the eval program is captured now, while the parameters are still plain tensors; its
+    # passes run on the first forward call
+    fwd_inputs = example_inputs[:-1] if loss_fn is not None else example_inputs
+    fwd_program = capture_forward(model, fwd_inputs)
+    ctx.timings["capture_forward"] = time.perf_counter() - t0 - ctx.timings["total"]
+    forward_builder = functools.partial(run_passes, fwd_program, ctx, debug=debug)
     return ParallelModule(model, ctx, program, example_inputs, loss_fn is not None, inputs, forward_builder)
-
-
-def _build_forward(model, ctx, example_inputs, has_loss, debug):
-    from autopar.passes import run_passes
-
-    fwd_inputs = example_inputs[:-1] if has_loss else example_inputs
-    program = capture_forward(model, fwd_inputs)
-    return run_passes(program, ctx, debug=debug)
 
 
 def _decorator(target, **kw):

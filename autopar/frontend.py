@@ -147,6 +147,9 @@ def _get_attr(gm: nn.Module, target: str):
     return obj
 
 
+_ASSERTS = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default}
+
+
 def capture_forward(model: nn.Module, example_inputs: tuple) -> Program:
     """Forward-only (eval) program via torch.export; outputs are the model's tensors."""
     try:
@@ -162,12 +165,17 @@ def capture_forward(model: nn.Module, example_inputs: tuple) -> Program:
                     return _unwrap_output(self.model(*xs))
 
             ep = torch.export.export(_Fwd(model), tuple(example_inputs), strict=False)
-            ep = ep.run_decompositions({})
+            ep = ep.run_decompositions()  # core ATen: the ops DTensor and our rules know
     except Exception as e:  # noqa: BLE001
         raise CaptureError(f"could not export the model's forward: {type(e).__name__}: {e}",
                            where=type(model).__name__) from e
     sig = ep.graph_signature
     graph = ep.graph_module.graph
+    # export's metadata asserts check GLOBAL dtype/shape facts the per-rank program does not
+    # need to re-check; they carry no value, so they are dropped here
+    for n in list(graph.nodes):
+        if n.op == "call_function" and n.target in _ASSERTS and not n.users:
+            graph.erase_node(n)
     named = dict(model.named_parameters())
     named_b = dict(model.named_buffers())
     inputs = []

@@ -1,5 +1,8 @@
 """``autopar.mesh(dp=2, tp=2)``: a torch DeviceMesh with named axes.
 
+One axis may be -1: it takes the ranks left over, so ``autopar.mesh(dp=-1, tp=2)`` fits
+any launcher's world size, and ``autopar.mesh(dp=-1)`` is a one-rank mesh in a plain process.
+
 Under torchrun (or any launcher that set up torch.distributed) it uses the existing process
 group; in a plain single process it starts a one-rank gloo group, so the same script runs
 unchanged on a laptop. NCCL is used when CUDA is available, gloo otherwise.
@@ -21,8 +24,11 @@ def mesh(device_type: str | None = None, **axes: int) -> DeviceMesh:
     if not axes:
         raise PlanError("autopar.mesh needs at least one named axis", fix="e.g. autopar.mesh(dp=2, tp=2)")
     for name, size in axes.items():
-        if not isinstance(size, int) or size < 1:
-            raise PlanError(f"mesh axis {name!r} must have a positive integer size, got {size!r}")
+        if not isinstance(size, int) or (size < 1 and size != -1):
+            raise PlanError(f"mesh axis {name!r} must have a positive integer size (or -1), got {size!r}",
+                            where=f"autopar.mesh({name}=...)")
+    if list(axes.values()).count(-1) > 1:
+        raise PlanError("at most one mesh axis may be -1 (the ranks left over)", where="autopar.mesh(...)")
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if not dist.is_initialized():
@@ -33,6 +39,9 @@ def mesh(device_type: str | None = None, **axes: int) -> DeviceMesh:
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             dist.init_process_group("gloo", rank=0, world_size=1)
     world = dist.get_world_size()
+    if -1 in axes.values():
+        rest = math.prod(v for v in axes.values() if v != -1)
+        axes = {k: (world // rest if v == -1 else v) for k, v in axes.items()}
     n = math.prod(axes.values())
     if n != world:
         raise PlanError(

@@ -80,13 +80,15 @@ def _attention_rule(q_pos: int, n_tensor_in: int, n_out: int):
     def attention_rule(node: fx.Node, in_specs: list[ShardSpec], ctx) -> RuleResult | None:
         """Keeps Shard(0) (batch) and Shard(1) (heads) of q on every tensor input and output;
         anything else (sequence shards, Partial) is replicated first: attention mixes the
-        sequence, and softmax is not linear."""
+        sequence, and softmax is not linear. An attn_mask follows q's batch/head shards on
+        the dims it does not broadcast, and is replicated on the others."""
         q = in_specs[q_pos]
         want = tuple(p if isinstance(p, Shard) and p.dim in (0, 1) else R for p in q.placements)
-        if len(in_specs) != n_tensor_in:  # an explicit attn_mask: keep it simple, replicate it
-            ins = [want] * n_tensor_in + [tuple(R for _ in want)] * (len(in_specs) - n_tensor_in)
-        else:
-            ins = [want] * len(in_specs)
+        ins = [want] * n_tensor_in
+        for mask in in_specs[n_tensor_in:]:  # attn_mask [B|1, H|1, S, S]: shard where not broadcast
+            m = tuple(p if isinstance(p, Shard) and mask.shape[p.dim] == q.shape[p.dim] and len(mask.shape) == 4
+                      else R for p in want)
+            ins.append(m)
         return RuleResult(ins, tuple(want for _ in range(n_out)), None, "attention over batch/heads")
 
     return attention_rule

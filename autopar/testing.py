@@ -106,15 +106,56 @@ class DistPool:
 # parity: the same model, init and data on one process and on the mesh
 
 
+class _CEHead(torch.nn.Module):
+    """Embedding (with a padding row) -> LM head: exercises the vocab-parallel rules."""
+
+    def __init__(self, vocab=64, dim=32):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(vocab, dim, padding_idx=3)
+        self.norm = torch.nn.LayerNorm(dim)
+        self.lm_head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        return self.lm_head(self.norm(self.embed_tokens(tokens)))
+
+
+class _MaskedAttention(torch.nn.Module):
+    """Attention with an explicit [B,1,S,S] padding+causal mask (SDPA's attn_mask path)."""
+
+    def __init__(self, vocab=64, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.embed_tokens = torch.nn.Embedding(vocab, dim)
+        self.q_proj = torch.nn.Linear(dim, dim)
+        self.k_proj = torch.nn.Linear(dim, dim)
+        self.v_proj = torch.nn.Linear(dim, dim)
+        self.o_proj = torch.nn.Linear(dim, dim)
+        self.lm_head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        b, s = tokens.shape
+        x = self.embed_tokens(tokens)
+        q, k, v = (p(x).view(b, s, self.heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        mask = causal[None, None] & (tokens != 0)[:, None, None, :]
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.lm_head(x + self.o_proj(o.transpose(1, 2).reshape(b, s, -1)))
+
+
+def _ce(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+
+
 def build_model(name: str, seed: int = 0):
-    """(model, example_inputs, loss_fn) for the built-in test models."""
+    """(model, batches, loss_fn) for the built-in test models; batches are GLOBAL."""
     torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    vocab = 256
     if name in ("llama", "gpt"):
         from autopar.models.llama import Llama, LlamaConfig, cross_entropy
 
         cfg = LlamaConfig(mlp="swiglu" if name == "llama" else "gelu", n_kv_heads=2 if name == "llama" else 4)
-        model = Llama(cfg)
-        vocab, loss_fn = cfg.vocab_size, cross_entropy
+        model, loss_fn = Llama(cfg), cross_entropy
     elif name == "hf_llama":
         from transformers import LlamaConfig as HFConfig
         from transformers import LlamaForCausalLM
@@ -123,16 +164,23 @@ def build_model(name: str, seed: int = 0):
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                        use_cache=False, tie_word_embeddings=False)
         cfg._attn_implementation = "sdpa"
-        model = LlamaForCausalLM(cfg)
-        vocab = 256
-
-        def loss_fn(logits, targets):
-            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+        model, loss_fn = LlamaForCausalLM(cfg), _ce
+    elif name == "ce_rules":
+        model, loss_fn, vocab = _CEHead(), _ce, 64
+    elif name == "attn_mask":
+        model, loss_fn, vocab = _MaskedAttention(), _ce, 64
     else:
         raise ValueError(f"unknown test model {name!r}")
-    g = torch.Generator().manual_seed(seed + 1)
-    batches = [(torch.randint(0, vocab, (4, 16), generator=g), torch.randint(0, vocab, (4, 16), generator=g))
-               for _ in range(3)]
+    batches = []
+    for _ in range(3):
+        x = torch.randint(1, vocab, (4, 16), generator=g)
+        y = torch.randint(0, vocab, (4, 16), generator=g)
+        if name == "ce_rules":  # ignored targets only in the first rows: ranks count differently
+            y[:2, : 11] = -100
+            x[:, 5] = 3  # the padding row
+        if name == "attn_mask":
+            x[1, 12:] = 0  # padded tail
+        batches.append((x, y))
     return model, batches, loss_fn
 
 
@@ -151,7 +199,9 @@ def reference_run(name: str, steps: int = 3, lr: float = 1e-2):
         opt.step()
         opt.zero_grad()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params}
+    with torch.no_grad():
+        out = _unwrap_output(model(batches[0][0]))
+    return {"losses": losses, "grads": grads, "params": params, "eval": out}
 
 
 def parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: float = 1e-2):
@@ -171,9 +221,13 @@ def parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: float = 1e
         opt.step()
         opt.zero_grad()
     params = {n: p.detach().full_tensor() for n, p in pm.named_parameters()}
+    measured = pm.counter.summary()
+    evaluated = pm(batches[0][0])
     records = [copy.copy(r) for r in pm.collectives()]
     return {"losses": losses, "grads": grads, "params": params, "records": records,
-            "measured": pm.counter.summary(), "steps": steps,
+            "measured": measured, "steps": steps, "eval": evaluated,
+            "rules": sorted({n.meta["autopar_rule"].name for n in pm.program.graph.nodes
+                             if "autopar_rule" in n.meta}),
             "optimizer_state_local_bytes": sum(
                 v.to_local().numel() * v.element_size() for s in opt.state.values() for v in s.values()
                 if hasattr(v, "to_local"))}

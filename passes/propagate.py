@@ -35,6 +35,12 @@ VIEW_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
 
 def propagate_pass(program: Program, ctx) -> Program:
     graph = program.graph
+    out = next(n for n in graph.nodes if n.op == "output")
+    # what the program's outputs must be (gradients: their parameter's placements) is known
+    # up front, so rules can produce a value directly in the layout its consumer wants
+    out.meta["autopar_in"] = [
+        ctx.output_placements(role, None) if isinstance(o, fx.Node) else None
+        for role, o in zip(program.outputs, out.args[0])]
     for n in graph.nodes:
         if n.op == "placeholder":
             val = n.meta["val"]
@@ -42,12 +48,6 @@ def propagate_pass(program: Program, ctx) -> Program:
             n.meta["autopar"] = ShardSpec(tuple(placements), tuple(val.shape), val.dtype)
         elif n.op == "call_function":
             _propagate_node(n, ctx)
-        elif n.op == "output":
-            outs = n.args[0]
-            want = []
-            for role, o in zip(program.outputs, outs):
-                want.append(ctx.output_placements(role, spec_of(o)) if isinstance(o, fx.Node) else None)
-            n.meta["autopar_in"] = want
         elif n.op == "get_attr":
             raise ShardingError(f"unexpected get_attr node {n.target} in the captured graph")
     return program
@@ -85,10 +85,11 @@ def _dtensor_rule(n: fx.Node, in_specs, ctx) -> RuleResult:
     op = n.target
     known = (op in prop.op_strategy_funcs or op in prop.op_to_rules
              or op in getattr(prop, "op_single_dim_strategy_funcs", {}))
+    if all(all(isinstance(p, Replicate) for p in s.placements) for s in in_specs if s):
+        # every rank holds the whole value: any op runs as is (also ops DTensor lacks)
+        return RuleResult([s.placements for s in in_specs], _replicated_outputs(n, ctx), None,
+                          "replicated")
     if not known:
-        if all(all(isinstance(p, Replicate) for p in s.placements) for s in in_specs if s):
-            return RuleResult([s.placements for s in in_specs], _replicated_outputs(n, ctx), None,
-                              "no rule; replicated inputs run as is")
         raise ShardingError(
             f"no sharding rule for op {op} with inputs "
             + ", ".join(fmt_placements(s.placements) for s in in_specs if s),
