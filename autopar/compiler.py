@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from typing import Callable
 
 import torch
@@ -114,6 +115,10 @@ def compile(
     parsed = parse_plan(plan, tuple(mesh.mesh_dim_names))
     params = dict(model.named_parameters())
     placed = place_parameters(parsed, params, tuple(mesh.shape))
+    for axis, names in placed.unplaced.items():
+        warnings.warn(f"autopar: the '{axis}' strategy did not recognise {len(names)} parameter(s), "
+                      f"replicated on '{axis}': {', '.join(names)} (place them with plan['rules'])",
+                      stacklevel=2)
     ctx = Context(mesh, parsed, placed, len(example_inputs))
     program: Program = capture_joint(model, example_inputs, loss_fn)
     ctx.timings["capture"] = time.perf_counter() - t0

@@ -77,6 +77,7 @@ class CommRecord:
     source: str  # user source line ("file:line  code") or "" when unknown
     phase: str = "forward"  # forward | backward
     node: str = ""  # the per-rank graph node name once localized
+    producer: str = ""  # source line of the op that produced the value being moved
 
     @property
     def wire_bytes(self) -> float:

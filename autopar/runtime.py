@@ -226,8 +226,10 @@ class ParallelModule:
         recs = self.collectives()
         lines += ["", f"collectives per step ({len(recs)}):"]
         for r in recs:
-            lines.append(f"  {r.phase:8s} {r.kind:14s} {r.axis:>4s} {r.payload_bytes:>10,d} B  "
-                         f"{r.reason}\n{'':12s}at {r.source}")
+            lines.append(f"  {r.phase:8s} {r.kind:14s} {r.axis:>4s} {r.payload_bytes:>10,d} B  {r.reason}")
+            lines.append(f"{'':12s}needed at {r.source}")
+            if r.producer and r.producer != r.source:
+                lines.append(f"{'':12s}value from {r.producer}")
         tot = defaultdict(float)
         for r in recs:
             tot[(r.kind, r.axis)] += r.wire_bytes

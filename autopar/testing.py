@@ -231,3 +231,45 @@ def parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: float = 1e
             "optimizer_state_local_bytes": sum(
                 v.to_local().numel() * v.element_size() for s in opt.state.values() for v in s.values()
                 if hasattr(v, "to_local"))}
+
+
+def api_job():
+    """The user contract on a real 2-rank group: decorator, local batches, state_dict, optimizer."""
+    import autopar
+    from autopar.models.llama import Llama, LlamaConfig, cross_entropy
+
+    mesh = autopar.mesh(dp=-1)
+    _, batches, _ = build_model("llama")
+    x, y = batches[0]
+    out = {}
+
+    @autopar.compile(mesh=mesh, example_inputs=(x, y), loss_fn=cross_entropy, plan={"dp": "ddp"})
+    def make(seed):
+        torch.manual_seed(seed)
+        return Llama(LlamaConfig())
+
+    pm = make(0)
+    out["decorated_type"] = type(pm).__name__
+    out["state_dict_keys"] = sorted(pm.state_dict())
+    loss_global = pm.train_step(x, y).item()
+    # the same batch, already sharded by the loader: each rank passes its rows
+    torch.manual_seed(0)
+    pm_local = autopar.compile(Llama(LlamaConfig()), mesh, example_inputs=(x, y), loss_fn=cross_entropy,
+                               plan={"dp": "ddp"}, inputs="local")
+    rank = torch.distributed.get_rank()
+    n = torch.distributed.get_world_size()
+    rows = x.shape[0] // n
+    loss_local = pm_local.train_step(x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]).item()
+    out["loss_global"], out["loss_local"] = loss_global, loss_local
+    errors = {}
+    for mode, p, args in [("global", pm, (x[:rows], y[:rows])), ("local", pm_local, (x, y))]:
+        try:
+            p.train_step(*args)
+        except autopar.InputError as e:
+            errors[mode] = str(e)
+    out["errors"] = errors
+    # AdamW over DTensor parameters: state lives with the shard
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    opt.step()
+    out["param_types"] = sorted({type(p).__name__ for p in pm.parameters()})
+    return out

@@ -48,7 +48,8 @@ def step_kind(p, q) -> str:
     return "local"  # Replicate -> Shard (chunk), Replicate -> Partial (mask)
 
 
-def predict_records(spec: ShardSpec, dst, ctx, reason: str, source: str, phase: str) -> list[CommRecord]:
+def predict_records(spec: ShardSpec, dst, ctx, reason: str, source: str, phase: str,
+                    producer: str = "") -> list[CommRecord]:
     records = []
     cur = list(spec.placements)
     for a, p, q in plan_steps(spec.placements, dst):
@@ -56,7 +57,8 @@ def predict_records(spec: ShardSpec, dst, ctx, reason: str, source: str, phase: 
         local = ShardSpec(tuple(cur), spec.shape, spec.dtype).local_shape(ctx.axis_sizes)
         nbytes = math.prod(local) * spec.dtype.itemsize
         if kind != "local":
-            records.append(CommRecord(kind, ctx.axis_names[a], ctx.axis_sizes[a], nbytes, reason, source, phase))
+            records.append(CommRecord(kind, ctx.axis_names[a], ctx.axis_sizes[a], nbytes, reason, source, phase,
+                                      producer=producer))
         cur[a] = q
     return records
 
@@ -115,6 +117,7 @@ def _fix(graph, a: fx.Node, want, consumer: fx.Node, ctx, cache, reason) -> fx.N
     r.meta["stack_trace"] = consumer.meta.get("stack_trace") or a.meta.get("stack_trace")
     r.meta["partitioner_tag"] = "is_backward" if phase == "backward" else "is_forward"
     r.meta["autopar_reason"] = reason
-    r.meta["autopar_comm"] = predict_records(have, want, ctx, reason, src, phase)
+    r.meta["autopar_producer"] = source_line(a)
+    r.meta["autopar_comm"] = predict_records(have, want, ctx, reason, src, phase, source_line(a))
     cache[key] = r
     return r

@@ -181,13 +181,15 @@ def _annotate_collectives(graph: fx.Graph, origins, ctx) -> None:
         inp = n.args[0].meta["val"]
         payload = math.prod(inp.shape) * inp.dtype.itemsize
         origin = origins.get((n.meta.get("custom") or {}).get("autopar_origin", ""))
+        producer = ""
         if origin is None:
             reason, src, phase = "unattributed", "", "forward"
         elif origin.target is redistribute:
             reason, src, phase = origin.meta["autopar_reason"], source_line(origin), phase_of(origin)
+            producer = origin.meta.get("autopar_producer", "")
         else:
             rule = origin.meta.get("autopar_rule")
             reason = f"inside rule: {rule.name}" if rule else "unattributed"
             src, phase = source_line(origin), phase_of(origin)
         n.meta["autopar_comm"] = CommRecord(kind, ctx.axis_names[a], ctx.axis_sizes[a], payload,
-                                            reason, src, phase, n.name)
+                                            reason, src, phase, n.name, producer)

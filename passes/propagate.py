@@ -115,6 +115,8 @@ def _dtensor_rule(n: fx.Node, in_specs, ctx) -> RuleResult:
         with _choose_with(n):
             out = prop.propagate_op_sharding_non_cached(schema)
     except Exception as e:  # noqa: BLE001
+        if n.target in VIEW_OPS:
+            _view_error(n, in_specs[0], ctx, e)
         raise ShardingError(
             f"DTensor has no strategy for {op} with inputs "
             + ", ".join(fmt_placements(s.placements) for s in in_specs if s) + f": {e}",
@@ -153,9 +155,8 @@ def _choose_with(node: fx.Node):
 
 
 def _select_strategy(node: fx.Node, strategy, op_schema=None):
-    """DTensor's min-cost choice plus three program-level preferences:
+    """DTensor's min-cost choice plus two program-level preferences:
 
-    - do not turn a Replicate input into Partial (it only defers a reduction);
     - do not invent a Shard on an axis where no input is sharded (a reduce-scatter of an
       activation that later needs an all-gather: sequence parallelism is a plan, not an
       accident of greedy choice);
@@ -177,8 +178,6 @@ def _select_strategy(node: fx.Node, strategy, op_schema=None):
             for pc, pd in zip(c.placements, d.placements):
                 if pc != pd:
                     moves = True
-                if isinstance(pc, Replicate) and isinstance(pd, Partial):
-                    penalty += INVENT
                 if isinstance(pc, Partial) and isinstance(pd, Shard):
                     penalty += INVENT
                 if isinstance(pc, Partial) and isinstance(pd, Partial) and many_users:
@@ -219,14 +218,21 @@ def _check_view_keeps_shards(n: fx.Node, have: ShardSpec, want, ctx) -> None:
     (e.g. 4 heads on tp=8): that silently replicates the activation, so it is an error."""
     for a, (p, q) in enumerate(zip(have.placements, want)):
         if isinstance(p, Shard) and not isinstance(q, Shard):
-            out_shape = tuple(n.meta["val"].shape)
-            size = have.shape[p.dim]
-            raise ShardingError(
-                f"reshape {list(have.shape)} -> {list(out_shape)} cannot keep dim {p.dim} (size {size}) "
-                f"sharded over mesh axis '{ctx.axis_names[a]}' of size {ctx.axis_sizes[a]}: the leading "
-                f"dimension it splits into is not divisible by {ctx.axis_sizes[a]} "
-                "(e.g. the number of attention heads or KV heads % tp != 0)",
-                where=source_line(n) or n.name,
-                fix=f"use a '{ctx.axis_names[a]}' size that divides the head counts, or replicate "
-                "these projections with a plan rule",
-            )
+            _view_error(n, have, ctx, None, axis=a)
+
+
+def _view_error(n: fx.Node, have: ShardSpec, ctx, cause, axis: int | None = None):
+    if axis is None:
+        axis = next((a for a, p in enumerate(have.placements) if isinstance(p, Shard)), 0)
+    p = have.placements[axis]
+    out_shape = tuple(n.meta["val"].shape)
+    size = have.shape[p.dim] if isinstance(p, Shard) else "?"
+    name, k = ctx.axis_names[axis], ctx.axis_sizes[axis]
+    raise ShardingError(
+        f"reshape {list(have.shape)} -> {list(out_shape)} cannot keep dim {p.dim if isinstance(p, Shard) else '?'} "
+        f"(size {size}) sharded over mesh axis '{name}' of size {k}: the leading dimension it splits into "
+        f"is not divisible by {k} (typically: the number of attention heads or KV heads is not divisible by {name})",
+        where=source_line(n) or n.name,
+        fix=f"use a '{name}' size that divides the head counts, or replicate these projections with a "
+        "plan rule (plan['rules'])",
+    ) from cause

@@ -1,0 +1,17 @@
+"""The user contract: decorator form, global vs local batches, state_dict, AdamW on DTensors."""
+
+from __future__ import annotations
+
+from autopar.testing import api_job
+
+
+def test_user_contract_on_two_ranks(pools):
+    out = pools(2).run(api_job)
+    assert out["decorated_type"] == "ParallelModule"
+    assert "embed_tokens.weight" in out["state_dict_keys"]
+    assert out["param_types"] == ["DTensor"]
+    # a local batch on a program compiled for local batches gives the same loss as the global one
+    assert abs(out["loss_global"] - out["loss_local"]) < 1e-6
+    # and the wrong kind of batch is a clear error that says which flag to use
+    assert "inputs='local'" in out["errors"]["global"]
+    assert "inputs='global'" in out["errors"]["local"]

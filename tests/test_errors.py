@@ -1,0 +1,102 @@
+"""Bad input is a clear autopar error naming the problem, where it came from and what to do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.models.llama import Llama, LlamaConfig, cross_entropy
+
+
+def _compile(mesh, plan, **cfg):
+    torch.manual_seed(0)
+    c = LlamaConfig(n_layers=1, **cfg)
+    tokens = torch.randint(0, c.vocab_size, (4, 16))
+    return autopar.compile(Llama(c), mesh, example_inputs=(tokens, tokens), loss_fn=cross_entropy, plan=plan)
+
+
+def test_heads_not_divisible_by_tp(fake):
+    with fake(tp=4) as mesh, pytest.raises(autopar.ShardingError) as e:
+        _compile(mesh, {"tp": "megatron"}, n_kv_heads=2)
+    msg = str(e.value)
+    assert "heads" in msg and "'tp'" in msg
+    assert "models/llama.py:73" in msg and "k_proj" in msg  # the user's line
+    assert "what to do" in msg
+
+
+def test_parameter_not_divisible(fake):
+    with fake(tp=4) as mesh, pytest.raises(autopar.PlanError) as e:
+        _compile(mesh, {"tp": "megatron"}, vocab_size=250)
+    assert "embed_tokens.weight" in str(e.value) and "250" in str(e.value)
+
+
+@pytest.mark.parametrize("plan,needle", [
+    ({"tp": "zero9"}, "unknown strategy 'zero9'"),
+    ({"tp": "megatron", "pp": "1f1b"}, "'pp', which the mesh does not have"),
+    ({}, "has no strategy"),
+    ({"tp": "megatron", "rules": {"*lm_head.weight": {"xx": "R"}}}, "unknown mesh axis 'xx'"),
+    ({"tp": "megatron", "rules": {"*lm_head.weight": {"tp": "Q(1)"}}}, "cannot read placement"),
+])
+def test_bad_plans(fake, plan, needle):
+    with fake(tp=2) as mesh, pytest.raises(autopar.PlanError, match="") as e:
+        _compile(mesh, plan)
+    assert needle in str(e.value)
+
+
+@torch.library.custom_op("autopar_test::mystery", mutates_args=())
+def mystery(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@mystery.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+mystery.register_autograd(lambda ctx, g: g * 2)
+
+
+class UsesMystery(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up_proj = torch.nn.Linear(8, 16, bias=False)
+        self.down_proj = torch.nn.Linear(16, 8, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(mystery(self.up_proj(x))).sum()
+
+
+def test_op_without_rule(fake):
+    with fake(tp=2) as mesh, pytest.raises(autopar.ShardingError) as e:
+        autopar.compile(UsesMystery(), mesh, example_inputs=(torch.randn(4, 8),), plan={"tp": "megatron"})
+    msg = str(e.value)
+    assert "autopar_test.mystery" in msg and "test_errors.py" in msg and "autopar/rules.py" in msg
+
+
+def test_unplaced_parameters_are_reported(fake):
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up_proj = torch.nn.Linear(8, 16, bias=False)
+            self.down_proj = torch.nn.Linear(16, 8, bias=False)
+            self.gizmo = torch.nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            return (self.down_proj(self.up_proj(x)) * self.gizmo).sum()
+
+    with fake(tp=2) as mesh, pytest.warns(UserWarning, match="gizmo"):
+        pm = autopar.compile(Odd(), mesh, example_inputs=(torch.randn(4, 8),), plan={"tp": "megatron"})
+    assert pm.ctx.placed.unplaced == {"tp": ["gizmo"]}
+    assert "did not recognise 1 parameter(s), replicated: gizmo" in pm.report()
+
+
+def test_batch_shape_mismatch(fake):
+    with fake(dp=2) as mesh:
+        pm = _compile(mesh, {"dp": "ddp"})
+        with pytest.raises(autopar.InputError, match=r"compiled for global shape \[4, 16\]"):
+            pm.train_step(torch.zeros(4, 8, dtype=torch.long), torch.zeros(4, 8, dtype=torch.long))
+        with pytest.raises(autopar.InputError, match="inputs='local'"):
+            pm.train_step(torch.zeros(2, 16, dtype=torch.long), torch.zeros(2, 16, dtype=torch.long))
+        with pytest.raises(autopar.InputError, match="expected 2 inputs"):
+            pm.train_step(torch.zeros(4, 16, dtype=torch.long))
