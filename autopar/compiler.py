@@ -22,7 +22,7 @@ from autopar.plan import Placed, Plan, parse_plan, place_parameters
 class Context:
     """What the passes know about the mesh, the plan and this rank."""
 
-    def __init__(self, mesh: DeviceMesh, plan: Plan, placed: Placed, n_inputs: int):
+    def __init__(self, mesh: DeviceMesh, plan: Plan, placed: Placed):
         self.mesh = mesh
         self.axis_names = tuple(mesh.mesh_dim_names)
         self.axis_sizes = tuple(mesh.shape)
@@ -119,7 +119,7 @@ def compile(
         warnings.warn(f"autopar: the '{axis}' strategy did not recognise {len(names)} parameter(s), "
                       f"replicated on '{axis}': {', '.join(names)} (place them with plan['rules'])",
                       stacklevel=2)
-    ctx = Context(mesh, parsed, placed, len(example_inputs))
+    ctx = Context(mesh, parsed, placed)
     program: Program = capture_joint(model, example_inputs, loss_fn)
     ctx.timings["capture"] = time.perf_counter() - t0
     program = run_passes(program, ctx, skip=skip_passes, debug=debug)

@@ -153,8 +153,6 @@ class Program:
 
 def check_invariants(graph: fx.Graph, stage: str) -> None:
     """The IR's written-down invariants; the pass runner calls this between passes in debug mode."""
-    from torch.fx.passes.shape_prop import _extract_tensor_metadata  # noqa: F401 (import check)
-
     graph.lint()
     for n in graph.nodes:
         if n.op == "output":

@@ -102,7 +102,7 @@ rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)(_attenti
 # vocab-parallel log-softmax / nll-loss: the class dim stays sharded, logits are never gathered
 
 
-def _rows_or_classes(x: ShardSpec, class_dim: int) -> tuple[Placement, ...]:
+def _rows_or_classes(x: ShardSpec) -> tuple[Placement, ...]:
     """Shard(class) and Shard(row) survive; Partial must be reduced first (log is not linear)."""
     return tuple(p if isinstance(p, Shard) else R for p in x.placements)
 
@@ -114,7 +114,7 @@ def log_softmax_rule(node, in_specs, ctx):
     the logits. Partial inputs are reduced first."""
     (x,) = in_specs
     dim = _norm(node.args[1], len(x.shape))
-    want = _rows_or_classes(x, dim)
+    want = _rows_or_classes(x)
     axes = [a for a, p in enumerate(want) if _shard_dim(p) == dim]
     if not axes:
         return RuleResult([want], want, None, "log_softmax on local rows")
@@ -133,7 +133,7 @@ def log_softmax_backward_rule(node, in_specs, ctx):
     """grad_in = grad - exp(out) * sum(grad): the sum over a sharded softmax dim is all-reduced."""
     grad, out = in_specs
     dim = _norm(node.args[2], len(out.shape))
-    want = _rows_or_classes(out, dim)
+    want = _rows_or_classes(out)
     axes = [a for a, p in enumerate(want) if _shard_dim(p) == dim]
     if not axes:
         return RuleResult([want, want], want, None, "log_softmax backward on local rows")
@@ -216,7 +216,7 @@ def nll_loss_forward_rule(node, in_specs, ctx):
 def nll_loss_backward_rule(node, in_specs, ctx):
     """The gradient is local: each rank scatters -grad/total_weight into the rows and classes
     it holds. Needs the global total_weight, which the forward rule returns replicated."""
-    grad_out, x, target = in_specs[0], in_specs[1], in_specs[2]
+    _grad_out, x, target = in_specs[0], in_specs[1], in_specs[2]
     has_weight = len(in_specs) == 5
     reduction, ignore_index = node.args[4], node.args[5]
     if len(x.shape) not in (1, 2):

@@ -12,7 +12,6 @@ real group's size.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 
 import torch
@@ -21,7 +20,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import Replicate, Shard
+from torch.distributed.tensor.placement_types import Shard
 
 from autopar.errors import InputError
 from autopar.ir import CommRecord, fmt_placements, ring_bytes
@@ -163,7 +162,6 @@ class ParallelModule:
     def train_step(self, *inputs) -> torch.Tensor:
         """Forward + backward on the global batch; gradients land on ``parameters()``."""
         local = self._local_inputs(inputs, len(self.example_shapes), self.ctx.input_placements)
-        loss_spec = [n for n in self.program.graph.nodes if n.op == "output"][0]
         loss_dtype = self._loss_dtype()
         tangent = torch.ones((), dtype=loss_dtype, device=self.ctx.device)
         outs = self._gm(*self._args(self.program, local, (tangent,)))
@@ -177,7 +175,6 @@ class ParallelModule:
                 g = DTensor(o, DTensorSpec(self.mesh, p.placements, TensorMeta(p.shape, p.stride(), p.dtype)),
                             requires_grad=False)
                 p.grad = g if p.grad is None else p.grad + g
-        del loss_spec
         self.steps += 1
         return loss.detach()
 

@@ -28,7 +28,8 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.errors import ShardingError
-from autopar.ir import CommRecord, Program, fmt_placements, phase_of, redistribute, source_line, spec_of
+from autopar.ir import (CommRecord, Program, fmt_placements, phase_of, redistribute, source_line, spec_of,
+                        tensor_args)
 from autopar.passes.collectives import plan_steps
 
 c10d = torch.ops._c10d_functional
@@ -106,7 +107,7 @@ def _run_node(n: fx.Node, env, ctx):
     kwargs = _map(n.kwargs, lambda a: env[a])
     if rule is not None and rule.impl is not None:
         return rule.impl(ctx, *args, **kwargs)
-    in_specs = [spec_of(a) for a in _flat_nodes(n)]
+    in_specs = [spec_of(a) for a in tensor_args(n)]
     if rule is None or rule.name != "dtensor" or all(
             all(isinstance(p, Replicate) for p in s.placements) for s in in_specs):
         return n.target(*args, **kwargs)  # local shards need no shape changes
@@ -130,11 +131,6 @@ def _run_node(n: fx.Node, env, ctx):
     if isinstance(out, (tuple, list)):
         return type(out)(unwrap(o, w) for o, w in zip(out, want))
     return unwrap(out, want)
-
-
-def _flat_nodes(n):
-    from autopar.ir import tensor_args
-    return tensor_args(n)
 
 
 def apply_redistribute(x: torch.Tensor, src, dst, spec, ctx) -> torch.Tensor:

@@ -39,7 +39,7 @@ def test_parameter_not_divisible(fake):
     ({"tp": "megatron", "rules": {"*lm_head.weight": {"tp": "Q(1)"}}}, "cannot read placement"),
 ])
 def test_bad_plans(fake, plan, needle):
-    with fake(tp=2) as mesh, pytest.raises(autopar.PlanError, match="") as e:
+    with fake(tp=2) as mesh, pytest.raises(autopar.PlanError) as e:
         _compile(mesh, plan)
     assert needle in str(e.value)
 

@@ -35,4 +35,4 @@ def test_rule_against_unsharded(pools, references, name, axes, plan, rules):
         world *= v
     out = pools(world).run(parity_job, name, axes, plan)
     assert rules <= set(out["rules"]), f"rules that did not fire: {rules - set(out['rules'])}"
-    assert_parity(references(name), out)
+    assert_parity(references(name), out, name)
