@@ -172,7 +172,7 @@ class ParallelModule:
                 loss = o
             elif kind == "grad" and o is not None:
                 p = params[what]
-                g = DTensor(o, DTensorSpec(self.mesh, p.placements, TensorMeta(p.shape, p.stride(), p.dtype)),
+                g = DTensor(o.detach(), DTensorSpec(self.mesh, p.placements, TensorMeta(p.shape, p.stride(), p.dtype)),
                             requires_grad=False)
                 p.grad = g if p.grad is None else p.grad + g
         self.steps += 1

@@ -56,7 +56,7 @@ def predict_records(spec: ShardSpec, dst, ctx, reason: str, source: str, phase: 
         kind = step_kind(p, q)
         local = ShardSpec(tuple(cur), spec.shape, spec.dtype).local_shape(ctx.axis_sizes)
         nbytes = math.prod(local) * spec.dtype.itemsize
-        if kind != "local":
+        if kind != "local" and ctx.axis_sizes[a] > 1:  # a 1-rank axis moves nothing
             records.append(CommRecord(kind, ctx.axis_names[a], ctx.axis_sizes[a], nbytes, reason, source, phase,
                                       producer=producer))
         cur[a] = q

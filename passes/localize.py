@@ -137,6 +137,8 @@ def apply_redistribute(x: torch.Tensor, src, dst, spec, ctx) -> torch.Tensor:
     """Carry out collectives.plan_steps with explicit functional collectives."""
     for a, p, q in plan_steps(src, dst):
         n, group = ctx.axis_sizes[a], ctx.group_name(a)
+        if n == 1:  # one rank on this axis: every placement change is the identity
+            continue
         if isinstance(p, Partial) and isinstance(q, Replicate):
             x = c10d.wait_tensor(c10d.all_reduce(x, _reduce_op(p), group))
         elif isinstance(p, Partial) and isinstance(q, Shard):

@@ -106,3 +106,10 @@ def test_2d_mesh_composes(fake):
         for r in dp_grads:
             p = dict(pm.named_parameters())[r.reason.split()[2]]
             assert r.payload_bytes == p.to_local().numel() * 4
+
+
+def test_one_rank_axes_move_nothing(fake):
+    with fake(dp=1, tp=1) as mesh:
+        pm, _, _ = compile_llama(mesh, {"dp": "ddp", "tp": "megatron"}, n_layers=1)
+        assert pm.collectives() == []
+        assert not [n for n in pm.program.local.graph.nodes if "_c10d_functional" in str(n.target)]
