@@ -24,9 +24,11 @@ from autopar.errors import PlanError
 R = Replicate()
 
 # Megatron-LM tensor parallelism, written as rules over the usual Llama/GPT/Qwen/Mistral names.
+# HF GPT-2 (Conv1D c_attn/c_fc/c_proj: [in, out] weights, fused qkv) is deliberately absent: its
+# parameters are replicated and named in a warning rather than sharded along the wrong dim.
 _COLUMN = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "wq", "wk", "wv", "w1", "w3",
-           "fc1", "c_fc", "query", "key", "value", "dense_h_to_4h", "query_key_value_split"]
-_ROW = ["o_proj", "down_proj", "wo", "w2", "fc2", "out_proj", "dense_4h_to_h", "c_proj"]
+           "fc1", "query", "key", "value", "dense_h_to_4h"]
+_ROW = ["o_proj", "down_proj", "wo", "w2", "fc2", "out_proj", "dense_4h_to_h"]
 _VOCAB = ["embed_tokens", "tok_embeddings", "wte", "word_embeddings", "lm_head", "output", "embed_out"]
 _REPLICATED_OK = ["*norm*", "*ln_*", "*ln_f*", "*layernorm*", "*layer_norm*", "*wpe*", "*position_embedding*",
                   "*rotary*", "*bias"]
