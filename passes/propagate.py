@@ -70,7 +70,7 @@ def _propagate_node(n: fx.Node, ctx) -> None:
         res = RULES[n.target](n, in_specs, ctx)
     if res is None:
         res = _dtensor_rule(n, in_specs, ctx)
-    val = n.meta["val"]
+    val = n.meta.get("val")
     if isinstance(val, (tuple, list)):
         n.meta["autopar"] = tuple(
             _spec_from_val(v, p) if p is not None else None for v, p in zip(val, res.outputs))
@@ -206,7 +206,7 @@ def _flat_specs(args) -> list[DTensorSpec]:
 
 
 def _replicated_outputs(n: fx.Node, ctx):
-    val = n.meta["val"]
+    val = n.meta.get("val")
     rep = tuple(Replicate() for _ in ctx.axis_names)
     if isinstance(val, (tuple, list)):
         return tuple(rep if isinstance(v, torch.Tensor) else None for v in val)
