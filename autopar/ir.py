@@ -173,12 +173,18 @@ def check_invariants(graph: fx.Graph, stage: str) -> None:
                         f"after collectives: {n.name} wants {fmt_placements(want)} for {a.name}, "
                         f"which is {fmt_placements(have.placements)}")
         if stage == "localize":
-            if n.op == "call_function" and "_c10d_functional" in str(n.target) and "wait_tensor" not in str(n.target):
+            target = collective_op(n.target) if n.op == "call_function" else None
+            if target is not None and "_c10d_functional" in str(target) and "wait_tensor" not in str(target):
                 users = list(n.users)
                 if not any("wait_tensor" in str(u.target) for u in users):
                     raise AssertionError(f"collective {n.name} has no wait_tensor")
                 if "autopar_comm" not in n.meta:
                     raise AssertionError(f"collective {n.name} has no CommRecord (why is it there?)")
+
+
+def collective_op(target):
+    """The functional collective behind a call target (the runtime wraps them to count bytes)."""
+    return getattr(target, "_autopar_collective", target)
 
 
 def tensor_args(node: fx.Node) -> list[fx.Node]:

@@ -58,6 +58,7 @@ def _counted(op, kind: str, axis: str, counter: CommCounter):
         return op(x, *args)
 
     call.__name__ = f"counted_{kind}"
+    call._autopar_collective = op
     return call
 
 
