@@ -273,3 +273,13 @@ def api_job():
     opt.step()
     out["param_types"] = sorted({type(p).__name__ for p in pm.parameters()})
     return out
+
+
+def verify_job(plan: dict, axes: dict):
+    """autopar.verify on the built-in Llama; returns the report (rank 0)."""
+    import autopar
+
+    model, batches, loss_fn = build_model("llama")
+    report = autopar.verify(model, autopar.mesh(**axes), example_inputs=batches[0], loss_fn=loss_fn,
+                            plan=plan, batches=batches)
+    return report, str(report)

@@ -15,3 +15,12 @@ def test_user_contract_on_two_ranks(pools):
     # and the wrong kind of batch is a clear error that says which flag to use
     assert "inputs='local'" in out["errors"]["global"]
     assert "inputs='global'" in out["errors"]["local"]
+
+
+def test_verify_is_a_user_facing_check(pools):
+    from autopar.testing import verify_job
+
+    report, text = pools(2).run(verify_job, {"tp": "megatron"}, {"tp": 2})
+    assert report.ok, text
+    assert len(report.max_grad_diff) == 3 and text.startswith("autopar.verify: OK")
+    assert 0 < max(report.max_grad_diff) < 1e-4  # real figures, not zeros: the runs did differ in order
