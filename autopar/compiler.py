@@ -131,7 +131,7 @@ def compile(
     fwd_inputs = example_inputs[:-1] if loss_fn is not None else example_inputs
     fwd_program = capture_forward(model, fwd_inputs)
     ctx.timings["capture_forward"] = time.perf_counter() - t0 - ctx.timings["total"]
-    forward_builder = functools.partial(run_passes, fwd_program, ctx, debug=debug)
+    forward_builder = functools.partial(run_passes, fwd_program, ctx, debug=debug, label="eval ")
     return ParallelModule(model, ctx, program, example_inputs, loss_fn is not None, inputs, forward_builder)
 
 

@@ -87,6 +87,8 @@ class ParallelModule:
         self._forward_program = None
         self._distribute_parameters()
         self._gm = instrument(program.local, self.counter, ctx)
+        self._loss_dtype = next((n.meta["val"].dtype for n in program.graph.nodes if n.op == "placeholder"
+                                 and n.meta.get("autopar_role", ("",))[0] == "tangent"), torch.float32)
         self.steps = 0
 
     # ---------------------------------------------------------------- parameters
@@ -163,8 +165,7 @@ class ParallelModule:
     def train_step(self, *inputs) -> torch.Tensor:
         """Forward + backward on the global batch; gradients land on ``parameters()``."""
         local = self._local_inputs(inputs, len(self.example_shapes), self.ctx.input_placements)
-        loss_dtype = self._loss_dtype()
-        tangent = torch.ones((), dtype=loss_dtype, device=self.ctx.device)
+        tangent = torch.ones((), dtype=self._loss_dtype, device=self.ctx.device)
         outs = self._gm(*self._args(self.program, local, (tangent,)))
         params = dict(self.module.named_parameters())
         loss = None
@@ -178,12 +179,6 @@ class ParallelModule:
                 p.grad = g if p.grad is None else p.grad + g
         self.steps += 1
         return loss.detach()
-
-    def _loss_dtype(self):
-        for n in self.program.graph.nodes:
-            if n.op == "placeholder" and n.meta.get("autopar_role", ("",))[0] == "tangent":
-                return n.meta["val"].dtype
-        return torch.float32
 
     def __call__(self, *inputs):
         """Forward only (eval): returns the model's output, replicated on every rank."""

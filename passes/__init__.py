@@ -27,13 +27,13 @@ PASSES = [
 ]
 
 
-def run_passes(program, ctx, *, skip=(), debug=False):
+def run_passes(program, ctx, *, skip=(), debug=False, label=""):
     for name, fn in PASSES:
         if name in skip:
             continue
         t0 = time.perf_counter()
         program = fn(program, ctx)
-        ctx.timings[name] = time.perf_counter() - t0
+        ctx.timings[f"{label}{name}"] = time.perf_counter() - t0
         if debug:
             graph = program.graph if hasattr(program, "graph") else program
             check_invariants(graph, name)
