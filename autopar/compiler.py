@@ -34,7 +34,6 @@ class Context:
         self.dp_axes = [i for i, a in enumerate(plan.axes) if a.data_parallel]
         self.timings: dict[str, float] = {}
         self._groups = [mesh.get_group(i).group_name for i in range(len(self.axis_sizes))]
-        self._output_hints: dict[fx.Node, tuple] = {}
 
     # placements the program's boundary must have
     def input_placements(self, shape: tuple[int, ...]) -> tuple[Placement, ...]:

@@ -22,8 +22,8 @@ def demo_job(axes: dict, steps: int) -> str:
     cfg = LlamaConfig(n_layers=2)
     model = Llama(cfg)
     g = torch.Generator().manual_seed(1)
-    data = [(torch.randint(0, cfg.vocab_size, (8, 32), generator=g),) * 1 for _ in range(steps)]
-    data = [(x, torch.roll(x, -1, dims=1)) for (x,) in data]
+    tokens = [torch.randint(0, cfg.vocab_size, (8, 32), generator=g) for _ in range(steps)]
+    data = [(x, torch.roll(x, -1, dims=1)) for x in tokens]
     plan = {"dp": "ddp", "tp": "megatron"}
     plan = {a: plan.get(a, "ddp") for a in axes}
     t0 = time.perf_counter()
@@ -57,9 +57,7 @@ def demo_job(axes: dict, steps: int) -> str:
     out += ["", "training:"]
     for i, (l, t) in enumerate(zip(losses, times)):
         out.append(f"  step {i}: loss {l:.4f}  ({t * 1000:.0f} ms)")
-    predicted = defaultdict(float)
-    for r in pm.collectives():
-        predicted[f"{r.kind}@{r.axis}"] += r.wire_bytes * steps
+    predicted = {k: v * steps for k, v in pm.predicted_bytes().items()}
     out += ["", f"bytes sent per rank over {steps} steps (ring model), predicted by the compiler vs counted at run time:"]
     for k, v in pm.counter.summary().items():
         out.append(f"  {k:18s} predicted {predicted[k]:12,.0f}   measured {v['wire_bytes']:12,.0f}   "

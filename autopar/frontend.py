@@ -98,9 +98,7 @@ def _describe(graph: fx.Graph, gm: fx.GraphModule, ids, model) -> Program:
         return ids[id(t)]
 
     inputs: list[tuple[str, Any]] = []
-    params: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
-    named = dict(model.named_parameters())
     named_b = dict(model.named_buffers())
     for n in graph.nodes:
         if n.op != "placeholder":
@@ -109,7 +107,6 @@ def _describe(graph: fx.Graph, gm: fx.GraphModule, ids, model) -> Program:
         if isinstance(desc, d.ParamAOTInput):
             kind, name = real_name(desc.target)
             inputs.append(("param", name))
-            params[name] = named[name]
         elif isinstance(desc, d.BufferAOTInput):
             kind, name = real_name(desc.target)
             inputs.append(("buffer", name))
@@ -135,7 +132,7 @@ def _describe(graph: fx.Graph, gm: fx.GraphModule, ids, model) -> Program:
             raise CaptureError(
                 f"unsupported graph output {desc!r} (buffer mutation in forward?)",
                 fix="autopar does not support models that mutate buffers in forward yet")
-    return Program(graph=graph, inputs=inputs, outputs=outputs, params=params, buffers=buffers)
+    return Program(graph=graph, inputs=inputs, outputs=outputs, buffers=buffers)
 
 
 def _get_attr(gm: nn.Module, target: str):
@@ -176,10 +173,9 @@ def capture_forward(model: nn.Module, example_inputs: tuple) -> Program:
     for n in list(graph.nodes):
         if n.op == "call_function" and n.target in _ASSERTS and not n.users:
             graph.erase_node(n)
-    named = dict(model.named_parameters())
     named_b = dict(model.named_buffers())
     inputs = []
-    params, buffers = {}, {}
+    buffers = {}
     user_idx = 0
     consts = ep.constants
     for n in graph.nodes:
@@ -188,7 +184,6 @@ def capture_forward(model: nn.Module, example_inputs: tuple) -> Program:
         if n.name in sig.inputs_to_parameters:
             name = sig.inputs_to_parameters[n.name].removeprefix("model.")
             inputs.append(("param", name))
-            params[name] = named[name]
         elif n.name in sig.inputs_to_buffers:
             name = sig.inputs_to_buffers[n.name].removeprefix("model.")
             inputs.append(("buffer", name))
@@ -203,4 +198,4 @@ def capture_forward(model: nn.Module, example_inputs: tuple) -> Program:
         n.meta["autopar_role"] = inputs[-1]
     out_node = next(n for n in graph.nodes if n.op == "output")
     outputs = [("output", i) for i in range(len(out_node.args[0]))]
-    return Program(graph=graph, inputs=inputs, outputs=outputs, params=params, buffers=buffers)
+    return Program(graph=graph, inputs=inputs, outputs=outputs, buffers=buffers)

@@ -38,10 +38,6 @@ class ShardSpec:
                 shape[p.dim] = math.ceil(shape[p.dim] / n)
         return tuple(shape)
 
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
     def __str__(self) -> str:
         return f"{fmt_dtype(self.dtype)}{list(self.shape)}{fmt_placements(self.placements)}"
 
@@ -102,6 +98,15 @@ def ring_bytes(kind: str, payload_bytes: int, n: int) -> float:
     return 0.0
 
 
+def bytes_by_collective(records) -> dict[str, float]:
+    """Ring bytes per rank per step, keyed "kind@axis" like the runtime's CommCounter.summary()."""
+    out: dict[str, float] = {}
+    for r in records:
+        key = f"{r.kind}@{r.axis}"
+        out[key] = out.get(key, 0.0) + r.wire_bytes
+    return out
+
+
 def redistribute(x, src, dst):  # pragma: no cover - a marker target, never executed directly
     """Graph marker: change ``x``'s placements from ``src`` to ``dst``. Lowered by localize."""
     raise RuntimeError("autopar.ir.redistribute is a graph marker; run the localize pass")
@@ -147,7 +152,6 @@ class Program:
     inputs: list[tuple[str, object]]
     # per output, in order: ("loss", i) | ("output", i) | ("grad", param_name) | ("none", None)
     outputs: list[tuple[str, object]]
-    params: dict[str, torch.Tensor] = field(default_factory=dict)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
 
 

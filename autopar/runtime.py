@@ -23,7 +23,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Shard
 
 from autopar.errors import InputError
-from autopar.ir import CommRecord, fmt_placements, ring_bytes
+from autopar.ir import CommRecord, bytes_by_collective, fmt_placements, ring_bytes
 from autopar.passes.localize import COLLECTIVES
 
 
@@ -38,19 +38,13 @@ class CommCounter:
     def reset(self):
         self.calls.clear(), self.payload.clear(), self.wire.clear()
 
-    @property
-    def total_wire(self) -> float:
-        return sum(self.wire.values())
-
     def summary(self) -> dict:
         return {f"{k}@{a}": {"calls": self.calls[(k, a)], "payload_bytes": self.payload[(k, a)],
                              "wire_bytes": self.wire[(k, a)]} for (k, a) in sorted(self.calls)}
 
 
-def _counted(op, kind: str, axis: str, counter: CommCounter):
+def _counted(op, kind: str, axis: str, n: int, counter: CommCounter):
     def call(x, *args):
-        group = args[-1]
-        n = dist.get_world_size(dist.distributed_c10d._resolve_process_group(group))
         nbytes = x.numel() * x.element_size()
         counter.calls[(kind, axis)] += 1
         counter.payload[(kind, axis)] += nbytes
@@ -66,7 +60,8 @@ def instrument(gm: fx.GraphModule, counter: CommCounter, ctx) -> fx.GraphModule:
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target in COLLECTIVES:
             axis = ctx.axis_names[ctx.axis_of_group(n.args[-1])]
-            n.target = _counted(n.target, COLLECTIVES[n.target], axis, counter)
+            size = dist.get_world_size(dist.distributed_c10d._resolve_process_group(n.args[-1]))
+            n.target = _counted(n.target, COLLECTIVES[n.target], axis, size, counter)
     gm.recompile()
     return gm
 
@@ -113,7 +108,7 @@ class ParallelModule:
         return self.module.load_state_dict(sd, strict=strict)
 
     # ---------------------------------------------------------------- inputs
-    def _local_inputs(self, inputs, n_expected, placements_for):
+    def _local_inputs(self, inputs, n_expected):
         if len(inputs) != n_expected:
             raise InputError(f"expected {n_expected} inputs (as compiled), got {len(inputs)}",
                              where="ParallelModule.train_step / __call__")
@@ -121,7 +116,7 @@ class ParallelModule:
         for i, (x, (shape, dtype)) in enumerate(zip(inputs, self.example_shapes)):
             if not isinstance(x, torch.Tensor):
                 raise InputError(f"input #{i} must be a tensor, got {type(x).__name__}")
-            pl = placements_for(shape)
+            pl = self.ctx.input_placements(shape)
             local_shape = list(shape)
             for p, n in zip(pl, self.ctx.axis_sizes):
                 if isinstance(p, Shard):
@@ -164,7 +159,7 @@ class ParallelModule:
     # ---------------------------------------------------------------- running
     def train_step(self, *inputs) -> torch.Tensor:
         """Forward + backward on the global batch; gradients land on ``parameters()``."""
-        local = self._local_inputs(inputs, len(self.example_shapes), self.ctx.input_placements)
+        local = self._local_inputs(inputs, len(self.example_shapes))
         tangent = torch.ones((), dtype=self._loss_dtype, device=self.ctx.device)
         outs = self._gm(*self._args(self.program, local, (tangent,)))
         params = dict(self.module.named_parameters())
@@ -186,7 +181,7 @@ class ParallelModule:
             self._forward_program = self._forward_builder()
             self._fwd_gm = instrument(self._forward_program.local, self.counter, self.ctx)
         n = len(self.example_shapes) - (1 if self.has_loss else 0)
-        local = self._local_inputs(inputs, n, self.ctx.input_placements)
+        local = self._local_inputs(inputs, n)
         with torch.no_grad():
             outs = self._fwd_gm(*self._args(self._forward_program, local))
         return outs[0] if len(outs) == 1 else tuple(outs)
@@ -199,11 +194,9 @@ class ParallelModule:
         gm = (program or self.program).local
         return [n.meta["autopar_comm"] for n in gm.graph.nodes if "autopar_comm" in n.meta]
 
-    def predicted_bytes(self) -> dict[tuple[str, str], float]:
-        out: dict[tuple[str, str], float] = defaultdict(float)
-        for r in self.collectives():
-            out[(r.kind, r.axis)] += r.wire_bytes
-        return dict(out)
+    def predicted_bytes(self) -> dict[str, float]:
+        """Bytes per rank per step the compiler predicts, keyed like ``counter.summary()``."""
+        return bytes_by_collective(self.collectives())
 
     def report(self) -> str:
         ctx = self.ctx
@@ -223,12 +216,9 @@ class ParallelModule:
             lines.append(f"{'':12s}needed at {r.source}")
             if r.producer and r.producer != r.source:
                 lines.append(f"{'':12s}value from {r.producer}")
-        tot = defaultdict(float)
-        for r in recs:
-            tot[(r.kind, r.axis)] += r.wire_bytes
         lines.append("")
         lines.append("predicted bytes sent per rank per step (ring): " + ", ".join(
-            f"{k}@{a}={v:,.0f}" for (k, a), v in sorted(tot.items())))
+            f"{k}={v:,.0f}" for k, v in sorted(self.predicted_bytes().items())))
         if self.counter.calls:
             lines.append("measured (counted at the collectives, since start): " + ", ".join(
                 f"{k}={v['wire_bytes']:,.0f}" for k, v in self.counter.summary().items()))

@@ -199,9 +199,7 @@ def reference_run(name: str, steps: int = 3, lr: float = 1e-2):
         opt.step()
         opt.zero_grad()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with torch.no_grad():
-        out = _unwrap_output(model(batches[0][0]))
-    return {"losses": losses, "grads": grads, "params": params, "eval": out}
+    return {"losses": losses, "grads": grads, "params": params}
 
 
 def parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: float = 1e-2):
@@ -228,9 +226,7 @@ def parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: float = 1e
             "measured": measured, "steps": steps, "eval": evaluated,
             "rules": sorted({n.meta["autopar_rule"].name for n in pm.program.graph.nodes
                              if "autopar_rule" in n.meta}),
-            "optimizer_state_local_bytes": sum(
-                v.to_local().numel() * v.element_size() for s in opt.state.values() for v in s.values()
-                if hasattr(v, "to_local"))}
+            }
 
 
 def api_job():

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from autopar.ir import bytes_by_collective
 from autopar.testing import DistPool, parity_job, reference_run
 
 CASES = [
@@ -33,7 +34,7 @@ def main():
             dl = max(abs(a - b) for a, b in zip(ref["losses"], out["losses"]))
             dg = [max((r[k] - o[k]).abs().max().item() for k in r) for r, o in zip(ref["grads"], out["grads"])]
             dp = max((ref["params"][k] - out["params"][k]).abs().max().item() for k in ref["params"])
-            pred = sum(r.wire_bytes for r in out["records"])
+            pred = sum(bytes_by_collective(out["records"]).values())
             meas = sum(v["wire_bytes"] for v in out["measured"].values()) / out["steps"]
             print(f"| {name} | {' x '.join(f'{a}={n}' for a, n in axes.items())} "
                   f"{'+'.join(plan.values())} | {dl:.1e} | {dg[0]:.1e} | {max(dg):.1e} | {dp:.1e} "

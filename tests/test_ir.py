@@ -57,13 +57,26 @@ def test_invariant_checker_catches_broken_ir(fake):
 
 
 def test_passes_can_be_switched_off(fake):
+    from autopar.compiler import Context
+    from autopar.ir import redistribute
+    from autopar.passes import PASSES, run_passes
+    from autopar.plan import parse_plan, place_parameters
+
+    assert [name for name, _ in PASSES] == ["propagate", "collectives", "localize"]
     torch.manual_seed(0)
     model = Llama(LlamaConfig(n_layers=1))
     x = torch.randint(0, 256, (4, 8))
-    from autopar.passes import PASSES
-
-    assert [name for name, _ in PASSES] == ["propagate", "collectives", "localize"]
     with fake(dp=2) as mesh:
-        with pytest.raises(AttributeError):  # no per-rank program without localize
-            autopar.compile(model, mesh, example_inputs=(x, x), loss_fn=cross_entropy, plan={"dp": "ddp"},
-                            skip_passes=("localize",))
+        plan = parse_plan({"dp": "ddp"}, ("dp",))
+        ctx = Context(mesh, plan, place_parameters(plan, dict(model.named_parameters()), (2,)))
+
+        def markers(prog):
+            return [n for n in prog.graph.nodes if n.target is redistribute]
+
+        only_propagate = run_passes(capture_joint(model, (x, x), cross_entropy), ctx,
+                                    skip=("collectives", "localize"), debug=True)
+        assert not markers(only_propagate) and not hasattr(only_propagate, "local")
+        assert set(ctx.timings) == {"propagate"}
+        no_localize = run_passes(capture_joint(model, (x, x), cross_entropy), ctx, skip=("localize",), debug=True)
+        assert len(markers(no_localize)) >= len(list(model.parameters()))  # one gradient sync each
+        assert not hasattr(no_localize, "local")
