@@ -5,11 +5,10 @@ from __future__ import annotations
 import functools
 import time
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
-import torch.fx as fx
-import torch.nn as nn
+from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
@@ -22,7 +21,8 @@ from autopar.plan import Placed, Plan, parse_plan, place_parameters
 class Context:
     """What the passes know about the mesh, the plan and this rank."""
 
-    def __init__(self, mesh: DeviceMesh, plan: Plan, placed: Placed):
+    def __init__(self, mesh: DeviceMesh, plan: Plan, placed: Placed, *, compute_dtype=None, reduce_dtype=None,
+                 recompute: str = "none", accumulate: int = 1):
         self.mesh = mesh
         self.axis_names = tuple(mesh.mesh_dim_names)
         self.axis_sizes = tuple(mesh.shape)
@@ -33,6 +33,11 @@ class Context:
         self.placed = placed
         self.dp_axes = [i for i, a in enumerate(plan.axes) if a.data_parallel]
         self.timings: dict[str, float] = {}
+        self.compute_dtype = compute_dtype  # None: fp32 throughout
+        self.reduce_dtype = reduce_dtype  # dtype gradients are reduced in (None: as produced)
+        self.recompute = recompute
+        self.accumulate = accumulate
+        self.sync_grads = True  # False while building the no-sync program of accumulation
         self._groups = [mesh.get_group(i).group_name for i in range(len(self.axis_sizes))]
 
     # placements the program's boundary must have
@@ -44,7 +49,7 @@ class Context:
     def placeholder_placements(self, role, shape):
         kind, what = role
         if kind == "param":
-            return self.placed.placements[what]
+            return self.placed.compute[what]  # the state pass applies the storage layout
         if kind == "input":
             return self.input_placements(shape)
         return tuple(Replicate() for _ in self.axis_sizes)
@@ -52,7 +57,7 @@ class Context:
     def output_placements(self, role, spec):
         kind, what = role
         if kind == "grad":
-            return self.placed.placements[what]
+            return self.placed.placements[what] if self.sync_grads else None
         return tuple(Replicate() for _ in self.axis_sizes)
 
     def output_hint(self, node: fx.Node):
@@ -82,6 +87,19 @@ class Context:
         return n
 
 
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+
+
+def _dtype_option(v, what: str):
+    if v is None or isinstance(v, torch.dtype):
+        return v
+    if v not in _DTYPES:
+        raise PlanError(f"unknown {what} {v!r}", where=f"autopar.compile({what}=...)",
+                        fix='use "fp32", "bf16" or "fp16"')
+    return _DTYPES[v]
+
+
 def compile(
     model: nn.Module | Callable | None = None,
     mesh: DeviceMesh | None = None,
@@ -90,18 +108,32 @@ def compile(
     loss_fn: Callable | None = None,
     plan: dict | None = None,
     inputs: str = "global",
+    precision: str = "fp32",
+    reduce_dtype: str | None = None,
+    loss_scale: str | float = "dynamic",
+    accumulate: int = 1,
+    recompute: str = "none",
     debug: bool = False,
     skip_passes: tuple[str, ...] = (),
 ):
     """Compile ``model`` for ``mesh`` under ``plan``; returns a ParallelModule.
 
+    ``precision``: "fp32", or "bf16" / "fp16" to compute in that dtype from fp32 master
+    parameters (the optimizer sees fp32 parameters and gradients); ``reduce_dtype``: the dtype
+    gradients are reduced in (default: the compute dtype); ``loss_scale`` (fp16 only):
+    "dynamic" or a fixed scale. ``accumulate=K`` splits each global batch into K micro-batches
+    and synchronises gradients once per step. ``recompute``: "none" | "full" | "selective".
+
     As a decorator (``@autopar.compile(mesh=..., example_inputs=..., plan=...)``) on a model
     class or a model-building function, the class/function then returns ParallelModules.
     """
+    opts = dict(mesh=mesh, example_inputs=example_inputs, loss_fn=loss_fn, plan=plan, inputs=inputs,
+                precision=precision, reduce_dtype=reduce_dtype, loss_scale=loss_scale, accumulate=accumulate,
+                recompute=recompute, debug=debug, skip_passes=skip_passes)
     if model is None or (isinstance(model, type) or (callable(model) and not isinstance(model, nn.Module))):
-        return _decorator(model, mesh=mesh, example_inputs=example_inputs, loss_fn=loss_fn, plan=plan,
-                          inputs=inputs, debug=debug, skip_passes=skip_passes)
+        return _decorator(model, **opts)
     from autopar.passes import run_passes
+    from autopar.passes.recompute import POLICIES
     from autopar.runtime import ParallelModule
 
     if mesh is None:
@@ -111,7 +143,26 @@ def compile(
                         fix="pass example_inputs=(tokens, targets)")
     if inputs not in ("global", "local"):
         raise PlanError(f"inputs must be 'global' or 'local', got {inputs!r}")
+    compute_dtype = _dtype_option(precision, "precision")
+    compute_dtype = None if compute_dtype == torch.float32 else compute_dtype
+    reduce = _dtype_option(reduce_dtype, "reduce_dtype") if reduce_dtype is not None else compute_dtype
+    if recompute not in POLICIES:
+        raise PlanError(f"unknown recompute policy {recompute!r}", where="autopar.compile(recompute=...)",
+                        fix=f"use one of {list(POLICIES)}")
+    if compute_dtype == torch.float16 and not (loss_scale == "dynamic" or isinstance(loss_scale, (int, float))):
+        raise PlanError(f"loss_scale must be 'dynamic' or a number, got {loss_scale!r}",
+                        where="autopar.compile(loss_scale=...)")
     example_inputs = tuple(example_inputs)
+    if not isinstance(accumulate, int) or accumulate < 1:
+        raise PlanError(f"accumulate must be a positive int, got {accumulate!r}", where="autopar.compile(accumulate=...)")
+    micro_inputs = example_inputs
+    if accumulate > 1:
+        for i, x in enumerate(example_inputs):
+            if x.ndim == 0 or x.shape[0] % accumulate:
+                raise PlanError(f"input #{i} has batch size {x.shape[0] if x.ndim else 'none'}, not divisible "
+                                f"by accumulate={accumulate}", where=f"example_inputs[{i}]",
+                                fix="pick a global batch that is a multiple of accumulate (x the data-parallel size)")
+        micro_inputs = tuple(x[: x.shape[0] // accumulate] for x in example_inputs)
     t0 = time.perf_counter()
     parsed = parse_plan(plan, tuple(mesh.mesh_dim_names))
     params = dict(model.named_parameters())
@@ -120,18 +171,29 @@ def compile(
         warnings.warn(f"autopar: the '{axis}' strategy did not recognise {len(names)} parameter(s), "
                       f"replicated on '{axis}': {', '.join(names)} (place them with plan['rules'])",
                       stacklevel=2)
-    ctx = Context(mesh, parsed, placed)
-    program: Program = capture_joint(model, example_inputs, loss_fn)
+    ctx = Context(mesh, parsed, placed, compute_dtype=compute_dtype, reduce_dtype=reduce, recompute=recompute,
+                  accumulate=accumulate)
+    ctx.loss_scale = loss_scale if compute_dtype == torch.float16 else None
+    program: Program = capture_joint(model, micro_inputs, loss_fn, compute_dtype)
     ctx.timings["capture"] = time.perf_counter() - t0
+    ctx.sync_grads = accumulate == 1
     program = run_passes(program, ctx, skip=skip_passes, debug=debug)
+    sync = None
+    if accumulate > 1:
+        from autopar.passes.state import grad_sync_program
+
+        sync = grad_sync_program(program, ctx, debug=debug)
+    ctx.sync_grads = True
     ctx.timings["total"] = time.perf_counter() - t0
     # the eval program is captured now, while the parameters are still plain tensors; its
     # passes run on the first forward call
     fwd_inputs = example_inputs[:-1] if loss_fn is not None else example_inputs
-    fwd_program = capture_forward(model, fwd_inputs)
+    fwd_program = capture_forward(model, fwd_inputs, compute_dtype)
     ctx.timings["capture_forward"] = time.perf_counter() - t0 - ctx.timings["total"]
-    forward_builder = functools.partial(run_passes, fwd_program, ctx, debug=debug, label="eval ")
-    return ParallelModule(model, ctx, program, example_inputs, loss_fn is not None, inputs, forward_builder)
+    forward_builder = functools.partial(run_passes, fwd_program, ctx, debug=debug, label="eval ",
+                                        skip=tuple(skip_passes) + ("recompute",))
+    return ParallelModule(model, ctx, program, example_inputs, loss_fn is not None, inputs, forward_builder,
+                          sync_program=sync)
 
 
 def _decorator(target, **kw):

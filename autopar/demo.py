@@ -1,7 +1,8 @@
-"""The main job: compile the built-in Llama on a 2x2 CPU mesh (4 gloo processes), train a few
-steps, and print the plan, the collectives, the losses and the bytes moved.
+"""The main job: compile the built-in Llama on a 2x2 CPU mesh (4 gloo processes; FSDP on dp,
+Megatron on tp), train a few steps, and print the plan, the collectives, the losses, the bytes
+moved and the memory each rank held.
 
-    python -m autopar.demo [--steps 5] [--dp 2] [--tp 2]
+    python -m autopar.demo [--steps 5] [--dp 2] [--tp 2] [--dp-plan fsdp]
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections import defaultdict
 import torch
 
 
-def demo_job(axes: dict, steps: int) -> str:
+def demo_job(axes: dict, steps: int, dp_plan: str = "fsdp") -> str:
     import autopar
     from autopar.models.llama import Llama, LlamaConfig, cross_entropy
 
@@ -24,18 +25,22 @@ def demo_job(axes: dict, steps: int) -> str:
     g = torch.Generator().manual_seed(1)
     tokens = [torch.randint(0, cfg.vocab_size, (8, 32), generator=g) for _ in range(steps)]
     data = [(x, torch.roll(x, -1, dims=1)) for x in tokens]
-    plan = {"dp": "ddp", "tp": "megatron"}
-    plan = {a: plan.get(a, "ddp") for a in axes}
+    plan = {"dp": dp_plan, "tp": "megatron"}
+    plan = {a: plan.get(a, dp_plan) for a in axes}
     t0 = time.perf_counter()
     pm = autopar.compile(model, mesh, example_inputs=data[0], loss_fn=cross_entropy, plan=plan)
     compile_s = time.perf_counter() - t0
     opt = torch.optim.AdamW(pm.parameters(), lr=3e-3)
     losses, times = [], []
     pm.counter.reset()
-    for x, y in data:
+    for i, (x, y) in enumerate(data):
+        if i == len(data) - 1:
+            pm.track_memory()  # measure the last step (tracking runs node by node: slower)
         t = time.perf_counter()
         loss = pm.train_step(x, y)
         opt.step()
+        if i == len(data) - 1:
+            mem = pm.memory_report(opt)
         opt.zero_grad()
         times.append(time.perf_counter() - t)
         losses.append(loss.item())
@@ -46,6 +51,7 @@ def demo_job(axes: dict, steps: int) -> str:
     groups: dict[tuple, list] = defaultdict(list)
     for r in pm.collectives():
         why = ("gradient sync" if r.reason.startswith("gradient of") else
+               r.reason.split(":")[0] + " parameter gather" if r.reason.startswith("ZeRO") else
                "inside rule: " + r.reason.split(": ", 1)[1] if r.reason.startswith("inside rule") else
                "activation " + r.reason.split(" for ")[0])
         groups[(r.phase, r.kind, r.axis, why)].append(r)
@@ -56,7 +62,13 @@ def demo_job(axes: dict, steps: int) -> str:
                    f"{why}  [{rs[0].source.split('  ')[0]}]")
     out += ["", "training:"]
     for i, (l, t) in enumerate(zip(losses, times)):
-        out.append(f"  step {i}: loss {l:.4f}  ({t * 1000:.0f} ms)")
+        out.append(f"  step {i}: loss {l:.4f}  ({t * 1000:.0f} ms{', memory tracked' if i == steps - 1 else ''})")
+    out += ["", "memory on rank 0, measured (bytes):",
+            f"  stored: parameters {mem['parameters']:,}  gradients {mem['gradients']:,}  "
+            f"optimizer state {mem['optimizer_state']:,}",
+            f"  step peak {mem['step_peak']:,}: program peak {mem['program_peak']:,} = gathered parameters "
+            f"{mem['peak_param_copies']:,} + gradients in flight {mem['peak_grads_in_flight']:,} + activations "
+            f"{mem['peak_activations']:,}", f"  FLOPs per step on this rank: {mem['flops_per_step']:,.0f}"]
     predicted = {k: v * steps for k, v in pm.predicted_bytes().items()}
     out += ["", f"bytes sent per rank over {steps} steps (ring model), predicted by the compiler vs counted at run time:"]
     for k, v in pm.counter.summary().items():
@@ -70,6 +82,7 @@ def main(argv=None):
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--dp-plan", default="fsdp", choices=["ddp", "zero1", "zero2", "zero3", "fsdp"])
     args = ap.parse_args(argv)
     from autopar.testing import DistPool
 
@@ -80,7 +93,7 @@ def main(argv=None):
     print(f"autopar demo: spawning {world} gloo processes on this machine...", flush=True)
     pool = DistPool(world)
     try:
-        text, losses, data = pool.run(demo_job, axes, args.steps)
+        text, losses, data = pool.run(demo_job, axes, args.steps, args.dp_plan)
     finally:
         pool.close()
     print(text)

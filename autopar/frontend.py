@@ -33,17 +33,34 @@ from autopar.ir import Program
 
 
 class _WithLoss(nn.Module):
-    """model + loss as one module: ``loss_fn(model(*inputs[:-1]), inputs[-1])``."""
+    """model + loss as one module: ``loss_fn(model(*inputs[:-1]), inputs[-1])``.
 
-    def __init__(self, model: nn.Module, loss_fn: Callable | None):
+    With a ``compute_dtype`` (mixed precision), every floating-point parameter is cast to it
+    at the top of the step, so the traced graph computes in that dtype from fp32 master
+    parameters (the backward of the cast turns each gradient back into fp32), and the model's
+    output is cast to fp32 before the loss (as Megatron-LM computes its cross-entropy).
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: Callable | None, compute_dtype: torch.dtype | None = None):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.compute_dtype = compute_dtype
+
+    def _model(self, *inputs):
+        if self.compute_dtype is None:
+            return _unwrap_output(self.model(*inputs))
+        cast = {n: (p.to(self.compute_dtype) if p.is_floating_point() else p)
+                for n, p in self.model.named_parameters()}
+        out = _unwrap_output(torch.func.functional_call(self.model, cast, inputs))
+        if self.loss_fn is not None and isinstance(out, torch.Tensor) and out.is_floating_point():
+            out = out.float()
+        return out
 
     def forward(self, *inputs):
         if self.loss_fn is None:
-            return _unwrap_output(self.model(*inputs))
-        return self.loss_fn(_unwrap_output(self.model(*inputs[:-1])), inputs[-1])
+            return self._model(*inputs)
+        return self.loss_fn(self._model(*inputs[:-1]), inputs[-1])
 
 
 def _unwrap_output(out):
@@ -62,9 +79,10 @@ def _tensor_names(module: nn.Module) -> dict[int, tuple[str, str]]:
     return names
 
 
-def capture_joint(model: nn.Module, example_inputs: tuple, loss_fn: Callable | None) -> Program:
+def capture_joint(model: nn.Module, example_inputs: tuple, loss_fn: Callable | None,
+                  compute_dtype: torch.dtype | None = None) -> Program:
     """Trace model (+loss) into the joint graph. Parameter names are the user's names."""
-    wrapper = _WithLoss(model, loss_fn)
+    wrapper = _WithLoss(model, loss_fn, compute_dtype)
     ids = _tensor_names(model)
     try:
         from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
@@ -147,21 +165,12 @@ def _get_attr(gm: nn.Module, target: str):
 _ASSERTS = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default}
 
 
-def capture_forward(model: nn.Module, example_inputs: tuple) -> Program:
+def capture_forward(model: nn.Module, example_inputs: tuple, compute_dtype: torch.dtype | None = None) -> Program:
     """Forward-only (eval) program via torch.export; outputs are the model's tensors."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-
-            class _Fwd(nn.Module):
-                def __init__(self, m):
-                    super().__init__()
-                    self.model = m
-
-                def forward(self, *xs):
-                    return _unwrap_output(self.model(*xs))
-
-            ep = torch.export.export(_Fwd(model), tuple(example_inputs), strict=False)
+            ep = torch.export.export(_WithLoss(model, None, compute_dtype), tuple(example_inputs), strict=False)
             ep = ep.run_decompositions()  # core ATen: the ops DTensor and our rules know
     except Exception as e:  # noqa: BLE001
         raise CaptureError(f"could not export the model's forward: {type(e).__name__}: {e}",

@@ -161,7 +161,7 @@ def check_invariants(graph: fx.Graph, stage: str) -> None:
     for n in graph.nodes:
         if n.op == "output":
             continue
-        if stage in ("propagate", "collectives"):
+        if stage in ("propagate", "recompute", "state", "collectives"):
             if "autopar" not in n.meta:
                 raise AssertionError(f"after {stage}: node {n.name} has no ShardSpec")
             spec = n.meta["autopar"]

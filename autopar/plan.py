@@ -41,8 +41,18 @@ MEGATRON: list[tuple[str, Placement]] = (
     + [(g, R) for g in _REPLICATED_OK]
 )
 
-DATA_PARALLEL = {"ddp"}
-PRESETS: dict[str, list[tuple[str, Placement]]] = {"ddp": [("*", R)], "megatron": MEGATRON}
+# Data-parallel strategies: every parameter is replicated for compute; they differ in what each
+# rank STORES (the parameter placements the optimizer sees) and when gradients are reduced.
+#   ddp    parameters, gradients and optimizer state whole on every rank; gradients all-reduced
+#   zero1  parameters (hence optimizer state) stored sharded; gathered once per step; gradients
+#          held whole until the end of backward, then reduce-scattered
+#   zero2  as zero1, but each gradient is reduce-scattered as soon as it is complete
+#   zero3  parameters gathered just before their forward use and again before their backward
+#          use, freed in between; gradients reduce-scattered as produced ("fsdp" is the same)
+ZERO_LEVEL = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
+DATA_PARALLEL = set(ZERO_LEVEL)
+PRESETS: dict[str, list[tuple[str, Placement]]] = {
+    **{s: [("*", R)] for s in ZERO_LEVEL}, "megatron": MEGATRON}
 
 
 def parse_placement(p, where: str) -> Placement:
@@ -66,6 +76,11 @@ class AxisPlan:
     rules: list[tuple[str, Placement]]
     data_parallel: bool
 
+    @property
+    def zero(self) -> int:
+        """ZeRO stage of a data-parallel axis (0 for ddp and for non-data-parallel axes)."""
+        return ZERO_LEVEL.get(self.strategy, 0)
+
 
 @dataclass
 class Plan:
@@ -74,6 +89,10 @@ class Plan:
 
     def describe(self) -> str:
         return ", ".join(f"{a.axis}={a.strategy}" for a in self.axes)
+
+    @property
+    def zero(self) -> int:
+        return max((a.zero for a in self.axes), default=0)
 
 
 def parse_plan(plan, axis_names: tuple[str, ...]) -> Plan:
@@ -117,8 +136,10 @@ def parse_plan(plan, axis_names: tuple[str, ...]) -> Plan:
 
 @dataclass
 class Placed:
-    placements: dict[str, tuple[Placement, ...]]
+    placements: dict[str, tuple[Placement, ...]]  # how each parameter is STORED (what the optimizer sees)
     unplaced: dict[str, list[str]]  # axis -> parameter names no rule recognised (replicated)
+    compute: dict[str, tuple[Placement, ...]] = field(default_factory=dict)  # how the program uses it
+    unsharded: dict[str, list[str]] = field(default_factory=dict)  # zero axis -> params kept whole
 
 
 def place_parameters(plan: Plan, params: dict[str, torch.Tensor], axis_sizes) -> Placed:
@@ -143,7 +164,32 @@ def place_parameters(plan: Plan, params: dict[str, torch.Tensor], axis_sizes) ->
                         f"or add a rule {{'{name}': {{'{ap.axis}': 'R'}}}} to plan['rules']")
                 hit = Shard(d)
             out[name].append(hit)
-    return Placed({n: tuple(p) for n, p in out.items()}, unplaced)
+    compute = {n: tuple(p) for n, p in out.items()}
+    storage, unsharded = _shard_state(plan, params, compute, axis_sizes)
+    return Placed(storage, unplaced, compute, unsharded)
+
+
+def _shard_state(plan: Plan, params, compute, axis_sizes):
+    """Storage placements on ZeRO axes: each parameter sharded along a dim the other axes do
+    not shard (dim 0 first), so gathering on the ZeRO axis gives back the compute layout.
+    A parameter with no such divisible dim stays whole on that axis (listed in the report)."""
+    storage = dict(compute)
+    unsharded: dict[str, list[str]] = {}
+    for i, ap in enumerate(plan.axes):
+        if ap.zero == 0 or axis_sizes[i] == 1:
+            continue
+        for name, t in params.items():
+            pl = list(storage[name])
+            if not isinstance(pl[i], Replicate):
+                continue
+            taken = {p.dim for p in pl if isinstance(p, Shard)}
+            dims = [d for d in range(t.ndim) if d not in taken and t.shape[d] % axis_sizes[i] == 0]
+            if not dims:
+                unsharded.setdefault(ap.axis, []).append(name)
+                continue
+            pl[i] = Shard(dims[0])
+            storage[name] = tuple(pl)
+    return storage, unsharded
 
 
 def _first_match(rules, name: str):

@@ -16,14 +16,14 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
-import torch.nn as nn
+from torch import fx, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Shard
 
 from autopar.errors import InputError
-from autopar.ir import CommRecord, bytes_by_collective, fmt_placements, ring_bytes
+from autopar.ir import CommRecord, bytes_by_collective, fmt_dtype, fmt_placements, ring_bytes
+from autopar.memory import MemoryTracker, categorize, optimizer_state_bytes, tensor_bytes
 from autopar.passes.localize import COLLECTIVES
 
 
@@ -69,7 +69,8 @@ def instrument(gm: fx.GraphModule, counter: CommCounter, ctx) -> fx.GraphModule:
 class ParallelModule:
     """The compiled program. ``parameters()`` are DTensors; ``train_step`` runs fwd+bwd."""
 
-    def __init__(self, module: nn.Module, ctx, program, example_inputs, has_loss, inputs, forward_builder):
+    def __init__(self, module: nn.Module, ctx, program, example_inputs, has_loss, inputs, forward_builder,
+                 sync_program=None):
         self.module = module
         self.ctx = ctx
         self.mesh = ctx.mesh
@@ -82,6 +83,14 @@ class ParallelModule:
         self._forward_program = None
         self._distribute_parameters()
         self._gm = instrument(program.local, self.counter, ctx)
+        self.sync_program = sync_program  # accumulate=K: reduces the summed gradients once per step
+        self._sync_gm = instrument(sync_program.local, self.counter, ctx) if sync_program is not None else None
+        self.accumulate = ctx.accumulate
+        # fp16: dynamic loss scaling (torch.amp.GradScaler's constants)
+        self.loss_scale = (65536.0 if ctx.loss_scale == "dynamic" else float(ctx.loss_scale)) if ctx.loss_scale else None
+        self._growth_tracker = 0
+        self.skipped_steps = 0
+        self.memory: MemoryTracker | None = None
         self._loss_dtype = next((n.meta["val"].dtype for n in program.graph.nodes if n.op == "placeholder"
                                  and n.meta.get("autopar_role", ("",))[0] == "tangent"), torch.float32)
         self.steps = 0
@@ -158,22 +167,94 @@ class ParallelModule:
 
     # ---------------------------------------------------------------- running
     def train_step(self, *inputs) -> torch.Tensor:
-        """Forward + backward on the global batch; gradients land on ``parameters()``."""
+        """Forward + backward on the global batch; gradients land on ``parameters()``.
+
+        With ``accumulate=K`` the batch runs as K micro-batches whose gradients are summed
+        locally and synchronised once; the loss returned is the mean of the micro-batch losses.
+        With fp16 dynamic loss scaling, a step whose gradients overflow leaves ``.grad`` untouched
+        (so ``optimizer.step()`` changes nothing), halves the scale and counts ``skipped_steps``.
+        """
         local = self._local_inputs(inputs, len(self.example_shapes))
-        tangent = torch.ones((), dtype=self._loss_dtype, device=self.ctx.device)
-        outs = self._gm(*self._args(self.program, local, (tangent,)))
+        k = self.accumulate
+        scale = self.loss_scale or 1.0
+        tangent = torch.full((), scale / k, dtype=self._loss_dtype, device=self.ctx.device)
+        micro = [[torch.chunk(x, k, dim=0)[i] for x in local] for i in range(k)] if k > 1 else [local]
+        losses, acc = [], None
+        for mb in micro:
+            outs = self._run(self._gm, self.program, self._args(self.program, mb, (tangent,)))
+            grads = [o for (kind, _), o in zip(self.program.outputs, outs) if kind == "grad"]
+            losses += [o for (kind, _), o in zip(self.program.outputs, outs) if kind == "loss"]
+            acc = grads if acc is None else [a.add_(g) if a is not None else g for a, g in zip(acc, grads)]
+            del outs, grads
+        names = [what for kind, what in self.program.outputs if kind == "grad"]
+        if self._sync_gm is not None:
+            acc = list(self._run(self._sync_gm, self.sync_program, [a.contiguous() for a in acc]))
+            names = [what for _, what in self.sync_program.outputs]
+        if self.loss_scale is not None and not self._unscale(acc, scale):
+            return (sum(losses) / len(losses)).detach()
         params = dict(self.module.named_parameters())
-        loss = None
-        for (kind, what), o in zip(self.program.outputs, outs):
-            if kind == "loss":
-                loss = o
-            elif kind == "grad" and o is not None:
-                p = params[what]
-                g = DTensor(o.detach(), DTensorSpec(self.mesh, p.placements, TensorMeta(p.shape, p.stride(), p.dtype)),
-                            requires_grad=False)
-                p.grad = g if p.grad is None else p.grad + g
+        for name, o in zip(names, acc):
+            if o is None:
+                continue
+            p = params[name]
+            g = DTensor(o.detach(), DTensorSpec(self.mesh, p.placements, TensorMeta(p.shape, p.stride(), p.dtype)),
+                        requires_grad=False)
+            p.grad = g if p.grad is None else p.grad + g
         self.steps += 1
-        return loss.detach()
+        return (sum(losses) / len(losses)).detach()
+
+    def _run(self, gm, program, args):
+        if self.memory is None:
+            return gm(*args)
+        if not hasattr(program, "_categories"):
+            program._categories = categorize(gm, program.inputs, program.outputs)
+            placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+            program._persistent = {n for n, (kind, _) in zip(placeholders, program.inputs) if kind == "param"}
+        return self.memory.run(gm, args, program._categories, program._persistent)
+
+    def _unscale(self, grads, scale: float) -> bool:
+        """fp16: divide by the loss scale; on inf/NaN anywhere (any rank) skip and back off."""
+        found = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        for g in grads:
+            if g is not None:
+                g.div_(scale)
+                found = torch.maximum(found, (~torch.isfinite(g)).any().float())
+        if dist.get_world_size() > 1:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+            key = ("all_reduce", "world")
+            self.counter.calls[key] += 1
+            self.counter.payload[key] += 4
+            self.counter.wire[key] += ring_bytes("all_reduce", 4, dist.get_world_size())
+        if found.item() > 0:
+            self.loss_scale = max(scale * 0.5, 1.0)
+            self._growth_tracker = 0
+            self.skipped_steps += 1
+            return False
+        self._growth_tracker += 1
+        if self.ctx.loss_scale == "dynamic" and self._growth_tracker >= 2000:
+            self.loss_scale, self._growth_tracker = scale * 2.0, 0
+        return True
+
+    # ---------------------------------------------------------------- memory
+    def track_memory(self, on: bool = True) -> None:
+        """Measure per-rank memory (and FLOPs) on the following steps; see ``memory_report``."""
+        self.memory = MemoryTracker() if on else None
+
+    def memory_report(self, optimizer=None) -> dict:
+        """Bytes this rank holds, measured: persistent state plus the program's peak over the
+        tracked steps. ``optimizer``: include its state (exp_avg, exp_avg_sq...)."""
+        params = tensor_bytes(p for p in self.module.parameters())
+        grads = tensor_bytes(p.grad for p in self.module.parameters())
+        opt = optimizer_state_bytes(optimizer)
+        m = self.memory or MemoryTracker()
+        out = {"parameters": params, "gradients": grads, "optimizer_state": opt,
+               "program_peak": m.program_peak, **{f"peak_{k}": v for k, v in m.at_peak.items()},
+               **{f"max_{k}": v for k, v in m.max_by.items()},
+               "model_states_peak": params + opt + m.model_state_peak, "flops_per_step": m.flops / max(1, self.steps)}
+        out["step_peak"] = params + opt + m.program_peak
+        if self.ctx.device.type == "cuda":
+            out["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.ctx.device)
+        return out
 
     def __call__(self, *inputs):
         """Forward only (eval): returns the model's output, replicated on every rank."""
@@ -191,20 +272,32 @@ class ParallelModule:
     # ---------------------------------------------------------------- visibility
     def collectives(self, program=None) -> list[CommRecord]:
         """Every collective in the per-rank training program, in execution order."""
-        gm = (program or self.program).local
-        return [n.meta["autopar_comm"] for n in gm.graph.nodes if "autopar_comm" in n.meta]
+        programs = [program] if program is not None else [self.program] * self.accumulate + (
+            [self.sync_program] if self.sync_program is not None else [])
+        recs = [n.meta["autopar_comm"] for p in programs for n in p.local.graph.nodes if "autopar_comm" in n.meta]
+        if program is None and self.loss_scale is not None and dist.get_world_size() > 1:
+            recs.append(CommRecord("all_reduce", "world", dist.get_world_size(), 4,
+                                   "fp16 loss scaling: did any rank's gradients overflow?", "", "backward"))
+        return recs
 
     def predicted_bytes(self) -> dict[str, float]:
         """Bytes per rank per step the compiler predicts, keyed like ``counter.summary()``."""
         return bytes_by_collective(self.collectives())
 
-    def report(self) -> str:
+    def report(self, optimizer=None) -> str:
         ctx = self.ctx
+        opts = [f"precision {fmt_dtype(ctx.compute_dtype or torch.float32)}"]
+        if ctx.compute_dtype is not None:
+            opts.append(f"gradients reduced in {fmt_dtype(ctx.reduce_dtype)}")
+        if self.loss_scale is not None:
+            opts.append(f"loss scale {self.loss_scale:g} ({self.skipped_steps} steps skipped)")
+        opts += [f"accumulate {ctx.accumulate}", f"recompute {ctx.recompute}"
+                 + (f" ({self.program.recomputed} values recomputed)" if getattr(self.program, "recomputed", 0) else "")]
         lines = [f"autopar program on mesh {dict(zip(ctx.axis_names, ctx.axis_sizes))}, rank coord {ctx.coord}",
-                 f"plan: {ctx.plan.describe()}", "", "parameters:"]
+                 f"plan: {ctx.plan.describe()}; " + ", ".join(opts), "", "parameters (as stored):"]
         for name, p in self.module.named_parameters():
             local = p.to_local().shape if isinstance(p, DTensor) else p.shape
-            lines.append(f"  {name:48s} {str(list(p.shape)):>14s} {fmt_placements(p.placements):>12s}"
+            lines.append(f"  {name:48s} {list(p.shape)!s:>14s} {fmt_placements(p.placements):>12s}"
                          f" local {list(local)}")
         for axis, names in ctx.placed.unplaced.items():
             lines.append(f"  note: the {axis} strategy did not recognise {len(names)} parameter(s), replicated: "
@@ -222,5 +315,17 @@ class ParallelModule:
         if self.counter.calls:
             lines.append("measured (counted at the collectives, since start): " + ", ".join(
                 f"{k}={v['wire_bytes']:,.0f}" for k, v in self.counter.summary().items()))
+        for axis, names in ctx.placed.unsharded.items():
+            lines.append(f"  note: {len(names)} parameter(s) have no dim divisible by '{axis}' and are stored whole: "
+                         + ", ".join(names))
+        if self.memory is not None:
+            m = self.memory_report(optimizer)
+            lines += ["", "memory on this rank (measured on the tensors held; bytes):",
+                      f"  parameters {m['parameters']:,}  gradients {m['gradients']:,}  "
+                      f"optimizer state {m['optimizer_state']:,}" + ("" if optimizer else " (pass the optimizer)"),
+                      f"  step peak {m['step_peak']:,} = parameters + optimizer state + program peak "
+                      f"{m['program_peak']:,} (parameter copies {m['peak_param_copies']:,}, gradients in flight "
+                      f"{m['peak_grads_in_flight']:,}, activations {m['peak_activations']:,})",
+                      f"  FLOPs per step {m['flops_per_step']:,.0f}"]
         lines.append("compile time: " + ", ".join(f"{k} {v:.2f}s" for k, v in ctx.timings.items()))
         return "\n".join(lines)

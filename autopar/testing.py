@@ -151,11 +151,16 @@ def build_model(name: str, seed: int = 0):
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed + 1)
     vocab = 256
+    seq = 16
     if name in ("llama", "gpt"):
         from autopar.models.llama import Llama, LlamaConfig, cross_entropy
 
         cfg = LlamaConfig(mlp="swiglu" if name == "llama" else "gelu", n_kv_heads=2 if name == "llama" else 4)
         model, loss_fn = Llama(cfg), cross_entropy
+    elif name == "llama_deep":  # 8 layers, longer sequences: activations dominate (recompute tests)
+        from autopar.models.llama import Llama, LlamaConfig, cross_entropy
+
+        model, loss_fn, seq = Llama(LlamaConfig(n_layers=8, max_seq_len=128)), cross_entropy, 128
     elif name == "hf_llama":
         from transformers import LlamaConfig as HFConfig
         from transformers import LlamaForCausalLM
@@ -173,8 +178,8 @@ def build_model(name: str, seed: int = 0):
         raise ValueError(f"unknown test model {name!r}")
     batches = []
     for _ in range(3):
-        x = torch.randint(1, vocab, (4, 16), generator=g)
-        y = torch.randint(0, vocab, (4, 16), generator=g)
+        x = torch.randint(1, vocab, (4, seq), generator=g)
+        y = torch.randint(0, vocab, (4, seq), generator=g)
         if name == "ce_rules":  # ignored targets only in the first rows: ranks count differently
             y[:2, : 11] = -100
             x[:, 5] = 3  # the padding row
@@ -184,17 +189,30 @@ def build_model(name: str, seed: int = 0):
     return model, batches, loss_fn
 
 
-def reference_run(name: str, steps: int = 3, lr: float = 1e-2):
-    model, batches, loss_fn = build_model(name)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    from autopar.frontend import _unwrap_output
+FP16_TEST_SCALE = 1024.0
 
+
+def reference_run(name: str, steps: int = 3, lr: float = 1e-2, precision: str = "fp32"):
+    """One process, eager PyTorch: the same model, data and optimizer. Under bf16/fp16 the
+    parameters are cast to the compute dtype for the step (fp32 master weights and AdamW), as
+    autopar's front end does; fp16 scales the loss by ``FP16_TEST_SCALE`` and unscales the
+    gradients (compile the fp16 side with ``loss_scale=FP16_TEST_SCALE``: a fixed scale, so both
+    sides step on the same steps)."""
+    from autopar.frontend import _WithLoss
+
+    model, batches, loss_fn = build_model(name)
+    dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    step_fn = _WithLoss(model, loss_fn, dtype)
+    scale = FP16_TEST_SCALE if precision == "fp16" else 1.0
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses, grads = [], []
     for i in range(steps):
         x, y = batches[i % len(batches)]
-        loss = loss_fn(_unwrap_output(model(x)), y)
-        loss.backward()
+        loss = step_fn(x, y)
+        (loss * scale).backward()
         losses.append(loss.item())
+        for p in model.parameters():
+            p.grad.div_(scale)
         grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
@@ -202,28 +220,36 @@ def reference_run(name: str, steps: int = 3, lr: float = 1e-2):
     return {"losses": losses, "grads": grads, "params": params}
 
 
-def parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: float = 1e-2):
-    """Runs on every rank of a pool: compile, train ``steps`` AdamW steps, gather everything."""
+def parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: float = 1e-2, **options):
+    """Runs on every rank of a pool: compile, train ``steps`` AdamW steps, gather everything.
+    ``options`` go to autopar.compile (precision, accumulate, recompute...)."""
     import autopar
 
     mesh = autopar.mesh(**axes)
     model, batches, loss_fn = build_model(name)
-    pm = autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn, plan=plan, debug=True)
+    pm = autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn, plan=plan, debug=True,
+                         **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=lr)
     losses, grads = [], []
     pm.counter.reset()
+    pm.track_memory()
     for i in range(steps):
         loss = pm.train_step(*batches[i % len(batches)])
         losses.append(loss.item())
-        grads.append({n: p.grad.full_tensor().detach() for n, p in pm.named_parameters()})
+        grads.append({n: p.grad.full_tensor().detach() if p.grad is not None else None
+                      for n, p in pm.named_parameters()})
         opt.step()
+        if i == steps - 1:
+            memory = pm.memory_report(opt)
         opt.zero_grad()
     params = {n: p.detach().full_tensor() for n, p in pm.named_parameters()}
     measured = pm.counter.summary()
     evaluated = pm(batches[0][0])
     records = [copy.copy(r) for r in pm.collectives()]
     return {"losses": losses, "grads": grads, "params": params, "records": records,
-            "measured": measured, "steps": steps, "eval": evaluated,
+            "measured": measured, "steps": steps, "eval": evaluated, "memory": memory,
+            "placements": {n: str(p.placements) for n, p in pm.named_parameters()},
+            "skipped": pm.skipped_steps,
             "rules": sorted({n.meta["autopar_rule"].name for n in pm.program.graph.nodes
                              if "autopar_rule" in n.meta}),
             }
@@ -271,11 +297,11 @@ def api_job():
     return out
 
 
-def verify_job(plan: dict, axes: dict):
+def verify_job(plan: dict, axes: dict, **options):
     """autopar.verify on the built-in Llama; returns the report (rank 0)."""
     import autopar
 
     model, batches, loss_fn = build_model("llama")
     report = autopar.verify(model, autopar.mesh(**axes), example_inputs=batches[0], loss_fn=loss_fn,
-                            plan=plan, batches=batches)
+                            plan=plan, batches=batches, **options)
     return report, str(report)

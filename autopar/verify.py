@@ -44,40 +44,53 @@ def verify(model, mesh, *, example_inputs, loss_fn=None, plan=None, batches=None
 
     ``batches``: a list of GLOBAL input tuples (default: ``example_inputs`` every step). The
     model is deep-copied for the eager run before it is compiled; call this on every rank.
-    Default tolerances are for fp32 (loss 1e-5, gradients 1e-4, parameters 10% of one lr step).
+    Default tolerances: fp32 loss 1e-5, gradients 1e-4, parameters 10% of one lr step; bf16/fp16
+    (the eager side computes in the same dtype from fp32 master weights) loss 1e-2, gradients
+    5e-2, parameters 5 lr steps. ``compile_kwargs`` (precision, accumulate, recompute...) go to
+    ``autopar.compile``; under fp16 a step the compiled program skips on overflow is skipped on
+    the eager side too.
     """
     import autopar
-    from autopar.frontend import _unwrap_output
+    from autopar.frontend import _WithLoss
 
-    tol = {"loss": 1e-5, "grad": 1e-4, "param": 0.1 * lr}
+    precision = compile_kwargs.get("precision", "fp32")
+    mixed = precision not in ("fp32", "float32", torch.float32)
+    tol = ({"loss": 1e-2, "grad": 5e-2, "param": 5 * lr} if mixed else {"loss": 1e-5, "grad": 1e-4, "param": 0.1 * lr})
     tol.update(tolerances or {})
     batches = list(batches) if batches is not None else [tuple(example_inputs)] * steps
     eager = copy.deepcopy(model)
-    opt = torch.optim.AdamW(eager.parameters(), lr=lr)
-    ref_losses, ref_grads = [], []
-    for b in batches:
-        out = _unwrap_output(eager(*b[:-1]) if loss_fn is not None else eager(*b))
-        loss = loss_fn(out, b[-1]) if loss_fn is not None else out
-        loss.backward()
-        ref_losses.append(loss.item())
-        ref_grads.append({n: p.grad.detach().clone() for n, p in eager.named_parameters()})
-        opt.step()
-        opt.zero_grad()
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=lr)
     pm = autopar.compile(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, plan=plan,
                          **compile_kwargs)
+    # the eager side computes in the same dtype from fp32 master weights, as the front end does
+    eager_step = _WithLoss(eager, loss_fn, pm.ctx.compute_dtype)
     opt = torch.optim.AdamW(pm.parameters(), lr=lr)
-    losses, grad_diffs, worst = [], [], ("", 0.0)
-    for b, ref in zip(batches, ref_grads):
+    ref_losses, losses, grad_diffs, worst = [], [], [], ("", 0.0)
+    for b in batches:
+        scale = pm.loss_scale or 1.0  # fp16: the scale this step runs with
+        skipped = pm.skipped_steps
         losses.append(pm.train_step(*b).item())
+        loss = eager_step(*b)
+        (loss * scale).backward()
+        ref_losses.append(loss.item())
+        if pm.skipped_steps > skipped:  # fp16 overflow: both sides skip the step
+            eager_opt.zero_grad()
+            grad_diffs.append(0.0)
+            continue
         step_max = 0.0
         for n, p in pm.named_parameters():
-            d = (p.grad.full_tensor().detach() - ref[n]).abs().max().item()
+            ref = eager.get_parameter(n).grad / scale
+            d = (p.grad.full_tensor().detach() - ref).abs().max().item()
             step_max = max(step_max, d)
             if d > worst[1]:
                 worst = (n, d)
         grad_diffs.append(step_max)
+        for p in eager.parameters():
+            p.grad.div_(scale)
         opt.step()
         opt.zero_grad()
+        eager_opt.step()
+        eager_opt.zero_grad()
     eager_params = dict(eager.named_parameters())
     param_diff = max((p.detach().full_tensor() - eager_params[n].detach()).abs().max().item()
                      for n, p in pm.named_parameters())

@@ -1,6 +1,9 @@
 """Parity figures for the README: every plan against one eager process, max differences.
 
-    .venv/bin/python benchmarks/parity_report.py
+    .venv/bin/python benchmarks/parity_report.py [--state]
+
+--state: the ZeRO / mixed-precision / accumulation / recompute cases (bf16 and fp16 against a
+single process in the same precision).
 """
 
 from __future__ import annotations
@@ -8,36 +11,60 @@ from __future__ import annotations
 from autopar.ir import bytes_by_collective
 from autopar.testing import DistPool, parity_job, reference_run
 
+import sys
+
 CASES = [
-    ("llama", {"dp": 2}, {"dp": "ddp"}),
-    ("llama", {"tp": 2}, {"tp": "megatron"}),
-    ("llama", {"dp": 2, "tp": 2}, {"dp": "ddp", "tp": "megatron"}),
-    ("hf_llama", {"dp": 2}, {"dp": "ddp"}),
-    ("hf_llama", {"tp": 2}, {"tp": "megatron"}),
-    ("hf_llama", {"dp": 2, "tp": 2}, {"dp": "ddp", "tp": "megatron"}),
+    ("llama", {"dp": 2}, {"dp": "ddp"}, {}),
+    ("llama", {"tp": 2}, {"tp": "megatron"}, {}),
+    ("llama", {"dp": 2, "tp": 2}, {"dp": "ddp", "tp": "megatron"}, {}),
+    ("hf_llama", {"dp": 2}, {"dp": "ddp"}, {}),
+    ("hf_llama", {"tp": 2}, {"tp": "megatron"}, {}),
+    ("hf_llama", {"dp": 2, "tp": 2}, {"dp": "ddp", "tp": "megatron"}, {}),
+]
+# ZeRO, mixed precision, accumulation, recompute (``--state``)
+STATE_CASES = [
+    ("llama", {"dp": 2}, {"dp": "zero1"}, {}),
+    ("llama", {"dp": 2}, {"dp": "zero2"}, {}),
+    ("llama", {"dp": 2}, {"dp": "zero3"}, {}),
+    ("llama", {"dp": 4}, {"dp": "zero3"}, {"recompute": "selective"}),
+    ("llama", {"dp": 2, "tp": 2}, {"dp": "fsdp", "tp": "megatron"}, {}),
+    ("llama", {"dp": 2, "tp": 2}, {"dp": "fsdp", "tp": "megatron"}, {"accumulate": 2, "recompute": "full"}),
+    ("hf_llama", {"dp": 2}, {"dp": "fsdp"}, {"accumulate": 2}),
+    ("hf_llama", {"dp": 2}, {"dp": "fsdp"}, {"recompute": "full"}),
+    ("llama", {"dp": 2}, {"dp": "ddp"}, {"precision": "bf16"}),
+    ("llama", {"dp": 2}, {"dp": "zero2"}, {"precision": "bf16"}),
+    ("llama", {"dp": 2}, {"dp": "zero3"}, {"precision": "bf16", "reduce_dtype": "fp32"}),
+    ("hf_llama", {"dp": 2}, {"dp": "fsdp"}, {"precision": "bf16", "recompute": "full"}),
+    ("llama", {"dp": 2, "tp": 2}, {"dp": "fsdp", "tp": "megatron"}, {"precision": "bf16", "accumulate": 2}),
+    ("llama", {"dp": 2}, {"dp": "ddp"}, {"precision": "fp16", "loss_scale": 1024.0, "accumulate": 2}),
+    ("llama", {"dp": 2}, {"dp": "zero3"}, {"precision": "fp16", "loss_scale": 1024.0}),
 ]
 
 
 def main():
     pools = {2: DistPool(2), 4: DistPool(4)}
     refs = {}
-    print("| model | mesh, plan | max loss diff (3 steps) | max grad diff, step 0 | max grad diff, all steps "
+    cases = STATE_CASES if "--state" in sys.argv else CASES
+    print("| model | mesh, plan, options | max loss diff (3 steps) | max grad diff, step 0 | max grad diff, all steps "
           "| max param diff after 3 AdamW steps | bytes/rank/step predicted = counted |")
     print("|---|---|---|---|---|---|---|")
     try:
-        for name, axes, plan in CASES:
-            ref = refs.setdefault(name, reference_run(name))
+        for name, axes, plan, opts in cases:
+            precision = opts.get("precision", "fp32")
+            if (name, precision) not in refs:
+                refs[(name, precision)] = reference_run(name, precision=precision)
+            ref = refs[(name, precision)]
             world = 1
             for v in axes.values():
                 world *= v
-            out = pools[world].run(parity_job, name, axes, plan)
+            out = pools[world].run(parity_job, name, axes, plan, **opts)
             dl = max(abs(a - b) for a, b in zip(ref["losses"], out["losses"]))
             dg = [max((r[k] - o[k]).abs().max().item() for k in r) for r, o in zip(ref["grads"], out["grads"])]
             dp = max((ref["params"][k] - out["params"][k]).abs().max().item() for k in ref["params"])
             pred = sum(bytes_by_collective(out["records"]).values())
             meas = sum(v["wire_bytes"] for v in out["measured"].values()) / out["steps"]
             print(f"| {name} | {' x '.join(f'{a}={n}' for a, n in axes.items())} "
-                  f"{'+'.join(plan.values())} | {dl:.1e} | {dg[0]:.1e} | {max(dg):.1e} | {dp:.1e} "
+                  f"{'+'.join(plan.values())} {' '.join(f'{k}={v}' for k, v in opts.items())} | {dl:.1e} | {dg[0]:.1e} | {max(dg):.1e} | {dp:.1e} "
                   f"| {pred:,.0f} = {meas:,.0f} |", flush=True)
     finally:
         for p in pools.values():

@@ -71,7 +71,7 @@ def collectives_pass(program: Program, ctx) -> Program:
         if wants is None:
             continue
         if n.op == "output":
-            new = [_fix(graph, o, w, n, ctx, cache, _output_reason(role))
+            new = [_fix(graph, o, w, n, ctx, cache, _output_reason(role), before=_grad_point(o, n, role, ctx))
                    if isinstance(o, fx.Node) and w is not None else o
                    for o, w, role in zip(n.args[0], wants, program.outputs)]
             n.args = (type(n.args[0])(new),)
@@ -91,6 +91,14 @@ def collectives_pass(program: Program, ctx) -> Program:
     return program
 
 
+def _grad_point(o: fx.Node, out: fx.Node, role, ctx) -> fx.Node:
+    """Where a gradient's reduction goes: right after the gradient is complete (so it can be
+    freed, or overlapped), except under ZeRO-1, which holds gradients whole until the end."""
+    if role[0] != "grad" or ctx.plan.zero == 1 or o.op == "placeholder":
+        return out
+    return o.next
+
+
 def _output_reason(role) -> str:
     kind, what = role
     if kind == "grad":
@@ -98,11 +106,14 @@ def _output_reason(role) -> str:
     return f"program {kind} {what} replicated"
 
 
-def _fix(graph, a: fx.Node, want, consumer: fx.Node, ctx, cache, reason) -> fx.Node:
+def _fix(graph, a: fx.Node, want, consumer: fx.Node, ctx, cache, reason, before=None) -> fx.Node:
     have = spec_of(a)
     if have is None or tuple(have.placements) == tuple(want):
         return a
-    key = (a, tuple(want))
+    # under recompute="full" a recomputed op gets its own copy of a communicated value (the
+    # forward's copy is freed after the forward: only block inputs are kept); "selective" keeps
+    # communicated values like other expensive ones and reuses the forward's copy
+    key = (a, tuple(want), ctx.recompute == "full" and bool(consumer.meta.get("autopar_recomputed")))
     if key in cache:
         return cache[key]
     if reason is None:
@@ -110,14 +121,24 @@ def _fix(graph, a: fx.Node, want, consumer: fx.Node, ctx, cache, reason) -> fx.N
                   f"{getattr(consumer.target, '__name__', consumer.target)} ({consumer.name})")
     src = source_line(consumer) or source_line(a)
     phase = phase_of(consumer) if consumer.op != "output" else "backward" if "gradient" in reason else "forward"
-    with graph.inserting_before(consumer):
+    r = insert_redistribute(graph, a, want, before or consumer, ctx, reason, phase, src,
+                            stack=consumer.meta.get("stack_trace"))
+    cache[key] = r
+    return r
+
+
+def insert_redistribute(graph, a: fx.Node, want, before: fx.Node, ctx, reason: str, phase: str,
+                        src: str = "", stack: str | None = None) -> fx.Node:
+    """A ``redistribute`` marker moving ``a`` to ``want``, inserted before ``before``."""
+    have = spec_of(a)
+    src = src or source_line(before) or source_line(a)
+    with graph.inserting_before(before):
         r = graph.call_function(redistribute, (a, tuple(have.placements), tuple(want)))
     r.meta["val"] = a.meta["val"]
     r.meta["autopar"] = ShardSpec(tuple(want), have.shape, have.dtype)
-    r.meta["stack_trace"] = consumer.meta.get("stack_trace") or a.meta.get("stack_trace")
+    r.meta["stack_trace"] = stack or a.meta.get("stack_trace") or before.meta.get("stack_trace")
     r.meta["partitioner_tag"] = "is_backward" if phase == "backward" else "is_forward"
     r.meta["autopar_reason"] = reason
     r.meta["autopar_producer"] = source_line(a)
     r.meta["autopar_comm"] = predict_records(have, want, ctx, reason, src, phase, source_line(a))
-    cache[key] = r
     return r

@@ -150,12 +150,12 @@ def apply_redistribute(x: torch.Tensor, src, dst, spec, ctx) -> torch.Tensor:
             d = p.dim
             g = c10d.wait_tensor(c10d.all_gather_into_tensor(x.contiguous(), n, group))
             x = g if d == 0 else torch.cat(torch.chunk(g, n, dim=0), dim=d)
-            if isinstance(q, Shard):
-                x = torch.chunk(x, n, dim=q.dim)[ctx.coord[a]]
+            if isinstance(q, Shard):  # a copy: a view would keep the whole gathered tensor alive
+                x = torch.chunk(x, n, dim=q.dim)[ctx.coord[a]].clone(memory_format=torch.contiguous_format)
             elif isinstance(q, Partial):
                 x = x if ctx.coord[a] == 0 else torch.zeros_like(x)
         elif isinstance(p, Replicate) and isinstance(q, Shard):
-            x = torch.chunk(x, n, dim=q.dim)[ctx.coord[a]].contiguous()
+            x = torch.chunk(x, n, dim=q.dim)[ctx.coord[a]].clone(memory_format=torch.contiguous_format)
         elif isinstance(p, Replicate) and isinstance(q, Partial):
             x = x if ctx.coord[a] == 0 else torch.zeros_like(x)
         else:

@@ -59,12 +59,12 @@ def references():
     """Single-process runs, computed once per model."""
     from autopar.testing import reference_run
 
-    cache: dict[str, dict] = {}
+    cache: dict[tuple, dict] = {}
 
-    def get(name: str) -> dict:
-        if name not in cache:
+    def get(name: str, precision: str = "fp32") -> dict:
+        if (name, precision) not in cache:
             torch.set_num_threads(1)
-            cache[name] = reference_run(name)
-        return cache[name]
+            cache[(name, precision)] = reference_run(name, precision=precision)
+        return cache[(name, precision)]
 
     return get

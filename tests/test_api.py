@@ -24,3 +24,14 @@ def test_verify_is_a_user_facing_check(pools):
     assert report.ok, text
     assert len(report.max_grad_diff) == 3 and text.startswith("autopar.verify: OK")
     assert 0 < max(report.max_grad_diff) < 1e-4  # real figures, not zeros: the runs did differ in order
+
+
+def test_verify_in_mixed_precision(pools):
+    """verify compares against eager in the same precision; dynamic fp16 skips are mirrored."""
+    from autopar.testing import verify_job
+
+    report, text = pools(2).run(verify_job, {"dp": "zero3"}, {"dp": 2}, precision="bf16", recompute="full")
+    assert report.ok, text
+    assert 0 < max(report.max_grad_diff) < 5e-2
+    report, text = pools(2).run(verify_job, {"dp": "zero2"}, {"dp": 2}, precision="fp16")
+    assert report.ok, text

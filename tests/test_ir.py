@@ -62,7 +62,7 @@ def test_passes_can_be_switched_off(fake):
     from autopar.passes import PASSES, run_passes
     from autopar.plan import parse_plan, place_parameters
 
-    assert [name for name, _ in PASSES] == ["propagate", "collectives", "localize"]
+    assert [name for name, _ in PASSES] == ["propagate", "recompute", "state", "collectives", "localize"]
     torch.manual_seed(0)
     model = Llama(LlamaConfig(n_layers=1))
     x = torch.randint(0, 256, (4, 8))
@@ -74,7 +74,7 @@ def test_passes_can_be_switched_off(fake):
             return [n for n in prog.graph.nodes if n.target is redistribute]
 
         only_propagate = run_passes(capture_joint(model, (x, x), cross_entropy), ctx,
-                                    skip=("collectives", "localize"), debug=True)
+                                    skip=("recompute", "state", "collectives", "localize"), debug=True)
         assert not markers(only_propagate) and not hasattr(only_propagate, "local")
         assert set(ctx.timings) == {"propagate"}
         no_localize = run_passes(capture_joint(model, (x, x), cross_entropy), ctx, skip=("localize",), debug=True)

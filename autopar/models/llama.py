@@ -144,8 +144,8 @@ class Llama(nn.Module):
 
     def forward(self, tokens):
         s = tokens.shape[1]
-        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
         x = self.embed_tokens(tokens)
+        cos, sin = self.rope_cos[:s].to(x.dtype), self.rope_sin[:s].to(x.dtype)  # bf16 under mixed precision
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))

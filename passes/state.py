@@ -1,0 +1,160 @@
+"""state: where parameters and gradients live, and in which dtype (after propagate).
+
+``propagate`` sees every parameter in its COMPUTE layout (replicated on data-parallel axes).
+This pass applies the plan's STORAGE layout (``Placed.placements``; sharded on ZeRO axes):
+
+- a parameter placeholder takes its storage placements; its mixed-precision cast (if any) runs
+  on the shard, just before its first use, so only the compute-dtype copy is communicated;
+- one ``redistribute`` marker gathers it back to the compute layout: before its first use
+  under ZeRO-1/2 (the gathered copy then serves forward and backward), and separately for its
+  forward users and its backward users under ZeRO-3 (``recompute`` gave the backward its own
+  view/cast chain, so the forward copy is freed after the forward);
+- gradients leave the program in the storage layout (``Context.output_placements``): a
+  reduce-scatter on ZeRO axes, an all-reduce under DDP; with ``reduce_dtype`` equal to the
+  compute dtype, the reduction runs before the cast back to fp32 (half the bytes).
+
+When gradients are not synchronised (micro-batches before the last one under
+``accumulate=K``), gradients leave as produced and the fp32 cast stays where autograd put it.
+"""
+
+from __future__ import annotations
+
+import torch
+from autopar.passes.collectives import insert_redistribute
+from torch import fx
+from torch.distributed.tensor.placement_types import Partial
+
+from autopar.ir import Program, ShardSpec, phase_of, spec_of
+
+aten = torch.ops.aten
+
+
+def _is_cast(n: fx.Node) -> bool:
+    return n.op == "call_function" and n.target is aten._to_copy.default
+
+
+def state_pass(program: Program, ctx) -> Program:
+    graph = program.graph
+    for n in list(graph.nodes):
+        if n.op == "placeholder" and n.meta.get("autopar_role", ("",))[0] == "param":
+            _place_parameter(graph, n, ctx)
+    if ctx.sync_grads and ctx.reduce_dtype is not None:
+        out = next(n for n in graph.nodes if n.op == "output")
+        for o, role in zip(out.args[0], program.outputs):
+            if role[0] == "grad" and isinstance(o, fx.Node):
+                _reduce_before_upcast(graph, o, out, ctx)
+    return program
+
+
+def _place_parameter(graph: fx.Graph, p: fx.Node, ctx) -> None:
+    name = p.meta["autopar_role"][1]
+    storage, compute = ctx.placed.placements[name], ctx.placed.compute[name]
+    casts = [u for u in p.users if _is_cast(u)]
+    for c in casts:  # cast just before first use: the compute-dtype copy lives no longer than needed
+        first = min(c.users, key=_order(graph), default=None)
+        if first is not None:
+            first.prepend(c)
+    if tuple(storage) == tuple(compute):
+        return
+    spec = spec_of(p)
+    p.meta["autopar"] = ShardSpec(tuple(storage), spec.shape, spec.dtype)
+    for c in casts:
+        cs = spec_of(c)
+        c.meta["autopar"] = ShardSpec(tuple(storage), cs.shape, cs.dtype)
+        c.meta["autopar_in"] = [tuple(storage)]
+    zero3 = ctx.plan.zero >= 3
+    order = _order(graph)
+    for head in [p] + casts:
+        users = sorted((u for u in head.users if u not in casts), key=order)
+        groups: dict[str, list[fx.Node]] = {}
+        for u in users:
+            groups.setdefault(phase_of(u) if zero3 else "step", []).append(u)
+        for phase, us in groups.items():
+            why = {"forward": "its forward use", "backward": "its backward use (gathered again)",
+                   "step": "forward and backward"}[phase]
+            reason = f"ZeRO-{ctx.plan.zero}: gather parameter {name} for {why}"
+            r = insert_redistribute(graph, head, compute, us[0], ctx, reason,
+                                    "backward" if phase == "backward" else "forward")
+            for u in us:
+                u.replace_input_with(head, r)
+
+
+def _reduce_before_upcast(graph: fx.Graph, g: fx.Node, out: fx.Node, ctx) -> None:
+    """grad (compute dtype, Partial) -> _to_copy(fp32): reduce first, then cast."""
+    if not _is_cast(g):
+        return
+    src = g.args[0]
+    have = spec_of(src)
+    if have is None or have.dtype != ctx.reduce_dtype or not any(isinstance(p, Partial) for p in have.placements):
+        return
+    want = out.meta["autopar_in"][list(out.args[0]).index(g)]
+    if want is None:
+        return
+    g.meta["autopar_in"] = [tuple(want)]
+    g.meta["autopar"] = ShardSpec(tuple(want), spec_of(g).shape, spec_of(g).dtype)
+    if ctx.plan.zero == 1:  # ZeRO-1 reduces at the end of backward
+        out.prepend(g)
+
+
+def _order(graph: fx.Graph):
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    return lambda n: pos[n]
+
+
+def grad_sync_program(program: Program, ctx, debug: bool = False) -> Program:
+    """Under ``accumulate=K``: the program that reduces the accumulated gradients once per step.
+
+    Its inputs are the per-rank gradient sums over the K micro-batches, in the layout the
+    no-sync program produced them (Partial on data-parallel axes, fp32); its outputs are the
+    gradients in their parameters' storage layout. With a lower ``reduce_dtype`` the sums are
+    cast down for the reduction and back up after it.
+    """
+    from autopar.passes.localize import localize_pass
+
+    from autopar.ir import check_invariants
+
+    graph = fx.Graph()
+    out_old = next(n for n in program.graph.nodes if n.op == "output")
+    inputs, outputs, results = [], [], []
+    for o, role in zip(out_old.args[0], program.outputs):
+        if role[0] != "grad" or not isinstance(o, fx.Node):
+            continue
+        name = role[1]
+        have = spec_of(o)
+        a = graph.placeholder(f"acc_{len(inputs)}")
+        a.meta.update(val=o.meta["val"], autopar=have, autopar_role=("grad_acc", name),
+                      partitioner_tag="is_backward")
+        inputs.append(("grad_acc", name))
+        want = ctx.placed.placements[name]
+        x = a
+        low = ctx.reduce_dtype is not None and ctx.reduce_dtype != have.dtype
+        if low:
+            x = _cast(graph, x, ctx.reduce_dtype)
+        reason = f"gradient of {name} to its parameter's placement (once per {ctx.accumulate} micro-batches)"
+        x = _append_redistribute(graph, x, want, ctx, reason)
+        if low:
+            x = _cast(graph, x, have.dtype)
+        results.append(x)
+        outputs.append(("grad", name))
+    out = graph.output(tuple(results))
+    out.meta["autopar_in"] = [None] * len(results)
+    sync = Program(graph=graph, inputs=inputs, outputs=outputs)
+    if debug:
+        check_invariants(graph, "collectives")
+    return localize_pass(sync, ctx)
+
+
+def _cast(graph: fx.Graph, x: fx.Node, dtype) -> fx.Node:
+    c = graph.call_function(aten._to_copy.default, (x,), {"dtype": dtype})
+    val = x.meta["val"]
+    c.meta.update(val=val.to(dtype) if hasattr(val, "to") else val, partitioner_tag="is_backward",
+                  autopar=ShardSpec(spec_of(x).placements, spec_of(x).shape, dtype))
+    c.meta["autopar_in"] = [spec_of(x).placements]
+    return c
+
+
+def _append_redistribute(graph: fx.Graph, x: fx.Node, want, ctx, reason: str) -> fx.Node:
+    anchor = graph.call_function(torch.ops.aten.alias.default, (x,))  # insertion point, removed below
+    r = insert_redistribute(graph, x, want, anchor, ctx, reason, "backward")
+    graph.erase_node(anchor)
+    return r
