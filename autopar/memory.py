@@ -84,8 +84,16 @@ class _Tracking(fx.Interpreter):
         self._measure()
         return out
 
+    def run(self, *args):
+        # storages of persistent state (parameter shards) are counted elsewhere, and so are views
+        # of them (a transposed weight saved for the backward is not a copy)
+        names = [n.name for n in self.graph.nodes if n.op == "placeholder"]
+        self.persistent = {a.untyped_storage().data_ptr() for name, a in zip(names, args)
+                           if name in self.skip and isinstance(a, torch.Tensor)}
+        return super().run(*args)
+
     def _measure(self):
-        seen: set[int] = set()
+        seen: set[int] = set(self.persistent)
         by = dict.fromkeys(CATEGORIES, 0)
         for node, v in self.env.items():
             if node.name in self.skip:

@@ -204,13 +204,16 @@ class ParallelModule:
         return (sum(losses) / len(losses)).detach()
 
     def _run(self, gm, program, args):
-        if self.memory is None:
-            return gm(*args)
-        if not hasattr(program, "_categories"):
-            program._categories = categorize(gm, program.inputs, program.outputs)
-            placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-            program._persistent = {n for n, (kind, _) in zip(placeholders, program.inputs) if kind == "param"}
-        return self.memory.run(gm, args, program._categories, program._persistent)
+        # the program IS the backward: autograd must not also record it (parameters are
+        # requires_grad DTensors, so it would, and keep every activation a second time)
+        with torch.no_grad():
+            if self.memory is None:
+                return gm(*args)
+            if not hasattr(program, "_categories"):
+                program._categories = categorize(gm, program.inputs, program.outputs)
+                placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+                program._persistent = {n for n, (kind, _) in zip(placeholders, program.inputs) if kind == "param"}
+            return self.memory.run(gm, args, program._categories, program._persistent)
 
     def _unscale(self, grads, scale: float) -> bool:
         """fp16: divide by the loss scale; on inf/NaN anywhere (any rank) skip and back off."""

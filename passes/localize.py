@@ -20,17 +20,25 @@ import math
 import operator
 
 import torch
-import torch.fx as fx
 import torch.fx.traceback as fx_traceback
+from autopar.passes.collectives import plan_steps
+from torch import fx
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.errors import ShardingError
-from autopar.ir import (CommRecord, Program, fmt_placements, phase_of, redistribute, source_line, spec_of,
-                        tensor_args)
-from autopar.passes.collectives import plan_steps
+from autopar.ir import (
+    CommRecord,
+    Program,
+    fmt_placements,
+    phase_of,
+    redistribute,
+    source_line,
+    spec_of,
+    tensor_args,
+)
 
 c10d = torch.ops._c10d_functional
 VIEW_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
@@ -65,6 +73,9 @@ def localize_pass(program: Program, ctx) -> Program:
     with fx_traceback.preserve_node_meta(), torch.no_grad():
         gm = make_fx(run, tracing_mode="fake")(*example)
     _annotate_collectives(gm.graph, origins, ctx)
+    _defer_output_waits(gm)
+    _prefetch_parameter_gathers(gm)
+    _keep_inputs_until_wait(gm)
     program.local = gm
     return program
 
@@ -191,3 +202,105 @@ def _annotate_collectives(graph: fx.Graph, origins, ctx) -> None:
             src, phase = source_line(origin), phase_of(origin)
         n.meta["autopar_comm"] = CommRecord(kind, ctx.axis_names[a], ctx.axis_sizes[a], payload,
                                             reason, src, phase, n.name, producer)
+
+
+_PASS_THROUGH = {torch.ops.aten._to_copy.default, torch.ops.aten.view.default, torch.ops.aten.t.default,
+                 torch.ops.aten.cat.default, torch.ops.aten.clone.default}
+
+
+def _defer_output_waits(gm: fx.GraphModule) -> None:
+    """Waits for gradient reductions move later, so the rest of the backward runs while the
+    gradient is on the wire (functional collectives are asynchronous until ``wait_tensor``;
+    DDP's reducer and FSDP2 overlap the same way). The wait and the local ops after it (the fp32
+    cast of a bf16-reduced gradient, a layout fix-up) move together:
+
+    - all-reduce (DDP, tp): to the end of the program; it reduces a copy of its input, and its
+      output is a program output anyway, so this costs no memory;
+    - reduce-scatter (ZeRO): to just before the next reduce-scatter is issued, so one is in
+      flight at a time and a whole gradient is freed one layer later, not at the end (ZeRO-2/3
+      never hold all gradients whole).
+    """
+    graph = gm.graph
+    out = next(n for n in graph.nodes if n.op == "output")
+    issued = [n for n in graph.nodes if n.op == "call_function" and n.target in COLLECTIVES]
+    nxt = {a: b for a, b in zip([n for n in issued if COLLECTIVES[n.target] == "reduce_scatter"],
+                                [n for n in issued if COLLECTIVES[n.target] == "reduce_scatter"][1:])}
+    moves = []
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target is not c10d.wait_tensor.default:
+            continue
+        coll = n.args[0]
+        kind = COLLECTIVES.get(getattr(coll, "target", None))
+        if kind not in ("all_reduce", "reduce_scatter"):
+            continue
+        chain, cur = [n], n
+        while len(cur.users) == 1 and all(u.op == "call_function" and u.target in _PASS_THROUGH for u in cur.users):
+            cur = next(iter(cur.users))
+            chain.append(cur)
+        if not cur.users or not all(u is out for u in cur.users):
+            continue
+        moves.append((chain, out if kind == "all_reduce" else nxt.get(coll, out)))
+    for chain, before in moves:
+        for node in chain:
+            before.prepend(node)
+    if moves:
+        graph.lint()
+        gm.recompile()
+
+
+def _keep_inputs_until_wait(gm: fx.GraphModule) -> None:
+    """A collective may read (and, in gloo's reduce-scatter, write) its input until it is waited
+    for: an ``alias`` of the input right after the wait keeps the input alive that long (the
+    generated code frees every value after its last use)."""
+    graph = gm.graph
+    for n in list(graph.nodes):
+        if n.op == "call_function" and n.target in COLLECTIVES and isinstance(n.args[0], fx.Node):
+            wait = next((u for u in n.users if u.target is c10d.wait_tensor.default), None)
+            if wait is None or n.args[0].op == "placeholder":
+                continue
+            with graph.inserting_after(wait):
+                keep = graph.call_function(torch.ops.aten.alias.default, (n.args[0],))
+            keep.meta["val"] = n.args[0].meta.get("val")
+    gm.recompile()
+
+
+def _prefetch_parameter_gathers(gm: fx.GraphModule) -> None:
+    """Parameter all-gathers (ZeRO) start one ahead: each is issued as soon as the previous one
+    has arrived, so it is on the wire while the previous layer computes (FSDP2's default
+    prefetch of one). Costs at most one more gathered parameter alive at a time."""
+    graph = gm.graph
+    placeholders = {n for n in graph.nodes if n.op == "placeholder"}
+
+    def param_chain(n: fx.Node):
+        """The non-placeholder ancestors of ``n`` if they all come from placeholders alone."""
+        chain, stack = [], list(tensor_args(n))
+        while stack:
+            a = stack.pop()
+            if a in placeholders or a in chain:
+                continue
+            if a.op != "call_function" or a.target in COLLECTIVES or a.target is c10d.wait_tensor.default:
+                return None
+            chain.append(a)
+            stack.extend(tensor_args(a))
+        return chain
+
+    gathers = []
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is c10d.all_gather_into_tensor.default:
+            chain = param_chain(n)
+            if chain is not None:
+                gathers.append((n, chain))
+    if len(gathers) < 2:
+        return
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    for (prev, _), (cur, chain) in zip(gathers, gathers[1:]):
+        wait = next((u for u in prev.users if u.target is c10d.wait_tensor.default), None)
+        if wait is None or pos[wait] > pos[cur]:
+            continue
+        anchor = wait
+        for x in sorted(chain, key=pos.get) + [cur]:
+            if pos[x] > pos[anchor]:
+                anchor.append(x)
+                anchor = x
+    graph.lint()
+    gm.recompile()

@@ -71,7 +71,12 @@ def block_of(n: fx.Node) -> str | None:
 
 def _random(n: fx.Node) -> bool:
     tags = getattr(n.target, "tags", ())
-    return torch.Tag.nondeterministic_seeded in tags
+    if torch.Tag.nondeterministic_seeded not in tags:
+        return False
+    if "scaled_dot_product" in str(n.target):  # random only through dropout
+        p = n.kwargs.get("dropout_p", n.args[3] if len(n.args) > 3 else 0.0)
+        return p != 0.0
+    return True
 
 
 def param_chains(graph: fx.Graph) -> set[fx.Node]:

@@ -1,0 +1,565 @@
+"""Benchmark harness: an autopar plan against the PyTorch-native code a user writes by hand for
+it, in the same processes, alternating step by step, same initialization and data.
+
+    autopar bench [--ranks 2 4] [--steps 12] [--warmup 3] [--pairs ddp fsdp megatron 2d]
+    autopar bench --planning [--planning-models llama3-8b llama3-70b] [--planning-ranks 8 64 256 1024]
+    python -m autopar.bench ...          (the same)
+
+Pairs (each on its own mesh of ``--ranks`` processes):
+
+- ``ddp``       autopar ``{"dp": "ddp"}``                   vs ``DistributedDataParallel``
+- ``fsdp``      autopar ``{"dp": "fsdp"}``                  vs FSDP2 ``fully_shard`` per block + root
+- ``megatron``  autopar ``{"tp": "megatron"}``              vs DTensor ``parallelize_module`` with the
+                Megatron column/row plan (vocab-parallel embedding, LM head with ``loss_parallel``)
+- ``2d``        autopar ``{"dp": "fsdp", "tp": "megatron"}`` vs FSDP2 over TP (dp x tp = ranks/2 x 2)
+
+Measured per configuration, for both sides with the same instruments:
+
+- step time (forward + backward + ``AdamW.step`` + ``zero_grad``, barrier before and after, so
+  the slowest rank sets it): median and inter-quartile range over ``--steps`` steps after
+  ``--warmup``, the two systems alternating; tokens/s from the median;
+- bytes sent per rank per step: every ``c10d`` / ``_c10d_functional`` collective counted by a
+  TorchDispatchMode at the op it calls (what DDP's reducer, FSDP2, DTensor and autopar all go
+  through), ring formula 2(N-1)/N for all-reduce, (N-1)/N for reduce-scatter and all-gather;
+- memory: persistent bytes (parameters, gradients, optimizer state as stored on the rank) and the
+  step's peak of allocator memory above what was allocated before it (torch.profiler's memory
+  events; CPU here, the same on GPU);
+- compile / wrap time; the losses of both (same model, same data: they must agree).
+
+Writes JSON (machine, versions, every sample), a markdown table and PNG plots (matplotlib, if
+installed: ``pip install -e .[bench]``) to ``--out`` (default ``benchmarks/results/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+PAIRS = ("ddp", "fsdp", "megatron", "2d")
+BASELINE_NAMES = {"ddp": "DistributedDataParallel", "fsdp": "FSDP2 fully_shard",
+                  "megatron": "DTensor parallelize_module (TP)", "2d": "FSDP2 + DTensor TP"}
+
+
+# ----------------------------------------------------------------------------------------- instruments
+_KINDS = {"allreduce_": "all_reduce", "all_reduce": "all_reduce", "allreduce_coalesced_": "all_reduce",
+          "_allgather_base_": "all_gather", "allgather_": "all_gather", "all_gather_into_tensor": "all_gather",
+          "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+          "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+          "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+          "reduce_scatter_tensor_coalesced": "reduce_scatter", "broadcast_": "broadcast",
+          "all_to_all_single": "all_to_all", "alltoall_base_": "all_to_all"}
+
+
+def _group_size(args) -> int:
+    names = [a for a in args if isinstance(a, str)]
+    if names:  # functional collectives name their group last (an earlier str is the reduce op)
+        return dist.get_world_size(dist.distributed_c10d._resolve_process_group(names[-1]))
+    for a in args:  # c10d ops carry the ProcessGroup object
+        if hasattr(a, "size") and not isinstance(a, torch.Tensor) and callable(a.size):
+            try:
+                return int(a.size())
+            except Exception:  # noqa: BLE001
+                continue
+    for a in args:  # all_gather_into_tensor(x, group_size, group): the int is the size
+        if isinstance(a, int) and a > 0:
+            return a
+    return dist.get_world_size()
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _tensors(y)]
+    return []
+
+
+class CommMeter(TorchDispatchMode):
+    """Bytes every collective this process calls sends (ring model), by kind."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ns = func.namespace
+        if ns in ("c10d", "_c10d_functional"):
+            kind = _KINDS.get(func._opname)
+            if kind is not None:
+                n = _group_size(list(args) + list(kwargs.values()))
+                if kind == "all_gather":  # the per-rank input: the last tensor argument
+                    ts = _tensors(args[1] if ns == "c10d" else args[0])
+                else:
+                    ts = _tensors(args[0])
+                nbytes = sum(t.numel() * t.element_size() for t in ts)
+                if kind == "all_reduce":
+                    sent = 2 * (n - 1) / n * nbytes
+                elif kind == "all_gather":
+                    sent = (n - 1) * nbytes
+                elif kind == "broadcast":
+                    sent = nbytes if dist.get_rank() == 0 else 0  # root sends (tree: about this)
+                else:
+                    sent = (n - 1) / n * nbytes
+                self.bytes[kind] += sent if n > 1 else 0
+                self.calls[kind] += 1
+        return func(*args, **kwargs)
+
+
+def allocator_peak(fn) -> int:
+    """Peak bytes the allocator held above its level before ``fn()``, from profiler memory events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else []),
+                 profile_memory=True, record_shapes=False) as prof:
+        fn()
+    events = []
+
+    def walk(nodes):
+        for e in nodes:
+            extra = e.extra_fields
+            if type(extra).__name__ == "_ExtraFields_Allocation":
+                events.append((e.start_time_ns, extra.alloc_size))
+            walk(e.children)
+
+    walk(prof.profiler.kineto_results.experimental_event_tree())
+    cur = peak = 0
+    for _, size in sorted(events):
+        cur += size
+        peak = max(peak, cur)
+    return peak
+
+
+def persistent_bytes(params, optimizer) -> dict[str, int]:
+    from autopar.memory import optimizer_state_bytes, tensor_bytes
+
+    params = list(params)
+    return {"parameters": tensor_bytes(params), "gradients": tensor_bytes(p.grad for p in params),
+            "optimizer_state": optimizer_state_bytes(optimizer)}
+
+
+# ----------------------------------------------------------------------------------------- the systems
+def bench_model(seed: int = 0):
+    """A Llama big enough that compute dominates Python overhead on a CPU, small enough for 2 cores."""
+    from autopar.models.llama import Llama, LlamaConfig, cross_entropy
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=2048, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768,
+                      max_seq_len=256)
+    return Llama(cfg), cfg, cross_entropy
+
+
+def _batches(cfg, n: int, batch: int, seq: int):
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
+        out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
+    return out
+
+
+def _axes(pair: str, world: int) -> dict[str, int]:
+    if pair == "megatron":
+        return {"tp": world}
+    if pair == "2d":
+        return {"dp": world // 2, "tp": 2}
+    return {"dp": world}
+
+
+def build_autopar(pair: str, world: int, example):
+    import autopar
+
+    axes = _axes(pair, world)
+    plan = {"ddp": {"dp": "ddp"}, "fsdp": {"dp": "fsdp"}, "megatron": {"tp": "megatron"},
+            "2d": {"dp": "fsdp", "tp": "megatron"}}[pair]
+    model, _, loss_fn = bench_model()
+    pm = autopar.compile(model, autopar.mesh(**axes), example_inputs=example, loss_fn=loss_fn, plan=plan)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+
+    def step(x, y, zero_grad=True):
+        loss = pm.train_step(x, y)
+        opt.step()
+        if zero_grad:
+            opt.zero_grad()
+        return loss
+
+    return step, pm.parameters, opt
+
+
+def _tp_plan(model, tp_mesh):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    parallelize_module(model, tp_mesh, {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    })
+    for layer in model.layers:
+        parallelize_module(layer, tp_mesh, {
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+        })
+
+
+def build_baseline(pair: str, world: int, example):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model, cfg, loss_fn = bench_model()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model.to(device)
+    local_batch = False
+    if pair == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # buffers (RoPE tables) are constant: re-broadcasting them every forward would be a handicap
+        model = DDP(model, broadcast_buffers=False)
+        local_batch = True
+        loss_ctx = None
+    elif pair == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device, (world,), mesh_dim_names=("dp",))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        local_batch = True
+        loss_ctx = None
+    else:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        axes = _axes(pair, world)
+        mesh = init_device_mesh(device, tuple(axes.values()), mesh_dim_names=tuple(axes))
+        _tp_plan(model, mesh["tp"])
+        if pair == "2d":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.layers:
+                fully_shard(layer, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+            local_batch = True
+        loss_ctx = loss_parallel
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    dp = {"ddp": world, "fsdp": world, "megatron": 1, "2d": world // 2}[pair]
+    rank_dp = dist.get_rank() // (world // dp) if dp > 1 else 0
+
+    def step(x, y, zero_grad=True):
+        if local_batch:
+            rows = x.shape[0] // dp
+            x, y = x[rank_dp * rows:(rank_dp + 1) * rows], y[rank_dp * rows:(rank_dp + 1) * rows]
+        x, y = x.to(device), y.to(device)
+        if loss_ctx is not None:
+            with loss_ctx():
+                loss = loss_fn(model(x), y)
+                loss.backward()
+            loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+        else:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+        opt.step()
+        if zero_grad:
+            opt.zero_grad()
+        if local_batch:  # the global-batch loss, as autopar reports it
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=None if pair != "2d" else mesh["dp"].get_group())
+            loss /= dp
+        return loss
+
+    return step, model.parameters, opt
+
+
+# ----------------------------------------------------------------------------------------- the run
+def pair_job(pair: str, steps: int, warmup: int, batch: int, seq: int):
+    """On every rank: build both systems, then alternate their steps; rank 0's figures come back."""
+    world = dist.get_world_size()
+    _, cfg, _ = bench_model()
+    data = _batches(cfg, 4, batch, seq)
+    out = {"pair": pair, "world": world, "axes": _axes(pair, world)}
+    builders = {"autopar": build_autopar, "baseline": build_baseline}
+    systems = {}
+    for name, build in builders.items():
+        dist.barrier()
+        t0 = time.perf_counter()
+        systems[name] = build(pair, world, data[0])
+        out[f"{name}_build_s"] = time.perf_counter() - t0
+    times = {k: [] for k in systems}
+    losses = {k: [] for k in systems}
+    for i in range(warmup + steps):
+        for name, (step, _, _) in (systems.items() if i % 2 == 0 else reversed(list(systems.items()))):
+            x, y = data[i % len(data)]
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = step(x, y)
+            dist.barrier()
+            dt = time.perf_counter() - t0
+            losses[name].append(float(loss))
+            if i >= warmup:
+                times[name].append(dt)
+    # communication and memory: one more step each, instrumented (not timed)
+    for name, (step, params, opt) in systems.items():
+        x, y = data[0]
+        with CommMeter() as meter:
+            step(x, y)
+        out[f"{name}_comm_bytes"] = dict(meter.bytes)
+        out[f"{name}_comm_calls"] = dict(meter.calls)
+        dist.barrier()
+
+        out[f"{name}_peak_bytes"] = allocator_peak(lambda step=step, x=x, y=y: step(x, y))
+        out[f"{name}_persistent"] = _persistent_with_grads(name, systems[name], data[0])
+    out["times"] = times
+    out["losses"] = losses
+    return out
+
+
+def _persistent_with_grads(name, system, batch) -> dict[str, int]:
+    """Parameters, gradients and optimizer state as stored on this rank after a step (before
+    ``zero_grad``: the moment all three exist)."""
+    step, params, opt = system
+    step(*batch, zero_grad=False)
+    stored = persistent_bytes(params(), opt)
+    opt.zero_grad()
+    return stored
+
+
+# ----------------------------------------------------------------------------------------- planning time
+LLAMA3 = {  # Llama-3 shapes (dim, layers, heads, kv heads, ffn, vocab)
+    "llama3-8b": (4096, 32, 32, 8, 14336, 128256),
+    "llama3-70b": (8192, 80, 64, 8, 28672, 128256),
+}
+
+
+def plan_one(name: str, world: int, tp: int = 8, seq: int = 2048) -> dict:
+    """Trace + plan + per-rank program of a Llama-3 shape on meta tensors, fake process group of
+    ``world`` ranks (dp = world / tp, fsdp x megatron), in this process. Seconds and peak RSS."""
+    import resource
+
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import autopar
+    from autopar.models.llama import Llama, LlamaConfig, cross_entropy
+
+    dim, layers, heads, kv, ffn, vocab = LLAMA3[name]
+    tp = min(tp, world)
+    dp = world // tp
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv,
+                                  ffn_dim=ffn, max_seq_len=seq))
+    tokens = torch.empty((dp, seq), dtype=torch.long, device="meta")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    pm = autopar.compile(model, mesh, example_inputs=(tokens, tokens), loss_fn=cross_entropy,
+                         plan={"dp": "fsdp", "tp": "megatron"}, precision="bf16")
+    total = time.perf_counter() - t0
+    recs = pm.collectives()
+    out = {"model": name, "world": world, "mesh": f"dp={dp} x tp={tp}", "seconds": total,
+           "timings": dict(pm.ctx.timings), "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+           "params": sum(p.numel() for p in model.parameters()), "collectives": len(recs),
+           "bytes_per_rank_step": sum(r.wire_bytes for r in recs),
+           "nodes": len(pm.program.local.graph.nodes)}
+    dist.destroy_process_group()
+    return out
+
+
+def planning(models, worlds) -> list[dict]:
+    """Each configuration in a fresh process (peak RSS is per process)."""
+    import subprocess
+
+    rows = []
+    jobs = [(m, w) for m in models for w in worlds]
+    for i, (m, w) in enumerate(jobs):
+        _progress(i, len(jobs), f"planning {m} on {w} ranks")
+        code = f"import json, autopar.bench as b; print(json.dumps(b.plan_one({m!r}, {w})))"
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3600)
+        if r.returncode != 0:
+            rows.append({"model": m, "world": w, "error": r.stderr.strip().splitlines()[-1:]})
+            continue
+        rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    _progress(len(jobs), len(jobs), "planning done")
+    return rows
+
+
+def planning_markdown(rows) -> str:
+    lines = ["| model | ranks | mesh | parameters | seconds (trace + plan + per-rank program) | peak RSS | "
+             "per-rank graph nodes | collectives / step | bytes sent / rank / step |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['world']} | | | failed: {r['error']} | | | | |")
+            continue
+        lines.append(f"| {r['model']} | {r['world']} | {r['mesh']} | {r['params'] / 1e9:.1f} B | {r['seconds']:.1f} | "
+                     f"{r['peak_rss_mib']:,.0f} MiB | {r['nodes']:,} | {r['collectives']:,} | "
+                     f"{r['bytes_per_rank_step'] / 2**30:.1f} GiB |")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------- reporting
+def summarize(results: list[dict], batch: int, seq: int) -> list[dict]:
+    rows = []
+    for r in results:
+        row = {"pair": r["pair"], "mesh": " x ".join(f"{a}={n}" for a, n in r["axes"].items()), "world": r["world"]}
+        for side in ("autopar", "baseline"):
+            t = sorted(r["times"][side])
+            q1, med, q3 = _quantile(t, 0.25), statistics.median(t), _quantile(t, 0.75)
+            row[side] = {
+                "median_s": med, "iqr_s": q3 - q1, "tokens_per_s": batch * seq / med,
+                "comm_bytes": sum(r[f"{side}_comm_bytes"].values()), "comm": r[f"{side}_comm_bytes"],
+                "peak_bytes": r[f"{side}_peak_bytes"], "persistent_bytes": sum(r[f"{side}_persistent"].values()),
+                "build_s": r[f"{side}_build_s"], "losses": r["losses"][side],
+            }
+        a, b = row["autopar"], row["baseline"]
+        row["ratio"] = {k: (a[k] / b[k] if b[k] else float("nan"))
+                        for k in ("median_s", "comm_bytes", "peak_bytes", "persistent_bytes", "build_s")}
+        row["max_loss_diff"] = max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
+        rows.append(row)
+    return rows
+
+
+def _quantile(xs, q):
+    if not xs:
+        return float("nan")
+    i = (len(xs) - 1) * q
+    lo, hi = math.floor(i), math.ceil(i)
+    return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"Benchmark {meta['date']} on {meta['machine']} ({meta['device']}, torch {meta['torch']}): "
+             f"{meta['model']}, global batch {meta['batch']} x {meta['seq']} tokens, AdamW; "
+             f"{meta['steps']} timed steps after {meta['warmup']} warm-up, the two systems alternating.", "",
+             "| pair | mesh | baseline | step time autopar (IQR) | step time baseline (IQR) | autopar / baseline "
+             "| tokens/s autopar | bytes sent/rank/step autopar | baseline | ratio | step peak autopar | "
+             "baseline | ratio | persistent autopar | baseline | compile/wrap s autopar | baseline | max loss diff |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        a, b, q = r["autopar"], r["baseline"], r["ratio"]
+        lines.append(
+            f"| {r['pair']} | {r['mesh']} | {BASELINE_NAMES[r['pair']]} | {a['median_s'] * 1e3:.0f} ms "
+            f"({a['iqr_s'] * 1e3:.0f}) | {b['median_s'] * 1e3:.0f} ms ({b['iqr_s'] * 1e3:.0f}) | "
+            f"**{q['median_s']:.2f}** | {a['tokens_per_s']:,.0f} | {a['comm_bytes']:,.0f} | {b['comm_bytes']:,.0f} | "
+            f"{q['comm_bytes']:.2f} | {a['peak_bytes'] / 2**20:.1f} MiB | {b['peak_bytes'] / 2**20:.1f} MiB | "
+            f"{q['peak_bytes']:.2f} | {a['persistent_bytes'] / 2**20:.1f} MiB | {b['persistent_bytes'] / 2**20:.1f} MiB | "
+            f"{a['build_s']:.1f} | {b['build_s']:.2f} | {r['max_loss_diff']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(rows: list[dict], path_prefix: str) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e .[bench]): no plots", file=sys.stderr)
+        return []
+    labels = [f"{r['pair']}\n{r['mesh']}" for r in rows]
+    x = range(len(rows))
+    out = []
+    for key, title, scale, unit in [("median_s", "step time (median, IQR bars)", 1e3, "ms"),
+                                    ("peak_bytes", "step peak memory per rank", 2**-20, "MiB"),
+                                    ("comm_bytes", "bytes sent per rank per step", 2**-20, "MiB")]:
+        fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4))
+        for off, side, color in [(-0.2, "autopar", "#1f77b4"), (0.2, "baseline", "#aaaaaa")]:
+            vals = [r[side][key] * scale for r in rows]
+            err = [r[side]["iqr_s"] * scale / 2 for r in rows] if key == "median_s" else None
+            ax.bar([i + off for i in x], vals, width=0.4, yerr=err, label=side, color=color)
+        ax.set_xticks(list(x), labels)
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.legend()
+        fig.tight_layout()
+        p = f"{path_prefix}-{key}.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        out.append(p)
+    return out
+
+
+def _progress(i: int, n: int, what: str):
+    bar = "#" * int(30 * i / n)
+    print(f"\r[{bar:30s}] {i}/{n} {what:40s}", end="" if i < n else "\n", file=sys.stderr, flush=True)
+
+
+def main(argv=None):
+    from autopar.testing import DistPool
+
+    ap = argparse.ArgumentParser(prog="autopar bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="world sizes to run (gloo processes)")
+    ap.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=PAIRS)
+    ap.add_argument("--steps", type=int, default=12, help="timed steps per system")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--out", default="benchmarks/results", help="directory for the JSON, markdown and PNGs")
+    ap.add_argument("--planning", action="store_true",
+                    help="instead: time trace + plan of Llama-3 shapes on meta tensors with a fake process group")
+    ap.add_argument("--planning-models", nargs="+", default=list(LLAMA3), choices=list(LLAMA3))
+    ap.add_argument("--planning-ranks", type=int, nargs="+", default=[8, 64, 256, 1024])
+    args = ap.parse_args(argv)
+    if args.planning:
+        rows = planning(args.planning_models, args.planning_ranks)
+        os.makedirs(args.out, exist_ok=True)
+        stem = os.path.join(args.out, f"planning-{datetime.date.today()}")
+        meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "platform": platform.platform(),
+                "cpus": os.cpu_count(), "torch": torch.__version__}
+        with open(stem + ".json", "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        md = planning_markdown(rows)
+        with open(stem + ".md", "w") as f:
+            f.write(md)
+        print(md)
+        print(f"wrote {stem}.json, {stem}.md")
+        return
+    jobs = [(w, p) for w in args.ranks for p in args.pairs if not (p == "2d" and w < 4)]
+    if not jobs:
+        ap.error("nothing to run (2d needs --ranks 4 or more)")
+    results = []
+    _progress(0, len(jobs), "starting")
+    for w in sorted(set(w for w, _ in jobs)):
+        pool = DistPool(w)
+        try:
+            for ww, pair in jobs:
+                if ww != w:
+                    continue
+                _progress(len(results), len(jobs), f"{pair} on {w} ranks")
+                results.append(pool.run(pair_job, pair, args.steps, args.warmup, args.batch, args.seq))
+        finally:
+            pool.close()
+    _progress(len(results), len(jobs), "done")
+    _, cfg, _ = bench_model()
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": platform.node() or "?",
+            "platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__, "device": "CUDA" if torch.cuda.is_available() else "CPU, gloo",
+            "model": f"Llama dim {cfg.dim}, {cfg.n_layers} layers, vocab {cfg.vocab_size}, "
+                     f"{cfg.n_heads} heads / {cfg.n_kv_heads} KV heads, ffn {cfg.ffn_dim}",
+            "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup}
+    rows = summarize(results, args.batch, args.seq)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"bench-{datetime.date.today()}")
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows, "raw": results}, f, indent=1, default=str)
+    md = markdown(rows, meta)
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    pngs = plots(rows, stem)
+    print(md)
+    print("wrote " + ", ".join([stem + ".json", stem + ".md"] + pngs))
+
+
+if __name__ == "__main__":
+    main()
