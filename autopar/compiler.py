@@ -174,6 +174,8 @@ def compile(
     ctx = Context(mesh, parsed, placed, compute_dtype=compute_dtype, reduce_dtype=reduce, recompute=recompute,
                   accumulate=accumulate)
     ctx.loss_scale = loss_scale if compute_dtype == torch.float16 else None
+    if any(p.is_meta for p in params.values()):  # planning only (no data): the program stays on meta
+        ctx.device = torch.device("meta")
     program: Program = capture_joint(model, micro_inputs, loss_fn, compute_dtype)
     ctx.timings["capture"] = time.perf_counter() - t0
     ctx.sync_grads = accumulate == 1

@@ -77,8 +77,12 @@ class _Tracking(fx.Interpreter):
         self.at_peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.model_state_peak = 0  # max of param_copies + grads_in_flight
         self.max_by: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self._unused: list = []
 
     def run_node(self, n):
+        for dead in self._unused:  # unused values die at once, as in the generated code
+            self.env.pop(dead, None)
+        self._unused = [n] if not n.users and n.op != "output" else []
         out = super().run_node(n)
         self.env[n] = out
         self._measure()

@@ -251,10 +251,12 @@ def _defer_output_waits(gm: fx.GraphModule) -> None:
 def _keep_inputs_until_wait(gm: fx.GraphModule) -> None:
     """A collective may read (and, in gloo's reduce-scatter, write) its input until it is waited
     for: an ``alias`` of the input right after the wait keeps the input alive that long (the
-    generated code frees every value after its last use)."""
+    generated code frees every value after its last use). All-reduce works on a copy."""
     graph = gm.graph
     for n in list(graph.nodes):
-        if n.op == "call_function" and n.target in COLLECTIVES and isinstance(n.args[0], fx.Node):
+        # functional all_reduce reduces a copy of its input: nothing to keep
+        if (n.op == "call_function" and n.target in COLLECTIVES and COLLECTIVES[n.target] != "all_reduce"
+                and isinstance(n.args[0], fx.Node)):
             wait = next((u for u in n.users if u.target is c10d.wait_tensor.default), None)
             if wait is None or n.args[0].op == "placeholder":
                 continue

@@ -89,15 +89,17 @@ def overflow_job():
     unchanged = all(torch.equal(before[n], p.full_tensor()) for n, p in pm.named_parameters())
     scale_after = pm.loss_scale
     pm.loss_scale = 1024.0  # a scale that fits: the next step goes through
+    pm._growth_tracker = 1999  # ... and completes a window of 2000 clean steps: the scale grows
     pm.train_step(*batches[0])
-    return grads_none, unchanged, scale_after, pm.skipped_steps, all(p.grad is not None for p in pm.parameters())
+    recovered = all(p.grad is not None for p in pm.parameters())
+    return grads_none, unchanged, scale_after, pm.skipped_steps, recovered, pm.loss_scale
 
 
 def test_fp16_overflow_skips_step(pools):
-    grads_none, unchanged, scale, skipped, recovered = pools(2).run(overflow_job)
+    grads_none, unchanged, scale, skipped, recovered, grown = pools(2).run(overflow_job)
     assert grads_none and unchanged and skipped == 1
     assert scale == 5e29
-    assert recovered
+    assert recovered and skipped == 1 and grown == 2048.0
 
 
 def memory_job(plans, name="llama", axes=None, **options):
