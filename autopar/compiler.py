@@ -42,8 +42,9 @@ class Context:
 
     # placements the program's boundary must have
     def input_placements(self, shape: tuple[int, ...]) -> tuple[Placement, ...]:
-        """Batch (dim 0) sharded on every data-parallel axis, replicated elsewhere."""
-        return tuple(Shard(0) if (i in self.dp_axes and len(shape) > 0) else Replicate()
+        """Batch (dim 0) sharded on every data-parallel axis, replicated elsewhere (and on 1-rank
+        axes, where sharding is the identity: a batch of 1 cannot be "sharded")."""
+        return tuple(Shard(0) if (i in self.dp_axes and len(shape) > 0 and self.axis_sizes[i] > 1) else Replicate()
                      for i in range(len(self.axis_sizes)))
 
     def placeholder_placements(self, role, shape):

@@ -153,6 +153,8 @@ def place_parameters(plan: Plan, params: dict[str, torch.Tensor], axis_sizes) ->
             if hit is None:
                 unplaced.setdefault(ap.axis, []).append(name)
                 hit = R
+            if axis_sizes[i] == 1:  # one rank on this axis: every placement is the whole tensor
+                hit = R
             if isinstance(hit, Shard):
                 d = hit.dim % t.ndim if t.ndim else None
                 if d is None or t.shape[d] % axis_sizes[i]:

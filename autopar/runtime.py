@@ -188,8 +188,12 @@ class ParallelModule:
             del outs, grads
         names = [what for kind, what in self.program.outputs if kind == "grad"]
         if self._sync_gm is not None:
-            acc = list(self._run(self._sync_gm, self.sync_program, [a.contiguous() for a in acc]))
+            # (a parameter the loss does not depend on has no gradient, and no sync input)
+            acc = list(self._run(self._sync_gm, self.sync_program, [a.contiguous() for a in acc if a is not None]))
             names = [what for _, what in self.sync_program.outputs]
+        self.steps += 1
+        if self.memory is not None:
+            self.memory.steps += 1
         if self.loss_scale is not None and not self._unscale(acc, scale):
             return (sum(losses) / len(losses)).detach()
         params = dict(self.module.named_parameters())
@@ -200,7 +204,6 @@ class ParallelModule:
             g = DTensor(o.detach(), DTensorSpec(self.mesh, p.placements, TensorMeta(p.shape, p.stride(), p.dtype)),
                         requires_grad=False)
             p.grad = g if p.grad is None else p.grad + g
-        self.steps += 1
         return (sum(losses) / len(losses)).detach()
 
     def _run(self, gm, program, args):
@@ -253,7 +256,7 @@ class ParallelModule:
         out = {"parameters": params, "gradients": grads, "optimizer_state": opt,
                "program_peak": m.program_peak, **{f"peak_{k}": v for k, v in m.at_peak.items()},
                **{f"max_{k}": v for k, v in m.max_by.items()},
-               "model_states_peak": params + opt + m.model_state_peak, "flops_per_step": m.flops / max(1, self.steps)}
+               "model_states_peak": params + opt + m.model_state_peak, "flops_per_step": m.flops / max(1, m.steps)}
         out["step_peak"] = params + opt + m.program_peak
         if self.ctx.device.type == "cuda":
             out["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.ctx.device)
