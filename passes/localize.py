@@ -74,7 +74,6 @@ def localize_pass(program: Program, ctx) -> Program:
         gm = make_fx(run, tracing_mode="fake")(*example)
     _annotate_collectives(gm.graph, origins, ctx)
     _defer_output_waits(gm)
-    _prefetch_parameter_gathers(gm)
     _keep_inputs_until_wait(gm)
     program.local = gm
     return program
@@ -263,46 +262,4 @@ def _keep_inputs_until_wait(gm: fx.GraphModule) -> None:
             with graph.inserting_after(wait):
                 keep = graph.call_function(torch.ops.aten.alias.default, (n.args[0],))
             keep.meta["val"] = n.args[0].meta.get("val")
-    gm.recompile()
-
-
-def _prefetch_parameter_gathers(gm: fx.GraphModule) -> None:
-    """Parameter all-gathers (ZeRO) start one ahead: each is issued as soon as the previous one
-    has arrived, so it is on the wire while the previous layer computes (FSDP2's default
-    prefetch of one). Costs at most one more gathered parameter alive at a time."""
-    graph = gm.graph
-    placeholders = {n for n in graph.nodes if n.op == "placeholder"}
-
-    def param_chain(n: fx.Node):
-        """The non-placeholder ancestors of ``n`` if they all come from placeholders alone."""
-        chain, stack = [], list(tensor_args(n))
-        while stack:
-            a = stack.pop()
-            if a in placeholders or a in chain:
-                continue
-            if a.op != "call_function" or a.target in COLLECTIVES or a.target is c10d.wait_tensor.default:
-                return None
-            chain.append(a)
-            stack.extend(tensor_args(a))
-        return chain
-
-    gathers = []
-    for n in graph.nodes:
-        if n.op == "call_function" and n.target is c10d.all_gather_into_tensor.default:
-            chain = param_chain(n)
-            if chain is not None:
-                gathers.append((n, chain))
-    if len(gathers) < 2:
-        return
-    pos = {n: i for i, n in enumerate(graph.nodes)}
-    for (prev, _), (cur, chain) in zip(gathers, gathers[1:]):
-        wait = next((u for u in prev.users if u.target is c10d.wait_tensor.default), None)
-        if wait is None or pos[wait] > pos[cur]:
-            continue
-        anchor = wait
-        for x in sorted(chain, key=pos.get) + [cur]:
-            if pos[x] > pos[anchor]:
-                anchor.append(x)
-                anchor = x
-    graph.lint()
     gm.recompile()
