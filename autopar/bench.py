@@ -319,13 +319,13 @@ def pair_job(pair: str, steps: int, warmup: int, batch: int, seq: int):
         dist.barrier()
 
         out[f"{name}_peak_bytes"] = allocator_peak(lambda step=step, x=x, y=y: step(x, y))
-        out[f"{name}_persistent"] = _persistent_with_grads(name, systems[name], data[0])
+        out[f"{name}_persistent"] = _persistent_with_grads(systems[name], data[0])
     out["times"] = times
     out["losses"] = losses
     return out
 
 
-def _persistent_with_grads(name, system, batch) -> dict[str, int]:
+def _persistent_with_grads(system, batch) -> dict[str, int]:
     """Parameters, gradients and optimizer state as stored on this rank after a step (before
     ``zero_grad``: the moment all three exist)."""
     step, params, opt = system

@@ -129,7 +129,6 @@ class MemoryTracker:
         self.max_by: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.flops = 0
         self.steps = 0
-        self.cuda_peak: int | None = None
 
     def run(self, gm: fx.GraphModule, args, categories: dict[str, str], skip: set[str]):
         interp = _Tracking(gm, categories, skip)
