@@ -47,6 +47,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autopar.ir import ring_bytes
+
 PAIRS = ("ddp", "fsdp", "megatron", "2d")
 BASELINE_NAMES = {"ddp": "DistributedDataParallel", "fsdp": "FSDP2 fully_shard",
                   "megatron": "DTensor parallelize_module (TP)", "2d": "FSDP2 + DTensor TP"}
@@ -106,15 +108,11 @@ class CommMeter(TorchDispatchMode):
                 else:
                     ts = _tensors(args[0])
                 nbytes = sum(t.numel() * t.element_size() for t in ts)
-                if kind == "all_reduce":
-                    sent = 2 * (n - 1) / n * nbytes
-                elif kind == "all_gather":
-                    sent = (n - 1) * nbytes
-                elif kind == "broadcast":
-                    sent = nbytes if dist.get_rank() == 0 else 0  # root sends (tree: about this)
-                else:
-                    sent = (n - 1) / n * nbytes
-                self.bytes[kind] += sent if n > 1 else 0
+                if kind == "broadcast":
+                    sent = nbytes if n > 1 and dist.get_rank() == 0 else 0  # the root sends
+                else:  # the same ring model autopar's compiler predicts with
+                    sent = ring_bytes(kind, nbytes, n)
+                self.bytes[kind] += sent
                 self.calls[kind] += 1
         return func(*args, **kwargs)
 
