@@ -1,9 +1,14 @@
 """autopar: the command line.
 
-    autopar bench ...      the benchmark harness (autopar vs PyTorch-native parallelism)
-    autopar demo ...       the demo (compile, train a few steps on a CPU mesh, print what happened)
+    autopar dump MODEL ...     the partitioned per-rank program (text, json, dot, svg)
+    autopar plan MODEL ...     per-rank memory, communication, FLOPs and predicted step time
+    autopar explain MODEL ...  the plan, and why: rules, collectives' source lines, the memory peak
+    autopar calibrate ...      measure this machine for the cost model's device table
+    autopar bench ...          the benchmark harness (autopar vs PyTorch-native parallelism)
+    autopar demo ...           compile the built-in Llama on a CPU mesh, train, print what happened
 
-``autopar <command> --help`` describes each. Exit codes: 0 success, 2 bad usage.
+``autopar <command> --help`` describes each. Exit codes: 0 success, 1 the model could not be
+compiled under the plan, 2 bad usage (model spec, mesh, plan, option).
 """
 
 from __future__ import annotations
@@ -11,8 +16,12 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
-    "bench": ("autopar.bench", "autopar against PyTorch-native parallelism, same run, alternating"),
-    "demo": ("autopar.demo", "compile the built-in Llama on a CPU mesh, train, print what it did"),
+    "dump": ("autopar.explain", "dump_main", "the partitioned per-rank program: placements, collectives, source lines"),
+    "plan": ("autopar.explain", "plan_main", "per-rank memory, bytes per collective and axis, FLOPs, predicted time"),
+    "explain": ("autopar.explain", "explain_main", "the plan, and why each placement, collective and peak byte is there"),
+    "calibrate": ("autopar.calibrate", "main", "measure this machine (matmul, memory, gloo) for the device table"),
+    "bench": ("autopar.bench", "main", "autopar against PyTorch-native parallelism, same run, alternating"),
+    "demo": ("autopar.demo", "main", "compile the built-in Llama on a CPU mesh, train, print what it did"),
 }
 
 
@@ -20,8 +29,9 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip().splitlines()[0] + "\n\ncommands:")
-        for name, (_, what) in COMMANDS.items():
-            print(f"  {name:8s} {what}")
+        for name, (_, _, what) in COMMANDS.items():
+            print(f"  {name:10s} {what}")
+        print("\nautopar <command> --help for each; exit codes: 0 ok, 1 cannot compile, 2 bad usage")
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd not in COMMANDS:
@@ -29,10 +39,13 @@ def main(argv=None) -> int:
         return 2
     import importlib
 
-    mod = importlib.import_module(COMMANDS[cmd][0])
+    module, fn, _ = COMMANDS[cmd]
     sys.argv = [f"autopar {cmd}"] + rest
-    mod.main(rest)
-    return 0
+    try:
+        rc = getattr(importlib.import_module(module), fn)(rest)
+    except SystemExit as e:  # argparse --help / usage errors
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    return rc if isinstance(rc, int) else 0
 
 
 if __name__ == "__main__":

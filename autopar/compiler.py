@@ -116,6 +116,8 @@ def compile(
     recompute: str = "none",
     debug: bool = False,
     skip_passes: tuple[str, ...] = (),
+    progress: Callable[[str], None] | None = None,
+    capture_eval: bool = True,
 ):
     """Compile ``model`` for ``mesh`` under ``plan``; returns a ParallelModule.
 
@@ -124,13 +126,16 @@ def compile(
     gradients are reduced in (default: the compute dtype); ``loss_scale`` (fp16 only):
     "dynamic" or a fixed scale. ``accumulate=K`` splits each global batch into K micro-batches
     and synchronises gradients once per step. ``recompute``: "none" | "full" | "selective".
+    ``progress``: called with the name of each stage as it starts (the command line shows it).
+    ``capture_eval=False`` skips capturing the forward-only program (planning without running).
 
     As a decorator (``@autopar.compile(mesh=..., example_inputs=..., plan=...)``) on a model
     class or a model-building function, the class/function then returns ParallelModules.
     """
     opts = dict(mesh=mesh, example_inputs=example_inputs, loss_fn=loss_fn, plan=plan, inputs=inputs,
                 precision=precision, reduce_dtype=reduce_dtype, loss_scale=loss_scale, accumulate=accumulate,
-                recompute=recompute, debug=debug, skip_passes=skip_passes)
+                recompute=recompute, debug=debug, skip_passes=skip_passes, progress=progress,
+                capture_eval=capture_eval)
     if model is None or (isinstance(model, type) or (callable(model) and not isinstance(model, nn.Module))):
         return _decorator(model, **opts)
     from autopar.passes import run_passes
@@ -167,6 +172,13 @@ def compile(
     t0 = time.perf_counter()
     parsed = parse_plan(plan, tuple(mesh.mesh_dim_names))
     params = dict(model.named_parameters())
+    from torch.distributed.tensor import DTensor
+
+    already = [n for n, p in params.items() if isinstance(p, DTensor)]
+    if already:
+        raise PlanError(f"the model's parameters are already DTensors ({already[0]}, ...): it was compiled "
+                        "before, and autopar.compile replaces a module's parameters in place",
+                        where="autopar.compile(model)", fix="build a fresh model (or deep-copy it) for each compile")
     placed = place_parameters(parsed, params, tuple(mesh.shape))
     for axis, names in placed.unplaced.items():
         warnings.warn(f"autopar: the '{axis}' strategy did not recognise {len(names)} parameter(s), "
@@ -175,8 +187,19 @@ def compile(
     ctx = Context(mesh, parsed, placed, compute_dtype=compute_dtype, reduce_dtype=reduce, recompute=recompute,
                   accumulate=accumulate)
     ctx.loss_scale = loss_scale if compute_dtype == torch.float16 else None
+    dp = ctx.prod(ctx.dp_axes)
+    for i, x in enumerate(micro_inputs):
+        if x.ndim > 0 and dp > 1 and x.shape[0] % dp:
+            names = "x".join(ctx.axis_names[a] for a in ctx.dp_axes)
+            raise PlanError(f"input #{i} has batch size {x.shape[0]}" + (f" per micro-batch (accumulate={accumulate})"
+                            if accumulate > 1 else "") + f", which the data-parallel axes ({names}, {dp} ranks) "
+                            "cannot split evenly", where=f"example_inputs[{i}]",
+                            fix=f"use a global batch that is a multiple of {dp * accumulate}")
+    ctx.progress = progress
     if any(p.is_meta for p in params.values()):  # planning only (no data): the program stays on meta
         ctx.device = torch.device("meta")
+    if progress:
+        progress("capture (torch.export, joint forward + backward)")
     program: Program = capture_joint(model, micro_inputs, loss_fn, compute_dtype)
     ctx.timings["capture"] = time.perf_counter() - t0
     ctx.sync_grads = accumulate == 1
@@ -190,11 +213,15 @@ def compile(
     ctx.timings["total"] = time.perf_counter() - t0
     # the eval program is captured now, while the parameters are still plain tensors; its
     # passes run on the first forward call
-    fwd_inputs = example_inputs[:-1] if loss_fn is not None else example_inputs
-    fwd_program = capture_forward(model, fwd_inputs, compute_dtype)
-    ctx.timings["capture_forward"] = time.perf_counter() - t0 - ctx.timings["total"]
-    forward_builder = functools.partial(run_passes, fwd_program, ctx, debug=debug, label="eval ",
-                                        skip=tuple(skip_passes) + ("recompute",))
+    forward_builder = None
+    if capture_eval:
+        fwd_inputs = example_inputs[:-1] if loss_fn is not None else example_inputs
+        if progress:
+            progress("capture (eval forward)")
+        fwd_program = capture_forward(model, fwd_inputs, compute_dtype)
+        ctx.timings["capture_forward"] = time.perf_counter() - t0 - ctx.timings["total"]
+        forward_builder = functools.partial(run_passes, fwd_program, ctx, debug=debug, label="eval ",
+                                            skip=tuple(skip_passes) + ("recompute",))
     return ParallelModule(model, ctx, program, example_inputs, loss_fn is not None, inputs, forward_builder,
                           sync_program=sync)
 

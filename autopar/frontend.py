@@ -32,6 +32,48 @@ from autopar.errors import CaptureError
 from autopar.ir import Program
 
 
+# On the meta device aten::nll_loss dispatches straight to a meta kernel that has no autograd
+# formula, so a cross-entropy loss traced on meta tensors (planning a 70B model without memory)
+# silently had no backward: every gradient output was None. Route it through nll_loss_forward,
+# as the CPU/CUDA composite does, so the meta trace is the same joint graph as a real one
+# (tests/test_explain.py compares the two).
+_META_FIX = torch.library.Library("aten", "IMPL")
+_META_FIX.impl("nll_loss", lambda self, target, weight=None, reduction=1, ignore_index=-100:
+               torch.ops.aten.nll_loss_forward(self, target, weight, reduction, ignore_index)[0], "AutogradMeta")
+
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def _sdpa_as_on_cpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """On meta tensors SDPA takes the math path (its backend choice is a per-device stub with
+    no meta entry) and materialises the [seq, seq] attention matrix. Where the CPU would take
+    its flash kernel (4-D, equal head dims, no dropout, equal head counts), call that op, so a
+    model planned on meta traces the same attention as one with real weights."""
+    if (query.device.type == "meta" and query.ndim == 4 and key.ndim == 4 and value.ndim == 4
+            and dropout_p == 0.0 and query.shape[1] == key.shape[1] == value.shape[1]
+            and query.shape[-1] == key.shape[-1] == value.shape[-1]):
+        if attn_mask is not None and attn_mask.dtype == torch.bool:  # as the CPU composite converts it
+            attn_mask = torch.where(attn_mask, torch.scalar_tensor(0.0, dtype=query.dtype, device=query.device),
+                                    torch.scalar_tensor(float("-inf"), dtype=query.dtype, device=query.device))
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+    return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                 enable_gqa=enable_gqa)
+
+
+@contextlib.contextmanager
+def _meta_attention(model: nn.Module):
+    if not any(p.is_meta for p in model.parameters()):
+        yield
+        return
+    torch.nn.functional.scaled_dot_product_attention = _sdpa_as_on_cpu
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = _SDPA
+
+
 class _WithLoss(nn.Module):
     """model + loss as one module: ``loss_fn(model(*inputs[:-1]), inputs[-1])``.
 
@@ -90,7 +132,8 @@ def capture_joint(model: nn.Module, example_inputs: tuple, loss_fn: Callable | N
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            gm = _dynamo_graph_capture_for_export(wrapper)(*example_inputs)
+            with _meta_attention(model):
+                gm = _dynamo_graph_capture_for_export(wrapper)(*example_inputs)
             stack = contextlib.ExitStack()
             with stack:
                 joint = aot_export_joint_with_descriptors(stack, gm, tuple(example_inputs))

@@ -199,3 +199,18 @@ def _first_match(rules, name: str):
         if fnmatch.fnmatchcase(name, glob):
             return p
     return None
+
+
+def placement_reasons(plan: Plan, name: str) -> list[tuple[str, str, str]]:
+    """Per mesh axis, which rule placed parameter ``name`` and where it came from:
+    (axis, rule glob or "", "override" | strategy name | "no rule: replicated")."""
+    out = []
+    for ap in plan.axes:
+        for source, rules in (("override (plan['rules'])", plan.overrides.get(ap.axis, [])), (ap.strategy, ap.rules)):
+            hit = next((g for g, _ in rules if fnmatch.fnmatchcase(name, g)), None)
+            if hit is not None:
+                out.append((ap.axis, hit, source))
+                break
+        else:
+            out.append((ap.axis, "", "no rule: replicated"))
+    return out

@@ -265,6 +265,9 @@ class ParallelModule:
     def __call__(self, *inputs):
         """Forward only (eval): returns the model's output, replicated on every rank."""
         if self._forward_program is None:
+            if self._forward_builder is None:
+                raise InputError("this program was compiled with capture_eval=False: it has no forward-only "
+                                 "program", where="ParallelModule.__call__", fix="compile with capture_eval=True")
             self._forward_program = self._forward_builder()
             self._fwd_gm = instrument(self._forward_program.local, self.counter, self.ctx)
         n = len(self.example_shapes) - (1 if self.has_loss else 0)

@@ -161,6 +161,10 @@ def build_model(name: str, seed: int = 0):
         from autopar.models.llama import Llama, LlamaConfig, cross_entropy
 
         model, loss_fn, seq = Llama(LlamaConfig(n_layers=8, max_seq_len=128)), cross_entropy, 128
+    elif name == "moe":  # top-2 of 4 experts in every block (GShard-style capacity dispatch)
+        from autopar.models.llama import Llama, LlamaConfig, cross_entropy
+
+        model, loss_fn = Llama(LlamaConfig(n_experts=4, top_k=2)), cross_entropy
     elif name == "hf_llama":
         from transformers import LlamaConfig as HFConfig
         from transformers import LlamaForCausalLM
@@ -246,7 +250,10 @@ def parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: float = 1e
     measured = pm.counter.summary()
     evaluated = pm(batches[0][0])
     records = [copy.copy(r) for r in pm.collectives()]
-    return {"losses": losses, "grads": grads, "params": params, "records": records,
+    from autopar.cost import predict_memory
+
+    predicted = {k: v for k, v in predict_memory(pm).items() if k != "alive_at_peak"}
+    return {"predicted_memory": predicted,"losses": losses, "grads": grads, "params": params, "records": records,
             "measured": measured, "steps": steps, "eval": evaluated, "memory": memory,
             "placements": {n: str(p.placements) for n, p in pm.named_parameters()},
             "skipped": pm.skipped_steps,

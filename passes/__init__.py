@@ -38,6 +38,8 @@ def run_passes(program, ctx, *, skip=(), debug=False, label=""):
     for name, fn in PASSES:
         if name in skip:
             continue
+        if getattr(ctx, "progress", None):
+            ctx.progress(f"{label}{name}")
         t0 = time.perf_counter()
         program = fn(program, ctx)
         ctx.timings[f"{label}{name}"] = time.perf_counter() - t0

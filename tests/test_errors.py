@@ -21,7 +21,12 @@ def test_heads_not_divisible_by_tp(fake):
         _compile(mesh, {"tp": "megatron"}, n_kv_heads=2)
     msg = str(e.value)
     assert "heads" in msg and "'tp'" in msg
-    assert "models/llama.py:73" in msg and "k_proj" in msg  # the user's line
+    import inspect
+
+    from autopar.models import llama
+
+    line = next(i for i, t in enumerate(inspect.getsource(llama).splitlines(), 1) if "k = self.k_proj(x)" in t)
+    assert f"models/llama.py:{line}" in msg and "k_proj" in msg  # the user's line
     assert "what to do" in msg
 
 
@@ -100,3 +105,12 @@ def test_batch_shape_mismatch(fake):
             pm.train_step(torch.zeros(2, 16, dtype=torch.long), torch.zeros(2, 16, dtype=torch.long))
         with pytest.raises(autopar.InputError, match="expected 2 inputs"):
             pm.train_step(torch.zeros(4, 16, dtype=torch.long))
+
+
+def test_batch_not_divisible_by_data_parallel_ranks(fake):
+    from autopar.models.llama import Llama, LlamaConfig, cross_entropy
+
+    x = torch.zeros(6, 16, dtype=torch.long)
+    with fake(dp=4) as mesh, pytest.raises(autopar.PlanError, match=r"batch size 6.*\(dp, 4 ranks\) cannot split") as e:
+        autopar.compile(Llama(LlamaConfig()), mesh, example_inputs=(x, x), loss_fn=cross_entropy, plan={"dp": "ddp"})
+    assert "multiple of 4" in str(e.value) and "example_inputs[0]" in str(e.value)

@@ -45,6 +45,16 @@ def assert_parity(ref, out, name):
     torch.testing.assert_close(out["eval"], expected, rtol=1e-5, atol=1e-5)
 
 
+def assert_memory_predicted(out):
+    """The cost model's per-rank memory (liveness over the per-rank program, persistent state
+    from the storage placements) against what the run measured on its tensors: within 5%."""
+    pred, meas = out["predicted_memory"], out["memory"]
+    for k in ("parameters", "gradients", "optimizer_state"):
+        assert pred[k] == meas[k], k
+    for k in ("program_peak", "step_peak"):
+        assert pred[k] == pytest.approx(meas[k], rel=0.05), k
+
+
 @pytest.mark.parametrize("name,axes,plan", CASES, ids=[f"{c[0]}-{'x'.join(c[1])}" for c in CASES])
 def test_parity(pools, references, name, axes, plan):
     world = 1
@@ -52,6 +62,7 @@ def test_parity(pools, references, name, axes, plan):
         world *= v
     out = pools(world).run(parity_job, name, axes, plan)
     assert_parity(references(name), out, name)
+    assert_memory_predicted(out)
     # the bytes the runtime counted are the bytes the compiler predicted, step for step
     # (every kind and axis: no collective ran that the compiler did not predict, and none was missing)
     predicted = {k: v * out["steps"] for k, v in bytes_by_collective(out["records"]).items()}

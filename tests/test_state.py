@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_parity import assert_parity
+from test_parity import assert_memory_predicted, assert_parity
 
 from autopar.ir import bytes_by_collective
 from autopar.testing import parity_job
@@ -28,6 +28,7 @@ CASES = [
     ("llama", {"dp": 2}, {"dp": "zero2"}, {"precision": "bf16"}),
     ("hf_llama", {"dp": 2}, {"dp": "fsdp"}, {"precision": "bf16", "reduce_dtype": "fp32", "recompute": "full"}),
     ("llama", {"dp": 2}, {"dp": "ddp"}, {"precision": "fp16", "loss_scale": 1024.0, "accumulate": 2}),
+    ("moe", {"dp": 2}, {"dp": "fsdp"}, {}),
 ]
 
 
@@ -66,9 +67,10 @@ def test_state_parity(pools, references, name, axes, plan, opts):
     predicted = {k: v * out["steps"] for k, v in bytes_by_collective(out["records"]).items()}
     measured = {k: v["wire_bytes"] for k, v in out["measured"].items()}
     assert measured == pytest.approx(predicted)
+    assert_memory_predicted(out)
     # the optimizer state lives on the shard: parameters are stored sharded on dp under ZeRO
     if plan["dp"] != "ddp":
-        down = next(v for k, v in out["placements"].items() if k.endswith("layers.0.mlp.down_proj.weight"))
+        down = next(v for k, v in out["placements"].items() if k.endswith(("layers.0.mlp.down_proj.weight", "layers.0.mlp.w_down")))
         assert down.startswith("(Shard")
 
 

@@ -30,6 +30,9 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     mlp: str = "swiglu"  # or "gelu" (GPT-style)
     tie_embeddings: bool = False
+    n_experts: int = 0  # > 0: a mixture-of-experts MLP in every block (top_k routing, per-sequence capacity)
+    top_k: int = 2
+    capacity_factor: float = 1.25
 
 
 class RMSNorm(nn.Module):
@@ -103,13 +106,52 @@ class MLP(nn.Module):
         return self.down_proj(F.gelu(self.up_proj(x)))
 
 
+class MoE(nn.Module):
+    """Top-k mixture of experts with GShard-style fixed-capacity dispatch (static shapes).
+
+    Each sequence is a routing group: token-expert pairs are queued per expert in (position,
+    choice) order and the first ``capacity = ceil(seq * top_k / n_experts * capacity_factor)``
+    are kept (the rest pass through the residual only). Experts are stacked SwiGLU weights
+    ``[E, dim, ffn]``, applied with batched matmuls (einsum).
+    """
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.top_k, self.n_experts, self.capacity_factor = cfg.top_k, cfg.n_experts, cfg.capacity_factor
+        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.w_gate = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim, cfg.ffn_dim))
+        self.w_up = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim, cfg.ffn_dim))
+        self.w_down = nn.Parameter(torch.empty(cfg.n_experts, cfg.ffn_dim, cfg.dim))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        e, k = self.n_experts, self.top_k
+        cap = math.ceil(s * k / e * self.capacity_factor)
+        probs = F.softmax(self.router(x), dim=-1, dtype=torch.float32)
+        weights, idx = probs.topk(k, dim=-1)  # [b, s, k]
+        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        experts = torch.arange(e, device=x.device)
+        choice = (idx.unsqueeze(-1) == experts).long().flatten(1, 2)  # [b, s*k, e] one-hot
+        pos = choice.cumsum(dim=1) - 1  # queue position of each pair at its expert
+        keep = choice * (pos < cap)
+        slots = torch.arange(cap, device=x.device)
+        slot = (pos.unsqueeze(-1) == slots) * keep.unsqueeze(-1)  # [b, s*k, e, cap]
+        slot = slot.view(b, s, k, e, cap).to(x.dtype)
+        dispatch = slot.sum(2)  # [b, s, e, cap]
+        combine = (slot * weights[..., None, None]).sum(2)
+        xe = torch.einsum("bsec,bsd->becd", dispatch, x)
+        h = F.silu(torch.einsum("becd,edf->becf", xe, self.w_gate)) * torch.einsum("becd,edf->becf", xe, self.w_up)
+        ye = torch.einsum("becf,efd->becd", h, self.w_down)
+        return torch.einsum("bsec,becd->bsd", combine, ye)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
 
     def forward(self, x, cos, sin):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)

@@ -1,0 +1,120 @@
+"""``autopar calibrate``: measure this machine for the cost model's device table.
+
+Measures, with one thread per rank (as the gloo workers run): matmul FLOP/s per dtype, memory
+bandwidth (an elementwise add on 8 MiB tensors: bytes read + written), and gloo all-reduce between two processes on
+this machine (latency from a 4-byte all-reduce, bandwidth from a 16 MiB one). Prints the row
+and writes it as JSON (``--out``), which ``autopar plan --devices FILE --device NAME`` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+
+def _timeit(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def matmul_flops(dtype: torch.dtype, n: int = 512, reps: int = 5) -> float:
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    return 2 * n**3 / _timeit(lambda: a @ b, reps)
+
+
+def memory_bandwidth(mib: int = 8, reps: int = 10) -> float:
+    """Bytes read + written per second by an elementwise op allocating its output, as the
+    per-rank program's ops do (a copy into an existing buffer is several times faster)."""
+    x = torch.randn(mib * 2**20 // 4)
+    y = torch.randn_like(x)
+    return 3 * x.numel() * 4 / _timeit(lambda: x + y, reps)
+
+
+def op_overhead(reps: int = 2000) -> float:
+    """Seconds of eager dispatch for a tiny op (what every node of the per-rank program costs)."""
+    x = torch.ones(8)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        x = x + 1
+    return (time.perf_counter() - t0) / reps
+
+
+def _allreduce_job(sizes, reps):
+    import torch.distributed as dist
+
+    out = {}
+    for n in sizes:
+        x = torch.ones(max(1, n // 4))
+        dist.barrier()
+        out[n] = _timeit(lambda: dist.all_reduce(x), reps)
+    return out
+
+
+def gloo_links(reps: int = 10) -> tuple[float, float]:
+    """(alpha per ring step, bandwidth) of a 2-process gloo all-reduce (2 ring steps, each rank
+    sending half the payload per step)."""
+    from autopar.testing import DistPool
+
+    pool = DistPool(2)
+    try:
+        small, big = 4, 16 * 2**20
+        t = pool.run(_allreduce_job, [small, big], reps)
+    finally:
+        pool.close()
+    alpha = t[small] / 2
+    bw = big / max(t[big] - t[small], 1e-9)  # 2(N-1)/N * D = D bytes sent per rank at N=2
+    return alpha, bw
+
+
+def calibrate(name: str = "cpu", comm: bool = True) -> dict:
+    torch.set_num_threads(1)
+    row = {"name": name,
+           "flops": {"fp32": matmul_flops(torch.float32), "bf16": matmul_flops(torch.bfloat16),
+                     "fp16": matmul_flops(torch.float16, reps=3)},
+           "mem_bw": memory_bandwidth(), "mem_bytes": _ram(), "ranks_per_node": 64, "efficiency": 1.0,
+           "op_overhead": op_overhead(), "cores": os.cpu_count() or 1,
+           "source": f"calibrated by `autopar calibrate` on {time.strftime('%Y-%m-%d')}, 1 thread per rank, gloo"}
+    alpha, bw = gloo_links() if comm else (60e-6, 1e9)
+    row.update(intra_bw=bw, intra_alpha=alpha, inter_bw=bw, inter_alpha=alpha)
+    return row
+
+
+def _ram() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            return float(f.readline().split()[1]) * 1024
+    except OSError:
+        return 16 * 2**30
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="autopar calibrate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--name", default="cpu", help="the device row's name (default cpu)")
+    p.add_argument("--out", default=None, help="write the row as JSON here")
+    p.add_argument("--no-comm", action="store_true", help="skip the gloo measurement")
+    args = p.parse_args(argv)
+    row = calibrate(args.name, comm=not args.no_comm)
+    from autopar.cost import Device
+
+    print(Device(**row).describe())
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump([row], f, indent=1)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,397 @@
+"""The cost model: what a per-rank program will hold, send, compute and take, before it runs.
+
+Everything here reads the per-rank program (``program.local``, traced by ``localize`` with fake
+tensors of local shapes), so it works on meta tensors over a fake process group for a mesh of
+any size. The runtime measures the same quantities (``ParallelModule.memory_report``, the
+collective counter); tests compare the two.
+
+- **Memory** (``predict_memory``): persistent state from the parameters' storage placements
+  (parameter shards, their fp32 gradients, the optimizer's per-parameter state), plus the
+  program's peak by liveness: every value is alive from the node that makes it to its last use
+  (an unused value dies at once), views share their base's storage (the fake tensors recorded
+  at trace time carry the real aliasing), and each storage counts once. Categories as the
+  tracker's (autopar/memory.py): parameter copies, gradients in flight, activations.
+- **Communication**: the CommRecords on the collective nodes (ring bytes per rank, per kind and
+  mesh axis), timed α-β per axis: ``alpha + wire_bytes / bandwidth``. An axis whose ranks fit
+  in one node (the mesh's last axes are the fastest-varying ranks) uses the intra-node link,
+  otherwise the inter-node one.
+- **Compute**: FLOPs per node from torch's flop-counter formulas (matmuls, attention), timed by
+  a roofline: ``max(flops / (peak * efficiency), bytes / memory_bandwidth)``; ops without FLOPs
+  are memory-bound (bytes read + written). Views cost nothing.
+- **Time** (``simulate``): one compute stream and one communication stream. A collective starts
+  when its input is ready and the link is free; ``wait_tensor`` stalls compute until it is done.
+  Communication hidden under compute is what the program's ordering buys.
+
+Device figures are in ``DEVICES``; the GPU rows are vendor peak figures, stated as assumptions
+(dense, no sparsity) with an achievable-fraction factor; the CPU row was calibrated on this
+project's development machine (``autopar calibrate`` measures yours and writes a JSON file that
+``--devices`` reads).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import fx
+from torch.utils import flop_counter
+
+from autopar.ir import CommRecord, collective_op
+from autopar.memory import CATEGORIES, categorize
+
+aten = torch.ops.aten
+
+
+@dataclass
+class Device:
+    name: str
+    flops: dict[str, float]  # peak dense FLOP/s by compute dtype ("fp32", "bf16", "fp16")
+    mem_bw: float  # bytes/s, device memory
+    mem_bytes: float  # capacity per device
+    intra_bw: float  # bytes/s per rank per direction, inside a node
+    intra_alpha: float  # seconds per collective step inside a node
+    inter_bw: float  # bytes/s per rank, between nodes
+    inter_alpha: float
+    ranks_per_node: int
+    efficiency: float = 1.0  # achievable fraction of peak FLOP/s on large matmuls
+    source: str = ""
+    op_overhead: float = 0.0  # seconds per executed op (kernel launch / eager dispatch)
+    cores: int = 0  # CPU: cores shared by the ranks of a node (0: each rank has its own device)
+
+    def describe(self) -> str:
+        f = ", ".join(f"{k} {v / 1e12:g} TFLOP/s" for k, v in self.flops.items())
+        return (f"{self.name}: {f} (x{self.efficiency:g} achievable); memory {self.mem_bytes / 2**30:.0f} GiB at "
+                f"{self.mem_bw / 1e9:g} GB/s; intra-node {self.intra_bw / 1e9:g} GB/s, alpha "
+                f"{self.intra_alpha * 1e6:g} us ({self.ranks_per_node} ranks/node); inter-node "
+                f"{self.inter_bw / 1e9:g} GB/s, alpha {self.inter_alpha * 1e6:g} us; {self.op_overhead * 1e6:g} us "
+                f"per op" + (f"; {self.cores} cores shared by a node's ranks" if self.cores else "")
+                + f". Source: {self.source}")
+
+
+DEVICES: dict[str, Device] = {
+    # NVIDIA datasheets (SXM, dense): H100 989 TFLOP/s bf16, 67 fp32 (non-tensor), 3.35 TB/s HBM3,
+    # NVLink4 900 GB/s bidirectional (450 per direction); one 400 Gb/s NIC per GPU (50 GB/s).
+    "h100": Device("h100", {"fp32": 67e12, "bf16": 989e12, "fp16": 989e12}, 3.35e12, 80 * 2**30,
+                   450e9, 10e-6, 50e9, 20e-6, 8, 0.6,
+                   "assumption: NVIDIA H100 SXM datasheet peaks, 8 GPUs/node on NVLink4, 400 Gb/s NIC per GPU, "
+                   "60% of peak achievable on large matmuls, 5 us launch per op", 5e-6),
+    "h200": Device("h200", {"fp32": 67e12, "bf16": 989e12, "fp16": 989e12}, 4.8e12, 141 * 2**30,
+                   450e9, 10e-6, 50e9, 20e-6, 8, 0.6,
+                   "assumption: NVIDIA H200 SXM datasheet peaks (H100 compute, 4.8 TB/s HBM3e, 141 GB), "
+                   "8 GPUs/node on NVLink4, 400 Gb/s NIC per GPU, 60% of peak achievable, 5 us launch per op", 5e-6),
+    "a100": Device("a100", {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12}, 2.039e12, 80 * 2**30,
+                   300e9, 10e-6, 25e9, 20e-6, 8, 0.6,
+                   "assumption: NVIDIA A100 SXM 80GB datasheet peaks, NVLink3 600 GB/s bidirectional, "
+                   "200 Gb/s NIC per GPU, 60% of peak achievable, 5 us launch per op", 5e-6),
+    # efficiency 1: the calibrated figures are achieved rates, not peaks
+    "cpu": Device("cpu", {"fp32": 83e9, "bf16": 367e9, "fp16": 2.1e9}, 5e9, 24 * 2**30,
+                  0.93e9, 169e-6, 0.93e9, 169e-6, 64, 1.0,
+                  "calibrated 2026-11-22 by `autopar calibrate` on the development machine (2 cores, 1 thread "
+                  "per rank; 512^3 matmuls, an elementwise add on 8 MiB, 2-process gloo all-reduce over loopback, eager "
+                  "dispatch of a small op)", 2.5e-6, 2),
+}
+
+
+def load_devices(path: str) -> None:
+    """Add or replace rows of DEVICES from a JSON file written by ``autopar calibrate``."""
+    with open(path) as f:
+        rows = json.load(f)
+    for row in rows if isinstance(rows, list) else [rows]:
+        DEVICES[row["name"]] = Device(**row)
+
+
+def get_device(name: str) -> Device:
+    from autopar.errors import PlanError
+
+    if name not in DEVICES:
+        raise PlanError(f"unknown device {name!r}", where="--device",
+                        fix=f"use one of {sorted(DEVICES)}, or add one with --devices FILE (autopar calibrate)")
+    return DEVICES[name]
+
+
+# ------------------------------------------------------------------------------------ memory
+def _storages(val):
+    for t in val if isinstance(val, (list, tuple)) else (val,):
+        if isinstance(t, torch.Tensor):
+            s = t.untyped_storage()
+            yield s._cdata, s.nbytes()
+
+
+@dataclass
+class ProgramMemory:
+    peak: int = 0
+    at_peak: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+    max_by: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+    peak_node: str = ""
+    alive_at_peak: list[tuple[int, str, str]] = field(default_factory=list)  # (bytes, node, category)
+    curve: dict[str, int] = field(default_factory=dict)  # node -> bytes alive while it runs
+
+
+def program_memory(gm: fx.GraphModule, inputs, outputs) -> ProgramMemory:
+    """Peak bytes of the per-rank program by liveness over its nodes (parameters excluded: they
+    are persistent state). Mirrors what MemoryTracker measures when the program runs."""
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    cats = categorize(gm, inputs, outputs)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    params = {n for n, (kind, _) in zip(placeholders, inputs) if kind == "param"}
+    persistent = {k for n in params for k, _ in _storages(n.meta.get("val"))}
+    # storage -> [first index, last index, bytes, category, defining node]
+    live: dict[int, list] = {}
+    for n in nodes:
+        if n.op == "output" or n in params:
+            continue
+        val = n.meta.get("val")
+        if val is None:
+            continue
+        i = index[n]
+        last = max((index[u] for u in n.users), default=i)
+        if n.op == "placeholder" and not n.users:
+            last = i
+        for key, nbytes in _storages(val):
+            if key in persistent or nbytes == 0:
+                continue
+            if key not in live:
+                live[key] = [i, last, nbytes, cats.get(n.name, "activations"), n.name]
+            else:
+                rec = live[key]
+                rec[1] = max(rec[1], last)
+                rec[2] = max(rec[2], nbytes)
+    # a collective's output is waited for by wait_tensor, whose fake value is a new storage that
+    # at runtime is the same tensor: fold the two
+    for n in nodes:
+        if n.op == "call_function" and "wait_tensor" in str(collective_op(n.target)):
+            src = n.args[0]
+            ks = [k for k, _ in _storages(src.meta.get("val"))]
+            kd = [k for k, _ in _storages(n.meta.get("val"))]
+            if ks and kd and ks[0] != kd[0] and ks[0] in live and kd[0] in live:
+                a, b = live[ks[0]], live.pop(kd[0])
+                a[1] = max(a[1], b[1])
+    delta = [dict.fromkeys(CATEGORIES, 0) for _ in range(len(nodes) + 1)]
+    for first, last, nbytes, cat, _ in live.values():
+        delta[first][cat] += nbytes
+        delta[last + 1][cat] -= nbytes
+    out = ProgramMemory()
+    cur = dict.fromkeys(CATEGORIES, 0)
+    for i in range(len(nodes)):
+        for c in CATEGORIES:
+            cur[c] += delta[i][c]
+            out.max_by[c] = max(out.max_by[c], cur[c])
+        total = sum(cur.values())
+        out.curve[nodes[i].name] = total
+        if total > out.peak:
+            out.peak, out.at_peak, out.peak_node = total, dict(cur), nodes[i].name
+    if out.peak_node:
+        p = index[next(n for n in nodes if n.name == out.peak_node)]
+        out.alive_at_peak = sorted(((b, name, c) for f, last, b, c, name in live.values() if f <= p <= last),
+                                   reverse=True)
+    return out
+
+
+OPTIMIZER_STATE = {"adamw": 2, "adam": 2, "sgd": 0, "momentum": 1, "none": 0}  # fp32 tensors per parameter
+
+
+def persistent_memory(pm, optimizer: str = "adamw") -> dict[str, int]:
+    """Bytes of parameter shards, their gradients (fp32 master gradients, as stored in .grad) and
+    optimizer state on this rank, from the storage placements."""
+    if optimizer not in OPTIMIZER_STATE:
+        from autopar.errors import PlanError
+
+        raise PlanError(f"unknown optimizer {optimizer!r}", where="--optimizer",
+                        fix=f"use one of {list(OPTIMIZER_STATE)}")
+    from torch.distributed.tensor import DTensor
+
+    params = grads = 0
+    for p in pm.module.parameters():
+        local = p._local_tensor if isinstance(p, DTensor) else p
+        nbytes = local.numel() * local.element_size()
+        params += nbytes
+        grads += nbytes if p.requires_grad else 0
+    state = params * OPTIMIZER_STATE[optimizer]
+    return {"parameters": params, "gradients": grads, "optimizer_state": state}
+
+
+def predict_memory(pm, optimizer: str = "adamw") -> dict:
+    """Predicted per-rank bytes, keyed like ``ParallelModule.memory_report``."""
+    state = persistent_memory(pm, optimizer)
+    mems = [program_memory(p.local, p.inputs, p.outputs) for p in _programs(pm)]
+    m = max(mems, key=lambda x: x.peak)
+    out = {**state, "program_peak": m.peak, **{f"peak_{k}": v for k, v in m.at_peak.items()},
+           **{f"max_{k}": v for k, v in m.max_by.items()}}
+    out["step_peak"] = state["parameters"] + state["optimizer_state"] + m.peak
+    out["peak_node"] = m.peak_node
+    out["alive_at_peak"] = m.alive_at_peak
+    return out
+
+
+def _programs(pm):
+    return [pm.program] + ([pm.sync_program] if pm.sync_program is not None else [])
+
+
+# ------------------------------------------------------------------------------------ compute
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int, aten.permute.default,
+          aten.expand.default, aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim,
+          aten.squeeze.dims, aten.alias.default, aten.detach.default, aten.split.Tensor, aten.split_with_sizes.default,
+          aten.unbind.int, aten.as_strided.default, aten.reshape.default}
+
+
+def _val_bytes(val) -> int:
+    return sum(math.prod(t.shape) * t.element_size() for t in (val if isinstance(val, (list, tuple)) else (val,))
+               if isinstance(t, torch.Tensor))
+
+
+def node_flops(n: fx.Node) -> int:
+    if n.op != "call_function" or not hasattr(n.target, "overloadpacket"):
+        return 0
+    fn = flop_counter.flop_registry.get(n.target.overloadpacket) or flop_counter.flop_registry.get(n.target)
+    if fn is None:
+        return 0
+
+    def val(a):
+        return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+    args = fx.node.map_aggregate(n.args, val)
+    kwargs = fx.node.map_aggregate(n.kwargs, val)
+    try:
+        return int(fn(*args, **kwargs, out_val=n.meta.get("val")))
+    except TypeError:
+        return int(fn(*args, **kwargs, out_shape=_shape(n.meta.get("val"))))
+
+
+def _shape(v):
+    if isinstance(v, torch.Tensor):
+        return v.shape
+    if isinstance(v, (list, tuple)):
+        return type(v)(_shape(x) for x in v)
+    return v
+
+
+def _dtype_key(n: fx.Node) -> str:
+    v = n.meta.get("val")
+    t = v[0] if isinstance(v, (list, tuple)) and v else v
+    dt = getattr(t, "dtype", torch.float32)
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dt, "fp32")
+
+
+def compute_seconds(n: fx.Node, dev: Device, flops: int, share: float = 1.0) -> float:
+    """Roofline time of one op; ``share`` >= 1 when ranks share a CPU's cores."""
+    if n.op != "call_function" or n.target is operator.getitem:
+        return 0.0
+    if n.target in _VIEWS:
+        return dev.op_overhead
+    moved = _val_bytes(n.meta.get("val")) + sum(_val_bytes(a.meta.get("val")) for a in n.all_input_nodes)
+    t = moved / dev.mem_bw
+    if flops:
+        t = max(flops / (dev.flops[_dtype_key(n)] * dev.efficiency), t)
+    return t * share + dev.op_overhead
+
+
+# ------------------------------------------------------------------------------------ comm
+def axis_links(axis_names, axis_sizes, dev: Device) -> dict[str, tuple[float, float]]:
+    """(alpha, bandwidth) per mesh axis: intra-node if the axis and every faster-varying axis
+    after it fit in one node."""
+    out = {}
+    inner = 1
+    for name, size in reversed(list(zip(axis_names, axis_sizes))):
+        inner *= size
+        intra = inner <= dev.ranks_per_node
+        out[name] = (dev.intra_alpha, dev.intra_bw) if intra else (dev.inter_alpha, dev.inter_bw)
+    out["world"] = (dev.inter_alpha, dev.inter_bw) if math.prod(axis_sizes) > dev.ranks_per_node else (
+        dev.intra_alpha, dev.intra_bw)
+    return out
+
+
+def comm_seconds(r: CommRecord, links) -> float:
+    if r.group_size <= 1:
+        return 0.0
+    alpha, bw = links[r.axis]
+    steps = 2 * (r.group_size - 1) if r.kind == "all_reduce" else r.group_size - 1
+    return steps * alpha + r.wire_bytes / bw
+
+
+@dataclass
+class TimeEstimate:
+    step_s: float = 0.0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    exposed_comm_s: float = 0.0
+    optimizer_s: float = 0.0
+    flops: int = 0
+    by_phase: dict[str, float] = field(default_factory=dict)
+    comm_by_axis: dict[str, float] = field(default_factory=dict)
+
+
+def core_share(dev: Device, world: int) -> float:
+    """How many ranks share one core's worth of compute (1 on GPUs)."""
+    if not dev.cores:
+        return 1.0
+    return max(1.0, min(world, dev.ranks_per_node) / dev.cores)
+
+
+def simulate(gm: fx.GraphModule, dev: Device, links, share: float = 1.0) -> TimeEstimate:
+    """Compute stream + one communication stream over the per-rank program."""
+    est = TimeEstimate()
+    t_compute, t_link = 0.0, 0.0
+    done: dict[fx.Node, float] = {}
+    for n in gm.graph.nodes:
+        rec = n.meta.get("autopar_comm")
+        if rec is not None:
+            dur = comm_seconds(rec, links)
+            start = max(t_compute, t_link)
+            done[n] = t_link = start + dur
+            est.comm_s += dur
+            est.comm_by_axis[rec.axis] = est.comm_by_axis.get(rec.axis, 0.0) + dur
+            continue
+        if n.op == "call_function" and "wait_tensor" in str(collective_op(n.target)):
+            src = n.args[0]
+            if src in done and done[src] > t_compute:
+                est.exposed_comm_s += done[src] - t_compute
+                t_compute = done[src]
+            continue
+        f = node_flops(n)
+        dt = compute_seconds(n, dev, f, share)
+        est.flops += f
+        est.compute_s += dt
+        phase = "backward" if n.meta.get("partitioner_tag") == "is_backward" else "forward"
+        est.by_phase[phase] = est.by_phase.get(phase, 0.0) + dt
+        t_compute += dt
+    est.step_s = max(t_compute, t_link)
+    return est
+
+
+# bytes the optimizer step reads + writes per parameter element, per fp32 state tensor count:
+# AdamW (foreach): param, grad, exp_avg, exp_avg_sq read; param, exp_avg, exp_avg_sq written
+_OPT_TRAFFIC = {"adamw": 7 * 4, "adam": 7 * 4, "sgd": 3 * 4, "momentum": 5 * 4, "none": 0}
+
+
+def predict_time(pm, dev: Device, optimizer: str = "adamw") -> TimeEstimate:
+    """Step time: the program(s) simulated, plus the optimizer step (memory-bound, on the shards)."""
+    links = axis_links(pm.ctx.axis_names, pm.ctx.axis_sizes, dev)
+    share = core_share(dev, math.prod(pm.ctx.axis_sizes))
+    total = TimeEstimate()
+    runs = [(pm.program, pm.ctx.accumulate)] + ([(pm.sync_program, 1)] if pm.sync_program is not None else [])
+    for program, times in runs:
+        e = simulate(program.local, dev, links, share)
+        for _ in range(times):
+            total.step_s += e.step_s
+            total.compute_s += e.compute_s
+            total.comm_s += e.comm_s
+            total.exposed_comm_s += e.exposed_comm_s
+            total.flops += e.flops
+            for k, v in e.by_phase.items():
+                total.by_phase[k] = total.by_phase.get(k, 0.0) + v
+            for k, v in e.comm_by_axis.items():
+                total.comm_by_axis[k] = total.comm_by_axis.get(k, 0.0) + v
+    from torch.distributed.tensor import DTensor
+
+    elems = sum((p._local_tensor if isinstance(p, DTensor) else p).numel() for p in pm.module.parameters())
+    total.optimizer_s = elems * _OPT_TRAFFIC.get(optimizer, 0) / dev.mem_bw * share
+    total.step_s += total.optimizer_s
+    return total
+
+
+def device_row(dev: Device) -> dict:
+    return asdict(dev)
