@@ -334,45 +334,31 @@ def _persistent_with_grads(system, batch) -> dict[str, int]:
 
 
 # ----------------------------------------------------------------------------------------- planning time
-LLAMA3 = {  # Llama-3 shapes (dim, layers, heads, kv heads, ffn, vocab)
-    "llama3-8b": (4096, 32, 32, 8, 14336, 128256),
-    "llama3-70b": (8192, 80, 64, 8, 28672, 128256),
-}
+LLAMA3 = ("llama3-8b", "llama3-70b")  # built-in shapes (autopar/zoo.py)
 
 
 def plan_one(name: str, world: int, tp: int = 8, seq: int = 2048) -> dict:
-    """Trace + plan + per-rank program of a Llama-3 shape on meta tensors, fake process group of
-    ``world`` ranks (dp = world / tp, fsdp x megatron), in this process. Seconds and peak RSS."""
+    """``autopar plan`` of a Llama-3 shape on meta tensors over a fake process group of ``world``
+    ranks (dp = world / tp, fsdp x megatron, bf16, one sequence per dp rank), in this process:
+    the trace, the passes, the per-rank program and the cost model. Seconds and peak RSS."""
+    import argparse
     import resource
 
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from autopar import explain
 
-    import autopar
-    from autopar.models.llama import Llama, LlamaConfig, cross_entropy
-
-    dim, layers, heads, kv, ffn, vocab = LLAMA3[name]
     tp = min(tp, world)
     dp = world // tp
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    t0 = time.perf_counter()
-    with torch.device("meta"):
-        model = Llama(LlamaConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv,
-                                  ffn_dim=ffn, max_seq_len=seq))
-    tokens = torch.empty((dp, seq), dtype=torch.long, device="meta")
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    pm = autopar.compile(model, mesh, example_inputs=(tokens, tokens), loss_fn=cross_entropy,
-                         plan={"dp": "fsdp", "tp": "megatron"}, precision="bf16")
-    total = time.perf_counter() - t0
-    recs = pm.collectives()
-    out = {"model": name, "world": world, "mesh": f"dp={dp} x tp={tp}", "seconds": total,
-           "timings": dict(pm.ctx.timings), "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-           "params": sum(p.numel() for p in model.parameters()), "collectives": len(recs),
-           "bytes_per_rank_step": sum(r.wire_bytes for r in recs),
-           "nodes": len(pm.program.local.graph.nodes)}
-    dist.destroy_process_group()
-    return out
+    parser = argparse.ArgumentParser()
+    explain.add_common(parser)
+    args = parser.parse_args([name, "--mesh", f"dp={dp},tp={tp}", "--plan", "dp=fsdp,tp=megatron", "--precision",
+                              "bf16", "--batch", str(dp), "--seq", str(seq), "--device", "h100"])
+    a = explain.analyse(args, 0, explain.Progress(quiet=True))
+    recs = a.pm.collectives()
+    return {"model": name, "world": world, "mesh": f"dp={dp} x tp={tp}", "seconds": a.seconds["total"],
+            "timings": dict(a.pm.ctx.timings), "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "params": a.n_params, "collectives": len(recs), "bytes_per_rank_step": sum(r.wire_bytes for r in recs),
+            "nodes": len(a.pm.program.local.graph.nodes), "step_peak": a.memory["step_peak"],
+            "predicted_step_s": a.time.step_s}
 
 
 def planning(models, worlds) -> list[dict]:
@@ -394,15 +380,17 @@ def planning(models, worlds) -> list[dict]:
 
 
 def planning_markdown(rows) -> str:
-    lines = ["| model | ranks | mesh | parameters | seconds (trace + plan + per-rank program) | peak RSS | "
-             "per-rank graph nodes | collectives / step | bytes sent / rank / step |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | ranks | mesh | parameters | seconds (trace + plan + per-rank program + cost model) | peak RSS | "
+             "per-rank graph nodes | collectives / step | bytes sent / rank / step | step peak / rank | "
+             "predicted step (h100) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['world']} | | | failed: {r['error']} | | | | |")
+            lines.append(f"| {r['model']} | {r['world']} | | | failed: {r['error']} | | | | | | |")
             continue
         lines.append(f"| {r['model']} | {r['world']} | {r['mesh']} | {r['params'] / 1e9:.1f} B | {r['seconds']:.1f} | "
                      f"{r['peak_rss_mib']:,.0f} MiB | {r['nodes']:,} | {r['collectives']:,} | "
-                     f"{r['bytes_per_rank_step'] / 2**30:.1f} GiB |")
+                     f"{r['bytes_per_rank_step'] / 2**30:.1f} GiB | {r['step_peak'] / 2**30:.1f} GiB | "
+                     f"{r['predicted_step_s'] * 1e3:,.0f} ms |")
     return "\n".join(lines) + "\n"
 
 

@@ -41,6 +41,9 @@ def demo_job(axes: dict, steps: int, dp_plan: str = "fsdp") -> str:
         opt.step()
         if i == len(data) - 1:
             mem = pm.memory_report(opt)
+            from autopar.cost import predict_memory
+
+            predicted_mem = predict_memory(pm)
         opt.zero_grad()
         times.append(time.perf_counter() - t)
         losses.append(loss.item())
@@ -68,7 +71,9 @@ def demo_job(axes: dict, steps: int, dp_plan: str = "fsdp") -> str:
             f"optimizer state {mem['optimizer_state']:,}",
             f"  step peak {mem['step_peak']:,}: program peak {mem['program_peak']:,} = gathered parameters "
             f"{mem['peak_param_copies']:,} + gradients in flight {mem['peak_grads_in_flight']:,} + activations "
-            f"{mem['peak_activations']:,}", f"  FLOPs per step on this rank: {mem['flops_per_step']:,.0f}"]
+            f"{mem['peak_activations']:,}", f"  FLOPs per step on this rank: {mem['flops_per_step']:,.0f}",
+            f"  the cost model predicted a step peak of {predicted_mem['step_peak']:,} "
+            f"({predicted_mem['step_peak'] / mem['step_peak']:.4f} x measured; `autopar plan` shows it before running)"]
     predicted = {k: v * steps for k, v in pm.predicted_bytes().items()}
     out += ["", f"bytes sent per rank over {steps} steps (ring model), predicted by the compiler vs counted at run time:"]
     for k, v in pm.counter.summary().items():

@@ -115,8 +115,11 @@ class Analysis:
 
 
 class Progress:
+    """Stages on stderr as they start: one updating line on a terminal, a line each otherwise."""
+
     def __init__(self, quiet: bool):
         self.quiet = quiet
+        self.tty = sys.stderr.isatty()
         self.t0 = time.perf_counter()
         self.last = None
 
@@ -124,12 +127,15 @@ class Progress:
         if self.quiet:
             return
         now = time.perf_counter()
-        print(f"\r[autopar {now - self.t0:6.1f}s] {what:60s}", end="", file=sys.stderr, flush=True)
+        end = "" if self.tty else "\n"
+        print(f"{chr(13) if self.tty else ''}[autopar {now - self.t0:6.1f}s] {what:60s}", end=end, file=sys.stderr,
+              flush=True)
         self.last = what
 
     def done(self):
         if not self.quiet and self.last is not None:
-            print(f"\r[autopar {time.perf_counter() - self.t0:6.1f}s] {'done':60s}", file=sys.stderr, flush=True)
+            print(f"{chr(13) if self.tty else ''}[autopar {time.perf_counter() - self.t0:6.1f}s] {'done':60s}",
+                  file=sys.stderr, flush=True)
 
 
 def parse_ranks(text: str, world: int) -> list[int]:
@@ -328,8 +334,19 @@ def dump_text(a: Analysis) -> str:
             continue
         args = ", ".join(r["args"][:4]) + (", ..." if len(r["args"]) > 4 else "")
         lines.append(f"     {r['name']:26s} = {r['target']}({args})".ljust(80) + f" {r['local']:20s} {r['placements']}")
+    if pm.sync_program is not None:
+        lines += ["", f"== gradient sync program (runs once per step, after the {pm.ctx.accumulate} micro-batches "
+                      "above, on the summed gradients) " + "=" * 10]
+        for n in pm.sync_program.local.graph.nodes:
+            rec = n.meta.get("autopar_comm")
+            if rec is not None:
+                lines.append(f"  >> {n.name} = {rec.kind.upper()} on '{rec.axis}' ({rec.group_size} ranks): "
+                             f"{rec.payload_bytes:,} B in, {rec.wire_bytes:,.0f} B sent   {_local(n)}")
+                lines.append(f"       why: {rec.reason}")
     recs = pm.collectives()
-    lines += ["", f"{len(recs)} collectives per step, {sum(r.wire_bytes for r in recs):,.0f} B sent by this rank"]
+    lines += ["", f"{len(recs)} collectives per step ({pm.ctx.accumulate} x the program above"
+              + (" + the sync program" if pm.sync_program is not None else "") + "), "
+              f"{sum(r.wire_bytes for r in recs):,.0f} B sent by this rank"]
     return "\n".join(lines) + "\n"
 
 
@@ -338,6 +355,8 @@ def dump_json(a: Analysis) -> str:
                        "options": a.options, "nodes": node_rows(a), "summary": summary(a)}, indent=1, default=str)
 
 
+_LAYOUT_OPS = {"c10d", "permute", "clone", "view", "_unsafe_view", "reshape", "split", "<built-in function getitem>",
+               "cat", "alias", "t", "movedim", "transpose", "contiguous", "_to_copy"}
 _KIND_COLOR = {"all_reduce": "#d62728", "all_gather": "#ff7f0e", "reduce_scatter": "#9467bd", "all_to_all": "#8c564b"}
 
 
@@ -394,6 +413,9 @@ def dump_svg(a: Analysis) -> str:
         key = ("comm", r["name"]) if "collective" in r else ("op", r["module"], r["source"])
         if col and col[-1][0].get("_key") == key and key[0] == "op":
             col[-1].append(r)
+        elif (col and col[-1][0]["_key"][0] == "comm" and not r["module"] and "collective" not in r
+              and r["target"].split(".")[0] in _LAYOUT_OPS):
+            col[-1].append(r)  # the wait and the layout fix-up after a collective belong to it
         else:
             r["_key"] = key
             col.append([r])
@@ -435,7 +457,7 @@ def dump_svg(a: Analysis) -> str:
             heavy = any(_is_matmul(t) for t in ops)
             fill = "#c6dbef" if heavy else "#f2f2f2"
             src = r0["source"].split("  ", 1)
-            title = f"[{r0['module'] or '-'}] {src[-1] if src else ''}"
+            title = (f"[{r0['module']}] " if r0["module"] else "") + (src[-1] if src else "")
             shown = [t for t in ops if t not in ("view", "t", "_unsafe_view", "alias", "detach", "transpose.int")]
             opstxt = ", ".join(dict.fromkeys(shown or ops))
             last = grp[-1]
@@ -598,7 +620,7 @@ def _run(command: str, argv) -> int:
         p.print_usage(sys.stderr)
         print(f"autopar {command}: a MODEL is required (autopar {command} --list-models)", file=sys.stderr)
         return 2
-    progress = Progress(args.quiet or not sys.stderr.isatty() and os.environ.get("AUTOPAR_PROGRESS") != "1")
+    progress = Progress(args.quiet)
     try:
         axes = parse_mesh(args.mesh)
         ranks = parse_ranks(args.rank, math.prod(axes.values()))

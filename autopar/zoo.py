@@ -189,7 +189,10 @@ def _load_factory(spec: str) -> Loaded:
         names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
         raise PlanError(f"{mod_name!r} has no function {fn_name!r}", where=where,
                         fix=f"callables there: {', '.join(names[:12]) or 'none'}")
-    out = fn()
+    try:
+        out = fn()
+    except Exception as e:  # noqa: BLE001 - the user's factory failed
+        raise PlanError(f"{spec}() raised {type(e).__name__}: {e}", where=where) from e
     if not isinstance(out, tuple) or len(out) not in (2, 3) or not isinstance(out[0], torch.nn.Module):
         raise PlanError(f"{spec} must return (model, example_inputs) or (model, example_inputs, loss_fn), "
                         f"got {type(out).__name__}", where=where)

@@ -1,9 +1,12 @@
 """Parity figures for the README: every plan against one eager process, max differences.
 
-    .venv/bin/python benchmarks/parity_report.py [--state]
+    .venv/bin/python benchmarks/parity_report.py [--state | --cost]
 
 --state: the ZeRO / mixed-precision / accumulation / recompute cases (bf16 and fp16 against a
 single process in the same precision).
+--cost: every case (both lists and the MoE model): the cost model's per-rank memory and bytes
+against what the run measured (memory tracker on the tensors held; bytes counted at every
+collective).
 """
 
 from __future__ import annotations
@@ -41,9 +44,37 @@ STATE_CASES = [
 ]
 
 
+def cost_report(pools):
+    print("| model | mesh, plan, options | program peak predicted | measured | ratio | step peak predicted | "
+          "measured | ratio | persistent predicted = measured | bytes/rank/step predicted | counted |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, axes, plan, opts in CASES + STATE_CASES + [("moe", {"dp": 2}, {"dp": "fsdp"}, {})]:
+        world = 1
+        for v in axes.values():
+            world *= v
+        out = pools[world].run(parity_job, name, axes, plan, **opts)
+        p, m = out["predicted_memory"], out["memory"]
+        persistent = [p[k] == m[k] for k in ("parameters", "gradients", "optimizer_state")]
+        pred = sum(bytes_by_collective(out["records"]).values())
+        meas = sum(v["wire_bytes"] for v in out["measured"].values()) / out["steps"]
+        print(f"| {name} | {' x '.join(f'{a}={n}' for a, n in axes.items())} "
+              f"{'+'.join(plan.values())} {' '.join(f'{k}={v}' for k, v in opts.items())} | "
+              f"{p['program_peak']:,} | {m['program_peak']:,} | {p['program_peak'] / m['program_peak']:.4f} | "
+              f"{p['step_peak']:,} | {m['step_peak']:,} | {p['step_peak'] / m['step_peak']:.4f} | "
+              f"{'yes' if all(persistent) else 'NO'} ({p['parameters'] + p['gradients'] + p['optimizer_state']:,}) | "
+              f"{pred:,.0f} | {meas:,.0f} |", flush=True)
+
+
 def main():
     pools = {2: DistPool(2), 4: DistPool(4)}
     refs = {}
+    if "--cost" in sys.argv:
+        try:
+            cost_report(pools)
+        finally:
+            for p in pools.values():
+                p.close()
+        return
     cases = STATE_CASES if "--state" in sys.argv else CASES
     print("| model | mesh, plan, options | max loss diff (3 steps) | max grad diff, step 0 | max grad diff, all steps "
           "| max param diff after 3 AdamW steps | bytes/rank/step predicted = counted |")

@@ -153,13 +153,18 @@ def apply_redistribute(x: torch.Tensor, src, dst, spec, ctx) -> torch.Tensor:
             x = c10d.wait_tensor(c10d.all_reduce(x, _reduce_op(p), group))
         elif isinstance(p, Partial) and isinstance(q, Shard):
             d = q.dim
-            if d != 0:
-                x = torch.cat(torch.chunk(x, n, dim=d), dim=0)
+            if d != 0:  # the n pieces along d, stacked along dim 0 (one copy, however large n is)
+                shape = tuple(x.shape)
+                x = x.reshape(*shape[:d], n, shape[d] // n, *shape[d + 1:]).movedim(d, 0).reshape(
+                    n * shape[0], *shape[1:d], shape[d] // n, *shape[d + 1:])
             x = c10d.wait_tensor(c10d.reduce_scatter_tensor(x.contiguous(), _reduce_op(p), n, group))
         elif isinstance(p, Shard):
             d = p.dim
             g = c10d.wait_tensor(c10d.all_gather_into_tensor(x.contiguous(), n, group))
-            x = g if d == 0 else torch.cat(torch.chunk(g, n, dim=0), dim=d)
+            if d != 0:  # the n gathered pieces (stacked along dim 0) laid side by side along d
+                local = tuple(x.shape)
+                g = g.view(n, *local).movedim(0, d).reshape(*local[:d], n * local[d], *local[d + 1:])
+            x = g
             if isinstance(q, Shard):  # a copy: a view would keep the whole gathered tensor alive
                 x = torch.chunk(x, n, dim=q.dim)[ctx.coord[a]].clone(memory_format=torch.contiguous_format)
             elif isinstance(q, Partial):

@@ -42,7 +42,7 @@ def totals(pm) -> dict[str, float]:
 LOSS_STATS = 8  # the CE's token count and loss sum, all-reduced over dp
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("n", [2, 8])
 def test_zero_communication_volume(fake, n):
     with fake(dp=n) as mesh:
         ring = (n - 1) / n
