@@ -255,18 +255,7 @@ def node_flops(n: fx.Node) -> int:
 
     args = fx.node.map_aggregate(n.args, val)
     kwargs = fx.node.map_aggregate(n.kwargs, val)
-    try:
-        return int(fn(*args, **kwargs, out_val=n.meta.get("val")))
-    except TypeError:
-        return int(fn(*args, **kwargs, out_shape=_shape(n.meta.get("val"))))
-
-
-def _shape(v):
-    if isinstance(v, torch.Tensor):
-        return v.shape
-    if isinstance(v, (list, tuple)):
-        return type(v)(_shape(x) for x in v)
-    return v
+    return int(fn(*args, **kwargs, out_val=n.meta.get("val")))  # FlopCounterMode's calling convention
 
 
 def _dtype_key(n: fx.Node) -> str:
