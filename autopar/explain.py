@@ -552,6 +552,23 @@ def plan_table(results: list[Analysis]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _general_reason(reason: str) -> tuple[str, str]:
+    """Split a collective's reason into its kind (for grouping) and its specifics (a parameter or
+    node name): "ZeRO-3: gather parameter X for ..." -> ("ZeRO-3: gather parameter <p> for ...", "X")."""
+    import re
+
+    m = re.search(r"parameter ([\w.]+)", reason)
+    if m:
+        return reason.replace(m.group(1), "<p>"), m.group(1)
+    m = re.search(r"gradient of ([\w.]+)", reason)
+    if m:
+        return reason.replace(m.group(1), "<p>"), m.group(1)
+    m = re.search(r" for (\S+) \((\w+)\)$", reason)
+    if m:
+        return reason[: m.start()] + f" for {m.group(1)}", m.group(2)
+    return reason, ""
+
+
 def explain_text(a: Analysis) -> str:
     from autopar.ir import fmt_placements
     from autopar.plan import placement_reasons
@@ -568,11 +585,17 @@ def explain_text(a: Analysis) -> str:
     recs = pm.collectives()
     groups: dict[tuple, list] = {}
     for r in recs:
-        groups.setdefault((r.phase, r.kind, r.axis, r.reason, r.source), []).append(r)
+        general, detail = _general_reason(r.reason)
+        groups.setdefault((r.phase, r.kind, r.axis, general, r.source), []).append(detail)
+        groups[(r.phase, r.kind, r.axis, general, r.source)][-1] = (r, detail)
     lines += ["", f"why each collective is there ({len(recs)} per step, grouped by reason and source line):"]
-    for (phase, kind, axis, reason, source), rs in sorted(groups.items(), key=lambda kv: -sum(r.wire_bytes for r in kv[1])):
-        lines.append(f"  {len(rs):4d} x {kind:14s} on {axis:4s} {phase:8s} {_b(sum(r.wire_bytes for r in rs)):>12s} sent"
-                     f"   {reason}")
+    for (phase, kind, axis, reason, source), rs in sorted(groups.items(),
+                                                           key=lambda kv: -sum(r.wire_bytes for r, _ in kv[1])):
+        lines.append(f"  {len(rs):4d} x {kind:14s} on {axis:4s} {phase:8s} "
+                     f"{_b(sum(r.wire_bytes for r, _ in rs)):>12s} sent   {reason}")
+        details = list(dict.fromkeys(d for _, d in rs if d))
+        if details:
+            lines.append(f"{'':34s}for {', '.join(details[:4])}" + (f" and {len(details) - 4} more" if len(details) > 4 else ""))
         if source:
             lines.append(f"{'':34s}needed at {source}")
     m = a.memory

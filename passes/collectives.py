@@ -116,6 +116,8 @@ def _fix(graph, a: fx.Node, want, consumer: fx.Node, ctx, cache, reason, before=
     key = (a, tuple(want), ctx.recompute == "full" and bool(consumer.meta.get("autopar_recomputed")))
     if key in cache:
         return cache[key]
+    if reason is None and consumer.meta.get("autopar_why"):
+        reason = consumer.meta["autopar_why"]  # a pass said why this consumer needs the layout
     if reason is None:
         reason = (f"{fmt_placements(have.placements)} -> {fmt_placements(want)} for "
                   f"{getattr(consumer.target, '__name__', consumer.target)} ({consumer.name})")

@@ -42,7 +42,7 @@ def state_pass(program: Program, ctx) -> Program:
         out = next(n for n in graph.nodes if n.op == "output")
         for o, role in zip(out.args[0], program.outputs):
             if role[0] == "grad" and isinstance(o, fx.Node):
-                _reduce_before_upcast(graph, o, out, ctx)
+                _reduce_before_upcast(graph, o, out, ctx, role[1])
     return program
 
 
@@ -79,7 +79,7 @@ def _place_parameter(graph: fx.Graph, p: fx.Node, ctx) -> None:
                 u.replace_input_with(head, r)
 
 
-def _reduce_before_upcast(graph: fx.Graph, g: fx.Node, out: fx.Node, ctx) -> None:
+def _reduce_before_upcast(graph: fx.Graph, g: fx.Node, out: fx.Node, ctx, name: str) -> None:
     """grad (compute dtype, Partial) -> _to_copy(fp32): reduce first, then cast."""
     if not _is_cast(g):
         return
@@ -91,6 +91,7 @@ def _reduce_before_upcast(graph: fx.Graph, g: fx.Node, out: fx.Node, ctx) -> Non
     if want is None:
         return
     g.meta["autopar_in"] = [tuple(want)]
+    g.meta["autopar_why"] = f"gradient of {name} reduced in {str(ctx.reduce_dtype).removeprefix('torch.')} before its fp32 cast"
     g.meta["autopar"] = ShardSpec(tuple(want), spec_of(g).shape, spec_of(g).dtype)
     if ctx.plan.zero == 1:  # ZeRO-1 reduces at the end of backward
         out.prepend(g)
