@@ -41,6 +41,7 @@ def propagate_pass(program: Program, ctx) -> Program:
     out.meta["autopar_in"] = [
         ctx.output_placements(role, None) if isinstance(o, fx.Node) else None
         for role, o in zip(program.outputs, out.args[0])]
+    ctx.strategy_cache = {}  # repeated blocks ask DTensor the same question: answer it once
     for n in graph.nodes:
         if n.op == "placeholder":
             val = n.meta["val"]
@@ -80,7 +81,40 @@ def _propagate_node(n: fx.Node, ctx) -> None:
     n.meta["autopar_rule"] = res
 
 
+def _cache_key(n: fx.Node):
+    """What DTensor's choice for ``n`` depends on: the op, every argument (a tensor by its
+    placements, shape, stride, dtype and whether it has other users, which _select_strategy
+    weighs), nothing else. None if an argument is not hashable."""
+    def key(x):
+        if isinstance(x, fx.Node):
+            s, v = spec_of(x), x.meta.get("val")
+            if not isinstance(v, torch.Tensor) or s is None:
+                return ("node", x.name)  # not a plain tensor: never shared
+            return (tuple(s.placements), tuple(v.shape), tuple(v.stride()), v.dtype, len(x.users) > 1)
+        if isinstance(x, (list, tuple)):
+            return tuple(key(i) for i in x)
+        return x
+
+    k = (n.target, key(tuple(n.args)), tuple((name, key(v)) for name, v in n.kwargs.items()))
+    try:
+        hash(k)
+    except TypeError:
+        return None
+    return k
+
+
 def _dtensor_rule(n: fx.Node, in_specs, ctx) -> RuleResult:
+    cache = getattr(ctx, "strategy_cache", None)
+    k = _cache_key(n) if cache is not None else None
+    if k is not None and k in cache:
+        return cache[k]
+    res = _dtensor_rule_uncached(n, in_specs, ctx)
+    if k is not None:
+        cache[k] = res
+    return res
+
+
+def _dtensor_rule_uncached(n: fx.Node, in_specs, ctx) -> RuleResult:
     prop = DTensor._op_dispatcher.sharding_propagator
     op = n.target
     known = (op in prop.op_strategy_funcs or op in prop.op_to_rules
