@@ -153,10 +153,10 @@ def persistent_bytes(params, optimizer) -> dict[str, int]:
 def bench_model(seed: int = 0):
     """A Llama big enough that compute dominates Python overhead on a CPU, small enough for 2 cores."""
     from autopar.models.llama import Llama, LlamaConfig, cross_entropy
+    from autopar.zoo import LLAMA_SMALL
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=2048, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768,
-                      max_seq_len=256)
+    cfg = LlamaConfig(**LLAMA_SMALL)
     return Llama(cfg), cfg, cross_entropy
 
 

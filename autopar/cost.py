@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 import operator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch import fx
@@ -78,10 +78,6 @@ DEVICES: dict[str, Device] = {
                    450e9, 10e-6, 50e9, 20e-6, 8, 0.6,
                    "assumption: NVIDIA H100 SXM datasheet peaks, 8 GPUs/node on NVLink4, 400 Gb/s NIC per GPU, "
                    "60% of peak achievable on large matmuls, 5 us launch per op", 5e-6),
-    "h200": Device("h200", {"fp32": 67e12, "bf16": 989e12, "fp16": 989e12}, 4.8e12, 141 * 2**30,
-                   450e9, 10e-6, 50e9, 20e-6, 8, 0.6,
-                   "assumption: NVIDIA H200 SXM datasheet peaks (H100 compute, 4.8 TB/s HBM3e, 141 GB), "
-                   "8 GPUs/node on NVLink4, 400 Gb/s NIC per GPU, 60% of peak achievable, 5 us launch per op", 5e-6),
     "a100": Device("a100", {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12}, 2.039e12, 80 * 2**30,
                    300e9, 10e-6, 25e9, 20e-6, 8, 0.6,
                    "assumption: NVIDIA A100 SXM 80GB datasheet peaks, NVLink3 600 GB/s bidirectional, "
@@ -93,6 +89,11 @@ DEVICES: dict[str, Device] = {
                   "per rank; 512^3 matmuls, an elementwise add on 8 MiB, 2-process gloo all-reduce over loopback, eager "
                   "dispatch of a small op)", 2.5e-6, 2),
 }
+# H200: H100's compute and links, 4.8 TB/s HBM3e, 141 GB
+DEVICES["h200"] = replace(DEVICES["h100"], name="h200", mem_bw=4.8e12, mem_bytes=141 * 2**30,
+                          source="assumption: NVIDIA H200 SXM datasheet (H100 compute and links, 4.8 TB/s HBM3e, "
+                                 "141 GB), 8 GPUs/node on NVLink4, 400 Gb/s NIC per GPU, 60% of peak achievable, "
+                                 "5 us launch per op")
 
 
 def load_devices(path: str) -> None:
@@ -232,10 +233,13 @@ def _programs(pm):
 
 
 # ------------------------------------------------------------------------------------ compute
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int, aten.permute.default,
-          aten.expand.default, aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim,
-          aten.squeeze.dims, aten.alias.default, aten.detach.default, aten.split.Tensor, aten.split_with_sizes.default,
-          aten.unbind.int, aten.as_strided.default, aten.reshape.default}
+def _is_view(target) -> bool:
+    """An op whose output aliases an input (the schema says so; ``_unsafe_view`` is a view at run
+    time though its schema returns a fresh tensor): it moves no data."""
+    if target is aten._unsafe_view.default:
+        return True
+    schema = getattr(target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
 def _val_bytes(val) -> int:
@@ -269,7 +273,7 @@ def compute_seconds(n: fx.Node, dev: Device, flops: int, share: float = 1.0) -> 
     """Roofline time of one op; ``share`` >= 1 when ranks share a CPU's cores."""
     if n.op != "call_function" or n.target is operator.getitem:
         return 0.0
-    if n.target in _VIEWS:
+    if _is_view(n.target):
         return dev.op_overhead
     moved = _val_bytes(n.meta.get("val")) + sum(_val_bytes(a.meta.get("val")) for a in n.all_input_nodes)
     t = moved / dev.mem_bw
@@ -351,9 +355,10 @@ def simulate(gm: fx.GraphModule, dev: Device, links, share: float = 1.0) -> Time
     return est
 
 
-# bytes the optimizer step reads + writes per parameter element, per fp32 state tensor count:
-# AdamW (foreach): param, grad, exp_avg, exp_avg_sq read; param, exp_avg, exp_avg_sq written
-_OPT_TRAFFIC = {"adamw": 7 * 4, "adam": 7 * 4, "sgd": 3 * 4, "momentum": 5 * 4, "none": 0}
+def _optimizer_bytes_per_element(optimizer: str) -> int:
+    """fp32 bytes the optimizer step reads + writes per parameter element: parameter and
+    gradient read, parameter written, each state tensor read and written (AdamW: 7 x 4)."""
+    return 0 if optimizer == "none" else (3 + 2 * OPTIMIZER_STATE[optimizer]) * 4
 
 
 def predict_time(pm, dev: Device, optimizer: str = "adamw") -> TimeEstimate:
@@ -364,20 +369,15 @@ def predict_time(pm, dev: Device, optimizer: str = "adamw") -> TimeEstimate:
     runs = [(pm.program, pm.ctx.accumulate)] + ([(pm.sync_program, 1)] if pm.sync_program is not None else [])
     for program, times in runs:
         e = simulate(program.local, dev, links, share)
-        for _ in range(times):
-            total.step_s += e.step_s
-            total.compute_s += e.compute_s
-            total.comm_s += e.comm_s
-            total.exposed_comm_s += e.exposed_comm_s
-            total.flops += e.flops
-            for k, v in e.by_phase.items():
-                total.by_phase[k] = total.by_phase.get(k, 0.0) + v
-            for k, v in e.comm_by_axis.items():
-                total.comm_by_axis[k] = total.comm_by_axis.get(k, 0.0) + v
+        for f in ("step_s", "compute_s", "comm_s", "exposed_comm_s", "flops"):
+            setattr(total, f, getattr(total, f) + times * getattr(e, f))
+        for mine, theirs in ((total.by_phase, e.by_phase), (total.comm_by_axis, e.comm_by_axis)):
+            for k, v in theirs.items():
+                mine[k] = mine.get(k, 0.0) + times * v
     from torch.distributed.tensor import DTensor
 
     elems = sum((p._local_tensor if isinstance(p, DTensor) else p).numel() for p in pm.module.parameters())
-    total.optimizer_s = elems * _OPT_TRAFFIC.get(optimizer, 0) / dev.mem_bw * share
+    total.optimizer_s = elems * _optimizer_bytes_per_element(optimizer) / dev.mem_bw * share
     total.step_s += total.optimizer_s
     return total
 

@@ -50,7 +50,7 @@ def parse_mesh(text: str) -> dict[str, int]:
     return axes
 
 
-def parse_plan_arg(text: str, axes: dict[str, int]) -> dict:
+def parse_plan_arg(text: str) -> dict:
     if text.endswith(".json") or os.path.isfile(text):
         if not os.path.isfile(text):
             raise PlanError(f"no such plan file {text!r}", where="--plan")
@@ -164,7 +164,7 @@ def analyse(args, rank: int, progress: Progress) -> Analysis:
     from autopar import cost, zoo
 
     axes = parse_mesh(args.mesh)
-    plan = parse_plan_arg(args.plan, axes) if args.plan else {a: "ddp" for a in axes}
+    plan = parse_plan_arg(args.plan) if args.plan else {a: "ddp" for a in axes}
     if args.devices:
         cost.load_devices(args.devices)
     dev = cost.get_device(args.device)
@@ -268,6 +268,19 @@ def _global(n, origin, axis_sizes) -> str:
     return ""
 
 
+def _comm_dict(rec) -> dict:
+    return {"kind": rec.kind, "axis": rec.axis, "group_size": rec.group_size, "payload_bytes": rec.payload_bytes,
+            "wire_bytes": rec.wire_bytes, "reason": rec.reason, "source": rec.source, "producer": rec.producer}
+
+
+def _comm_lines(name: str, c: dict, local: str) -> list[str]:
+    out = [f"  >> {name} = {c['kind'].upper()} on '{c['axis']}' ({c['group_size']} ranks): "
+           f"{c['payload_bytes']:,} B in, {c['wire_bytes']:,.0f} B sent   {local}", f"       why: {c['reason']}"]
+    if c["producer"] and c["producer"] != c["source"]:
+        out.append(f"       value from: {c['producer']}")
+    return out
+
+
 def node_rows(a: Analysis) -> list[dict]:
     """One row per node of the per-rank training program (JSON-ready)."""
     from autopar.ir import phase_of, source_line
@@ -289,9 +302,7 @@ def node_rows(a: Analysis) -> list[dict]:
             row["role"] = f"{kind} {what}"
         rec = n.meta.get("autopar_comm")
         if rec is not None:
-            row["collective"] = {"kind": rec.kind, "axis": rec.axis, "group_size": rec.group_size,
-                                 "payload_bytes": rec.payload_bytes, "wire_bytes": rec.wire_bytes,
-                                 "reason": rec.reason, "source": rec.source, "producer": rec.producer}
+            row["collective"] = _comm_dict(rec)
         rows.append(row)
     return rows
 
@@ -326,11 +337,7 @@ def dump_text(a: Analysis) -> str:
             lines.append(f"  [{r['module'] or '-'}]  {r['source']}")
         c = r.get("collective")
         if c:
-            lines.append(f"  >> {r['name']} = {c['kind'].upper()} on '{c['axis']}' ({c['group_size']} ranks): "
-                         f"{c['payload_bytes']:,} B in, {c['wire_bytes']:,.0f} B sent   {r['local']}")
-            lines.append(f"       why: {c['reason']}")
-            if c["producer"] and c["producer"] != c["source"]:
-                lines.append(f"       value from: {c['producer']}")
+            lines += _comm_lines(r["name"], c, r["local"])
             continue
         args = ", ".join(r["args"][:4]) + (", ..." if len(r["args"]) > 4 else "")
         lines.append(f"     {r['name']:26s} = {r['target']}({args})".ljust(80) + f" {r['local']:20s} {r['placements']}")
@@ -340,9 +347,7 @@ def dump_text(a: Analysis) -> str:
         for n in pm.sync_program.local.graph.nodes:
             rec = n.meta.get("autopar_comm")
             if rec is not None:
-                lines.append(f"  >> {n.name} = {rec.kind.upper()} on '{rec.axis}' ({rec.group_size} ranks): "
-                             f"{rec.payload_bytes:,} B in, {rec.wire_bytes:,.0f} B sent   {_local(n)}")
-                lines.append(f"       why: {rec.reason}")
+                lines += _comm_lines(n.name, _comm_dict(rec), _local(n))
     recs = pm.collectives()
     lines += ["", f"{len(recs)} collectives per step ({pm.ctx.accumulate} x the program above"
               + (" + the sync program" if pm.sync_program is not None else "") + "), "

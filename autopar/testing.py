@@ -169,9 +169,9 @@ def build_model(name: str, seed: int = 0):
         from transformers import LlamaConfig as HFConfig
         from transformers import LlamaForCausalLM
 
-        cfg = HFConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                       use_cache=False, tie_word_embeddings=False)
+        from autopar.zoo import HF_TINY
+
+        cfg = HFConfig(**HF_TINY, use_cache=False, tie_word_embeddings=False)
         cfg._attn_implementation = "sdpa"
         model, loss_fn = LlamaForCausalLM(cfg), _ce
     elif name == "ce_rules":
@@ -253,7 +253,7 @@ def parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: float = 1e
     from autopar.cost import predict_memory
 
     predicted = {k: v for k, v in predict_memory(pm).items() if k != "alive_at_peak"}
-    return {"predicted_memory": predicted,"losses": losses, "grads": grads, "params": params, "records": records,
+    return {"predicted_memory": predicted, "losses": losses, "grads": grads, "params": params, "records": records,
             "measured": measured, "steps": steps, "eval": evaluated, "memory": memory,
             "placements": {n: str(p.placements) for n, p in pm.named_parameters()},
             "skipped": pm.skipped_steps,

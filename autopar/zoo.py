@@ -30,37 +30,39 @@ from autopar.errors import PlanError
 # name: (family, config fields, default global batch, default sequence length, description)
 _LLAMA = "llama"
 _HF = "hf"
+# the test suite's model is LlamaConfig's defaults (vocab 256, dim 64, 2 layers, 4 heads / 2 KV, ffn 128)
+LLAMA_SMALL = dict(vocab_size=2048, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=256)
+HF_TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64)  # tests' HF models too (testing.build_model)
+_LLAMA3 = dict(vocab_size=128256, n_kv_heads=8, max_seq_len=8192, rope_theta=500000.0)
+
+
+def _hf(cls: str, model: str, **fields) -> dict:
+    return dict(cls=cls, model=model, **fields)
+
+
 BUILTINS: dict[str, tuple[str, dict, int, int, str]] = {
-    "llama-tiny": (_LLAMA, dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
-                                max_seq_len=64), 4, 16, "the test suite's Llama (2 layers, dim 64, GQA)"),
-    "llama-small": (_LLAMA, dict(vocab_size=2048, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768,
-                                 max_seq_len=256), 8, 256, "the benchmark harness's Llama (4.2M parameters)"),
-    "gpt-tiny": (_LLAMA, dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=256,
-                              max_seq_len=64, mlp="gelu"), 4, 16, "GPT-style block (GELU MLP with biases, MHA)"),
-    "moe-tiny": (_LLAMA, dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
-                              max_seq_len=64, n_experts=4, top_k=2), 4, 16, "Llama with a top-2 of 4 experts MoE MLP"),
-    "llama3-8b": (_LLAMA, dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-                               max_seq_len=8192, rope_theta=500000.0), 8, 2048, "Llama-3 8B shapes"),
-    "llama3-70b": (_LLAMA, dict(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
-                                max_seq_len=8192, rope_theta=500000.0), 8, 2048, "Llama-3 70B shapes"),
+    "llama-tiny": (_LLAMA, {}, 4, 16, "the test suite's Llama (2 layers, dim 64, GQA)"),
+    "llama-small": (_LLAMA, LLAMA_SMALL, 8, 256, "the benchmark harness's Llama (4.2M parameters)"),
+    "gpt-tiny": (_LLAMA, dict(n_kv_heads=4, ffn_dim=256, mlp="gelu"), 4, 16,
+                 "GPT-style block (GELU MLP with biases, MHA)"),
+    "moe-tiny": (_LLAMA, dict(n_experts=4, top_k=2), 4, 16, "Llama with a top-2 of 4 experts MoE MLP"),
+    "llama3-8b": (_LLAMA, dict(_LLAMA3, dim=4096, n_layers=32, n_heads=32, ffn_dim=14336), 8, 2048,
+                  "Llama-3 8B shapes"),
+    "llama3-70b": (_LLAMA, dict(_LLAMA3, dim=8192, n_layers=80, n_heads=64, ffn_dim=28672), 8, 2048,
+                   "Llama-3 70B shapes"),
     "mixtral-8x7b": (_LLAMA, dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                                   max_seq_len=4096, n_experts=8, top_k=2, rope_theta=1e6), 8, 1024,
                      "Mixtral 8x7B shapes on the project's MoE block (GShard-style dispatch)"),
-    "hf-llama-tiny": (_HF, dict(cls="LlamaConfig", model="LlamaForCausalLM", vocab_size=256, hidden_size=64,
-                                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, max_position_embeddings=64), 4, 16,
+    "hf-llama-tiny": (_HF, _hf("LlamaConfig", "LlamaForCausalLM", **HF_TINY), 4, 16,
                       "transformers LlamaForCausalLM, tiny config, random weights"),
-    "hf-llama3-8b": (_HF, dict(cls="LlamaConfig", model="LlamaForCausalLM", vocab_size=128256, hidden_size=4096,
-                               intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                               num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0), 8, 2048,
+    "hf-llama3-8b": (_HF, _hf("LlamaConfig", "LlamaForCausalLM", vocab_size=128256, hidden_size=4096,
+                              intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                              num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0), 8, 2048,
                      "transformers LlamaForCausalLM with Llama-3 8B's config"),
-    "hf-mistral-tiny": (_HF, dict(cls="MistralConfig", model="MistralForCausalLM", vocab_size=256, hidden_size=64,
-                                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=2, max_position_embeddings=64), 4, 16,
+    "hf-mistral-tiny": (_HF, _hf("MistralConfig", "MistralForCausalLM", **HF_TINY), 4, 16,
                         "transformers MistralForCausalLM, tiny config"),
-    "hf-qwen2-tiny": (_HF, dict(cls="Qwen2Config", model="Qwen2ForCausalLM", vocab_size=256, hidden_size=64,
-                                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, max_position_embeddings=64), 4, 16,
+    "hf-qwen2-tiny": (_HF, _hf("Qwen2Config", "Qwen2ForCausalLM", **HF_TINY), 4, 16,
                       "transformers Qwen2ForCausalLM, tiny config (q/k/v biases)"),
 }
 
