@@ -3,6 +3,7 @@ it, in the same processes, alternating step by step, same initialization and dat
 
     autopar bench [--ranks 2 4] [--steps 12] [--warmup 3] [--pairs ddp fsdp megatron 2d]
     autopar bench --planning [--planning-models llama3-8b llama3-70b] [--planning-ranks 8 64 256 1024]
+    autopar bench --pipeline [--pp 2 4] [--schedules gpipe 1f1b interleaved zb] [--microbatches 8]
     python -m autopar.bench ...          (the same)
 
 Pairs (each on its own mesh of ``--ranks`` processes):
@@ -281,6 +282,15 @@ def build_baseline(pair: str, world: int, example):
 
 
 # ----------------------------------------------------------------------------------------- the run
+def timed(step, *batch):
+    """One step between barriers (the slowest rank sets the time): (its result, seconds)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    out = step(*batch)
+    dist.barrier()
+    return out, time.perf_counter() - t0
+
+
 def pair_job(pair: str, steps: int, warmup: int, batch: int, seq: int):
     """On every rank: build both systems, then alternate their steps; rank 0's figures come back."""
     world = dist.get_world_size()
@@ -298,12 +308,7 @@ def pair_job(pair: str, steps: int, warmup: int, batch: int, seq: int):
     losses = {k: [] for k in systems}
     for i in range(warmup + steps):
         for name, (step, _, _) in (systems.items() if i % 2 == 0 else reversed(list(systems.items()))):
-            x, y = data[i % len(data)]
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = step(x, y)
-            dist.barrier()
-            dt = time.perf_counter() - t0
+            loss, dt = timed(step, *data[i % len(data)])
             losses[name].append(float(loss))
             if i >= warmup:
                 times[name].append(dt)
@@ -496,7 +501,22 @@ def main(argv=None):
                     help="instead: time trace + plan of Llama-3 shapes on meta tensors with a fake process group")
     ap.add_argument("--planning-models", nargs="+", default=list(LLAMA3), choices=list(LLAMA3))
     ap.add_argument("--planning-ranks", type=int, nargs="+", default=[8, 64, 256, 1024])
+    ap.add_argument("--pipeline", action="store_true",
+                    help="instead: autopar's pipeline schedules vs torch.distributed.pipelining (autopar/pipebench.py)")
+    ap.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes (--pipeline)")
+    ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved", "zb"],
+                    choices=["gpipe", "1f1b", "interleaved", "zb"])
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=8, help="Llama blocks of the pipeline benchmark model")
+    ap.add_argument("--no-baseline", action="store_true", help="autopar only (--pipeline)")
     args = ap.parse_args(argv)
+    if args.pipeline:
+        from autopar import pipebench
+
+        args.steps = args.steps if "--steps" in (argv or sys.argv) else 6
+        args.warmup = args.warmup if "--warmup" in (argv or sys.argv) else 2
+        pipebench.main(args)
+        return
     if args.planning:
         rows = planning(args.planning_models, args.planning_ranks)
         os.makedirs(args.out, exist_ok=True)

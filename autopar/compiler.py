@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from autopar.errors import PlanError
@@ -39,6 +40,8 @@ class Context:
         self.accumulate = accumulate
         self.sync_grads = True  # False while building the no-sync program of accumulation
         self._groups = [mesh.get_group(i).group_name for i in range(len(self.axis_sizes))]
+        # a pipeline stage's program: (per input, per output) whether dim 0 is the batch
+        self.boundary: tuple[list[bool], list[bool]] | None = None
 
     # placements the program's boundary must have
     def input_placements(self, shape: tuple[int, ...]) -> tuple[Placement, ...]:
@@ -47,18 +50,29 @@ class Context:
         return tuple(Shard(0) if (i in self.dp_axes and len(shape) > 0 and self.axis_sizes[i] > 1) else Replicate()
                      for i in range(len(self.axis_sizes)))
 
+    def io_placements(self, shape, batched: bool) -> tuple[Placement, ...]:
+        """A value crossing a pipeline stage boundary: batch-sharded like the inputs if its dim 0
+        is the batch, replicated otherwise (so neighbouring stages agree on the layout)."""
+        return self.input_placements(shape) if batched else tuple(Replicate() for _ in self.axis_sizes)
+
     def placeholder_placements(self, role, shape):
         kind, what = role
         if kind == "param":
             return self.placed.compute[what]  # the state pass applies the storage layout
         if kind == "input":
-            return self.input_placements(shape)
+            return self.io_placements(shape, self.boundary[0][what]) if self.boundary else self.input_placements(shape)
+        if kind == "tangent" and self.boundary:
+            return self.io_placements(shape, self.boundary[1][what])
         return tuple(Replicate() for _ in self.axis_sizes)
 
-    def output_placements(self, role, spec):
+    def output_placements(self, role, node=None):
         kind, what = role
         if kind == "grad":
             return self.placed.placements[what] if self.sync_grads else None
+        if kind == "act":
+            return self.io_placements(tuple(node.meta["val"].shape), self.boundary[1][what])
+        if kind == "input_grad":
+            return self.io_placements(tuple(node.meta["val"].shape), self.boundary[0][what])
         return tuple(Replicate() for _ in self.axis_sizes)
 
     def output_hint(self, node: fx.Node):
@@ -161,6 +175,23 @@ def compile(
     example_inputs = tuple(example_inputs)
     if not isinstance(accumulate, int) or accumulate < 1:
         raise PlanError(f"accumulate must be a positive int, got {accumulate!r}", where="autopar.compile(accumulate=...)")
+    from autopar.pipeline import compile_pipeline, is_pipeline_strategy
+
+    pp_axes = [a for a, v in (plan or {}).items() if a != "rules" and is_pipeline_strategy(v)]
+    if len(pp_axes) > 1:
+        raise PlanError(f"more than one pipeline axis in the plan: {pp_axes}", where="plan",
+                        fix="pipeline over one mesh axis")
+    if pp_axes:
+        if pp_axes[0] not in (mesh.mesh_dim_names or ()):
+            raise PlanError(f"plan names mesh axis {pp_axes[0]!r}, which the mesh does not have", where="plan",
+                            fix=f"mesh axes are {list(mesh.mesh_dim_names)}")
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            raise PlanError("the model's parameters are already DTensors: it was compiled before",
+                            where="autopar.compile(model)", fix="build a fresh model for each compile")
+        return compile_pipeline(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, plan=plan,
+                                pp_axis=pp_axes[0], compute_dtype=compute_dtype, reduce_dtype=reduce,
+                                recompute=recompute, accumulate=accumulate, inputs=inputs, debug=debug,
+                                skip_passes=skip_passes, progress=progress)
     micro_inputs = example_inputs
     if accumulate > 1:
         for i, x in enumerate(example_inputs):
@@ -172,7 +203,6 @@ def compile(
     t0 = time.perf_counter()
     parsed = parse_plan(plan, tuple(mesh.mesh_dim_names))
     params = dict(model.named_parameters())
-    from torch.distributed.tensor import DTensor
 
     already = [n for n, p in params.items() if isinstance(p, DTensor)]
     if already:

@@ -148,7 +148,26 @@ def capture_joint(model: nn.Module, example_inputs: tuple, loss_fn: Callable | N
     return _describe(graph, gm, ids, model)
 
 
-def _describe(graph: fx.Graph, gm: fx.GraphModule, ids, model) -> Program:
+def capture_stage(stage_gm: fx.GraphModule, example_inputs: tuple, model: nn.Module, last: bool) -> Program:
+    """A pipeline stage (a slice of the captured graph, autopar/pipeline.py) as a joint program:
+    its outputs are activations for later stages (the loss on the last stage), its tangents their
+    gradients, and it also returns the gradients of its floating-point inputs."""
+    try:
+        from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            stack = contextlib.ExitStack()
+            with stack:
+                joint = aot_export_joint_with_descriptors(stack, stage_gm, tuple(example_inputs))
+                graph = joint.graph_module.graph
+    except Exception as e:  # noqa: BLE001
+        raise CaptureError(f"could not trace pipeline stage into a joint graph: {type(e).__name__}: {e}",
+                           where=type(model).__name__) from e
+    return _describe(graph, stage_gm, _tensor_names(model), model, stage="last" if last else "middle")
+
+
+def _describe(graph: fx.Graph, gm: fx.GraphModule, ids, model, stage: str | None = None) -> Program:
     """Turn AOT descriptors into autopar's placeholder/output roles, with user names."""
     from torch._functorch._aot_autograd import descriptors as d
 
@@ -175,7 +194,10 @@ def _describe(graph: fx.Graph, gm: fx.GraphModule, ids, model) -> Program:
         elif isinstance(desc, d.PlainAOTInput):
             inputs.append(("input", desc.idx))
         elif isinstance(desc, d.TangentAOTInput):
-            inputs.append(("tangent", len([i for i in inputs if i[0] == "tangent"])))
+            if stage is not None and isinstance(desc.output, d.PlainAOTOutput):
+                inputs.append(("tangent", desc.output.idx))
+            else:
+                inputs.append(("tangent", len([i for i in inputs if i[0] == "tangent"])))
         else:
             raise CaptureError(f"unsupported graph input {desc!r}",
                                fix="inputs must be tensors, parameters and buffers")
@@ -184,9 +206,11 @@ def _describe(graph: fx.Graph, gm: fx.GraphModule, ids, model) -> Program:
     outputs: list[tuple[str, Any]] = []
     for desc in out_node.meta.get("desc", []):
         if isinstance(desc, d.PlainAOTOutput):
-            outputs.append(("loss", desc.idx))
+            outputs.append(("act" if stage == "middle" else "loss", desc.idx))
         elif isinstance(desc, d.GradAOTOutput) and isinstance(desc.grad_of, d.ParamAOTInput):
             outputs.append(("grad", real_name(desc.grad_of.target)[1]))
+        elif stage is not None and isinstance(desc, d.GradAOTOutput) and isinstance(desc.grad_of, d.PlainAOTInput):
+            outputs.append(("input_grad", desc.grad_of.idx))
         elif desc is None or isinstance(desc, d.GradAOTOutput):
             outputs.append(("none", None))
         else:

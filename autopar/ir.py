@@ -65,7 +65,7 @@ def fmt_placements(ps) -> str:
 class CommRecord:
     """One collective the program performs, with why it is there."""
 
-    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | local (no comm)
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | send (pipeline P2P) | local (no comm)
     axis: str  # mesh axis name
     group_size: int
     payload_bytes: int  # size of the tensor handed to the collective on this rank
@@ -95,6 +95,8 @@ def ring_bytes(kind: str, payload_bytes: int, n: int) -> float:
         return (n - 1) / n * payload_bytes
     if kind == "all_gather":
         return (n - 1) * payload_bytes
+    if kind in ("send", "broadcast"):  # point to point between pipeline stages; a root's broadcast
+        return float(payload_bytes)
     return 0.0
 
 
@@ -149,8 +151,11 @@ class Program:
 
     graph: fx.Graph
     # per placeholder, in order: ("param", name) | ("buffer", name) | ("input", idx) | ("tangent", i)
+    # (a pipeline stage's tangent i is the gradient of its output i)
     inputs: list[tuple[str, object]]
-    # per output, in order: ("loss", i) | ("output", i) | ("grad", param_name) | ("none", None)
+    # per output, in order: ("loss", i) | ("output", i) | ("grad", param_name) | ("none", None);
+    # a pipeline stage's program also has ("act", i): activation i sent to later stages, and
+    # ("input_grad", i): the gradient of its input i, sent back to the stage that produced it
     outputs: list[tuple[str, object]]
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
 

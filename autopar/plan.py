@@ -123,7 +123,8 @@ def parse_plan(plan, axis_names: tuple[str, ...]) -> Plan:
         if isinstance(s, str):
             if s not in PRESETS:
                 raise PlanError(f"unknown strategy {s!r} for mesh axis {axis!r}", where=f"plan[{axis!r}]",
-                                fix=f"known strategies: {sorted(PRESETS)}")
+                                fix=f"known strategies: {sorted(PRESETS)}; on a pipeline axis a schedule: "
+                                "gpipe, 1f1b, interleaved, zb")
             axes.append(AxisPlan(axis, s, PRESETS[s], s in DATA_PARALLEL))
         elif isinstance(s, (list, tuple)):
             rules = [(g, parse_placement(p, f"plan[{axis!r}][{g!r}]")) for g, p in s]

@@ -12,10 +12,10 @@ schedules). Point-to-point traffic is implied by the dependencies and made expli
 ``with_communication``: the activation of ``F(s, m)`` is sent to the rank of ``s + 1``, the input
 gradient of ``B/I(s, m)`` to the rank of ``s - 1``.
 
-This module is the schedule half of the pipeline issue: generators (GPipe, 1F1B, interleaved
-1F1B, ZB-H1), ``validate`` (complete, on the right ranks, no deadlock) and ``simulate`` (per
-rank timelines, bubble fraction, peak activations in flight). The stage-split pass and the
-executor that runs the action lists on process groups are not built yet.
+Here: generators (GPipe, 1F1B, interleaved 1F1B, ZB-H1), ``validate`` (complete, on the right
+ranks, no deadlock) and ``simulate`` (per rank timelines, bubble fraction, peak activations in
+flight). autopar/pipeline.py splits the model into stages and runs these action lists on
+process groups (``plan={"pp": "1f1b"}``).
 """
 
 from __future__ import annotations
@@ -191,12 +191,26 @@ class Timeline:
     extra: dict = field(default_factory=dict)
 
 
-def simulate(sched: Schedule, cost: dict[str, float] | None = None, comm: float = 0.0) -> Timeline:
+def simulate(sched: Schedule, cost: dict | None = None, comm: float = 0.0, per_stage: bool = False) -> Timeline:
     """Run the action lists with durations ``cost`` per stage of a rank (default F=1, B=2, I=1,
     W=1; a virtual stage of an interleaved schedule is 1/v of that) and ``comm`` seconds per
     point-to-point transfer; each rank runs its actions in order, each as soon as its
-    dependencies are done. Raises ScheduleError on a deadlock (no rank can make progress)."""
-    cost = {k: c / sched.virtual for k, c in {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, **(cost or {})}.items()}
+    dependencies are done. Raises ScheduleError on a deadlock (no rank can make progress).
+
+    ``per_stage=True``: ``cost`` maps each kind to a list of durations, one per (virtual) stage,
+    used as given (measured or predicted stage costs); a missing B is I + W, a missing I/W half B."""
+    if per_stage:
+        c = dict(cost or {})
+        n = sched.stages
+        if "B" not in c and "I" in c and "W" in c:
+            c["B"] = [i + w for i, w in zip(c["I"], c["W"])]
+        if "B" in c:
+            c.setdefault("I", [b / 2 for b in c["B"]])
+            c.setdefault("W", [b / 2 for b in c["B"]])
+        table = {k: list(v) + [0.0] * (n - len(v)) for k, v in c.items()}
+    else:
+        per = {k: c / sched.virtual for k, c in {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, **(cost or {})}.items()}
+        table = {k: [v] * sched.stages for k, v in per.items()}
     last = sched.stages - 1
     done: dict[Action, float] = {}
     grad_ready: dict[tuple[int, int], float] = {}  # (stage, mb) -> time its input gradient is ready
@@ -228,7 +242,7 @@ def simulate(sched: Schedule, cost: dict[str, float] | None = None, comm: float 
                         break
                 if not ok:
                     break
-                end = ready + cost[a[0]]
+                end = ready + table[a[0]][a[1]]
                 events[r].append((ready, end, a))
                 done[a] = end
                 clock[r] = end
@@ -263,9 +277,9 @@ def theory_bubble(name: str, p: int, m: int, v: int = 1) -> float:
     raise ValueError(name)
 
 
-def gantt(timelines: dict[str, tuple[Schedule, Timeline]], path: str) -> str:
+def gantt(timelines: dict[str, tuple[Schedule, Timeline]], path: str, unit: str = "") -> str:
     """A PNG (or SVG, by the file name) Gantt chart per schedule: ranks as rows, F/B/I/W coloured,
-    micro-batch numbers in the boxes."""
+    micro-batch numbers in the boxes; ``unit`` labels the time axis (measured charts: "s")."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -282,6 +296,8 @@ def gantt(timelines: dict[str, tuple[Schedule, Timeline]], path: str) -> str:
                 ax.text((s + e) / 2, r, str(mb), ha="center", va="center", fontsize=7)
         ax.set_yticks(range(sched.ranks), [f"rank {r}" for r in range(sched.ranks)])
         ax.invert_yaxis()
+        if unit:
+            ax.set_xlabel(unit, fontsize=8)
         ax.set_title(f"{title}: P={sched.ranks}, M={sched.microbatches}, bubble {tl.bubble:.1%}, "
                      f"peak activations in flight {max(tl.peak_in_flight) / sched.virtual:g} micro-batches", fontsize=9)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]

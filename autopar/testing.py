@@ -161,6 +161,10 @@ def build_model(name: str, seed: int = 0):
         from autopar.models.llama import Llama, LlamaConfig, cross_entropy
 
         model, loss_fn, seq = Llama(LlamaConfig(n_layers=8, max_seq_len=128)), cross_entropy, 128
+    elif name == "llama6":  # 6 blocks: enough segments for 8 pipeline stages (pp=4, 2 virtual)
+        from autopar.models.llama import Llama, LlamaConfig, cross_entropy
+
+        model, loss_fn = Llama(LlamaConfig(n_layers=6)), cross_entropy
     elif name == "moe":  # top-2 of 4 experts in every block (GShard-style capacity dispatch)
         from autopar.models.llama import Llama, LlamaConfig, cross_entropy
 
@@ -312,3 +316,40 @@ def verify_job(plan: dict, axes: dict, **options):
     report = autopar.verify(model, autopar.mesh(**axes), example_inputs=batches[0], loss_fn=loss_fn,
                             plan=plan, batches=batches, **options)
     return report, str(report)
+
+
+def pipeline_parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: float = 1e-2, **options):
+    """``parity_job`` for a pipelined program: every rank holds only its stages, so parameters and
+    gradients are gathered from all ranks; also returns the last step's measured schedule (every
+    pipeline rank's action timings) and the activations each rank held in flight."""
+    import torch.distributed as dist
+
+    import autopar
+
+    mesh = autopar.mesh(**axes)
+    model, batches, loss_fn = build_model(name)
+    pm = autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn, plan=plan, debug=True, **options)
+    opt = torch.optim.AdamW(pm.parameters(), lr=lr)
+    losses, grads = [], []
+    pm.counter.reset()
+    for i in range(steps):
+        losses.append(pm.train_step(*batches[i % len(batches)]).item())
+        grads.append({n: p.grad.full_tensor().detach() for n, p in pm.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    params = {n: p.detach().full_tensor() for n, p in pm.named_parameters()}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (params, grads, pm.counter.summary(), pm.predicted_bytes(), pm.in_flight,
+                                      [s.spec.index for s in pm.stages.values()], pm.predicted_in_flight()))
+    timeline = pm.gather_timeline()
+    merged_p, merged_g = {}, [{} for _ in range(steps)]
+    for p_, g_, *_ in everyone:
+        merged_p.update(p_)
+        for i, g in enumerate(g_):
+            merged_g[i].update(g)
+    return {"losses": losses, "grads": merged_g, "params": merged_p, "steps": steps,
+            "measured": [e[2] for e in everyone], "predicted": [e[3] for e in everyone],
+            "in_flight": [e[4] for e in everyone], "stages": [e[5] for e in everyone],
+            "predicted_in_flight": [e[6] for e in everyone],
+            "timeline": timeline, "microbatches": pm.microbatches, "schedule": pm.schedule,
+            "split": pm.describe_stages(), "report": pm.report()}

@@ -39,7 +39,7 @@ def propagate_pass(program: Program, ctx) -> Program:
     # what the program's outputs must be (gradients: their parameter's placements) is known
     # up front, so rules can produce a value directly in the layout its consumer wants
     out.meta["autopar_in"] = [
-        ctx.output_placements(role, None) if isinstance(o, fx.Node) else None
+        ctx.output_placements(role, o) if isinstance(o, fx.Node) else None
         for role, o in zip(program.outputs, out.args[0])]
     ctx.strategy_cache = {}  # repeated blocks ask DTensor the same question: answer it once
     for n in graph.nodes:
