@@ -132,6 +132,7 @@ def compile(
     skip_passes: tuple[str, ...] = (),
     progress: Callable[[str], None] | None = None,
     capture_eval: bool = True,
+    pipeline_stages: str = "local",
 ):
     """Compile ``model`` for ``mesh`` under ``plan``; returns a ParallelModule.
 
@@ -142,6 +143,8 @@ def compile(
     and synchronises gradients once per step. ``recompute``: "none" | "full" | "selective".
     ``progress``: called with the name of each stage as it starts (the command line shows it).
     ``capture_eval=False`` skips capturing the forward-only program (planning without running).
+    ``pipeline_stages="all"`` (with a pipeline axis) also compiles the stages other ranks hold, so
+    planning tools can show and cost the whole pipeline from one rank.
 
     As a decorator (``@autopar.compile(mesh=..., example_inputs=..., plan=...)``) on a model
     class or a model-building function, the class/function then returns ParallelModules.
@@ -149,7 +152,7 @@ def compile(
     opts = dict(mesh=mesh, example_inputs=example_inputs, loss_fn=loss_fn, plan=plan, inputs=inputs,
                 precision=precision, reduce_dtype=reduce_dtype, loss_scale=loss_scale, accumulate=accumulate,
                 recompute=recompute, debug=debug, skip_passes=skip_passes, progress=progress,
-                capture_eval=capture_eval)
+                capture_eval=capture_eval, pipeline_stages=pipeline_stages)
     if model is None or (isinstance(model, type) or (callable(model) and not isinstance(model, nn.Module))):
         return _decorator(model, **opts)
     from autopar.passes import run_passes
@@ -191,7 +194,7 @@ def compile(
         return compile_pipeline(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, plan=plan,
                                 pp_axis=pp_axes[0], compute_dtype=compute_dtype, reduce_dtype=reduce,
                                 recompute=recompute, accumulate=accumulate, inputs=inputs, debug=debug,
-                                skip_passes=skip_passes, progress=progress)
+                                skip_passes=skip_passes, progress=progress, stages=pipeline_stages)
     micro_inputs = example_inputs
     if accumulate > 1:
         for i, x in enumerate(example_inputs):

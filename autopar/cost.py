@@ -206,7 +206,7 @@ def persistent_memory(pm, optimizer: str = "adamw") -> dict[str, int]:
     from torch.distributed.tensor import DTensor
 
     params = grads = 0
-    for p in pm.module.parameters():
+    for p in pm.parameters():  # a pipeline rank: only its own stages' parameters
         local = p._local_tensor if isinstance(p, DTensor) else p
         nbytes = local.numel() * local.element_size()
         params += nbytes
@@ -217,6 +217,8 @@ def persistent_memory(pm, optimizer: str = "adamw") -> dict[str, int]:
 
 def predict_memory(pm, optimizer: str = "adamw") -> dict:
     """Predicted per-rank bytes, keyed like ``ParallelModule.memory_report``."""
+    if hasattr(pm, "schedule"):
+        return predict_pipeline_memory(pm, optimizer)
     state = persistent_memory(pm, optimizer)
     mems = [program_memory(p.local, p.inputs, p.outputs) for p in _programs(pm)]
     m = max(mems, key=lambda x: x.peak)
@@ -315,6 +317,8 @@ class TimeEstimate:
     flops: int = 0
     by_phase: dict[str, float] = field(default_factory=dict)
     comm_by_axis: dict[str, float] = field(default_factory=dict)
+    bubble: float | None = None  # pipelines: idle fraction of the simulated schedule
+    stage_seconds: dict[str, list[float]] = field(default_factory=dict)  # pipelines: F/I/W per stage
 
 
 def core_share(dev: Device, world: int) -> float:
@@ -363,6 +367,8 @@ def _optimizer_bytes_per_element(optimizer: str) -> int:
 
 def predict_time(pm, dev: Device, optimizer: str = "adamw") -> TimeEstimate:
     """Step time: the program(s) simulated, plus the optimizer step (memory-bound, on the shards)."""
+    if hasattr(pm, "schedule"):
+        return predict_pipeline_time(pm, dev, optimizer)
     links = axis_links(pm.ctx.axis_names, pm.ctx.axis_sizes, dev)
     share = core_share(dev, math.prod(pm.ctx.axis_sizes))
     total = TimeEstimate()
@@ -376,7 +382,7 @@ def predict_time(pm, dev: Device, optimizer: str = "adamw") -> TimeEstimate:
                 mine[k] = mine.get(k, 0.0) + times * v
     from torch.distributed.tensor import DTensor
 
-    elems = sum((p._local_tensor if isinstance(p, DTensor) else p).numel() for p in pm.module.parameters())
+    elems = sum((p._local_tensor if isinstance(p, DTensor) else p).numel() for p in pm.parameters())
     total.optimizer_s = elems * _optimizer_bytes_per_element(optimizer) / dev.mem_bw * share
     total.step_s += total.optimizer_s
     return total
@@ -384,3 +390,97 @@ def predict_time(pm, dev: Device, optimizer: str = "adamw") -> TimeEstimate:
 
 def device_row(dev: Device) -> dict:
     return asdict(dev)
+
+
+# ------------------------------------------------------------------------------------ pipelines
+def _pipeline_links(pm, dev: Device):
+    names = tuple(pm.mesh.mesh_dim_names)
+    links = axis_links(names, tuple(pm.mesh.shape), dev)
+    links.update({k: v for k, v in axis_links(pm.ctx.axis_names, pm.ctx.axis_sizes, dev).items() if k not in names})
+    return links
+
+
+def predict_pipeline_memory(pm, optimizer: str = "adamw") -> dict:
+    """A pipeline rank: its stages' persistent state, plus the activations its action list holds
+    at most (each stage's saved bytes per micro-batch, walked through the schedule: the same
+    walk the executor measures), plus the largest transient of one of its stages' programs
+    beyond that stage's own saved values (liveness over the joint per-rank program)."""
+    state = persistent_memory(pm, optimizer)
+    flight = pm.predicted_in_flight()
+    best, at, node, alive = 0, dict.fromkeys(CATEGORIES, 0), "", []
+    for s, sp in pm.local.items():
+        m = program_memory(sp.program.local, sp.program.inputs, sp.program.outputs)
+        transient = max(0, m.peak - sp.saved_bytes)
+        if transient >= best:
+            best, at, node, alive = transient, dict(m.at_peak), f"stage {s}: {m.peak_node}", m.alive_at_peak
+    at = {k: v * best / max(1, sum(at.values())) for k, v in at.items()}
+    at["activations"] = at.get("activations", 0) + flight["peak_bytes"]
+    peak = best + flight["peak_bytes"]
+    out = {**state, "program_peak": peak, **{f"peak_{k}": int(v) for k, v in at.items()},
+           **{f"max_{k}": int(v) for k, v in at.items()}, "in_flight_bytes": flight["peak_bytes"],
+           "in_flight_microbatches": flight["peak_microbatches"], "transient_bytes": best}
+    out["model_states_peak"] = state["parameters"] + state["optimizer_state"]
+    out["step_peak"] = state["parameters"] + state["optimizer_state"] + peak
+    out["peak_node"] = node
+    out["alive_at_peak"] = alive
+    return out
+
+
+def predict_pipeline_time(pm, dev: Device, optimizer: str = "adamw") -> TimeEstimate:
+    """Each compiled stage's F / I / W programs simulated (compute + its collectives), the
+    schedule's action lists simulated with those per-stage costs and one alpha-beta transfer of
+    the largest activation per hop on the pipeline axis, then this rank's gradient sync and
+    optimizer step. Stages other ranks hold are costed when compiled (``autopar plan`` compiles
+    them all); otherwise every stage is assumed to cost what this rank's stages cost on average."""
+    from autopar import schedules as S
+
+    links = _pipeline_links(pm, dev)
+    share = core_share(dev, math.prod(pm.mesh.shape))
+    n = len(pm.specs)
+    per: dict[str, list[float | None]] = {k: [None] * n for k in ("F", "I", "W")}
+    total = TimeEstimate()
+    hop = 0.0
+    for s, sp in pm.stages.items():
+        mine = pm.schedule.rank_of(s) == pm.pp_rank
+        for kind, part in sp.parts.items():
+            if part.gm is None:
+                per[kind][s] = 0.0
+                continue
+            e = simulate(part.gm, dev, links, share)
+            per[kind][s] = e.step_s
+            if mine:
+                times = pm.microbatches
+                total.compute_s += times * e.compute_s
+                total.comm_s += times * e.comm_s
+                total.exposed_comm_s += times * e.exposed_comm_s
+                total.flops += times * e.flops
+                total.by_phase[kind] = total.by_phase.get(kind, 0.0) + times * e.step_s
+                for k, v in e.comm_by_axis.items():
+                    total.comm_by_axis[k] = total.comm_by_axis.get(k, 0.0) + times * v
+        graph = {x.name: x for x in sp.program.local.graph.nodes}
+        for (kind, _), o in zip(sp.program.outputs, sp.out_names):
+            if kind == "act" and o is not None:
+                alpha, bw = links[pm.pp_axis]
+                hop = max(hop, alpha + _val_bytes(graph[o].meta.get("val")) / bw)
+    for kind, vals in per.items():
+        known = [v for v in vals if v is not None]
+        mean = sum(known) / len(known) if known else 0.0
+        per[kind] = [mean if v is None else v for v in vals]
+    tl = S.simulate(pm.schedule, per, comm=hop, per_stage=True)
+    p2p = sum(r.wire_bytes for r in pm.collectives() if r.kind == "send")
+    alpha, bw = links[pm.pp_axis]
+    total.comm_by_axis[pm.pp_axis] = total.comm_by_axis.get(pm.pp_axis, 0.0) + p2p / bw
+    total.comm_s += p2p / bw
+    sync = 0.0
+    for sp in pm.local.values():
+        e = simulate(sp.sync.local, dev, links, share)
+        sync += e.step_s
+        total.comm_s += e.comm_s
+    from torch.distributed.tensor import DTensor
+
+    elems = sum((p._local_tensor if isinstance(p, DTensor) else p).numel() for p in pm.parameters())
+    total.optimizer_s = elems * _optimizer_bytes_per_element(optimizer) / dev.mem_bw * share
+    total.step_s = tl.makespan + sync + total.optimizer_s
+    total.bubble = tl.bubble
+    total.stage_seconds = {k: list(v) for k, v in per.items()}
+    return total

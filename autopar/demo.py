@@ -1,8 +1,9 @@
 """The main job: compile the built-in Llama on a 2x2 CPU mesh (4 gloo processes; FSDP on dp,
 Megatron on tp), train a few steps, and print the plan, the collectives, the losses, the bytes
-moved and the memory each rank held.
+moved and the memory each rank held; then the same model and data as a 2-stage 1F1B pipeline
+over 2-way FSDP (its stages, bytes, measured schedule and activations in flight).
 
-    python -m autopar.demo [--steps 5] [--dp 2] [--tp 2] [--dp-plan fsdp]
+    python -m autopar.demo [--steps 5] [--dp 2] [--tp 2] [--dp-plan fsdp] [--no-pipeline]
 """
 
 from __future__ import annotations
@@ -82,12 +83,54 @@ def demo_job(axes: dict, steps: int, dp_plan: str = "fsdp") -> str:
     return "\n".join(out), losses, data
 
 
+def pipeline_demo_job(steps: int, data) -> tuple[str, list[float]]:
+    """The same model and data as a 2-stage 1F1B pipeline x 2-way FSDP (pp=2 x dp=2)."""
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.models.llama import Llama, LlamaConfig, cross_entropy
+    from autopar.pipebench import measured_bubble
+    from autopar.schedules import simulate
+
+    mesh = autopar.mesh(pp=2, dp=2)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(n_layers=2))
+    plan = {"pp": {"schedule": "1f1b", "microbatches": 4}, "dp": "fsdp"}
+    t0 = time.perf_counter()
+    pm = autopar.compile(model, mesh, example_inputs=data[0], loss_fn=cross_entropy, plan=plan)
+    compile_s = time.perf_counter() - t0
+    opt = torch.optim.AdamW(pm.parameters(), lr=3e-3)
+    losses = []
+    pm.counter.reset()
+    for x, y in data:
+        losses.append(pm.train_step(x, y).item())
+        opt.step()
+        opt.zero_grad()
+    timeline = pm.gather_timeline()
+    flight = [None] * dist.get_world_size()
+    dist.all_gather_object(flight, (pm.in_flight, pm.predicted_in_flight()))
+    out = [f"compiled the same Llama for mesh {{'pp': 2, 'dp': 2}} with plan {plan} in {compile_s:.1f}s", "",
+           pm.report(), "", "training (loss of the global batch, reported on every rank):",
+           "  losses " + " ".join(f"{v:.4f}" for v in losses)]
+    bubble, span = measured_bubble(timeline)
+    sim = simulate(pm.schedule)
+    out += ["", f"last step's schedule, measured on pipeline 0 (ranks 0 and 2): {span * 1e3:.0f} ms, bubble "
+            f"{bubble:.1%} (simulated with F=1, B=2: {sim.bubble:.1%})"]
+    for r, ev in enumerate(timeline):
+        out.append(f"  pp rank {r}: " + " ".join(f"{k}{mb}@{a * 1e3:.0f}-{b * 1e3:.0f}ms" for a, b, (k, _, mb) in ev))
+    out.append("activations in flight per rank (micro-batches, bytes): measured "
+               + ", ".join(f"{m['peak_microbatches']} / {m['peak_bytes']:,}" for m, _ in flight)
+               + "; predicted " + ", ".join(f"{p['peak_microbatches']} / {p['peak_bytes']:,}" for _, p in flight))
+    return "\n".join(out), losses
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--dp-plan", default="fsdp", choices=["ddp", "zero1", "zero2", "zero3", "fsdp"])
+    ap.add_argument("--no-pipeline", action="store_true", help="skip the pp=2 x dp=2 pipeline part")
     args = ap.parse_args(argv)
     from autopar.testing import DistPool
 
@@ -99,9 +142,11 @@ def main(argv=None):
     pool = DistPool(world)
     try:
         text, losses, data = pool.run(demo_job, axes, args.steps, args.dp_plan)
+        print(text)
+        pp_text, pp_losses = (pool.run(pipeline_demo_job, args.steps, data) if world == 4 and not args.no_pipeline
+                              else (None, None))
     finally:
         pool.close()
-    print(text)
     # the same steps on one process, eager PyTorch, for comparison
     from autopar.models.llama import Llama, LlamaConfig, cross_entropy
 
@@ -119,6 +164,10 @@ def main(argv=None):
     print("  losses " + " ".join(f"{v:.4f}" for v in ref))
     diff = max(abs(a - b) for a, b in zip(ref, losses))
     print(f"  max |loss difference| vs autopar: {diff:.2e}")
+    if pp_text is not None:
+        print("\n" + "=" * 100 + "\npipeline: the same model and data on pp=2 x dp=2 (4 processes)\n" + "=" * 100)
+        print(pp_text)
+        print(f"  max |loss difference| vs single-process eager: {max(abs(a - b) for a, b in zip(ref, pp_losses)):.2e}")
 
 
 if __name__ == "__main__":

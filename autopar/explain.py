@@ -68,16 +68,33 @@ def parse_plan_arg(text: str) -> dict:
         if not eq or not axis.strip() or not strategy.strip():
             raise PlanError(f"bad plan {text!r}", where="--plan",
                             fix="write axis=strategy pairs, e.g. dp=fsdp,tp=megatron, or give a JSON plan file")
-        plan[axis.strip()] = strategy.strip()
+        plan[axis.strip()] = _strategy_arg(strategy.strip())
     return plan
+
+
+def _strategy_arg(text: str):
+    """``1f1b`` -> "1f1b"; a pipeline schedule with options, ``interleaved:virtual=2:microbatches=8``
+    (``split=layers.4+layers.8`` for split points) -> the plan's dict form."""
+    if ":" not in text:
+        return text
+    name, *opts = text.split(":")
+    out: dict = {"schedule": name}
+    for o in opts:
+        k, eq, v = o.partition("=")
+        if not eq:
+            raise PlanError(f"bad strategy option {o!r} in {text!r}", where="--plan",
+                            fix="write schedule:key=value, e.g. interleaved:virtual=2:microbatches=8")
+        out[k] = v.split("+") if k == "split" else (int(v) if v.isdigit() else v)
+    return out
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="built-in name (see --list-models) or package.module:factory")
     p.add_argument("--mesh", default="dp=2", help="named mesh axes, e.g. dp=8,tp=8 (default dp=2)")
     p.add_argument("--plan", default=None,
-                   help="axis=strategy pairs (ddp zero1 zero2 zero3 fsdp megatron) or a JSON plan file "
-                        "(default: ddp on every axis)")
+                   help="axis=strategy pairs (ddp zero1 zero2 zero3 fsdp megatron; on a pipeline axis gpipe 1f1b "
+                        "interleaved zb, with options as zb:microbatches=8 or interleaved:virtual=2:split=layers.4+"
+                        "layers.8) or a JSON plan file (default: ddp on every axis)")
     p.add_argument("--rank", default="0", help="rank(s) to analyse: R, R1,R2 or 'all' (meshes up to 64 ranks)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--reduce-dtype", default=None, choices=["fp32", "bf16", "fp16"])
@@ -186,15 +203,18 @@ def analyse(args, rank: int, progress: Progress) -> Analysis:
             pm = autopar.compile(loaded.model, mesh, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
                                  plan=plan, precision=args.precision, reduce_dtype=args.reduce_dtype,
                                  recompute=args.recompute, accumulate=args.accumulate,
-                                 progress=lambda s: progress(f"rank {rank}: {s}"), capture_eval=False)
+                                 progress=lambda s: progress(f"rank {rank}: {s}"), capture_eval=False,
+                                 pipeline_stages="all")
         notes = sorted({str(w.message) for w in caught if "autopar" in str(w.message)})
         t2 = time.perf_counter()
         progress(f"rank {rank}: cost model")
         memory = cost.predict_memory(pm, args.optimizer)
-        links = cost.axis_links(pm.ctx.axis_names, pm.ctx.axis_sizes, dev)
+        pipelined = hasattr(pm, "schedule")
+        links = (cost._pipeline_links(pm, dev) if pipelined
+                 else cost.axis_links(pm.ctx.axis_names, pm.ctx.axis_sizes, dev))
         est = cost.predict_time(pm, dev, args.optimizer)
         t3 = time.perf_counter()
-        coord = pm.ctx.coord
+        coord = tuple(mesh.get_coordinate())
     finally:
         dist.destroy_process_group()
     options = {"precision": args.precision, "reduce_dtype": args.reduce_dtype, "recompute": args.recompute,
@@ -281,11 +301,25 @@ def _comm_lines(name: str, c: dict, local: str) -> list[str]:
     return out
 
 
+def _stage_views(a: Analysis):
+    """A pipelined program: one Analysis per stage (each stage's program read like a
+    ParallelModule's), in stage order; otherwise [a]."""
+    if not hasattr(a.pm, "schedule"):
+        return [a]
+    from dataclasses import replace
+
+    from autopar.pipeline import StageView
+
+    return [replace(a, pm=StageView(a.pm, sp)) for _, sp in sorted(a.pm.stages.items())]
+
+
 def node_rows(a: Analysis) -> list[dict]:
-    """One row per node of the per-rank training program (JSON-ready)."""
+    """One row per node of the per-rank training program (JSON-ready). A pipeline stage's nodes
+    carry the part that runs them (F: forward, I: input gradient, W: weight gradient) as phase."""
     from autopar.ir import phase_of, source_line
 
     pm = a.pm
+    part_of = pm.part_of() if hasattr(pm, "part_of") else None
     origins = _origins(pm)
     sizes = tuple(a.axes.values())
     roles = iter(pm.program.inputs)
@@ -294,7 +328,9 @@ def node_rows(a: Analysis) -> list[dict]:
         o = _origin(n, origins)
         row = {"name": n.name, "op": n.op, "target": _target(n) if n.op in ("call_function", "output") else n.op,
                "local": _local(n), "placements": _global(n, o, sizes),
-               "phase": phase_of(n) if n.op == "call_function" else ("input" if n.op == "placeholder" else "output"),
+               "phase": (({"F": "forward (F)", "I": "input gradient (I)", "W": "weight gradient (W)"}
+                          .get(part_of.get(n.name), "unused") if part_of is not None else phase_of(n))
+                         if n.op == "call_function" else ("input" if n.op == "placeholder" else "output")),
                "module": _module_path(o), "source": source_line(n) or (source_line(o) if o is not None else ""),
                "args": [x.name for x in n.all_input_nodes]}
         if n.op == "placeholder":
@@ -304,11 +340,17 @@ def node_rows(a: Analysis) -> list[dict]:
         if rec is not None:
             row["collective"] = _comm_dict(rec)
         rows.append(row)
+    if part_of is not None:  # the parts run apart: list F, then I, then W
+        order = {"input": 0, "forward (F)": 1, "input gradient (I)": 2, "weight gradient (W)": 3, "unused": 4,
+                 "output": 5}
+        rows.sort(key=lambda r: order.get(r["phase"], 4))
     return rows
 
 
 # --------------------------------------------------------------------------- dump formats
 def dump_text(a: Analysis) -> str:
+    if hasattr(a.pm, "schedule"):
+        return _dump_pipeline_text(a)
     pm = a.pm
     lines = [f"# per-rank program: {a.model} on mesh {a.axes}, rank {a.rank} (coordinate {a.coord})",
              f"# plan {a.plan}; {', '.join(f'{k} {v}' for k, v in a.options.items() if k != 'inputs')}",
@@ -355,7 +397,53 @@ def dump_text(a: Analysis) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _pipeline_header(a: Analysis) -> list[str]:
+    pm = a.pm
+    me = pm.pp_rank
+    lines = [f"# pipeline: {pm.schedule.name}, {len(pm.specs)} stages on {pm.pp_size} '{pm.pp_axis}' ranks, "
+             f"{pm.microbatches} micro-batches; inside each stage: {pm.plan.describe()}",
+             f"# this rank holds stage(s) {sorted(pm.local)} (pipeline rank {me}); every stage is shown, as the rank "
+             "at this rank's other coordinates that holds it runs it", "", "stages:"]
+    for r, spec in zip(pm.describe_stages(), pm.specs):
+        ins = ", ".join(f"stage {src[1]} output {src[2]}" if src[0] == "stage" else f"input #{src[1]}"
+                        for src in spec.inputs)
+        lines.append(f"  stage {r['stage']} on pipeline rank {r['rank']}: {r['first']} .. {r['last']} "
+                     f"({_b(r['parameters'])} of parameters); reads {ins}")
+    lines += ["", f"this rank's actions ({len(pm.schedule.actions[me])}): " + " ".join(
+        f"{k}{s}.{m}" for k, s, m in pm.schedule.actions[me])]
+    return lines
+
+
+def _dump_pipeline_text(a: Analysis) -> str:
+    pm = a.pm
+    lines = [f"# per-rank programs: {a.model} on mesh {a.axes}, rank {a.rank} (coordinate {a.coord})",
+             f"# plan {a.plan}; {', '.join(f'{k} {v}' for k, v in a.options.items() if k != 'inputs')}"]
+    lines += _pipeline_header(a)
+    for view in _stage_views(a):
+        sp = view.pm.stage
+        lines += ["", "#" * 100, f"# stage {sp.spec.index} (pipeline rank {pm.schedule.rank_of(sp.spec.index)}): "
+                  f"{sp.spec.modules[0]} .. {sp.spec.modules[1]}; saves {_b(sp.saved_bytes)} per micro-batch "
+                  "for its backward", "#" * 100]
+        body = dump_text(view).splitlines()
+        lines += [x for x in body[2:]]  # (the view's own title lines repeat the header)
+    recs = pm.collectives()
+    sends = [r for r in recs if r.kind == "send"]
+    lines += ["", f"point to point per step on this rank: {len(sends)} sends, {sum(r.wire_bytes for r in sends):,.0f} B "
+              f"(activations forward, their gradients backward); {len(recs)} transfers and collectives in all, "
+              f"{sum(r.wire_bytes for r in recs):,.0f} B sent by this rank"]
+    return "\n".join(lines) + "\n"
+
+
 def dump_json(a: Analysis) -> str:
+    if hasattr(a.pm, "schedule"):
+        pm = a.pm
+        return json.dumps({"model": a.model, "mesh": a.axes, "plan": a.plan, "rank": a.rank,
+                           "coordinate": list(a.coord), "options": a.options,
+                           "pipeline": {"schedule": pm.schedule.name, "microbatches": pm.microbatches,
+                                        "actions": pm.schedule.actions[pm.pp_rank], "stages": pm.describe_stages()},
+                           "stages": [{"stage": v.pm.stage.spec.index, "nodes": node_rows(v)}
+                                      for v in _stage_views(a)],
+                           "summary": summary(a)}, indent=1, default=str)
     return json.dumps({"model": a.model, "mesh": a.axes, "plan": a.plan, "rank": a.rank, "coordinate": list(a.coord),
                        "options": a.options, "nodes": node_rows(a), "summary": summary(a)}, indent=1, default=str)
 
@@ -491,7 +579,8 @@ def summary(a: Analysis) -> dict:
         "comm_bytes": bytes_by_collective(recs), "comm_calls": calls, "flops": t.flops,
         "time": {"step_s": t.step_s, "compute_s": t.compute_s, "comm_s": t.comm_s,
                  "exposed_comm_s": t.exposed_comm_s,
-                 "optimizer_s": t.optimizer_s, "by_phase": t.by_phase, "comm_by_axis": t.comm_by_axis},
+                 "optimizer_s": t.optimizer_s, "by_phase": t.by_phase, "comm_by_axis": t.comm_by_axis,
+                 "bubble": t.bubble, "stage_seconds": t.stage_seconds},
         "device": a.device.name, "seconds": a.seconds,
     }
 
@@ -517,6 +606,13 @@ def plan_table(results: list[Analysis]) -> str:
     row("parameters (as stored)", [_b(m["parameters"]) for m in mem])
     row("gradients (fp32, as stored)", [_b(m["gradients"]) for m in mem])
     row(f"optimizer state ({a0.options['optimizer']})", [_b(m["optimizer_state"]) for m in mem])
+    pipes = [a.pm for a in results if hasattr(a.pm, "schedule")]
+    if pipes:
+        row("pipeline stages held", [f"{sorted(pm.local)} of {len(pm.specs)} ({pm.schedule.name}, "
+                                     f"M={pm.microbatches})" for pm in pipes])
+        row("activations in flight (schedule)", [f"{_b(m['in_flight_bytes'])} ({m['in_flight_microbatches']} "
+                                                 "micro-batch sets)" for m in mem])
+        row("  + largest transient (liveness)", [_b(m["transient_bytes"]) for m in mem])
     row("program peak (liveness)", [_b(m["program_peak"]) for m in mem])
     row("  parameter copies", [_b(m["peak_param_copies"]) for m in mem])
     row("  gradients in flight", [_b(m["peak_grads_in_flight"]) for m in mem])
@@ -530,8 +626,14 @@ def plan_table(results: list[Analysis]) -> str:
     row("sent: total per step", [_b(sum(s["comm_bytes"].values())) for s in sums])
     row("FLOPs per step", [f"{s['flops']:.3e}" for s in sums])
     row("predicted step time", [_t(s["time"]["step_s"]) for s in sums])
-    row("  compute (fwd / bwd)", [f"{_t(s['time']['compute_s'])} ({_t(s['time']['by_phase'].get('forward', 0))} / "
-                                  f"{_t(s['time']['by_phase'].get('backward', 0))})" for s in sums])
+    if pipes:
+        row("  compute (F / I / W)", [f"{_t(s['time']['compute_s'])} ({_t(s['time']['by_phase'].get('F', 0))} / "
+                                      f"{_t(s['time']['by_phase'].get('I', 0))} / "
+                                      f"{_t(s['time']['by_phase'].get('W', 0))})" for s in sums])
+        row("  pipeline bubble (simulated)", [f"{s['time']['bubble']:.1%}" for s in sums])
+    else:
+        row("  compute (fwd / bwd)", [f"{_t(s['time']['compute_s'])} ({_t(s['time']['by_phase'].get('forward', 0))} / "
+                                      f"{_t(s['time']['by_phase'].get('backward', 0))})" for s in sums])
     row(f"  optimizer step ({a0.options['optimizer']})", [_t(s["time"]["optimizer_s"]) for s in sums])
     row("  communication (exposed)", [f"{_t(s['time']['comm_s'])} ({_t(s['time']['exposed_comm_s'])})" for s in sums])
     tokens = math.prod(results[0].pm.example_shapes[0][0][:2]) if results[0].pm.example_shapes else 0
@@ -548,10 +650,12 @@ def plan_table(results: list[Analysis]) -> str:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)))
     lines += ["", f"analysis time (rank {a0.rank}): " + ", ".join(
         f"{k} {v:.1f}s" for k, v in a0.seconds.items() if k in ("build", "compile", "cost_model", "total"))
-        + f"; {world} ranks, every rank runs the same program on its own shards (SPMD)"]
+        + (f"; {world} ranks: each stage's ranks run the same program on their own shards (SPMD), stages "
+           "exchange activations point to point" if pipes else
+           f"; {world} ranks, every rank runs the same program on its own shards (SPMD)")]
     for n in a0.notes:
         lines.append("note: " + n.replace("autopar: ", ""))
-    for axis, names in a0.pm.ctx.placed.unsharded.items():
+    for axis, names in (a0.pm.ctx.placed.unsharded.items() if not pipes else ()):
         lines.append(f"note: {len(names)} parameter(s) have no dim divisible by '{axis}' and are stored whole: "
                      + ", ".join(names[:6]) + (" ..." if len(names) > 6 else ""))
     return "\n".join(lines) + "\n"

@@ -503,6 +503,7 @@ class StageProgram:
     param_names: list[str]  # the user's names of the parameters this stage holds
     ph_names: list[str] = field(default_factory=list)  # per program input: its placeholder's name
     out_names: list[str | None] = field(default_factory=list)  # per program output: node name (None: no value)
+    ph_vals: dict = field(default_factory=dict)  # placeholder name -> its per-rank fake value
     saved_bytes: int = 0  # predicted: what one micro-batch's forward leaves for its backward
     saved_after_i: int = 0  # ... and what its input-gradient part leaves for its weight-gradient part
 
@@ -640,6 +641,7 @@ def compile_pipeline(model: nn.Module, mesh, *, example_inputs: tuple, loss_fn, 
         sp.ph_names = [n.name for n in gmod.graph.nodes if n.op == "placeholder"]
         out = next(n for n in gmod.graph.nodes if n.op == "output")
         sp.out_names = [o.name if isinstance(o, fx.Node) else None for o in out.args[0]]
+        sp.ph_vals = {n.name: n.meta["val"] for n in gmod.graph.nodes if n.op == "placeholder"}
         sp.saved_bytes = _saved_bytes(gmod, program.inputs, parts)
         sp.saved_after_i = _saved_bytes(gmod, program.inputs, parts, after="I")
         ctx.timings["total"] = time.perf_counter() - t0
@@ -669,7 +671,8 @@ class PipelineModule:
         self.options = opts
         self.microbatches = sched.microbatches
         self.specs = specs
-        self.stages = {sp.spec.index: sp for sp in stages}
+        self.stages = {sp.spec.index: sp for sp in stages}  # compiled here (all of them when planning)
+        self.local = {s: sp for s, sp in self.stages.items() if sched.rank_of(s) == mesh.get_local_rank(pp_axis)}
         self.ctx = stages[0].ctx  # the sub-mesh's view (every stage of this rank shares it)
         self.plan = stage_plan
         self.input_mode = inputs
@@ -708,8 +711,7 @@ class PipelineModule:
         for sp in self.stages.values():
             for name in sp.param_names:
                 owned[name] = sp.ctx.placed.placements[name]
-        local_stages = [sp for sp in self.stages.values() if self.schedule.rank_of(sp.spec.index) == self.pp_rank]
-        self._owned = {n for sp in local_stages for n in sp.param_names}
+        self._owned = {n for sp in self.local.values() for n in sp.param_names}
         for full_name, p in list(self.module.named_parameters()):
             mod_name, _, attr = full_name.rpartition(".")
             mod = self.module.get_submodule(mod_name) if mod_name else self.module
@@ -748,12 +750,46 @@ class PipelineModule:
         self.counter.wire[("send", self.pp_axis)] += nbytes
         self._pending.append((dist.isend(t, dst=dst, tag=tag), t))
 
+    def _incoming(self, action) -> list[tuple]:
+        """(value metadata, producing stage, tag) of what ``action`` receives from other ranks."""
+        kind, s, mb = action
+        sp = self.stages[s]
+        out = []
+        if kind == "F":
+            for (role, what), name in zip(sp.program.inputs, sp.ph_names):
+                src = sp.spec.inputs[what] if role == "input" else None
+                if src is not None and src[0] == "stage" and self.schedule.rank_of(src[1]) != self.pp_rank:
+                    out.append((sp.ph_vals[name], src[1], self._tag(s, what, mb, False)))
+        elif kind in ("B", "I") and not sp.spec.is_last:
+            for (role, what), name in zip(sp.program.inputs, sp.ph_names):
+                if role != "tangent":
+                    continue
+                for t, k in sp.spec.consumers[what]:
+                    tag = self._tag(t, k, mb, True)
+                    if tag not in self._no_grad and self.schedule.rank_of(t) != self.pp_rank:
+                        out.append((sp.ph_vals[name], t, tag))
+        return out
+
+    def _post_recvs(self, action):
+        """Post ``action``'s receives now (irecv), so the transfers run while this rank computes."""
+        for like, stage_from, tag in self._incoming(action):
+            if tag not in self._posted:
+                buf = torch.empty(like.shape, dtype=like.dtype, device=self.ctx.device)
+                src = self.pp_ranks[self.schedule.rank_of(stage_from)]
+                self._posted[tag] = (dist.irecv(buf, src=src, tag=tag), buf)
+
     def _recv(self, like, stage_from: int, tag: int) -> torch.Tensor:
-        buf = torch.empty(like.shape, dtype=like.dtype, device=self.ctx.device)
+        if tag not in self._posted:
+            self._post_recvs_for(like, stage_from, tag)
+        work, buf = self._posted.pop(tag)
         t0 = time.perf_counter()
-        dist.recv(buf, src=self.pp_ranks[self.schedule.rank_of(stage_from)], tag=tag)
+        work.wait()
         self._waited += time.perf_counter() - t0
         return buf
+
+    def _post_recvs_for(self, like, stage_from: int, tag: int):
+        buf = torch.empty(like.shape, dtype=like.dtype, device=self.ctx.device)
+        self._posted[tag] = (dist.irecv(buf, src=self.pp_ranks[self.schedule.rank_of(stage_from)], tag=tag), buf)
 
     def _deliver(self, value: torch.Tensor, stage_from: int, stage_to: int, tag: int):
         if self.schedule.rank_of(stage_to) == self.pp_rank:
@@ -786,8 +822,6 @@ class PipelineModule:
     def _forward(self, s: int, mb: int, micro):
         sp = self.stages[s]
         env = {}
-        vals = sp.program.local.graph
-        ph = {n.name: n for n in vals.nodes if n.op == "placeholder"}
         for (kind, what), name in zip(sp.program.inputs, sp.ph_names):
             if kind != "input":
                 continue
@@ -795,7 +829,7 @@ class PipelineModule:
             if src[0] == "user":
                 env[name] = micro[mb][src[1]]
             else:
-                env[name] = self._collect(ph[name].meta["val"], src[1], self._tag(s, what, mb, False))
+                env[name] = self._collect(sp.ph_vals[name], src[1], self._tag(s, what, mb, False))
         self._ready = time.perf_counter()  # inputs are here: compute starts
         self._run_part(sp, "F", env)
         for (kind, what), o in zip(sp.program.outputs, sp.out_names):
@@ -811,11 +845,10 @@ class PipelineModule:
     def _input_grad(self, s: int, mb: int):
         sp = self.stages[s]
         env = self._env[(s, mb)]
-        ph = {n.name: n for n in sp.program.local.graph.nodes if n.op == "placeholder"}
         for (kind, what), name in zip(sp.program.inputs, sp.ph_names):
             if kind != "tangent":
                 continue
-            like = ph[name].meta["val"]
+            like = sp.ph_vals[name]
             if sp.spec.is_last:  # d(global loss)/d(micro-batch loss)
                 env[name] = torch.full(like.shape, 1.0 / self.microbatches, dtype=like.dtype, device=self.ctx.device)
                 continue
@@ -858,7 +891,7 @@ class PipelineModule:
         micro = [[torch.chunk(x, m, dim=0)[i] if x.ndim > 0 else x for x in local] for i in range(m)]
         params = dict(self.module.named_parameters())
         self._shared = {}
-        for s, sp in self.stages.items():
+        for s, sp in self.local.items():
             vals = {}
             for (kind, what), name in zip(sp.program.inputs, sp.ph_names):
                 if kind == "param":
@@ -868,7 +901,7 @@ class PipelineModule:
                     vals[name] = b.to(self.ctx.device)
             self._shared[s] = vals
         self._env, self._mailbox, self._pending, self._losses = {}, {}, [], []
-        self._acc = {s: {} for s in self.stages}
+        self._acc = {s: {} for s in self.local}
         # input gradients a consumer stage does not produce (its program has no gradient for that input)
         self._no_grad = set()
         for spec in self.specs:
@@ -880,7 +913,12 @@ class PipelineModule:
         live, peak, peak_bytes = 0, 0, 0
         state = {t.untyped_storage().data_ptr() for vals in self._shared.values() for t in vals.values()
                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
-        for kind, s, mb in self.schedule.actions[self.pp_rank]:
+        actions = self.schedule.actions[self.pp_rank]
+        self._posted = {}
+        for i, (kind, s, mb) in enumerate(actions):
+            self._post_recvs((kind, s, mb))
+            if i + 1 < len(actions):  # one action ahead: its inputs arrive while this one computes
+                self._post_recvs(actions[i + 1])
             self._ready = time.perf_counter()  # (F, B and I move it past their receives)
             self._waited = 0.0
             if kind == "F":
@@ -903,7 +941,7 @@ class PipelineModule:
             work.wait()
         self._pending = []
         # the gradients, summed over micro-batches, synchronised once per step
-        for s, sp in self.stages.items():
+        for s, sp in self.local.items():
             acc = self._acc[s]
             names = [what for _, what in sp.sync.inputs]
             outs = sp.sync.local(*[acc[n].contiguous() for n in names]) if names else []
@@ -924,7 +962,8 @@ class PipelineModule:
         self.recv_wait = waits  # per action: seconds blocked receiving its inputs / output gradients
         self.in_flight = {"peak_microbatches": peak, "peak_bytes": peak_bytes}
         self.steps += 1
-        del self._env, self._mailbox, self._acc, self._shared
+        assert not self._posted, "a posted receive was never used"
+        del self._env, self._mailbox, self._acc, self._shared, self._posted
         return loss
 
     # ------------------------------------------------------------ visibility
@@ -942,9 +981,7 @@ class PipelineModule:
         from autopar.ir import CommRecord
 
         recs = []
-        for s, sp in sorted(self.stages.items()):
-            if self.schedule.rank_of(s) != self.pp_rank:
-                continue
+        for s, sp in sorted(self.local.items()):
             per_mb = [n.meta["autopar_comm"] for n in sp.program.local.graph.nodes if "autopar_comm" in n.meta]
             recs += per_mb * self.microbatches
             recs += [n.meta["autopar_comm"] for n in sp.sync.local.graph.nodes if "autopar_comm" in n.meta]
@@ -967,21 +1004,21 @@ class PipelineModule:
                                             f"gradient of stage {s}'s input {what} back to stage {src[1]}",
                                             sp.spec.modules[0], "backward")] * self.microbatches
             del ph, outs
-        if self.pp_size > 1:
-            last = self.schedule.rank_of(len(self.specs) - 1)
-            recs.append(CommRecord("broadcast", self.pp_axis, self.pp_size, 4,
-                                   "the global-batch loss to every stage", "", "backward")
-                        if self.pp_rank == last else
-                        CommRecord("local", self.pp_axis, self.pp_size, 0, "receives the loss", "", "backward"))
+        if self.pp_size > 1 and self.pp_rank == self.schedule.rank_of(len(self.specs) - 1):
+            recs.append(CommRecord("broadcast", self.pp_axis, self.pp_size, 4, "the global-batch loss to every stage",
+                                   "", "backward"))
         return recs
 
     def predicted_bytes(self) -> dict[str, float]:
         from autopar.ir import bytes_by_collective
 
         out = bytes_by_collective(self.collectives())
-        if self.pp_size > 1:  # broadcast: only the root sends
-            out[f"broadcast@{self.pp_axis}"] = out.get(f"broadcast@{self.pp_axis}", 0.0) * (self.pp_size - 1)
-        return {k: v for k, v in out.items() if not k.startswith("local@")}
+        key = f"broadcast@{self.pp_axis}"
+        if key in out:  # the root sends the loss to each of the other P - 1 ranks
+            out[key] *= self.pp_size - 1
+        elif self.pp_size > 1:
+            out[key] = 0.0  # (the counter records the receiving side's call with 0 bytes)
+        return out
 
     def predicted_in_flight(self) -> dict:
         """What this rank's action list holds at most: (stage, micro-batch) activation sets and
@@ -1025,6 +1062,40 @@ class PipelineModule:
             lines.append(f"saved activations in flight (last step): {self.in_flight['peak_microbatches']} "
                          f"(stage, micro-batch) sets, {self.in_flight['peak_bytes']:,} B")
         return "\n".join(lines)
+
+
+class StageView:
+    """One compiled stage seen the way ``autopar dump`` / ``explain`` read a ParallelModule: its
+    joint per-rank program, its gradient sync program, its context and parameters."""
+
+    def __init__(self, pm: PipelineModule, sp: StageProgram):
+        self.pipeline, self.stage = pm, sp
+        self.program, self.sync_program, self.ctx = sp.program, sp.sync, sp.ctx
+        self.example_shapes = pm.example_shapes
+        self.accumulate = pm.microbatches
+        self.module = self
+
+    def named_parameters(self):
+        mine = set(self.stage.param_names)
+        return ((n, p) for n, p in self.pipeline.module.named_parameters() if n in mine)
+
+    def parameters(self):
+        return (p for _, p in self.named_parameters())
+
+    def part_of(self) -> dict[str, str]:
+        """Node name of the joint per-rank program -> "F" | "I" | "W" (the part that runs it)."""
+        out = {}
+        for name, part in self.stage.parts.items():
+            if part.gm is not None:
+                for n in part.gm.graph.nodes:
+                    if n.op == "call_function":
+                        out[n.name] = name
+        return out
+
+    def collectives(self):
+        per_mb = [n.meta["autopar_comm"] for n in self.program.local.graph.nodes if "autopar_comm" in n.meta]
+        return per_mb * self.accumulate + [n.meta["autopar_comm"] for n in self.sync_program.local.graph.nodes
+                                           if "autopar_comm" in n.meta]
 
 
 def _held_bytes(envs, exclude=()) -> int:

@@ -318,6 +318,20 @@ def verify_job(plan: dict, axes: dict, **options):
     return report, str(report)
 
 
+PIPELINE_CASES = [  # (model, mesh, plan, compile options): tests/test_pipeline.py, benchmarks/parity_report.py
+    ("llama", {"pp": 2}, {"pp": "1f1b"}, {}),
+    ("llama", {"pp": 2}, {"pp": "gpipe"}, {}),
+    ("llama", {"pp": 2}, {"pp": "zb"}, {}),
+    ("llama", {"pp": 2}, {"pp": {"schedule": "interleaved", "virtual": 2}}, {}),
+    ("llama6", {"pp": 4}, {"pp": "1f1b"}, {}),
+    ("llama6", {"pp": 4}, {"pp": "gpipe"}, {}),
+    ("llama6", {"pp": 4}, {"pp": "zb"}, {}),
+    ("llama6", {"pp": 4}, {"pp": {"schedule": "interleaved", "virtual": 2}}, {}),
+    ("llama", {"pp": 2, "dp": 2}, {"pp": "1f1b", "dp": "fsdp"}, {"recompute": "full"}),
+    ("llama", {"pp": 2, "tp": 2}, {"pp": "zb", "tp": "megatron"}, {}),
+]
+
+
 def pipeline_parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: float = 1e-2, **options):
     """``parity_job`` for a pipelined program: every rank holds only its stages, so parameters and
     gradients are gathered from all ranks; also returns the last step's measured schedule (every

@@ -1,18 +1,19 @@
 """Parity figures for the README: every plan against one eager process, max differences.
 
-    .venv/bin/python benchmarks/parity_report.py [--state | --cost]
+    .venv/bin/python benchmarks/parity_report.py [--state | --cost | --pipeline]
 
 --state: the ZeRO / mixed-precision / accumulation / recompute cases (bf16 and fp16 against a
 single process in the same precision).
 --cost: every case (both lists and the MoE model): the cost model's per-rank memory and bytes
 against what the run measured (memory tracker on the tensors held; bytes counted at every
 collective).
+--pipeline: the pipeline cases (every schedule at pp=2 and pp=4, pp x dp, pp x tp).
 """
 
 from __future__ import annotations
 
 from autopar.ir import bytes_by_collective
-from autopar.testing import DistPool, parity_job, reference_run
+from autopar.testing import PIPELINE_CASES, DistPool, parity_job, pipeline_parity_job, reference_run
 
 import sys
 
@@ -65,12 +66,47 @@ def cost_report(pools):
               f"{pred:,.0f} | {meas:,.0f} |", flush=True)
 
 
+def pipeline_report(pools):
+    print("| model | mesh, plan, options | M | max loss diff (3 steps) | max grad diff, all steps | max param diff "
+          "after 3 AdamW steps | bytes/rank/step predicted = counted (every rank) | activations in flight, "
+          "measured (predicted) per pipeline rank |")
+    print("|---|---|---|---|---|---|---|---|")
+    refs = {}
+    for name, axes, plan, opts in PIPELINE_CASES:
+        ref = refs.setdefault(name, reference_run(name))
+        world = 1
+        for v in axes.values():
+            world *= v
+        out = pools[world].run(pipeline_parity_job, name, axes, plan, **opts)
+        dl = max(abs(a - b) for a, b in zip(ref["losses"], out["losses"]))
+        dg = max(max((r[k] - o[k]).abs().max().item() for k in r) for r, o in zip(ref["grads"], out["grads"]))
+        dp = max((ref["params"][k] - out["params"][k]).abs().max().item() for k in ref["params"])
+        equal = all({k: v["wire_bytes"] for k, v in m.items() if v["wire_bytes"]}
+                    == {k: v * out["steps"] for k, v in p.items() if v} for m, p in zip(out["measured"], out["predicted"]))
+        sent = sum(out["predicted"][0].values())
+        ranks = list(range(world))[:: world // axes["pp"]]
+        flight = ", ".join(f"{out['in_flight'][r]['peak_microbatches']}: {out['in_flight'][r]['peak_bytes']:,} "
+                           f"({out['predicted_in_flight'][r]['peak_bytes']:,})" for r in ranks)
+        sched = plan["pp"] if isinstance(plan["pp"], str) else plan["pp"]["schedule"]
+        others = "+".join(v for k, v in plan.items() if k != "pp")
+        print(f"| {name} | {' x '.join(f'{a}={n}' for a, n in axes.items())} {sched}{'+' + others if others else ''} "
+              f"{' '.join(f'{k}={v}' for k, v in opts.items())} | {out['microbatches']} | {dl:.1e} | {dg:.1e} | "
+              f"{dp:.1e} | {'yes' if equal else 'NO'} (rank 0: {sent:,.0f}) | {flight} |", flush=True)
+
+
 def main():
     pools = {2: DistPool(2), 4: DistPool(4)}
     refs = {}
     if "--cost" in sys.argv:
         try:
             cost_report(pools)
+        finally:
+            for p in pools.values():
+                p.close()
+        return
+    if "--pipeline" in sys.argv:
+        try:
+            pipeline_report(pools)
         finally:
             for p in pools.values():
                 p.close()

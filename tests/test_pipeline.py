@@ -17,21 +17,9 @@ import torch
 
 from autopar.errors import CaptureError, PlanError
 from autopar.schedules import simulate
-from autopar.testing import build_model, pipeline_parity_job
+from autopar.testing import PIPELINE_CASES, build_model, pipeline_parity_job
 
-CASES = [
-    # (model, mesh, plan, compile options)
-    ("llama", {"pp": 2}, {"pp": "1f1b"}, {}),
-    ("llama", {"pp": 2}, {"pp": "gpipe"}, {}),
-    ("llama", {"pp": 2}, {"pp": "zb"}, {}),
-    ("llama", {"pp": 2}, {"pp": {"schedule": "interleaved", "virtual": 2}}, {}),
-    ("llama6", {"pp": 4}, {"pp": "1f1b"}, {}),
-    ("llama6", {"pp": 4}, {"pp": "gpipe"}, {}),
-    ("llama6", {"pp": 4}, {"pp": "zb"}, {}),
-    ("llama6", {"pp": 4}, {"pp": {"schedule": "interleaved", "virtual": 2}}, {}),
-    ("llama", {"pp": 2, "dp": 2}, {"pp": "1f1b", "dp": "fsdp"}, {"recompute": "full"}),
-    ("llama", {"pp": 2, "tp": 2}, {"pp": "zb", "tp": "megatron"}, {}),
-]
+CASES = PIPELINE_CASES  # (model, mesh, plan, compile options): autopar/testing.py, shared with the report
 
 
 def _id(c):
@@ -213,3 +201,26 @@ def test_stage_capture_error_names_the_value(fake):
         autopar.compile(Transposed(), mesh, example_inputs=(x, x), plan={"pp": {"schedule": "1f1b",
                                                                                 "split": ["layers.1"]}},
                         loss_fn=torch.nn.functional.mse_loss)
+
+
+def test_dump_and_plan_by_stage(capsys):
+    """``autopar dump`` groups a pipelined program by stage and part (F / I / W) and shows the
+    rank's action list; ``autopar plan`` adds the stages held, activations in flight and the
+    simulated bubble."""
+    from autopar.cli import main
+
+    assert main(["dump", "llama-tiny", "--mesh", "pp=2,tp=2", "--plan", "pp=zb,tp=megatron", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: zb-h1, 2 stages on 2 'pp' ranks" in out
+    assert "# stage 0 (pipeline rank 0)" in out and "# stage 1 (pipeline rank 1)" in out
+    for part in ("forward (F)", "input gradient (I)", "weight gradient (W)"):
+        assert f"== {part}" in out
+    # M defaults to 4 (the largest M <= 4P dividing the batch of 4): ZB-H1's rank 0 lags W by 0
+    assert "this rank's actions (12): F0.0 F0.1 I0.0 W0.0 F0.2 I0.1 W0.1 F0.3 I0.2 W0.2 I0.3 W0.3" in out
+    # 3 values (activation, rope cos and sin) x 4 micro-batches to stage 1; no gradient back from stage 0
+    assert "ALL_REDUCE on 'tp'" in out and "point to point per step on this rank: 12 sends" in out
+    assert main(["plan", "llama-tiny", "--mesh", "pp=2,dp=2", "--plan", "pp=gpipe,dp=ddp", "--rank", "0,2",
+                 "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "[0] of 2 (gpipe, M=2)" in out and "[1] of 2 (gpipe, M=2)" in out
+    assert "pipeline bubble (simulated)" in out and "activations in flight (schedule)" in out
