@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
-if ! .venv/bin/python -c "import autopar, torch, pytest, transformers, matplotlib; assert torch.__version__.startswith('2.13.0')" 2>/dev/null; then
+if ! .venv/bin/python -c "import autopar, torch, pytest, transformers, matplotlib, triton; assert torch.__version__.startswith('2.13.0')" 2>/dev/null; then
   echo "setting up .venv (first run only)..." >&2
   "$PY" -m venv .venv
   .venv/bin/python -m pip install -q torch==2.13.0

@@ -4,6 +4,7 @@ it, in the same processes, alternating step by step, same initialization and dat
     autopar bench [--ranks 2 4] [--steps 12] [--warmup 3] [--pairs ddp fsdp megatron 2d]
     autopar bench --planning [--planning-models llama3-8b llama3-70b] [--planning-ranks 8 64 256 1024]
     autopar bench --pipeline [--pp 2 4] [--schedules gpipe 1f1b interleaved zb] [--microbatches 8]
+    autopar bench --kernels [--kernel-seqs 512 ... 8192] [--smoke]     (GPU: Triton kernels vs SDPA / cuBLAS)
     python -m autopar.bench ...          (the same)
 
 Pairs (each on its own mesh of ``--ranks`` processes):
@@ -509,7 +510,15 @@ def main(argv=None):
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--layers", type=int, default=8, help="Llama blocks of the pipeline benchmark model")
     ap.add_argument("--no-baseline", action="store_true", help="autopar only (--pipeline)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="instead: autopar's Triton kernels vs PyTorch (SDPA, cuBLAS) in TFLOP/s; needs a GPU")
+    ap.add_argument("--kernel-seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    ap.add_argument("--smoke", action="store_true", help="--kernels on tiny shapes (checks the harness on CPU)")
     args = ap.parse_args(argv)
+    if args.kernels:
+        from autopar import kernelbench
+
+        return kernelbench.main(args)
     if args.pipeline:
         from autopar import pipebench
 

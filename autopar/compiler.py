@@ -42,6 +42,7 @@ class Context:
         self._groups = [mesh.get_group(i).group_name for i in range(len(self.axis_sizes))]
         # a pipeline stage's program: (per input, per output) whether dim 0 is the batch
         self.boundary: tuple[list[bool], list[bool]] | None = None
+        self.lowered: dict[str, int] = {}  # what the lower pass rewrote into kernel ops, per rule
 
     # placements the program's boundary must have
     def input_placements(self, shape: tuple[int, ...]) -> tuple[Placement, ...]:
@@ -133,6 +134,7 @@ def compile(
     progress: Callable[[str], None] | None = None,
     capture_eval: bool = True,
     pipeline_stages: str = "local",
+    kernels: str = "auto",
 ):
     """Compile ``model`` for ``mesh`` under ``plan``; returns a ParallelModule.
 
@@ -145,6 +147,9 @@ def compile(
     ``capture_eval=False`` skips capturing the forward-only program (planning without running).
     ``pipeline_stages="all"`` (with a pipeline axis) also compiles the stages other ranks hold, so
     planning tools can show and cost the whole pipeline from one rank.
+    ``kernels``: "auto" (lower attention and linear + activation to autopar's Triton kernels on a
+    CUDA mesh when Triton is installed), "on" (also on CPU, through Triton's interpreter: slow),
+    "off". ``pm.ctx.lowered`` counts what was rewritten.
 
     As a decorator (``@autopar.compile(mesh=..., example_inputs=..., plan=...)``) on a model
     class or a model-building function, the class/function then returns ParallelModules.
@@ -152,7 +157,7 @@ def compile(
     opts = dict(mesh=mesh, example_inputs=example_inputs, loss_fn=loss_fn, plan=plan, inputs=inputs,
                 precision=precision, reduce_dtype=reduce_dtype, loss_scale=loss_scale, accumulate=accumulate,
                 recompute=recompute, debug=debug, skip_passes=skip_passes, progress=progress,
-                capture_eval=capture_eval, pipeline_stages=pipeline_stages)
+                capture_eval=capture_eval, pipeline_stages=pipeline_stages, kernels=kernels)
     if model is None or (isinstance(model, type) or (callable(model) and not isinstance(model, nn.Module))):
         return _decorator(model, **opts)
     from autopar.passes import run_passes
@@ -176,6 +181,7 @@ def compile(
         raise PlanError(f"loss_scale must be 'dynamic' or a number, got {loss_scale!r}",
                         where="autopar.compile(loss_scale=...)")
     example_inputs = tuple(example_inputs)
+    lower = _kernels_option(kernels, mesh)
     if not isinstance(accumulate, int) or accumulate < 1:
         raise PlanError(f"accumulate must be a positive int, got {accumulate!r}", where="autopar.compile(accumulate=...)")
     from autopar.pipeline import compile_pipeline, is_pipeline_strategy
@@ -194,7 +200,7 @@ def compile(
         return compile_pipeline(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, plan=plan,
                                 pp_axis=pp_axes[0], compute_dtype=compute_dtype, reduce_dtype=reduce,
                                 recompute=recompute, accumulate=accumulate, inputs=inputs, debug=debug,
-                                skip_passes=skip_passes, progress=progress, stages=pipeline_stages)
+                                skip_passes=skip_passes, progress=progress, stages=pipeline_stages, lower=lower)
     micro_inputs = example_inputs
     if accumulate > 1:
         for i, x in enumerate(example_inputs):
@@ -233,7 +239,8 @@ def compile(
         ctx.device = torch.device("meta")
     if progress:
         progress("capture (torch.export, joint forward + backward)")
-    program: Program = capture_joint(model, micro_inputs, loss_fn, compute_dtype)
+    program: Program = capture_joint(model, micro_inputs, loss_fn, compute_dtype, lower=lower)
+    ctx.lowered = program.lowered
     ctx.timings["capture"] = time.perf_counter() - t0
     ctx.sync_grads = accumulate == 1
     program = run_passes(program, ctx, skip=skip_passes, debug=debug)
@@ -257,6 +264,20 @@ def compile(
                                             skip=tuple(skip_passes) + ("recompute",))
     return ParallelModule(model, ctx, program, example_inputs, loss_fn is not None, inputs, forward_builder,
                           sync_program=sync)
+
+
+def _kernels_option(kernels: str, mesh) -> bool:
+    """Whether to run the lower pass (autopar's Triton kernels)."""
+    from autopar.kernels.ops import available
+
+    if kernels not in ("auto", "on", "off"):
+        raise PlanError(f"unknown kernels option {kernels!r}", where="autopar.compile(kernels=...)",
+                        fix='use "auto", "on" or "off"')
+    ok, how = available()
+    if kernels == "on" and not ok:
+        raise PlanError(f"kernels='on' but {how}", where="autopar.compile(kernels='on')",
+                        fix="pip install triton, or compile with kernels='off'")
+    return kernels == "on" or (kernels == "auto" and ok and how == "cuda" and mesh.device_type == "cuda")
 
 
 def _decorator(target, **kw):

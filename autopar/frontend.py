@@ -63,8 +63,8 @@ def _sdpa_as_on_cpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 
 
 @contextlib.contextmanager
-def _meta_attention(model: nn.Module):
-    if not any(p.is_meta for p in model.parameters()):
+def _meta_attention(model: nn.Module, lowering: bool = False):
+    if lowering or not any(p.is_meta for p in model.parameters()):  # (lowering wants SDPA as written)
         yield
         return
     torch.nn.functional.scaled_dot_product_attention = _sdpa_as_on_cpu
@@ -122,18 +122,25 @@ def _tensor_names(module: nn.Module) -> dict[int, tuple[str, str]]:
 
 
 def capture_joint(model: nn.Module, example_inputs: tuple, loss_fn: Callable | None,
-                  compute_dtype: torch.dtype | None = None) -> Program:
-    """Trace model (+loss) into the joint graph. Parameter names are the user's names."""
+                  compute_dtype: torch.dtype | None = None, lower: bool = False) -> Program:
+    """Trace model (+loss) into the joint graph. Parameter names are the user's names.
+    ``lower``: rewrite attention / linear + activation into autopar's kernel ops first
+    (passes/lower.py); the counts land in ``program.lowered``."""
     wrapper = _WithLoss(model, loss_fn, compute_dtype)
     ids = _tensor_names(model)
+    lowered = None
     try:
         from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
         from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with _meta_attention(model):
+            with _meta_attention(model, lower):
                 gm = _dynamo_graph_capture_for_export(wrapper)(*example_inputs)
+            if lower:
+                from autopar.passes.lower import lower_pass
+
+                lowered = lower_pass(gm)
             stack = contextlib.ExitStack()
             with stack:
                 joint = aot_export_joint_with_descriptors(stack, gm, tuple(example_inputs))
@@ -145,7 +152,9 @@ def capture_joint(model: nn.Module, example_inputs: tuple, loss_fn: Callable | N
             fix="make the model traceable by torch.export (no data-dependent Python control flow; "
             "HF models need use_cache=False)",
         ) from e
-    return _describe(graph, gm, ids, model)
+    program = _describe(graph, gm, ids, model)
+    program.lowered = dict(lowered or {})
+    return program
 
 
 def capture_stage(stage_gm: fx.GraphModule, example_inputs: tuple, model: nn.Module, last: bool) -> Program:

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from autopar.errors import CaptureError, PlanError
+from autopar.errors import CaptureError, InputError, PlanError
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 
@@ -161,7 +161,7 @@ def _val_bytes(v) -> int:
     return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
 
 
-def capture_whole(model: nn.Module, micro_inputs: tuple, loss_fn, compute_dtype) -> fx.GraphModule:
+def capture_whole(model: nn.Module, micro_inputs: tuple, loss_fn, compute_dtype, lower: bool = False) -> fx.GraphModule:
     from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
 
     from autopar.frontend import _meta_attention, _WithLoss
@@ -169,11 +169,16 @@ def capture_whole(model: nn.Module, micro_inputs: tuple, loss_fn, compute_dtype)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with _meta_attention(model):
-                return _dynamo_graph_capture_for_export(_WithLoss(model, loss_fn, compute_dtype))(*micro_inputs)
+            with _meta_attention(model, lower):
+                gm = _dynamo_graph_capture_for_export(_WithLoss(model, loss_fn, compute_dtype))(*micro_inputs)
     except Exception as e:  # noqa: BLE001
         raise CaptureError(f"could not trace the model for pipeline splitting: {type(e).__name__}: {e}",
                            where=type(model).__name__) from e
+    if lower:
+        from autopar.passes.lower import lower_pass
+
+        gm.meta["autopar_lowered"] = dict(lower_pass(gm))
+    return gm
 
 
 def split_stages(gm: fx.GraphModule, n_stages: int, split: list[str] | None, device=None,
@@ -536,7 +541,7 @@ def _saved_bytes(gm: fx.GraphModule, roles, parts: dict[str, Part], after: str =
 
 def compile_pipeline(model: nn.Module, mesh, *, example_inputs: tuple, loss_fn, plan: dict, pp_axis: str,
                      compute_dtype, reduce_dtype, recompute: str, accumulate: int, inputs: str, debug: bool,
-                     skip_passes, progress, stages: str = "local"):
+                     skip_passes, progress, stages: str = "local", lower: bool = False):
     """``autopar.compile`` with a pipeline axis; ``stages="all"`` also compiles the stages other
     ranks hold (planning: ``autopar dump`` shows every stage)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -602,7 +607,8 @@ def compile_pipeline(model: nn.Module, mesh, *, example_inputs: tuple, loss_fn, 
     t0 = time.perf_counter()
     if progress:
         progress(f"capture (whole model, micro-batch of {b // m}) and split into {n_stages} stages")
-    gm = capture_whole(model, micro, loss_fn, compute_dtype)
+    gm = capture_whole(model, micro, loss_fn, compute_dtype, lower=lower)
+    lowered = dict(gm.meta.get("autopar_lowered", {}))
     device = next((q.device for q in model.parameters()), torch.device("cpu"))
     specs = split_stages(gm, n_stages, opts.split, device=device)
     capture_s = time.perf_counter() - t0
@@ -623,6 +629,7 @@ def compile_pipeline(model: nn.Module, mesh, *, example_inputs: tuple, loss_fn, 
         ctx.progress = progress
         ctx.boundary = (spec.in_batched, spec.out_batched)
         ctx.stage = s
+        ctx.lowered = lowered
         if device.type == "meta":
             ctx.device = device
         ctx.timings["capture"] = capture_s
@@ -730,6 +737,19 @@ class PipelineModule:
 
     def state_dict(self):
         return {k: v for k, v in self.module.state_dict().items() if k in self._owned}
+
+    def __call__(self, *inputs):
+        raise InputError("the eval forward (pm(x)) is not built for pipelined programs yet",
+                         where="PipelineModule.__call__",
+                         fix="compile the model without the pipeline axis for evaluation, or use train_step's loss")
+
+    forward = __call__
+
+    def track_memory(self, on: bool = True):
+        raise InputError("memory tracking by category is not built for pipelined programs yet",
+                         where="PipelineModule.track_memory",
+                         fix="read pm.in_flight (activations held, measured every step) and `autopar plan` "
+                         "(predicted per-rank memory)")
 
     # ------------------------------------------------------------ inputs
     def _local_inputs(self, inputs, n_expected):

@@ -97,6 +97,62 @@ def _attention_rule(q_pos: int, n_tensor_in: int, n_out: int):
 rule(aten._scaled_dot_product_flash_attention_for_cpu.default)(_attention_rule(0, 3, 2))
 rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)(_attention_rule(1, 6, 3))
 
+# autopar's own kernels (autopar/kernels/ops.py; the lower pass puts them in the graph): the same
+# batch/head rule; flash_attention(q, k, v, bias?) -> (out, lse), its backward
+# (do, q, k, v, out, lse, bias?) -> (dq, dk, dv)
+import autopar.kernels.ops  # noqa: E402,F401 - registers torch.ops.autopar.*
+
+autopar_ops = torch.ops.autopar
+rule(autopar_ops.flash_attention.default)(_attention_rule(0, 3, 2))
+rule(autopar_ops.flash_attention_backward.default)(_attention_rule(1, 6, 3))
+
+
+@rule(autopar_ops.linear_act.default)
+def linear_act_rule(node, in_specs, ctx):
+    """y = act(x @ w.T + b), per mesh axis: a batch-like shard of x (not its last dim) passes
+    through with w replicated; a column-parallel w (Shard(0)) gives a last-dim-sharded output with
+    x replicated; anything else (a row-parallel w would need the sum before the activation) runs
+    replicated."""
+    x, w = in_specs[0], in_specs[1]
+    nd = len(x.shape)
+    xs, ws, bs, out = [], [], [], []
+    for a in range(len(ctx.axis_sizes)):
+        px, pw = x.placements[a], w.placements[a]
+        if isinstance(px, Shard) and px.dim < nd - 1:
+            xs.append(px), ws.append(R), bs.append(R), out.append(px)
+        elif isinstance(pw, Shard) and pw.dim == 0:
+            xs.append(R), ws.append(pw), bs.append(pw), out.append(Shard(nd - 1))
+        else:
+            xs.append(R), ws.append(R), bs.append(R), out.append(R)
+    ins = [tuple(xs), tuple(ws)] + ([tuple(bs)] if len(in_specs) > 2 else [])
+    return RuleResult(ins, (tuple(out), tuple(out)), None, "linear + activation (batch or column parallel)")
+
+
+@rule(autopar_ops.linear_act_backward.default)
+def linear_act_backward_rule(node, in_specs, ctx):
+    """(dy, x, w, z) -> (dx, dw, db), mirroring the forward's choice on each axis: batch-sharded
+    -> dx sharded, dw / db partial sums; column-parallel -> dx a partial sum, dw / db sharded."""
+    dy, x, w, z = in_specs
+    nd = len(x.shape)
+    ins: list[list] = [[], [], [], []]
+    dx, dw, db = [], [], []
+    for a in range(len(ctx.axis_sizes)):
+        px, pw = x.placements[a], w.placements[a]
+        if isinstance(px, Shard) and px.dim < nd - 1:
+            for i, p in enumerate((px, px, R, px)):
+                ins[i].append(p)
+            dx.append(px), dw.append(PSUM), db.append(PSUM)
+        elif isinstance(pw, Shard) and pw.dim == 0:
+            for i, p in enumerate((Shard(nd - 1), R, pw, Shard(nd - 1))):
+                ins[i].append(p)
+            dx.append(PSUM), dw.append(pw), db.append(Shard(0))
+        else:
+            for i in range(4):
+                ins[i].append(R)
+            dx.append(R), dw.append(R), db.append(R)
+    return RuleResult([tuple(p) for p in ins], (tuple(dx), tuple(dw), tuple(db)), None,
+                      "linear + activation backward")
+
 
 # ---------------------------------------------------------------------------------------
 # vocab-parallel log-softmax / nll-loss: the class dim stays sharded, logits are never gathered

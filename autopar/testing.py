@@ -169,14 +169,14 @@ def build_model(name: str, seed: int = 0):
         from autopar.models.llama import Llama, LlamaConfig, cross_entropy
 
         model, loss_fn = Llama(LlamaConfig(n_experts=4, top_k=2)), cross_entropy
-    elif name == "hf_llama":
+    elif name in ("hf_llama", "hf_llama_eager"):  # eager: HF's softmax(QK^T s + mask) V attention
         from transformers import LlamaConfig as HFConfig
         from transformers import LlamaForCausalLM
 
         from autopar.zoo import HF_TINY
 
         cfg = HFConfig(**HF_TINY, use_cache=False, tie_word_embeddings=False)
-        cfg._attn_implementation = "sdpa"
+        cfg._attn_implementation = "eager" if name == "hf_llama_eager" else "sdpa"
         model, loss_fn = LlamaForCausalLM(cfg), _ce
     elif name == "ce_rules":
         model, loss_fn, vocab = _CEHead(), _ce, 64
@@ -367,3 +367,15 @@ def pipeline_parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: f
             "predicted_in_flight": [e[6] for e in everyone],
             "timeline": timeline, "microbatches": pm.microbatches, "schedule": pm.schedule,
             "split": pm.describe_stages(), "report": pm.report()}
+
+
+ATTENTION_CASES = [  # tests/test_kernels.py, benchmarks/kernels_report.py
+    # (B, H, Hkv, Sq, Sk, D, causal, additive mask, dtype)
+    (1, 2, 2, 37, 37, 64, True, False, torch.float32),     # odd length, causal
+    (2, 2, 2, 16, 29, 64, False, False, torch.float32),    # Sk != Sq, non-causal, batch 2
+    (1, 4, 2, 37, 45, 64, False, True, torch.float32),     # GQA (2 query heads per KV head), additive mask
+    (1, 4, 1, 33, 33, 128, True, False, torch.float32),    # head dim 128, multi-query
+    (1, 2, 1, 33, 33, 128, True, False, torch.bfloat16),
+    (1, 2, 2, 20, 20, 64, True, True, torch.float16),
+    (1, 4, 2, 24, 24, 48, False, False, torch.float16),    # a head dim that is not a power of two
+]

@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+
+import autopar  # noqa: F401  (first: without a GPU it switches Triton to its interpreter before torch imports it)
 import warnings
 
 import pytest

@@ -150,6 +150,16 @@ def test_pipeline_errors(fake, plan, kw, match):
         _compile(fake, "llama", {"pp": 2}, plan, **kw)
 
 
+def test_not_yet_supported_is_a_clear_error(fake):
+    from autopar.errors import InputError
+
+    pm = _compile(fake, "llama", {"pp": 2})
+    with pytest.raises(InputError, match="eval forward"):
+        pm(torch.zeros(4, 16, dtype=torch.long))
+    with pytest.raises(InputError, match="in_flight"):
+        pm.track_memory()
+
+
 def test_tied_weights_error(fake):
     import autopar
 

@@ -1,0 +1,134 @@
+"""Kernel section of the benchmark harness: autopar's Triton kernels against PyTorch's.
+
+    autopar bench --kernels [--kernel-seqs 512 1024 2048 4096 8192] [--out DIR]
+    autopar bench --kernels --smoke        (tiny shapes: checks the harness runs; CPU timings mean nothing)
+
+On a CUDA device: TFLOP/s (forward, and forward + backward) of ``autopar::flash_attention``
+against ``F.scaled_dot_product_attention`` (PyTorch's own flash/efficient backends) over
+sequence lengths, causal and not, head dims 64 and 128, bf16, GQA 4:1; and of
+``autopar::linear_act`` (matmul + bias + GELU fused) against ``F.gelu(F.linear(...))``
+(cuBLAS + a separate elementwise kernel) over sizes. FLOPs: 4·B·H·S²·D for attention forward
+(halved when causal), 2.5x that for the backward; 2·M·N·K for the matmul. Times are medians of
+CUDA-event timings after warm-up. Without a GPU it says so and measures nothing, unless
+``--smoke`` (then it runs tiny shapes through Triton's interpreter to prove the harness works).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import time
+
+import torch
+
+
+def _time(fn, reps: int, cuda: bool) -> float:
+    for _ in range(2):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        return statistics.median(times)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def attention_rows(seqs, dtype, device, reps, smoke):
+    import torch.nn.functional as F
+
+    import autopar.kernels.ops  # noqa: F401
+
+    rows = []
+    b, h, hkv = (1, 4, 2) if smoke else (4, 32, 8)
+    for d in ((64,) if smoke else (64, 128)):
+        for s in seqs:
+            for causal in (False, True):
+                q = torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True)
+                k = torch.randn(b, hkv, s, d, device=device, dtype=dtype, requires_grad=True)
+                v = torch.randn(b, hkv, s, d, device=device, dtype=dtype, requires_grad=True)
+                do = torch.randn(b, h, s, d, device=device, dtype=dtype)
+                flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+
+                def ours():
+                    return torch.ops.autopar.flash_attention(q, k, v, None, causal, d ** -0.5)[0]
+
+                def theirs():
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+                row = {"kernel": "attention", "B": b, "H": h, "Hkv": hkv, "S": s, "D": d, "causal": causal}
+                for name, fn in (("autopar", ours), ("torch", theirs)):
+                    fwd = _time(lambda fn=fn: fn(), reps, device == "cuda")
+                    both = _time(lambda fn=fn: torch.autograd.grad(fn(), (q, k, v), do), reps, device == "cuda")
+                    row[f"{name}_fwd_tflops"] = flops / fwd / 1e12
+                    row[f"{name}_fwdbwd_tflops"] = 3.5 * flops / both / 1e12
+                rows.append(row)
+    return rows
+
+
+def matmul_rows(sizes, dtype, device, reps):
+    import torch.nn.functional as F
+
+    rows = []
+    for m, n, k in sizes:
+        x = torch.randn(m, k, device=device, dtype=dtype)
+        w = torch.randn(n, k, device=device, dtype=dtype) / k ** 0.5
+        bias = torch.randn(n, device=device, dtype=dtype)
+        flops = 2 * m * n * k
+        row = {"kernel": "linear+gelu", "M": m, "N": n, "K": k}
+        row["autopar_tflops"] = flops / _time(lambda: torch.ops.autopar.linear_act(x, w, bias, "gelu"), reps,
+                                              device == "cuda") / 1e12
+        row["torch_tflops"] = flops / _time(lambda: F.gelu(F.linear(x, w, bias)), reps, device == "cuda") / 1e12
+        rows.append(row)
+    return rows
+
+
+def main(args) -> int:
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        print("autopar bench --kernels: no CUDA device on this machine. The kernels' speed is a GPU figure: "
+              "Triton's interpreter (how they run on CPU here, for correctness tests) is not a performance path. "
+              "Nothing measured; run this on a GPU machine (or --smoke to check the harness itself).")
+        return 0
+    device = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    reps = 20 if cuda else 1
+    seqs = args.kernel_seqs if not args.smoke else [64]
+    sizes = [(4096, 4096, 4096), (8192, 14336, 4096), (8192, 4096, 14336)] if cuda else [(64, 96, 64)]
+    rows = attention_rows(seqs, dtype, device, reps, args.smoke) + matmul_rows(sizes, dtype, device, reps)
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if cuda else "CPU (Triton interpreter: smoke test only)",
+            "dtype": str(dtype)}
+    lines = [f"Kernels on {meta['device']}, {meta['dtype']}, {meta['date']}" + ("" if cuda else
+             " -- SMOKE TEST: interpreter timings, not performance"), "",
+             "| kernel | shape | autopar TFLOP/s (fwd / fwd+bwd) | torch TFLOP/s (fwd / fwd+bwd) |", "|---|---|---|---|"]
+    for r in rows:
+        if r["kernel"] == "attention":
+            shape = f"B{r['B']} H{r['H']}/{r['Hkv']} S{r['S']} D{r['D']}{' causal' if r['causal'] else ''}"
+            lines.append(f"| attention | {shape} | {r['autopar_fwd_tflops']:.3g} / {r['autopar_fwdbwd_tflops']:.3g} | "
+                         f"{r['torch_fwd_tflops']:.3g} / {r['torch_fwdbwd_tflops']:.3g} |")
+        else:
+            lines.append(f"| linear + GELU | {r['M']}x{r['N']}x{r['K']} | {r['autopar_tflops']:.3g} | "
+                         f"{r['torch_tflops']:.3g} |")
+    md = "\n".join(lines)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"kernels-{datetime.date.today()}" + ("-smoke" if not cuda else ""))
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(md + "\n")
+    print(md)
+    print(f"wrote {stem}.json, {stem}.md")
+    return 0

@@ -1,0 +1,111 @@
+"""Tiled matmul in Triton with a fused epilogue: ``y = act(a @ b + bias)``, act in {none, gelu
+(exact, erf), silu}; optionally also stores the pre-activation ``z`` (what the backward needs).
+Grouped program order (GROUP_M rows of tiles share B tiles in cache), fp32 accumulation, any
+sizes (masked edges), any strides (so ``x @ w.T`` is a stride swap, not a copy).
+
+The backward of ``linear_act`` uses the same kernel: ``dz = dy * act'(z)`` (an elementwise
+kernel), ``dx = dz @ w``, ``dw = dz.T @ x`` (stride swaps again), ``db = dz.sum(0)``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+ACTS = {"none": 0, "gelu": 1, "silu": 2}
+
+
+@triton.jit
+def _act(z, ACT: tl.constexpr):
+    if ACT == 1:
+        return 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))
+    if ACT == 2:
+        return z / (1.0 + tl.exp(-z))
+    return z
+
+
+@triton.jit
+def _matmul(A, B, Bias, C, Z, M, N, K,
+            sam, sak, sbk, sbn, scm, scn,
+            HAS_BIAS: tl.constexpr, ACT: tl.constexpr, STORE_Z: tl.constexpr, UPCAST: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(A + rm[:, None] * sam + kk[None, :] * sak, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        b = tl.load(B + kk[:, None] * sbk + rn[None, :] * sbn, mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
+        if UPCAST:  # the interpreter's bf16 dot is wrong: do it in fp32
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc += tl.dot(a, b).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(Bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    ok = (rm[:, None] < M) & (rn[None, :] < N)
+    if STORE_Z:
+        tl.store(Z + rm[:, None] * scm + rn[None, :] * scn, acc.to(Z.dtype.element_ty), mask=ok)
+    tl.store(C + rm[:, None] * scm + rn[None, :] * scn, _act(acc, ACT).to(C.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _act_grad(DY, Z, DZ, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    z = tl.load(Z + offs, mask=ok, other=0.0).to(tl.float32)
+    dy = tl.load(DY + offs, mask=ok, other=0.0).to(tl.float32)
+    if ACT == 1:
+        cdf = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
+        g = cdf + z * tl.exp(-0.5 * z * z) * 0.3989422804014327
+    elif ACT == 2:
+        s = 1.0 / (1.0 + tl.exp(-z))
+        g = s * (1.0 + z * (1.0 - s))
+    else:
+        g = tl.full([BLOCK], 1.0, tl.float32)
+    tl.store(DZ + offs, (dy * g).to(DZ.dtype.element_ty), mask=ok)
+
+
+def _tiles(m: int, n: int, k: int):
+    bm = 64 if m >= 64 else max(16, triton.next_power_of_2(m))
+    bn = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
+    bk = 32 if k >= 32 else max(16, triton.next_power_of_2(k))
+    return bm, bn, bk
+
+
+def matmul(a, b, bias=None, act: str = "none", store_z: bool = False):
+    """a [M, K] @ b [K, N] (+ bias [N]) -> act(.) [M, N] (and z, the pre-activation, if store_z)."""
+    import torch
+
+    m, k = a.shape
+    n = b.shape[1]
+    c = torch.empty((m, n), device=a.device, dtype=a.dtype)
+    z = torch.empty_like(c) if store_z else c
+    bm, bn, bk = _tiles(m, n, k)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _matmul[grid](a, b, bias if bias is not None else a, c, z, m, n, k, *a.stride(), *b.stride(), *c.stride(),
+                  HAS_BIAS=bias is not None, ACT=ACTS[act], STORE_Z=store_z, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                  UPCAST=a.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+                  GROUP_M=8)
+    return (c, z) if store_z else c
+
+
+def act_grad(dy, z, act: str):
+    import torch
+
+    dy, z = dy.contiguous(), z.contiguous()
+    dz = torch.empty_like(z)
+    n = z.numel()
+    _act_grad[(triton.cdiv(n, 1024),)](dy, z, dz, n, ACT=ACTS[act], BLOCK=1024)
+    return dz

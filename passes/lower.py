@@ -1,0 +1,253 @@
+"""lower: rewrite attention and linear + activation into autopar's kernel ops.
+
+Runs on the torch-level graph the front end captures (before AOTAutograd derives the backward),
+so each rewritten op brings its own backward kernel into the joint graph through its registered
+autograd (autopar/kernels/ops.py), and the sharding rules see one op, not a decomposition.
+
+Rules are data: a pattern (a matcher over the node that ends it, returning the operands it
+binds, or None) and a replacement (the kernel op and its arguments). In order:
+
+- ``sdpa``: ``F.scaled_dot_product_attention(q, k, v, attn_mask=None | float / bool mask,
+  dropout_p=0, is_causal, scale)`` on 4-D inputs -> ``autopar::flash_attention``; a bool mask
+  becomes an additive one; ``repeat_interleave(k, G, dim=1)`` feeding it (GQA written out) is
+  looked through, so the kernel reads the KV heads once.
+- ``eager_attention``: ``matmul(softmax(matmul(q, k.transpose(-2, -1)) * scale [+ mask]) [.to()]
+  [dropout(p=0)], v)`` -> the same op (the Hugging Face "eager" attention).
+- ``linear_act``: ``gelu(linear(x, w, b))`` / ``silu(linear(x, w, b))`` (exact GELU) ->
+  ``autopar::linear_act``, when the linear's output has no other user.
+
+Not rewritten (and left as they were): attention with dropout, non-4-D inputs, a mask that
+needs a gradient, GELU with ``approximate="tanh"``. ``lower_pass`` returns how many of each it
+rewrote (``autopar.compile(..., kernels="on")`` records them in ``ctx.lowered``).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+_SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+_LINEAR = {F.linear, torch._C._nn.linear}
+_ACTS = {F.gelu: "gelu", torch._C._nn.gelu: "gelu", F.silu: "silu", torch.nn.functional.silu: "silu"}
+_MATMUL = {torch.matmul, operator.matmul}
+_SOFTMAX = {F.softmax, torch.softmax, torch.nn.functional.softmax}
+
+
+@dataclass
+class LoweringRule:
+    name: str
+    match: Callable[[fx.Node], dict | None]  # node ending the pattern -> bound operands, or None
+    replace: Callable[[fx.Graph, fx.Node, dict], fx.Node]  # -> the node replacing it
+
+
+def _val(n):
+    return n.meta.get("example_value") if isinstance(n, fx.Node) else None
+
+
+def _arg(n: fx.Node, i: int, name: str, default=None):
+    return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
+
+
+def _is(n, op: str, targets) -> bool:
+    return isinstance(n, fx.Node) and n.op == op and n.target in targets
+
+
+def _method(n, *names) -> bool:
+    return isinstance(n, fx.Node) and n.op == "call_method" and n.target in names
+
+
+def _ungroup(k: fx.Node) -> fx.Node:
+    """k = repeat_interleave(k0, G, dim=1) -> k0 (the kernel reads KV head h // G itself)."""
+    if _method(k, "repeat_interleave") and (_arg(k, 2, "dim") == 1) and isinstance(_arg(k, 1, "repeats"), int):
+        return k.args[0]
+    if _is(k, "call_function", {torch.repeat_interleave}) and _arg(k, 2, "dim") == 1 \
+            and isinstance(_arg(k, 1, "repeats"), int):
+        return k.args[0]
+    return k
+
+
+def _four_d(*ns) -> bool:
+    return all(isinstance(_val(n), torch.Tensor) and _val(n).ndim == 4 for n in ns)
+
+
+def _float_mask(mask) -> bool:
+    v = _val(mask)
+    return mask is None or (isinstance(v, torch.Tensor) and v.ndim == 4 and not v.requires_grad)
+
+
+# ------------------------------------------------------------------------------------ sdpa
+def _match_sdpa(n: fx.Node):
+    if not _is(n, "call_function", _SDPA):
+        return None
+    q, k, v = (_arg(n, i, name) for i, name in enumerate(("query", "key", "value")))
+    mask = _arg(n, 3, "attn_mask")
+    if _arg(n, 4, "dropout_p", 0.0) != 0.0 or not _four_d(q, k, v) or not _float_mask(mask):
+        return None
+    if not isinstance(_arg(n, 5, "is_causal", False), bool):
+        return None
+    causal = _arg(n, 5, "is_causal", False)
+    scale = _arg(n, 6, "scale")
+    if causal and mask is not None:
+        return None
+    k0, v0 = _ungroup(k), _ungroup(v)
+    qv = _val(q)
+    if _val(k0).shape[1] == 0 or qv.shape[1] % _val(k0).shape[1] or _val(k0).shape[1] != _val(v0).shape[1]:
+        k0, v0 = k, v
+    if _val(k0).shape[1] != qv.shape[1] and not _arg(n, 7, "enable_gqa", False) and (k0 is k):
+        return None  # different head counts without enable_gqa: SDPA itself would refuse
+    return {"q": q, "k": k0, "v": v0, "mask": mask, "causal": causal,
+            "scale": float(scale) if scale is not None else 1.0 / math.sqrt(qv.shape[-1])}
+
+
+def _emit_attention(graph: fx.Graph, n: fx.Node, b: dict) -> fx.Node:
+    mask = b["mask"]
+    with graph.inserting_before(n):
+        if mask is not None and _val(mask).dtype == torch.bool:  # allowed positions -> additive 0 / -inf
+            zeros = graph.call_function(torch.zeros_like, (mask,), {"dtype": torch.float32})
+            mask = graph.call_function(torch.masked_fill,
+                                       (zeros, graph.call_function(torch.logical_not, (mask,)), float("-inf")))
+        op = graph.call_function(torch.ops.autopar.flash_attention.default,
+                                 (b["q"], b["k"], b["v"], mask, b["causal"], b["scale"]))
+        out = graph.call_function(operator.getitem, (op, 0))
+    for new in (op, out):
+        new.meta.update({k: v for k, v in n.meta.items() if k in ("stack_trace", "nn_module_stack", "source_fn_stack")})
+    return out
+
+
+# ------------------------------------------------------------------------------------ eager attention
+def _strip(n):
+    """Through .to(dtype) / .type_as / contiguous and dropout with p = 0."""
+    while True:
+        if _method(n, "to", "type_as", "contiguous"):
+            n = n.args[0]
+        elif _is(n, "call_function", {F.dropout, torch.dropout, torch.nn.functional.dropout}) \
+                and _arg(n, 1, "p", 0.5) == 0.0:
+            n = n.args[0]
+        else:
+            return n
+
+
+def _transposed_last_two(kt) -> fx.Node | None:
+    if _method(kt, "transpose") and len(kt.args) == 3:
+        nd = _val(kt.args[0]).ndim if isinstance(_val(kt.args[0]), torch.Tensor) else 4
+        dims = {d % nd for d in kt.args[1:] if isinstance(d, int)}
+        if dims == {nd - 2, nd - 1}:
+            return kt.args[0]
+    if _is(kt, "call_function", {torch.transpose}) and len(kt.args) == 3:
+        nd = _val(kt.args[0]).ndim
+        if {d % nd for d in kt.args[1:]} == {nd - 2, nd - 1}:
+            return kt.args[0]
+    return None
+
+
+def _match_eager(n: fx.Node):
+    if not _is(n, "call_function", _MATMUL):
+        return None
+    p, v = n.args[0], n.args[1]
+    sm = _strip(p)
+    is_softmax = _is(sm, "call_function", _SOFTMAX) or _method(sm, "softmax")
+    if not is_softmax:
+        return None
+    dim = _arg(sm, 1, "dim")
+    if dim not in (-1, 3):
+        return None
+    s = sm.args[0]
+    mask = None
+    if _is(s, "call_function", {operator.add, torch.add}) and isinstance(s.args[1], fx.Node):
+        s, mask = s.args[0], s.args[1]
+    scale = 1.0
+    if _is(s, "call_function", {operator.mul, torch.mul}) and isinstance(s.args[1], (int, float)):
+        s, scale = s.args[0], float(s.args[1])
+    elif _is(s, "call_function", {operator.truediv, torch.div}) and isinstance(s.args[1], (int, float)):
+        s, scale = s.args[0], 1.0 / float(s.args[1])
+    if not _is(s, "call_function", _MATMUL):
+        return None
+    q, kt = s.args[0], s.args[1]
+    k = _transposed_last_two(kt)
+    if k is None or not _four_d(q, k, v) or not _float_mask(mask):
+        return None
+    if mask is not None and _val(mask).dtype == torch.bool:
+        return None  # an additive mask is what this pattern adds
+    if any(len(x.users) > 1 for x in (s, sm)):
+        return None  # the probabilities or scores are used elsewhere: keep them
+    k0, v0 = _ungroup(k), _ungroup(v)
+    if _val(q).shape[1] % _val(k0).shape[1] or _val(k0).shape[1] != _val(v0).shape[1]:
+        k0, v0 = k, v
+    return {"q": q, "k": k0, "v": v0, "mask": mask, "causal": False, "scale": scale}
+
+
+# ------------------------------------------------------------------------------------ linear + act
+def _match_linear_act(n: fx.Node):
+    act = _ACTS.get(n.target) if n.op == "call_function" else None
+    if act is None:
+        return None
+    if act == "gelu" and _arg(n, 1, "approximate", "none") != "none":
+        return None
+    lin = n.args[0]
+    if not _is(lin, "call_function", _LINEAR) or len(lin.users) != 1:
+        return None
+    x, w = lin.args[0], _arg(lin, 1, "weight")
+    b = _arg(lin, 2, "bias")
+    if not isinstance(_val(w), torch.Tensor) or _val(w).ndim != 2:
+        return None
+    return {"x": x, "w": w, "b": b, "act": act}
+
+
+def _emit_linear_act(graph: fx.Graph, n: fx.Node, b: dict) -> fx.Node:
+    with graph.inserting_before(n):
+        op = graph.call_function(torch.ops.autopar.linear_act.default, (b["x"], b["w"], b["b"], b["act"]))
+        out = graph.call_function(operator.getitem, (op, 0))
+    for new in (op, out):
+        new.meta.update({k: v for k, v in n.meta.items() if k in ("stack_trace", "nn_module_stack", "source_fn_stack")})
+    return out
+
+
+RULES = [
+    LoweringRule("sdpa", _match_sdpa, _emit_attention),
+    LoweringRule("eager_attention", _match_eager, _emit_attention),
+    LoweringRule("linear_act", _match_linear_act, _emit_linear_act),
+]
+
+
+def lower_pass(gm: fx.GraphModule, rules=RULES) -> Counter:
+    """Rewrite every match of ``rules`` in ``gm`` (in place); returns the count per rule."""
+    import autopar.kernels.ops  # noqa: F401 - registers torch.ops.autopar.*
+
+    counts: Counter = Counter()
+    before = set(gm.graph.nodes)
+    for n in list(gm.graph.nodes):
+        if n.graph is None or n.op not in ("call_function", "call_method"):
+            continue
+        for r in rules:
+            bound = r.match(n)
+            if bound is None:
+                continue
+            new = r.replace(gm.graph, n, bound)
+            n.replace_all_uses_with(new)
+            counts[r.name] += 1
+            break
+    if counts:
+        gm.graph.eliminate_dead_code()
+        _fake_values(gm, [n for n in gm.graph.nodes if n not in before])
+        gm.recompile()
+    return counts
+
+
+def _fake_values(gm: fx.GraphModule, nodes):
+    """``example_value`` (the trace's fake tensors) for the nodes a rewrite added, so later
+    passes (the pipeline split, the cost model) read them like the others."""
+    import contextlib
+
+    mode = gm.meta.get("fake_mode") or contextlib.nullcontext()
+    with mode:
+        for n in nodes:
+            args = fx.node.map_arg(n.args, _val)
+            kwargs = fx.node.map_arg(n.kwargs, _val)
+            n.meta["example_value"] = n.target(*args, **kwargs)

@@ -1,0 +1,178 @@
+"""Triton kernels (through Triton's interpreter on this CPU machine) against their PyTorch
+reference paths, and the lower pass that puts them in the traced program.
+
+Tolerances per dtype, stated as max |triton - reference| relative to max |reference| (the
+kernels accumulate in fp32 and round once at the end; benchmarks/kernels_report.py prints what
+they are: at most 7e-7 / 7e-4 / 8.5e-3): fp32 5e-6, fp16 2e-3, bf16 2e-2 (bf16 keeps 8
+significant bits: a rounding is up to 2^-8 = 3.9e-3 relative, and the probabilities are rounded
+once more before the p @ v product).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.kernels import ops
+from autopar.testing import ATTENTION_CASES
+
+TOL = {torch.float32: 5e-6, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def close(got, want, dtype, what):
+    err = (got.float() - want.float()).abs().max().item()
+    scale = max(want.float().abs().max().item(), 1.0)
+    assert err <= TOL[dtype] * scale, f"{what}: max error {err:.3g} > {TOL[dtype]} x {scale:.3g} ({dtype})"
+
+
+ATTENTION = ATTENTION_CASES  # autopar/testing.py (benchmarks/kernels_report.py prints the same cases)
+
+
+@pytest.mark.parametrize("b,h,hkv,sq,sk,d,causal,bias,dtype", ATTENTION,
+                         ids=[f"{c[0]}x{c[1]}/{c[2]}x{c[3]}x{c[4]}x{c[5]}-{'causal' if c[6] else 'full'}"
+                              f"{'-mask' if c[7] else ''}-{str(c[8])[6:]}" for c in ATTENTION])
+def test_flash_attention_against_reference(b, h, hkv, sq, sk, d, causal, bias, dtype):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, h, sq, d, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(b, hkv, sk, d, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(b, hkv, sk, d, generator=g).to(dtype).requires_grad_()
+    mask = torch.randn(b, 1, sq, sk, generator=g) if bias else None
+    if causal and sk != sq:
+        pytest.skip("causal needs Sq == Sk here")
+    out, lse = torch.ops.autopar.flash_attention(q, k, v, mask, causal, d ** -0.5)
+    do = torch.randn(out.shape, generator=g).to(dtype)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    with ops.reference():
+        ref_out, ref_lse = torch.ops.autopar.flash_attention(q, k, v, mask, causal, d ** -0.5)
+        ref_grads = torch.autograd.grad(ref_out, (q, k, v), do)
+    close(out, ref_out, dtype, "out")
+    close(lse, ref_lse, torch.float32, "lse")
+    for name, a, r in zip("qkv", grads, ref_grads):
+        assert a.shape == r.shape and a.dtype == dtype
+        close(a, r, dtype, f"d{name}")
+    # the reference itself against PyTorch's SDPA (and autograd), so both paths are anchored
+    if not bias and dtype == torch.float32:
+        qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+        sdpa = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, enable_gqa=h != hkv)
+        torch.testing.assert_close(ref_out, sdpa, rtol=1e-5, atol=1e-5)
+        for a, r in zip(torch.autograd.grad(sdpa, (qs, ks, vs), do), ref_grads):
+            torch.testing.assert_close(r, a, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("act", ["gelu", "silu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=lambda t: str(t)[6:])
+def test_linear_act_against_reference(act, dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 17, 40, generator=g).to(dtype).requires_grad_()  # 51 rows, K=40, N=70: ragged tiles
+    w = (torch.randn(70, 40, generator=g) / 6).to(dtype).requires_grad_()
+    b = torch.randn(70, generator=g).to(dtype).requires_grad_()
+    y, z = torch.ops.autopar.linear_act(x, w, b, act)
+    dy = torch.randn(y.shape, generator=g).to(dtype)
+    grads = torch.autograd.grad(y, (x, w, b), dy)
+    xr, wr, br = (t.detach().float().requires_grad_() for t in (x, w, b))
+    yr = getattr(torch.nn.functional, act)(torch.nn.functional.linear(xr, wr, br))
+    ref = torch.autograd.grad(yr, (xr, wr, br), dy.float())
+    close(y, yr, dtype, "y")
+    for name, a, r in zip(("dx", "dw", "db"), grads, ref):
+        close(a, r, dtype, name)
+    with ops.reference():  # the reference path agrees with autograd too
+        y2, _ = torch.ops.autopar.linear_act(x, w, b, act)
+        close(y2, yr, dtype, "reference y")
+
+
+def test_kernels_are_ordinary_graph_nodes():
+    """Fake (meta) implementations: the ops trace on meta tensors with the right shapes, and
+    AOTAutograd puts the backward op in the joint graph."""
+    q = torch.empty(2, 4, 10, 64, device="meta")
+    k = torch.empty(2, 2, 12, 64, device="meta")
+    out, lse = torch.ops.autopar.flash_attention(q, k, k, None, False, 0.125)
+    assert out.shape == q.shape and lse.shape == (2, 4, 10) and lse.dtype == torch.float32
+    y, z = torch.ops.autopar.linear_act(torch.empty(5, 3, 8, device="meta"), torch.empty(6, 8, device="meta"), None,
+                                        "silu")
+    assert y.shape == z.shape == (5, 3, 6)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as fc:
+        torch.ops.autopar.flash_attention(q, k, k, None, False, 0.125)
+    assert fc.get_total_flops() == 4 * 2 * 4 * 10 * 12 * 64
+
+
+# ------------------------------------------------------------------ the lower pass
+def _train(name, kernels, steps=2):
+    import autopar
+    from autopar.testing import build_model
+
+    model, batches, loss_fn = build_model(name)
+    with _one_rank() as mesh:
+        pm = autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn, plan={"dp": "ddp"},
+                             kernels=kernels, capture_eval=False)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+        losses, grads = [], []
+        for i in range(steps):
+            losses.append(pm.train_step(*batches[i]).item())
+            grads.append({n: p.grad.full_tensor().clone() for n, p in pm.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+        ops_in_graph = sorted({str(n.target) for n in pm.program.graph.nodes if "autopar." in str(n.target)})
+        return pm.ctx.lowered, losses, grads, ops_in_graph
+
+
+def _one_rank():
+    import contextlib
+    import os
+
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.testing import _free_port
+
+    @contextlib.contextmanager
+    def ctx():
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        try:
+            yield autopar.mesh(dp=1)
+        finally:
+            dist.destroy_process_group()
+
+    return ctx()
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("llama", {"sdpa": 2, "linear_act": 2}),           # SDPA (GQA via repeat_interleave, looked through), SiLU MLP
+    ("hf_llama", {"sdpa": 2, "linear_act": 2}),        # HF LlamaForCausalLM, SDPA with its mask
+    ("hf_llama_eager", {"eager_attention": 2, "linear_act": 2}),  # softmax(QK^T s + mask) V written out
+])
+def test_lowering_fires_and_keeps_parity(name, expected):
+    lowered, losses, grads, in_graph = _train(name, "on")
+    assert lowered == expected
+    assert "autopar.flash_attention_backward.default" in in_graph and "autopar.linear_act_backward.default" in in_graph
+    off, ref_losses, ref_grads, none = _train(name, "off")
+    assert off == {} and none == []
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        for k in r:
+            torch.testing.assert_close(g[k], r[k], rtol=1e-4, atol=3e-5, msg=f"grad {k}")
+
+
+def test_lowered_kernels_shard_on_a_mesh(pools, references):
+    """dp=2 x tp=2, fsdp x megatron, kernels on: the attention kernel shards over batch and
+    heads, linear_act like a column-parallel linear; parity with one eager process."""
+    from autopar.testing import parity_job
+    from test_parity import assert_parity
+
+    out = pools(4).run(parity_job, "llama", {"dp": 2, "tp": 2}, {"dp": "fsdp", "tp": "megatron"}, kernels="on")
+    assert {"attention over batch/heads", "linear + activation (batch or column parallel)",
+            "linear + activation backward"} <= set(out["rules"])
+    assert_parity(references("llama"), out, "llama")
+
+
+def test_kernels_option_errors():
+    import autopar
+    from autopar.testing import build_model
+
+    model, batches, loss_fn = build_model("llama")
+    with _one_rank() as mesh, pytest.raises(autopar.PlanError, match="unknown kernels option"):
+        autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn, kernels="fast")
