@@ -136,7 +136,8 @@ def compile(
     pipeline_stages: str = "local",
     kernels: str = "auto",
 ):
-    """Compile ``model`` for ``mesh`` under ``plan``; returns a ParallelModule.
+    """Compile ``model`` for ``mesh`` under ``plan``; returns a ParallelModule (a PipelineModule,
+    autopar/pipeline.py, when an axis's strategy is a pipeline schedule: ``{"pp": "1f1b", ...}``).
 
     ``precision``: "fp32", or "bf16" / "fp16" to compute in that dtype from fp32 master
     parameters (the optimizer sees fp32 parameters and gradients); ``reduce_dtype``: the dtype

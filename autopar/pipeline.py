@@ -115,7 +115,7 @@ class StageSpec:
     is_last: bool = False
 
 
-_BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")
+_BLOCK = re.compile(r"^((?:[^.]*\.)*?\d+)(\.|$)")  # the first list element on the path: layers.3, h.0, 3
 
 
 def _path(n: fx.Node) -> str:

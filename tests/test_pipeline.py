@@ -234,3 +234,16 @@ def test_dump_and_plan_by_stage(capsys):
     out = capsys.readouterr().out
     assert "[0] of 2 (gpipe, M=2)" in out and "[1] of 2 (gpipe, M=2)" in out
     assert "pipeline bubble (simulated)" in out and "activations in flight (schedule)" in out
+
+
+def test_sequential_model_splits(fake):
+    """A plain nn.Sequential (module paths "0", "1", ...) splits at its elements."""
+    import autopar
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    x = torch.randn(8, 8)
+    with fake(pp=2) as mesh:
+        pm = autopar.compile(model, mesh, example_inputs=(x, x), loss_fn=torch.nn.functional.mse_loss,
+                             plan={"pp": "gpipe"})
+    rows = pm.describe_stages()
+    assert [(r["first"], r["last"]) for r in rows] == [("0", "1"), ("2", "3")]
