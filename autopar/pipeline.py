@@ -32,7 +32,9 @@ for the options). What happens, in order:
 from __future__ import annotations
 
 import contextlib
+import datetime
 import math
+import os
 import operator
 import re
 import time
@@ -696,6 +698,8 @@ class PipelineModule:
         self.timeline: list[tuple[float, float, tuple]] = []  # last step, this rank: (start once its inputs arrived, end, action)
         self.in_flight: dict = {}
         self.recv_wait: list[float] = []
+        # seconds a receive may wait before the step fails (a peer that died must not hang the rest)
+        self.p2p_timeout = float(os.environ.get("AUTOPAR_P2P_TIMEOUT", "600"))
         self._edges = {}
         for spec in specs:
             for k, src in enumerate(spec.inputs):
@@ -803,7 +807,14 @@ class PipelineModule:
             self._post_recvs_for(like, stage_from, tag)
         work, buf = self._posted.pop(tag)
         t0 = time.perf_counter()
-        work.wait()
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.p2p_timeout))
+        except RuntimeError as e:  # a peer that failed (or never sends) must not hang this rank
+            src = self.pp_ranks[self.schedule.rank_of(stage_from)]
+            raise RuntimeError(
+                f"autopar pipeline: rank {dist.get_rank()} waited {self.p2p_timeout:g}s for a transfer from stage "
+                f"{stage_from} (rank {src}, tag {tag}) that never came: that rank probably failed; its own "
+                f"error says why (raise the limit with AUTOPAR_P2P_TIMEOUT=seconds if a step is that slow)") from e
         self._waited += time.perf_counter() - t0
         return buf
 
@@ -957,8 +968,8 @@ class PipelineModule:
             self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]  # release sent buffers
             peak = max(peak, live)
             peak_bytes = max(peak_bytes, _held_bytes(self._env.values(), state))
-        for work, _ in self._pending:
-            work.wait()
+        for work, _ in self._pending:  # (a peer that died cannot take them: fail, do not hang)
+            work.wait(timeout=datetime.timedelta(seconds=self.p2p_timeout))
         self._pending = []
         # the gradients, summed over micro-batches, synchronised once per step
         for s, sp in self.local.items():
@@ -973,7 +984,8 @@ class PipelineModule:
         loss = (sum(self._losses) / m).detach().reshape(()) if self._losses else torch.zeros((), device=self.ctx.device)
         loss = loss.float()
         if self.pp_size > 1:
-            dist.broadcast(loss, src=self.pp_ranks[self.schedule.rank_of(len(self.specs) - 1)], group=self.pp_group)
+            dist.broadcast(loss, src=self.pp_ranks[self.schedule.rank_of(len(self.specs) - 1)], group=self.pp_group,
+                           async_op=True).wait(timeout=datetime.timedelta(seconds=self.p2p_timeout))
             self.counter.calls[("broadcast", self.pp_axis)] += 1
             self.counter.payload[("broadcast", self.pp_axis)] += 4
             if self.pp_rank == self.schedule.rank_of(len(self.specs) - 1):

@@ -379,3 +379,21 @@ ATTENTION_CASES = [  # tests/test_kernels.py, benchmarks/kernels_report.py
     (1, 2, 2, 20, 20, 64, True, True, torch.float16),
     (1, 4, 2, 24, 24, 48, False, False, torch.float16),    # a head dim that is not a power of two
 ]
+
+
+def pipeline_failure_job(fail_rank: int, timeout_s: float = 3.0):
+    """A pipeline step in which ``fail_rank`` raises before its first send: the others must fail
+    with a clear error after ``timeout_s`` instead of hanging (tests/test_pipeline.py)."""
+    import torch.distributed as dist
+
+    import autopar
+
+    model, batches, loss_fn = build_model("llama")
+    pm = autopar.compile(model, autopar.mesh(pp=dist.get_world_size()), example_inputs=batches[0],
+                         loss_fn=loss_fn, plan={"pp": "1f1b"})
+    pm.p2p_timeout = timeout_s
+    if dist.get_rank() == fail_rank:
+        def boom(*args):
+            raise RuntimeError("injected failure in this rank's forward")
+        pm._forward = boom
+    return pm.train_step(*batches[0])

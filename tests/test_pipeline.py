@@ -247,3 +247,19 @@ def test_sequential_model_splits(fake):
                              plan={"pp": "gpipe"})
     rows = pm.describe_stages()
     assert [(r["first"], r["last"]) for r in rows] == [("0", "1"), ("2", "3")]
+
+
+def test_a_failed_rank_does_not_hang_its_peers():
+    """Rank 0 fails in its first forward; rank 1, waiting for that activation, fails after the
+    transfer timeout with an error naming the stage and rank it waited for."""
+    from autopar.testing import DistPool, pipeline_failure_job
+
+    pool = DistPool(2)  # its own pool: a failed job closes it
+    try:
+        with pytest.raises(RuntimeError) as info:
+            pool.run(pipeline_failure_job, 0)
+    finally:
+        pool.close(force=True)
+    text = str(info.value)
+    assert "rank 0: RuntimeError: injected failure" in text
+    assert "rank 1: RuntimeError: autopar pipeline: rank 1 waited 3s for a transfer from stage 0 (rank 0" in text
