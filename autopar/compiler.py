@@ -201,7 +201,8 @@ def compile(
         return compile_pipeline(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, plan=plan,
                                 pp_axis=pp_axes[0], compute_dtype=compute_dtype, reduce_dtype=reduce,
                                 recompute=recompute, accumulate=accumulate, inputs=inputs, debug=debug,
-                                skip_passes=skip_passes, progress=progress, stages=pipeline_stages, lower=lower)
+                                skip_passes=skip_passes, progress=progress, stages=pipeline_stages, lower=lower,
+                                loss_scale=loss_scale)
     micro_inputs = example_inputs
     if accumulate > 1:
         for i, x in enumerate(example_inputs):

@@ -125,6 +125,11 @@ def _path(n: fx.Node) -> str:
     if not st:
         return ""
     p = list(st.values())[-1][0]
+    while "getattr(" in p:  # under functional_call (mixed precision): getattr(L['self'].model.layers, '0').mlp
+        q = re.sub(r"getattr\(([^()]*?), '([^']*)'\)", r"\1.\2", p)
+        if q == p:
+            break
+        p = q
     p = re.sub(r"^L\['self'\]\.model\.?", "", p)
     p = re.sub(r"^L\['self'\]\.?", "", p)
     p = re.sub(r"\[(\d+)\]", r".\1", p).replace("_modules['", "").replace("']", "")
@@ -543,7 +548,8 @@ def _saved_bytes(gm: fx.GraphModule, roles, parts: dict[str, Part], after: str =
 
 def compile_pipeline(model: nn.Module, mesh, *, example_inputs: tuple, loss_fn, plan: dict, pp_axis: str,
                      compute_dtype, reduce_dtype, recompute: str, accumulate: int, inputs: str, debug: bool,
-                     skip_passes, progress, stages: str = "local", lower: bool = False):
+                     skip_passes, progress, stages: str = "local", lower: bool = False,
+                     loss_scale="dynamic"):
     """``autopar.compile`` with a pipeline axis; ``stages="all"`` also compiles the stages other
     ranks hold (planning: ``autopar dump`` shows every stage)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -561,9 +567,6 @@ def compile_pipeline(model: nn.Module, mesh, *, example_inputs: tuple, loss_fn, 
                         "gradients", where="autopar.compile(accumulate=...)",
                         fix=f'drop accumulate and set plan["{pp_axis}"] = {{"schedule": "{opts.schedule}", '
                         f'"microbatches": M}}')
-    if compute_dtype == torch.float16:
-        raise PlanError("fp16 loss scaling is not supported with a pipeline axis yet",
-                        where="autopar.compile(precision='fp16')", fix="use precision='bf16'")
     names = tuple(mesh.mesh_dim_names)
     p = mesh.shape[names.index(pp_axis)]
     others = tuple(a for a in names if a != pp_axis)
@@ -627,7 +630,7 @@ def compile_pipeline(model: nn.Module, mesh, *, example_inputs: tuple, loss_fn, 
                           f"replicated on '{axis}': {', '.join(pnames)} (place them with plan['rules'])", stacklevel=3)
         ctx = Context(stage_mesh, parsed, placed, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
                       recompute=recompute, accumulate=m)
-        ctx.loss_scale = None
+        ctx.loss_scale = loss_scale if compute_dtype == torch.float16 else None
         ctx.progress = progress
         ctx.boundary = (spec.in_batched, spec.out_batched)
         ctx.stage = s
@@ -691,7 +694,11 @@ class PipelineModule:
         self.pp_size = sched.ranks
         self.pp_group = mesh.get_group(pp_axis)
         self.pp_ranks = dist.get_process_group_ranks(self.pp_group)
-        self.loss_scale = None
+        # fp16: dynamic loss scaling (as ParallelModule: torch.amp.GradScaler's constants); the scale
+        # enters as the last stage's tangent, the overflow check is one all-reduce over the world
+        ls = self.ctx.loss_scale
+        self.loss_scale = (65536.0 if ls == "dynamic" else float(ls)) if ls else None
+        self._growth_tracker = 0
         self.skipped_steps = 0
         self.steps = 0
         self.accumulate = 1
@@ -880,8 +887,9 @@ class PipelineModule:
             if kind != "tangent":
                 continue
             like = sp.ph_vals[name]
-            if sp.spec.is_last:  # d(global loss)/d(micro-batch loss)
-                env[name] = torch.full(like.shape, 1.0 / self.microbatches, dtype=like.dtype, device=self.ctx.device)
+            if sp.spec.is_last:  # d(global loss)/d(micro-batch loss), times the fp16 loss scale
+                env[name] = torch.full(like.shape, (self.loss_scale or 1.0) / self.microbatches, dtype=like.dtype,
+                                       device=self.ctx.device)
                 continue
             total = None
             for t, k in sp.spec.consumers[what]:
@@ -972,15 +980,21 @@ class PipelineModule:
             work.wait(timeout=datetime.timedelta(seconds=self.p2p_timeout))
         self._pending = []
         # the gradients, summed over micro-batches, synchronised once per step
+        synced = []
         for s, sp in self.local.items():
             acc = self._acc[s]
             names = [what for _, what in sp.sync.inputs]
             outs = sp.sync.local(*[acc[n].contiguous() for n in names]) if names else []
-            for (_, name), g in zip(sp.sync.outputs, outs):
+            synced += list(zip([name for _, name in sp.sync.outputs], outs))
+        from autopar.runtime import ParallelModule
+
+        scale = self.loss_scale
+        if scale is None or ParallelModule._unscale(self, [g for _, g in synced], scale):
+            for name, g in synced:
                 p = params[name]
                 d = DTensor(g.detach(), DTensorSpec(self.stage_mesh, p.placements,
                                                     TensorMeta(p.shape, p.stride(), p.dtype)), requires_grad=False)
-                p.grad = d if p.grad is None else p.grad + d
+                p.grad = d if p.grad is None else p.grad + d  # (an overflowing fp16 step leaves .grad as it was)
         loss = (sum(self._losses) / m).detach().reshape(()) if self._losses else torch.zeros((), device=self.ctx.device)
         loss = loss.float()
         if self.pp_size > 1:
@@ -1036,6 +1050,9 @@ class PipelineModule:
                                             f"gradient of stage {s}'s input {what} back to stage {src[1]}",
                                             sp.spec.modules[0], "backward")] * self.microbatches
             del ph, outs
+        if self.loss_scale is not None and dist.get_world_size() > 1:
+            recs.append(CommRecord("all_reduce", "world", dist.get_world_size(), 4,
+                                   "fp16 loss scaling: did any rank's gradients overflow?", "", "backward"))
         if self.pp_size > 1 and self.pp_rank == self.schedule.rank_of(len(self.specs) - 1):
             recs.append(CommRecord("broadcast", self.pp_axis, self.pp_size, 4, "the global-batch loss to every stage",
                                    "", "backward"))

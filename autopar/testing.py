@@ -366,7 +366,7 @@ def pipeline_parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: f
             "in_flight": [e[4] for e in everyone], "stages": [e[5] for e in everyone],
             "predicted_in_flight": [e[6] for e in everyone],
             "timeline": timeline, "microbatches": pm.microbatches, "schedule": pm.schedule,
-            "split": pm.describe_stages(), "report": pm.report()}
+            "split": pm.describe_stages(), "report": pm.report(), "skipped": pm.skipped_steps}
 
 
 ATTENTION_CASES = [  # tests/test_kernels.py, benchmarks/kernels_report.py
