@@ -100,6 +100,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reduce-dtype", default=None, choices=["fp32", "bf16", "fp16"])
     p.add_argument("--recompute", default="none", choices=["none", "full", "selective"])
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--kernels", default="off", choices=["auto", "on", "off"],
+                   help="lower attention / linear + activation to autopar's Triton kernel ops (default off here: "
+                        "planning on meta tensors; 'on' shows the program a GPU run with kernels would have)")
     p.add_argument("--batch", type=int, default=None, help="global batch (built-in models)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (built-in models)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -204,7 +207,7 @@ def analyse(args, rank: int, progress: Progress) -> Analysis:
                                  plan=plan, precision=args.precision, reduce_dtype=args.reduce_dtype,
                                  recompute=args.recompute, accumulate=args.accumulate,
                                  progress=lambda s: progress(f"rank {rank}: {s}"), capture_eval=False,
-                                 pipeline_stages="all")
+                                 pipeline_stages="all", kernels=args.kernels)
         notes = sorted({str(w.message) for w in caught if "autopar" in str(w.message)})
         t2 = time.perf_counter()
         progress(f"rank {rank}: cost model")
@@ -218,6 +221,7 @@ def analyse(args, rank: int, progress: Progress) -> Analysis:
     finally:
         dist.destroy_process_group()
     options = {"precision": args.precision, "reduce_dtype": args.reduce_dtype, "recompute": args.recompute,
+               **({"kernels": dict(pm.ctx.lowered)} if args.kernels != "off" else {}),
                "accumulate": args.accumulate, "optimizer": args.optimizer,
                "inputs": [f"{list(x.shape)} {x.dtype}" for x in loaded.example_inputs]}
     return Analysis(args.model, axes, plan, rank, coord, options, pm, memory, est, dev, links,
@@ -285,6 +289,11 @@ def _global(n, origin, axis_sizes) -> str:
     v = n.meta.get("val")
     if isinstance(spec, ShardSpec) and isinstance(v, torch.Tensor) and tuple(v.shape) == spec.local_shape(axis_sizes):
         return f"{fmt_placements(spec.placements)} of {list(spec.shape)}"
+    if isinstance(spec, (tuple, list)) and isinstance(v, (tuple, list)) and len(spec) == len(v):  # multi-output op
+        parts = [f"{fmt_placements(sp.placements)} of {list(sp.shape)}" for sp, t in zip(spec, v)
+                 if isinstance(sp, ShardSpec) and isinstance(t, torch.Tensor)
+                 and tuple(t.shape) == sp.local_shape(axis_sizes)]
+        return " | ".join(parts) if len(parts) == len(spec) else ""
     return ""
 
 

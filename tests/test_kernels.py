@@ -176,3 +176,17 @@ def test_kernels_option_errors():
     model, batches, loss_fn = build_model("llama")
     with _one_rank() as mesh, pytest.raises(autopar.PlanError, match="unknown kernels option"):
         autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn, kernels="fast")
+
+
+def test_dump_shows_kernel_ops_sharded(capsys):
+    """``autopar dump --kernels on`` on meta tensors: the kernel ops (fake implementations) sit in
+    the per-rank program with their placements, attention sharded over heads on tp."""
+    from autopar.cli import main
+
+    assert main(["dump", "llama-tiny", "--mesh", "dp=2,tp=2", "--plan", "dp=fsdp,tp=megatron", "--kernels", "on",
+                 "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "kernels {'sdpa': 2, 'linear_act': 2}" in out
+    attn = [line for line in out.splitlines() if "= autopar.flash_attention(" in line]
+    assert attn and all("(S(0), S(1))" in line for line in attn), attn
+    assert any("= autopar.linear_act_backward(" in line for line in out.splitlines())
