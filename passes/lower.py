@@ -9,8 +9,9 @@ binds, or None) and a replacement (the kernel op and its arguments). In order:
 
 - ``sdpa``: ``F.scaled_dot_product_attention(q, k, v, attn_mask=None | float / bool mask,
   dropout_p=0, is_causal, scale)`` on 4-D inputs -> ``autopar::flash_attention``; a bool mask
-  becomes an additive one; ``repeat_interleave(k, G, dim=1)`` feeding it (GQA written out) is
-  looked through, so the kernel reads the KV heads once.
+  becomes an additive one; GQA written out before it (``repeat_interleave(k, G, dim=1)``, or
+  Hugging Face's ``repeat_kv`` expand + reshape) is looked through, so the kernel reads each KV
+  head once and no repeated copy is made.
 - ``eager_attention``: ``matmul(softmax(matmul(q, k.transpose(-2, -1)) * scale [+ mask]) [.to()]
   [dropout(p=0)], v)`` -> the same op (the Hugging Face "eager" attention).
 - ``linear_act``: ``gelu(linear(x, w, b))`` / ``silu(linear(x, w, b))`` (exact GELU) ->
@@ -64,7 +65,19 @@ def _method(n, *names) -> bool:
 
 
 def _ungroup(k: fx.Node) -> fx.Node:
-    """k = repeat_interleave(k0, G, dim=1) -> k0 (the kernel reads KV head h // G itself)."""
+    """GQA written out -> the KV heads themselves (the kernel reads KV head h // G): k =
+    repeat_interleave(k0, G, dim=1), or Hugging Face's repeat_kv, k = k0[:, :, None].expand(b, hkv,
+    G, s, d).reshape(b, hkv * G, s, d)."""
+    if _method(k, "reshape", "view") and _method(k.args[0], "expand"):
+        g = k.args[0].args[0]
+        idx = g.args[1] if _is(g, "call_function", {operator.getitem}) else None
+        if isinstance(idx, tuple) and len(idx) == 5 and idx[2] is None and all(
+                isinstance(i, slice) and i == slice(None) for i in idx[:2] + idx[3:]):
+            k0, kv = g.args[0], _val(k)
+            v0 = _val(k0)
+            if (isinstance(v0, torch.Tensor) and v0.ndim == 4 and kv.ndim == 4 and kv.shape[0] == v0.shape[0]
+                    and kv.shape[2:] == v0.shape[2:] and kv.shape[1] % v0.shape[1] == 0):
+                return k0
     if _method(k, "repeat_interleave") and (_arg(k, 2, "dim") == 1) and isinstance(_arg(k, 1, "repeats"), int):
         return k.args[0]
     if _is(k, "call_function", {torch.repeat_interleave}) and _arg(k, 2, "dim") == 1 \

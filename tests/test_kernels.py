@@ -114,7 +114,9 @@ def _train(name, kernels, steps=2):
             opt.step()
             opt.zero_grad()
         ops_in_graph = sorted({str(n.target) for n in pm.program.graph.nodes if "autopar." in str(n.target)})
-        return pm.ctx.lowered, losses, grads, ops_in_graph
+        kv_heads = {n.args[1].meta["val"].shape[1] for n in pm.program.graph.nodes
+                    if n.target is torch.ops.autopar.flash_attention.default}
+        return pm.ctx.lowered, losses, grads, ops_in_graph, kv_heads
 
 
 def _one_rank():
@@ -142,14 +144,15 @@ def _one_rank():
 
 @pytest.mark.parametrize("name,expected", [
     ("llama", {"sdpa": 2, "linear_act": 2}),           # SDPA (GQA via repeat_interleave, looked through), SiLU MLP
-    ("hf_llama", {"sdpa": 2, "linear_act": 2}),        # HF LlamaForCausalLM, SDPA with its mask
+    ("hf_llama", {"sdpa": 2, "linear_act": 2}),        # HF LlamaForCausalLM, SDPA with its mask (repeat_kv too)
     ("hf_llama_eager", {"eager_attention": 2, "linear_act": 2}),  # softmax(QK^T s + mask) V written out
 ])
 def test_lowering_fires_and_keeps_parity(name, expected):
-    lowered, losses, grads, in_graph = _train(name, "on")
+    lowered, losses, grads, in_graph, kv_heads = _train(name, "on")
     assert lowered == expected
+    assert kv_heads == {2}, "GQA looked through: the kernel gets the 2 KV heads, not 4 repeated ones"
     assert "autopar.flash_attention_backward.default" in in_graph and "autopar.linear_act_backward.default" in in_graph
-    off, ref_losses, ref_grads, none = _train(name, "off")
+    off, ref_losses, ref_grads, none, _ = _train(name, "off")
     assert off == {} and none == []
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
     for g, r in zip(grads, ref_grads):
