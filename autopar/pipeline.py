@@ -712,6 +712,10 @@ class PipelineModule:
             for k, src in enumerate(spec.inputs):
                 if src[0] == "stage":
                     self._edges[(spec.index, k)] = len(self._edges)
+        # the tags of input gradients a consumer stage does not produce (no gradient for that input)
+        self._no_grad = {self._tag(spec.index, k, mb, True) for spec in specs for k, src in enumerate(spec.inputs)
+                         if src[0] == "stage" and not spec.example[k].requires_grad
+                         for mb in range(self.microbatches)}
         self._distribute()
         from autopar.runtime import instrument
 
@@ -804,14 +808,16 @@ class PipelineModule:
     def _post_recvs(self, action):
         """Post ``action``'s receives now (irecv), so the transfers run while this rank computes."""
         for like, stage_from, tag in self._incoming(action):
-            if tag not in self._posted:
-                buf = torch.empty(like.shape, dtype=like.dtype, device=self.ctx.device)
-                src = self.pp_ranks[self.schedule.rank_of(stage_from)]
-                self._posted[tag] = (dist.irecv(buf, src=src, tag=tag), buf)
+            self._post_recv(like, stage_from, tag)
+
+    def _post_recv(self, like, stage_from: int, tag: int):
+        if tag not in self._posted:
+            buf = torch.empty(like.shape, dtype=like.dtype, device=self.ctx.device)
+            src = self.pp_ranks[self.schedule.rank_of(stage_from)]
+            self._posted[tag] = (dist.irecv(buf, src=src, tag=tag), buf)
 
     def _recv(self, like, stage_from: int, tag: int) -> torch.Tensor:
-        if tag not in self._posted:
-            self._post_recvs_for(like, stage_from, tag)
+        self._post_recv(like, stage_from, tag)
         work, buf = self._posted.pop(tag)
         t0 = time.perf_counter()
         try:
@@ -824,10 +830,6 @@ class PipelineModule:
                 f"error says why (raise the limit with AUTOPAR_P2P_TIMEOUT=seconds if a step is that slow)") from e
         self._waited += time.perf_counter() - t0
         return buf
-
-    def _post_recvs_for(self, like, stage_from: int, tag: int):
-        buf = torch.empty(like.shape, dtype=like.dtype, device=self.ctx.device)
-        self._posted[tag] = (dist.irecv(buf, src=self.pp_ranks[self.schedule.rank_of(stage_from)], tag=tag), buf)
 
     def _deliver(self, value: torch.Tensor, stage_from: int, stage_to: int, tag: int):
         if self.schedule.rank_of(stage_to) == self.pp_rank:
@@ -929,6 +931,7 @@ class PipelineModule:
         m = self.microbatches
         micro = [[torch.chunk(x, m, dim=0)[i] if x.ndim > 0 else x for x in local] for i in range(m)]
         params = dict(self.module.named_parameters())
+        buffers = dict(self.module.named_buffers())
         self._shared = {}
         for s, sp in self.local.items():
             vals = {}
@@ -936,18 +939,10 @@ class PipelineModule:
                 if kind == "param":
                     vals[name] = params[what].to_local()
                 elif kind == "buffer":
-                    b = dict(self.module.named_buffers()).get(what, sp.program.buffers.get(what))
-                    vals[name] = b.to(self.ctx.device)
+                    vals[name] = buffers.get(what, sp.program.buffers.get(what)).to(self.ctx.device)
             self._shared[s] = vals
         self._env, self._mailbox, self._pending, self._losses = {}, {}, [], []
         self._acc = {s: {} for s in self.local}
-        # input gradients a consumer stage does not produce (its program has no gradient for that input)
-        self._no_grad = set()
-        for spec in self.specs:
-            for k, src in enumerate(spec.inputs):
-                if src[0] == "stage" and not spec.example[k].requires_grad:
-                    for mb in range(m):
-                        self._no_grad.add(self._tag(spec.index, k, mb, True))
         events, waits = [], []
         live, peak, peak_bytes = 0, 0, 0
         state = {t.untyped_storage().data_ptr() for vals in self._shared.values() for t in vals.values()
@@ -1028,11 +1023,7 @@ class PipelineModule:
 
         recs = []
         for s, sp in sorted(self.local.items()):
-            per_mb = [n.meta["autopar_comm"] for n in sp.program.local.graph.nodes if "autopar_comm" in n.meta]
-            recs += per_mb * self.microbatches
-            recs += [n.meta["autopar_comm"] for n in sp.sync.local.graph.nodes if "autopar_comm" in n.meta]
-            ph = {n.name: n for n in sp.program.local.graph.nodes if n.op == "placeholder"}
-            outs = {o: n for o, n in zip(sp.out_names, sp.program.outputs)}
+            recs += StageView(self, sp).collectives()  # its program's collectives x M + its gradient sync
             node_of = {n.name: n for n in sp.program.local.graph.nodes}
             for (kind, what), o in zip(sp.program.outputs, sp.out_names):
                 if o is None:
@@ -1049,7 +1040,6 @@ class PipelineModule:
                         recs += [CommRecord("send", self.pp_axis, 2, _val_bytes(node_of[o].meta["val"]),
                                             f"gradient of stage {s}'s input {what} back to stage {src[1]}",
                                             sp.spec.modules[0], "backward")] * self.microbatches
-            del ph, outs
         if self.loss_scale is not None and dist.get_world_size() > 1:
             recs.append(CommRecord("all_reduce", "world", dist.get_world_size(), 4,
                                    "fp16 loss scaling: did any rank's gradients overflow?", "", "backward"))

@@ -397,3 +397,43 @@ def pipeline_failure_job(fail_rank: int, timeout_s: float = 3.0):
             raise RuntimeError("injected failure in this rank's forward")
         pm._forward = boom
     return pm.train_step(*batches[0])
+
+
+def run_attention_case(b, h, hkv, sq, sk, d, causal, bias, dtype) -> dict:
+    """One ATTENTION_CASES entry: the kernel's output, log-sum-exp and gradients, and the same from
+    its reference path, on the same seeded inputs (tests/test_kernels.py, benchmarks/kernels_report.py)."""
+    from autopar.kernels import ops
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, h, sq, d, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(b, hkv, sk, d, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(b, hkv, sk, d, generator=g).to(dtype).requires_grad_()
+    mask = torch.randn(b, 1, sq, sk, generator=g) if bias else None
+    out, lse = torch.ops.autopar.flash_attention(q, k, v, mask, causal, d ** -0.5)
+    do = torch.randn(out.shape, generator=g).to(dtype)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    with ops.reference():
+        ref, ref_lse = torch.ops.autopar.flash_attention(q, k, v, mask, causal, d ** -0.5)
+        ref_grads = torch.autograd.grad(ref, (q, k, v), do)
+    return {"inputs": (q, k, v), "do": do, "out": out, "lse": lse, "grads": grads, "ref": ref, "ref_lse": ref_lse,
+            "ref_grads": ref_grads}
+
+
+def run_linear_act_case(act: str, dtype) -> dict:
+    """linear_act on ragged sizes ([3, 17, 40] x [70, 40]^T + b: 51 rows, K=40, N=70) against autograd
+    in fp32, plus the reference path's output."""
+    from autopar.kernels import ops
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 17, 40, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(70, 40, generator=g) / 6).to(dtype).requires_grad_()
+    b = torch.randn(70, generator=g).to(dtype).requires_grad_()
+    y, _ = torch.ops.autopar.linear_act(x, w, b, act)
+    dy = torch.randn(y.shape, generator=g).to(dtype)
+    grads = torch.autograd.grad(y, (x, w, b), dy)
+    xr, wr, br = (t.detach().float().requires_grad_() for t in (x, w, b))
+    ref = getattr(torch.nn.functional, act)(torch.nn.functional.linear(xr, wr, br))
+    ref_grads = torch.autograd.grad(ref, (xr, wr, br), dy.float())
+    with ops.reference():
+        y_reference_path, _ = torch.ops.autopar.linear_act(x, w, b, act)
+    return {"y": y, "grads": grads, "ref": ref, "ref_grads": ref_grads, "y_reference_path": y_reference_path}

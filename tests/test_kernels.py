@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.kernels import ops
-from autopar.testing import ATTENTION_CASES
+from autopar.kernels import ops  # noqa: F401 - registers torch.ops.autopar.*
+from autopar.testing import ATTENTION_CASES, run_attention_case, run_linear_act_case
 
 TOL = {torch.float32: 5e-6, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -32,57 +32,37 @@ ATTENTION = ATTENTION_CASES  # autopar/testing.py (benchmarks/kernels_report.py 
                          ids=[f"{c[0]}x{c[1]}/{c[2]}x{c[3]}x{c[4]}x{c[5]}-{'causal' if c[6] else 'full'}"
                               f"{'-mask' if c[7] else ''}-{str(c[8])[6:]}" for c in ATTENTION])
 def test_flash_attention_against_reference(b, h, hkv, sq, sk, d, causal, bias, dtype):
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(b, h, sq, d, generator=g).to(dtype).requires_grad_()
-    k = torch.randn(b, hkv, sk, d, generator=g).to(dtype).requires_grad_()
-    v = torch.randn(b, hkv, sk, d, generator=g).to(dtype).requires_grad_()
-    mask = torch.randn(b, 1, sq, sk, generator=g) if bias else None
     if causal and sk != sq:
         pytest.skip("causal needs Sq == Sk here")
-    out, lse = torch.ops.autopar.flash_attention(q, k, v, mask, causal, d ** -0.5)
-    do = torch.randn(out.shape, generator=g).to(dtype)
-    grads = torch.autograd.grad(out, (q, k, v), do)
-    with ops.reference():
-        ref_out, ref_lse = torch.ops.autopar.flash_attention(q, k, v, mask, causal, d ** -0.5)
-        ref_grads = torch.autograd.grad(ref_out, (q, k, v), do)
-    close(out, ref_out, dtype, "out")
-    close(lse, ref_lse, torch.float32, "lse")
-    for name, a, r in zip("qkv", grads, ref_grads):
-        assert a.shape == r.shape and a.dtype == dtype
-        close(a, r, dtype, f"d{name}")
+    r = run_attention_case(b, h, hkv, sq, sk, d, causal, bias, dtype)
+    close(r["out"], r["ref"], dtype, "out")
+    close(r["lse"], r["ref_lse"], torch.float32, "lse")
+    for name, a, ref in zip("qkv", r["grads"], r["ref_grads"]):
+        assert a.shape == ref.shape and a.dtype == dtype
+        close(a, ref, dtype, f"d{name}")
     # the reference itself against PyTorch's SDPA (and autograd), so both paths are anchored
     if not bias and dtype == torch.float32:
-        qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+        qs, ks, vs = (t.detach().requires_grad_() for t in r["inputs"])
         sdpa = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, enable_gqa=h != hkv)
-        torch.testing.assert_close(ref_out, sdpa, rtol=1e-5, atol=1e-5)
-        for a, r in zip(torch.autograd.grad(sdpa, (qs, ks, vs), do), ref_grads):
-            torch.testing.assert_close(r, a, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(r["ref"], sdpa, rtol=1e-5, atol=1e-5)
+        for a, ref in zip(torch.autograd.grad(sdpa, (qs, ks, vs), r["do"]), r["ref_grads"]):
+            torch.testing.assert_close(ref, a, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("act", ["gelu", "silu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=lambda t: str(t)[6:])
 def test_linear_act_against_reference(act, dtype):
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(3, 17, 40, generator=g).to(dtype).requires_grad_()  # 51 rows, K=40, N=70: ragged tiles
-    w = (torch.randn(70, 40, generator=g) / 6).to(dtype).requires_grad_()
-    b = torch.randn(70, generator=g).to(dtype).requires_grad_()
-    y, z = torch.ops.autopar.linear_act(x, w, b, act)
-    dy = torch.randn(y.shape, generator=g).to(dtype)
-    grads = torch.autograd.grad(y, (x, w, b), dy)
-    xr, wr, br = (t.detach().float().requires_grad_() for t in (x, w, b))
-    yr = getattr(torch.nn.functional, act)(torch.nn.functional.linear(xr, wr, br))
-    ref = torch.autograd.grad(yr, (xr, wr, br), dy.float())
-    close(y, yr, dtype, "y")
-    for name, a, r in zip(("dx", "dw", "db"), grads, ref):
-        close(a, r, dtype, name)
-    with ops.reference():  # the reference path agrees with autograd too
-        y2, _ = torch.ops.autopar.linear_act(x, w, b, act)
-        close(y2, yr, dtype, "reference y")
+    r = run_linear_act_case(act, dtype)
+    close(r["y"], r["ref"], dtype, "y")
+    for name, a, ref in zip(("dx", "dw", "db"), r["grads"], r["ref_grads"]):
+        close(a, ref, dtype, name)
+    close(r["y_reference_path"], r["ref"], dtype, "reference y")  # the reference path agrees with autograd too
 
 
 def test_kernels_are_ordinary_graph_nodes():
-    """Fake (meta) implementations: the ops trace on meta tensors with the right shapes, and
-    AOTAutograd puts the backward op in the joint graph."""
+    """Fake (meta) implementations: the ops run on meta tensors with the right shapes, and the
+    cost model's FLOP formula counts them (the lowering tests check the joint graph holds the
+    backward ops)."""
     q = torch.empty(2, 4, 10, 64, device="meta")
     k = torch.empty(2, 2, 12, 64, device="meta")
     out, lse = torch.ops.autopar.flash_attention(q, k, k, None, False, 0.125)
