@@ -13,7 +13,7 @@ fi
 cmd=${1:-}
 shift || true
 case "$cmd" in
-  demo) exec .venv/bin/python -m autopar.demo "$@" ;;
+  demo) exec .venv/bin/python -m autopar.tools.demo "$@" ;;
   test) exec .venv/bin/python -m pytest "$@" ;;
   *) echo "usage: ./run.sh demo|test [args]" >&2; exit 2 ;;
 esac

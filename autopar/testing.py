@@ -173,7 +173,7 @@ def build_model(name: str, seed: int = 0):
         from transformers import LlamaConfig as HFConfig
         from transformers import LlamaForCausalLM
 
-        from autopar.zoo import HF_TINY
+        from autopar.models.zoo import HF_TINY
 
         cfg = HFConfig(**HF_TINY, use_cache=False, tie_word_embeddings=False)
         cfg._attn_implementation = "eager" if name == "hf_llama_eager" else "sdpa"
@@ -206,7 +206,7 @@ def reference_run(name: str, steps: int = 3, lr: float = 1e-2, precision: str = 
     autopar's front end does; fp16 scales the loss by ``FP16_TEST_SCALE`` and unscales the
     gradients (compile the fp16 side with ``loss_scale=FP16_TEST_SCALE``: a fixed scale, so both
     sides step on the same steps)."""
-    from autopar.frontend import _WithLoss
+    from autopar.capture import _WithLoss
 
     model, batches, loss_fn = build_model(name)
     dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
@@ -254,7 +254,7 @@ def parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: float = 1e
     measured = pm.counter.summary()
     evaluated = pm(batches[0][0])
     records = [copy.copy(r) for r in pm.collectives()]
-    from autopar.cost import predict_memory
+    from autopar.analysis.cost import predict_memory
 
     predicted = {k: v for k, v in predict_memory(pm).items() if k != "alive_at_peak"}
     return {"predicted_memory": predicted, "losses": losses, "grads": grads, "params": params, "records": records,

@@ -50,8 +50,8 @@ def verify(model, mesh, *, example_inputs, loss_fn=None, plan=None, batches=None
     ``autopar.compile``; under fp16 a step the compiled program skips on overflow is skipped on
     the eager side too.
     """
-    import autopar
-    from autopar.frontend import _WithLoss
+    from autopar.compiler import compile as autopar_compile
+    from autopar.capture import _WithLoss
 
     precision = compile_kwargs.get("precision", "fp32")
     mixed = precision not in ("fp32", "float32", torch.float32)
@@ -60,7 +60,7 @@ def verify(model, mesh, *, example_inputs, loss_fn=None, plan=None, batches=None
     batches = list(batches) if batches is not None else [tuple(example_inputs)] * steps
     eager = copy.deepcopy(model)
     eager_opt = torch.optim.AdamW(eager.parameters(), lr=lr)
-    pm = autopar.compile(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, plan=plan,
+    pm = autopar_compile(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, plan=plan,
                          **compile_kwargs)
     # the eager side computes in the same dtype from fp32 master weights, as the front end does
     eager_step = _WithLoss(eager, loss_fn, pm.ctx.compute_dtype)

@@ -4,7 +4,7 @@ activation peak and FLOPs of recompute policies, on real gloo process groups.
     .venv/bin/python benchmarks/memory_report.py [--ranks 2 4] [--out benchmarks/memory-DATE.md]
 
 Prints markdown tables (and writes them with --out). Every figure is measured on this machine:
-memory on the tensors each rank holds (autopar.memory), bytes at every collective call.
+memory on the tensors each rank holds (autopar.runtime.memory), bytes at every collective call.
 """
 
 from __future__ import annotations

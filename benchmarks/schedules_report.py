@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from autopar import schedules as S
+from autopar.analysis import schedules as S
 
 
 def main():

@@ -15,7 +15,7 @@ def meter_job():
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import autopar
-    from autopar.bench import CommMeter
+    from autopar.tools.bench import CommMeter
     from autopar.testing import build_model
 
     model, batches, loss_fn = build_model("llama")
@@ -42,7 +42,7 @@ def test_comm_meter_agrees_with_autopar_and_ddp(pools):
 
 
 def test_harness_runs_a_pair(pools, tmp_path):
-    from autopar.bench import markdown, pair_job, summarize
+    from autopar.tools.bench import markdown, pair_job, summarize
 
     r = pools(2).run(pair_job, "ddp", 2, 1, 4, 32)
     rows = summarize([r], 4, 32)

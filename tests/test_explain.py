@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import autopar
-from autopar import cost, zoo
-from autopar.cli import main as cli
+from autopar.analysis import cost
+from autopar.models import zoo
+from autopar.tools.cli import main as cli
 from autopar.models.llama import Llama, LlamaConfig, cross_entropy
 
 MESH = ["--mesh", "dp=2,tp=2", "--plan", "dp=fsdp,tp=megatron", "-q"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.frontend import capture_joint
+from autopar.capture import capture_joint
 from autopar.ir import check_invariants, source_line
 from autopar.models.llama import Llama, LlamaConfig, cross_entropy
 

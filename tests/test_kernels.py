@@ -164,7 +164,7 @@ def test_kernels_option_errors():
 def test_dump_shows_kernel_ops_sharded(capsys):
     """``autopar dump --kernels on`` on meta tensors: the kernel ops (fake implementations) sit in
     the per-rank program with their placements, attention sharded over heads on tp."""
-    from autopar.cli import main
+    from autopar.tools.cli import main
 
     assert main(["dump", "llama-tiny", "--mesh", "dp=2,tp=2", "--plan", "dp=fsdp,tp=megatron", "--kernels", "on",
                  "-q"]) == 0

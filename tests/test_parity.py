@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.frontend import _unwrap_output
+from autopar.capture import _unwrap_output
 from autopar.ir import bytes_by_collective
 from autopar.testing import build_model, parity_job
 
@@ -28,6 +28,9 @@ CASES = [
 ]
 
 
+LR = 1e-2  # the parity jobs' AdamW learning rate (autopar.testing.parity_job)
+
+
 def assert_parity(ref, out, name):
     torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
     for step, (g_ref, g_out) in enumerate(zip(ref["grads"], out["grads"])):
@@ -35,7 +38,12 @@ def assert_parity(ref, out, name):
         for k in g_ref:
             torch.testing.assert_close(g_out[k], g_ref[k], rtol=1e-4, atol=3e-5, msg=f"grad {k} at step {step}")
     for k in ref["params"]:
-        torch.testing.assert_close(out["params"][k], ref["params"][k], rtol=0, atol=1e-3, msg=f"param {k}")
+        # a parameter whose true gradient is 0 (a key bias: softmax ignores it) gets float noise
+        # as gradient, which Adam scales up to whole steps of up to lr each; the gradients were
+        # compared above, so such a parameter is only held to that bound (steps x lr)
+        noise = all(float(g[k].abs().max()) < 1e-8 for g in ref["grads"] if k in g)
+        atol = len(ref["grads"]) * LR if noise else 1e-3
+        torch.testing.assert_close(out["params"][k], ref["params"][k], rtol=0, atol=atol, msg=f"param {k}")
     # the eval program against eager forward with the same (trained, gathered) parameters
     model, batches, _ = build_model(name)
     with torch.no_grad():

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from autopar.errors import CaptureError, PlanError
-from autopar.schedules import simulate
+from autopar.analysis.schedules import simulate
 from autopar.testing import PIPELINE_CASES, build_model, pipeline_parity_job
 
 CASES = PIPELINE_CASES  # (model, mesh, plan, compile options): autopar/testing.py, shared with the report
@@ -130,7 +130,7 @@ def test_split_balanced_and_user_points(fake):
 
 
 def test_linear_partition():
-    from autopar.pipeline import _linear_partition
+    from autopar.passes.split import _linear_partition
 
     assert _linear_partition([1, 1, 1, 1], [0] * 4, 2) == [0, 0, 1, 1]
     assert _linear_partition([3, 1, 1, 1], [0] * 4, 2) == [0, 1, 1, 1]
@@ -205,7 +205,7 @@ def test_tied_weights_error(fake):
 
 
 def test_default_microbatches():
-    from autopar.pipeline import PipelineOptions, default_microbatches
+    from autopar.passes.split import PipelineOptions, default_microbatches
 
     assert default_microbatches(PipelineOptions("1f1b"), 2, 16) == 8
     assert default_microbatches(PipelineOptions("1f1b"), 4, 4) == 4
@@ -238,7 +238,7 @@ def test_dump_and_plan_by_stage(capsys):
     """``autopar dump`` groups a pipelined program by stage and part (F / I / W) and shows the
     rank's action list; ``autopar plan`` adds the stages held, activations in flight and the
     simulated bubble."""
-    from autopar.cli import main
+    from autopar.tools.cli import main
 
     assert main(["dump", "llama-tiny", "--mesh", "pp=2,tp=2", "--plan", "pp=zb,tp=megatron", "-q"]) == 0
     out = capsys.readouterr().out

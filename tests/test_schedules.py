@@ -1,4 +1,4 @@
-"""Pipeline schedules as data: generators, validator, simulator (autopar/schedules.py).
+"""Pipeline schedules as data: generators, validator, simulator (autopar/analysis/schedules.py).
 
 The simulator runs each rank's action list in order with F=1, B=2 (I=W=1) time units; the
 reference bubbles are the textbook ones: (P-1)/(M+P-1) for GPipe and 1F1B, (P-1)/(vM+P-1) for
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from autopar import schedules as S
+from autopar.analysis import schedules as S
 
 SIZES = [(2, 2), (2, 4), (4, 4), (4, 8), (4, 16), (8, 8), (8, 32)]
 

@@ -5,7 +5,7 @@ it, in the same processes, alternating step by step, same initialization and dat
     autopar bench --planning [--planning-models llama3-8b llama3-70b] [--planning-ranks 8 64 256 1024]
     autopar bench --pipeline [--pp 2 4] [--schedules gpipe 1f1b interleaved zb] [--microbatches 8]
     autopar bench --kernels [--kernel-seqs 512 ... 8192] [--smoke]     (GPU: Triton kernels vs SDPA / cuBLAS)
-    python -m autopar.bench ...          (the same)
+    python -m autopar.tools.bench ...          (the same)
 
 Pairs (each on its own mesh of ``--ranks`` processes):
 
@@ -43,132 +43,27 @@ import platform
 import statistics
 import sys
 import time
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from autopar.ir import ring_bytes
+from autopar.models.zoo import random_batches as _batches
+from autopar.runtime.measure import CommMeter, allocator_peak, persistent_bytes, timed
 
 PAIRS = ("ddp", "fsdp", "megatron", "2d")
 BASELINE_NAMES = {"ddp": "DistributedDataParallel", "fsdp": "FSDP2 fully_shard",
                   "megatron": "DTensor parallelize_module (TP)", "2d": "FSDP2 + DTensor TP"}
 
 
-# ----------------------------------------------------------------------------------------- instruments
-_KINDS = {"allreduce_": "all_reduce", "all_reduce": "all_reduce", "allreduce_coalesced_": "all_reduce",
-          "_allgather_base_": "all_gather", "allgather_": "all_gather", "all_gather_into_tensor": "all_gather",
-          "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-          "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
-          "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-          "reduce_scatter_tensor_coalesced": "reduce_scatter", "broadcast_": "broadcast",
-          "all_to_all_single": "all_to_all", "alltoall_base_": "all_to_all"}
-
-
-def _group_size(args) -> int:
-    names = [a for a in args if isinstance(a, str)]
-    if names:  # functional collectives name their group last (an earlier str is the reduce op)
-        return dist.get_world_size(dist.distributed_c10d._resolve_process_group(names[-1]))
-    for a in args:  # c10d ops carry the ProcessGroup object
-        if hasattr(a, "size") and not isinstance(a, torch.Tensor) and callable(a.size):
-            try:
-                return int(a.size())
-            except Exception:  # noqa: BLE001
-                continue
-    for a in args:  # all_gather_into_tensor(x, group_size, group): the int is the size
-        if isinstance(a, int) and a > 0:
-            return a
-    return dist.get_world_size()
-
-
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for y in x for t in _tensors(y)]
-    return []
-
-
-class CommMeter(TorchDispatchMode):
-    """Bytes every collective this process calls sends (ring model), by kind."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes: dict[str, float] = defaultdict(float)
-        self.calls: dict[str, int] = defaultdict(int)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        ns = func.namespace
-        if ns in ("c10d", "_c10d_functional"):
-            kind = _KINDS.get(func._opname)
-            if kind is not None:
-                n = _group_size(list(args) + list(kwargs.values()))
-                if kind == "all_gather":  # the per-rank input: the last tensor argument
-                    ts = _tensors(args[1] if ns == "c10d" else args[0])
-                else:
-                    ts = _tensors(args[0])
-                nbytes = sum(t.numel() * t.element_size() for t in ts)
-                if kind == "broadcast":
-                    sent = nbytes if n > 1 and dist.get_rank() == 0 else 0  # the root sends
-                else:  # the same ring model autopar's compiler predicts with
-                    sent = ring_bytes(kind, nbytes, n)
-                self.bytes[kind] += sent
-                self.calls[kind] += 1
-        return func(*args, **kwargs)
-
-
-def allocator_peak(fn) -> int:
-    """Peak bytes the allocator held above its level before ``fn()``, from profiler memory events."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else []),
-                 profile_memory=True, record_shapes=False) as prof:
-        fn()
-    events = []
-
-    def walk(nodes):
-        for e in nodes:
-            extra = e.extra_fields
-            if type(extra).__name__ == "_ExtraFields_Allocation":
-                events.append((e.start_time_ns, extra.alloc_size))
-            walk(e.children)
-
-    walk(prof.profiler.kineto_results.experimental_event_tree())
-    cur = peak = 0
-    for _, size in sorted(events):
-        cur += size
-        peak = max(peak, cur)
-    return peak
-
-
-def persistent_bytes(params, optimizer) -> dict[str, int]:
-    from autopar.memory import optimizer_state_bytes, tensor_bytes
-
-    params = list(params)
-    return {"parameters": tensor_bytes(params), "gradients": tensor_bytes(p.grad for p in params),
-            "optimizer_state": optimizer_state_bytes(optimizer)}
-
-
 # ----------------------------------------------------------------------------------------- the systems
 def bench_model(seed: int = 0):
     """A Llama big enough that compute dominates Python overhead on a CPU, small enough for 2 cores."""
     from autopar.models.llama import Llama, LlamaConfig, cross_entropy
-    from autopar.zoo import LLAMA_SMALL
+    from autopar.models.zoo import LLAMA_SMALL
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(**LLAMA_SMALL)
     return Llama(cfg), cfg, cross_entropy
-
-
-def _batches(cfg, n: int, batch: int, seq: int):
-    g = torch.Generator().manual_seed(1234)
-    out = []
-    for _ in range(n):
-        x = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
-        out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
-    return out
 
 
 def _axes(pair: str, world: int) -> dict[str, int]:
@@ -283,15 +178,6 @@ def build_baseline(pair: str, world: int, example):
 
 
 # ----------------------------------------------------------------------------------------- the run
-def timed(step, *batch):
-    """One step between barriers (the slowest rank sets the time): (its result, seconds)."""
-    dist.barrier()
-    t0 = time.perf_counter()
-    out = step(*batch)
-    dist.barrier()
-    return out, time.perf_counter() - t0
-
-
 def pair_job(pair: str, steps: int, warmup: int, batch: int, seq: int):
     """On every rank: build both systems, then alternate their steps; rank 0's figures come back."""
     world = dist.get_world_size()
@@ -340,7 +226,7 @@ def _persistent_with_grads(system, batch) -> dict[str, int]:
 
 
 # ----------------------------------------------------------------------------------------- planning time
-LLAMA3 = ("llama3-8b", "llama3-70b")  # built-in shapes (autopar/zoo.py)
+LLAMA3 = ("llama3-8b", "llama3-70b")  # built-in shapes (autopar/models/zoo.py)
 
 
 def plan_one(name: str, world: int, tp: int = 8, seq: int = 2048) -> dict:
@@ -350,7 +236,7 @@ def plan_one(name: str, world: int, tp: int = 8, seq: int = 2048) -> dict:
     import argparse
     import resource
 
-    from autopar import explain
+    from autopar.tools import explain
 
     tp = min(tp, world)
     dp = world // tp
@@ -375,7 +261,7 @@ def planning(models, worlds) -> list[dict]:
     jobs = [(m, w) for m in models for w in worlds]
     for i, (m, w) in enumerate(jobs):
         _progress(i, len(jobs), f"planning {m} on {w} ranks")
-        code = f"import json, autopar.bench as b; print(json.dumps(b.plan_one({m!r}, {w})))"
+        code = f"import json, autopar.tools.bench as b; print(json.dumps(b.plan_one({m!r}, {w})))"
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3600)
         if r.returncode != 0:
             rows.append({"model": m, "world": w, "error": r.stderr.strip().splitlines()[-1:]})
@@ -503,7 +389,7 @@ def main(argv=None):
     ap.add_argument("--planning-models", nargs="+", default=list(LLAMA3), choices=list(LLAMA3))
     ap.add_argument("--planning-ranks", type=int, nargs="+", default=[8, 64, 256, 1024])
     ap.add_argument("--pipeline", action="store_true",
-                    help="instead: autopar's pipeline schedules vs torch.distributed.pipelining (autopar/pipebench.py)")
+                    help="instead: autopar's pipeline schedules vs torch.distributed.pipelining (autopar/tools/pipebench.py)")
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes (--pipeline)")
     ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved", "zb"],
                     choices=["gpipe", "1f1b", "interleaved", "zb"])
@@ -516,11 +402,11 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="--kernels on tiny shapes (checks the harness on CPU)")
     args = ap.parse_args(argv)
     if args.kernels:
-        from autopar import kernelbench
+        from autopar.tools import kernelbench
 
         return kernelbench.main(args)
     if args.pipeline:
-        from autopar import pipebench
+        from autopar.tools import pipebench
 
         args.steps = args.steps if "--steps" in (argv or sys.argv) else 6
         args.warmup = args.warmup if "--warmup" in (argv or sys.argv) else 2

@@ -40,7 +40,7 @@ BASELINE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleav
 
 def _model(layers: int):
     from autopar.models.llama import Llama, LlamaConfig, cross_entropy
-    from autopar.zoo import LLAMA_SMALL
+    from autopar.models.zoo import LLAMA_SMALL
 
     torch.manual_seed(0)
     cfg = LlamaConfig(**{**LLAMA_SMALL, "n_layers": layers})
@@ -150,7 +150,8 @@ def stage_costs(timelines, n_stages: int) -> dict[str, list[float]]:
 
 def pipeline_job(schedule: str, m: int, v: int, steps: int, warmup: int, batch: int, seq: int, layers: int,
                  baseline: bool = True):
-    from autopar.bench import _batches, timed
+    from autopar.models.zoo import random_batches as _batches
+    from autopar.runtime.measure import timed
 
     p = dist.get_world_size()
     _, cfg, _ = _model(layers)
@@ -202,7 +203,7 @@ def pipeline_job(schedule: str, m: int, v: int, steps: int, warmup: int, batch: 
 
 
 def analyse(r: dict) -> dict:
-    from autopar import schedules as S
+    from autopar.analysis import schedules as S
 
     sched = S.Schedule(r["schedule"] if r["schedule"] != "zb" else "zb-h1", r["P"], r["M"], r["v"],
                        [[tuple(a) for a in acts] for acts in r["actions"]])
@@ -260,7 +261,7 @@ def markdown(rows, meta) -> str:
 
 
 def main(args):
-    from autopar import schedules as S
+    from autopar.analysis import schedules as S
     from autopar.testing import DistPool
 
     results = []

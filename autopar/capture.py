@@ -158,7 +158,7 @@ def capture_joint(model: nn.Module, example_inputs: tuple, loss_fn: Callable | N
 
 
 def capture_stage(stage_gm: fx.GraphModule, example_inputs: tuple, model: nn.Module, last: bool) -> Program:
-    """A pipeline stage (a slice of the captured graph, autopar/pipeline.py) as a joint program:
+    """A pipeline stage (a slice of the captured graph, passes/split.py) as a joint program:
     its outputs are activations for later stages (the loss on the last stage), its tangents their
     gradients, and it also returns the gradients of its floating-point inputs."""
     try:

@@ -10,7 +10,7 @@ collective counter); tests compare the two.
   program's peak by liveness: every value is alive from the node that makes it to its last use
   (an unused value dies at once), views share their base's storage (the fake tensors recorded
   at trace time carry the real aliasing), and each storage counts once. Categories as the
-  tracker's (autopar/memory.py): parameter copies, gradients in flight, activations.
+  tracker's (autopar/runtime/memory.py): parameter copies, gradients in flight, activations.
 - **Communication**: the CommRecords on the collective nodes (ring bytes per rank, per kind and
   mesh axis), timed α-β per axis: ``alpha + wire_bytes / bandwidth``. An axis whose ranks fit
   in one node (the mesh's last axes are the fastest-varying ranks) uses the intra-node link,
@@ -40,7 +40,7 @@ from torch import fx
 from torch.utils import flop_counter
 
 from autopar.ir import CommRecord, collective_op
-from autopar.memory import CATEGORIES, categorize
+from autopar.runtime.memory import CATEGORIES, categorize
 
 aten = torch.ops.aten
 
@@ -432,7 +432,7 @@ def predict_pipeline_time(pm, dev: Device, optimizer: str = "adamw") -> TimeEsti
     the largest activation per hop on the pipeline axis, then this rank's gradient sync and
     optimizer step. Stages other ranks hold are costed when compiled (``autopar plan`` compiles
     them all); otherwise every stage is assumed to cost what this rank's stages cost on average."""
-    from autopar import schedules as S
+    from autopar.analysis import schedules as S
 
     links = _pipeline_links(pm, dev)
     share = core_share(dev, math.prod(pm.mesh.shape))

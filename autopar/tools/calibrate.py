@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-comm", action="store_true", help="skip the gloo measurement")
     args = p.parse_args(argv)
     row = calibrate(args.name, comm=not args.no_comm)
-    from autopar.cost import Device
+    from autopar.analysis.cost import Device
 
     print(Device(**row).describe())
     if args.out:

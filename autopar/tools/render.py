@@ -1,121 +1,15 @@
-"""``autopar dump | plan | explain``: what each rank will hold, send and compute, and why.
-
-Everything runs in this process on a fake process group (any mesh size) with the model on the
-meta device (no memory for weights), so Llama-3 70B on 1024 ranks plans on a laptop:
-
-    autopar dump  MODEL --mesh dp=2,tp=2 --plan dp=fsdp,tp=megatron [--rank R] [--format text|json|dot|svg]
-    autopar plan  MODEL --mesh dp=8,tp=8 --plan dp=fsdp,tp=megatron [--device h100] [--rank 0,7]
-    autopar explain MODEL ...   (plan, plus why: the rule behind every placement, the source line
-                                 behind every collective, what is alive at the memory peak)
-
-MODEL is a built-in name (``--list-models``) or ``package.module:factory``. ``--plan`` takes
-axis=strategy pairs (the Python API's vocabulary) or a JSON file with the plan dict.
-Exit codes: 0 success; 1 the model could not be compiled under this plan (the error says why);
-2 bad command line (model spec, mesh, plan or option).
-"""
+"""Renderers of an ``Analysis`` (autopar/tools/explain.py): the ``dump`` text / JSON / DOT / SVG
+views of the per-rank program, the ``plan`` table and the ``explain`` text."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
-import sys
-import time
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 
-from autopar.errors import AutoparError, PlanError
 
-
-# --------------------------------------------------------------------------- parsing
-def parse_mesh(text: str) -> dict[str, int]:
-    axes: dict[str, int] = {}
-    for part in text.split(","):
-        name, eq, size = part.partition("=")
-        name = name.strip()
-        if not eq or not name.isidentifier():
-            raise PlanError(f"bad mesh {text!r}", where="--mesh", fix="write axis=size pairs, e.g. dp=2,tp=2")
-        try:
-            n = int(size)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise PlanError(f"mesh axis {name!r} needs a positive integer size, got {size!r}", where="--mesh")
-        if name in axes:
-            raise PlanError(f"mesh axis {name!r} given twice", where="--mesh")
-        axes[name] = n
-    return axes
-
-
-def parse_plan_arg(text: str) -> dict:
-    if text.endswith(".json") or os.path.isfile(text):
-        if not os.path.isfile(text):
-            raise PlanError(f"no such plan file {text!r}", where="--plan")
-        try:
-            with open(text) as f:
-                plan = json.load(f)
-        except json.JSONDecodeError as e:
-            raise PlanError(f"plan file {text!r} is not valid JSON: {e}", where="--plan") from None
-        if not isinstance(plan, dict):
-            raise PlanError(f"plan file {text!r} must hold a JSON object (axis -> strategy)", where="--plan")
-        return plan
-    plan = {}
-    for part in text.split(","):
-        axis, eq, strategy = part.partition("=")
-        if not eq or not axis.strip() or not strategy.strip():
-            raise PlanError(f"bad plan {text!r}", where="--plan",
-                            fix="write axis=strategy pairs, e.g. dp=fsdp,tp=megatron, or give a JSON plan file")
-        plan[axis.strip()] = _strategy_arg(strategy.strip())
-    return plan
-
-
-def _strategy_arg(text: str):
-    """``1f1b`` -> "1f1b"; a pipeline schedule with options, ``interleaved:virtual=2:microbatches=8``
-    (``split=layers.4+layers.8`` for split points) -> the plan's dict form."""
-    if ":" not in text:
-        return text
-    name, *opts = text.split(":")
-    out: dict = {"schedule": name}
-    for o in opts:
-        k, eq, v = o.partition("=")
-        if not eq:
-            raise PlanError(f"bad strategy option {o!r} in {text!r}", where="--plan",
-                            fix="write schedule:key=value, e.g. interleaved:virtual=2:microbatches=8")
-        out[k] = v.split("+") if k == "split" else (int(v) if v.isdigit() else v)
-    return out
-
-
-def add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", help="built-in name (see --list-models) or package.module:factory")
-    p.add_argument("--mesh", default="dp=2", help="named mesh axes, e.g. dp=8,tp=8 (default dp=2)")
-    p.add_argument("--plan", default=None,
-                   help="axis=strategy pairs (ddp zero1 zero2 zero3 fsdp megatron; on a pipeline axis gpipe 1f1b "
-                        "interleaved zb, with options as zb:microbatches=8 or interleaved:virtual=2:split=layers.4+"
-                        "layers.8) or a JSON plan file (default: ddp on every axis)")
-    p.add_argument("--rank", default="0", help="rank(s) to analyse: R, R1,R2 or 'all' (meshes up to 64 ranks)")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--reduce-dtype", default=None, choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--recompute", default="none", choices=["none", "full", "selective"])
-    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
-    p.add_argument("--kernels", default="off", choices=["auto", "on", "off"],
-                   help="lower attention / linear + activation to autopar's Triton kernel ops (default off here: "
-                        "planning on meta tensors; 'on' shows the program a GPU run with kernels would have)")
-    p.add_argument("--batch", type=int, default=None, help="global batch (built-in models)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (built-in models)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a built-in model's config field, e.g. --set n_layers=4")
-    p.add_argument("--device", default="h100", help="device row of the cost model (h100 h200 a100 cpu)")
-    p.add_argument("--devices", default=None, help="JSON file with more device rows (from autopar calibrate)")
-    p.add_argument("--optimizer", default="adamw", help="optimizer state to count (adamw sgd momentum none)")
-    p.add_argument("--real", action="store_true", help="build built-in models with real weights (default: meta)")
-    p.add_argument("--list-models", action="store_true", help="list the built-in models and exit")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
-
-
-# --------------------------------------------------------------------------- analysis
 @dataclass
 class Analysis:
     model: str
@@ -134,102 +28,6 @@ class Analysis:
     n_params: int = 0
 
 
-class Progress:
-    """Stages on stderr as they start: one updating line on a terminal, a line each otherwise."""
-
-    def __init__(self, quiet: bool):
-        self.quiet = quiet
-        self.tty = sys.stderr.isatty()
-        self.t0 = time.perf_counter()
-        self.last = None
-
-    def __call__(self, what: str):
-        if self.quiet:
-            return
-        now = time.perf_counter()
-        end = "" if self.tty else "\n"
-        print(f"{chr(13) if self.tty else ''}[autopar {now - self.t0:6.1f}s] {what:60s}", end=end, file=sys.stderr,
-              flush=True)
-        self.last = what
-
-    def done(self):
-        if not self.quiet and self.last is not None:
-            print(f"{chr(13) if self.tty else ''}[autopar {time.perf_counter() - self.t0:6.1f}s] {'done':60s}",
-                  file=sys.stderr, flush=True)
-
-
-def parse_ranks(text: str, world: int) -> list[int]:
-    if text == "all":
-        if world > 64:
-            raise PlanError(f"--rank all on a {world}-rank mesh compiles {world} programs", where="--rank",
-                            fix="name the ranks to compare, e.g. --rank 0,63")
-        return list(range(world))
-    try:
-        ranks = [int(r) for r in text.split(",")]
-    except ValueError:
-        raise PlanError(f"bad --rank {text!r}", where="--rank", fix="write R, R1,R2 or all") from None
-    for r in ranks:
-        if not 0 <= r < world:
-            raise PlanError(f"rank {r} is outside the mesh (ranks 0..{world - 1})", where="--rank")
-    return ranks
-
-
-def analyse(args, rank: int, progress: Progress) -> Analysis:
-    """Build the model, compile it for ``rank`` of a fake process group, run the cost model."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    import autopar
-    from autopar import cost, zoo
-
-    axes = parse_mesh(args.mesh)
-    plan = parse_plan_arg(args.plan) if args.plan else {a: "ddp" for a in axes}
-    if args.devices:
-        cost.load_devices(args.devices)
-    dev = cost.get_device(args.device)
-    t0 = time.perf_counter()
-    progress(f"rank {rank}: building {args.model}")
-    loaded = zoo.load(args.model, meta=not args.real, batch=args.batch, seq=args.seq,
-                      overrides=zoo.parse_overrides(args.set))
-    n_params = sum(p.numel() for p in loaded.model.parameters())
-    world = math.prod(axes.values())
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    notes = []
-    try:
-        mesh = init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
-        t1 = time.perf_counter()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            pm = autopar.compile(loaded.model, mesh, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
-                                 plan=plan, precision=args.precision, reduce_dtype=args.reduce_dtype,
-                                 recompute=args.recompute, accumulate=args.accumulate,
-                                 progress=lambda s: progress(f"rank {rank}: {s}"), capture_eval=False,
-                                 pipeline_stages="all", kernels=args.kernels)
-        notes = sorted({str(w.message) for w in caught if "autopar" in str(w.message)})
-        t2 = time.perf_counter()
-        progress(f"rank {rank}: cost model")
-        memory = cost.predict_memory(pm, args.optimizer)
-        pipelined = hasattr(pm, "schedule")
-        links = (cost._pipeline_links(pm, dev) if pipelined
-                 else cost.axis_links(pm.ctx.axis_names, pm.ctx.axis_sizes, dev))
-        est = cost.predict_time(pm, dev, args.optimizer)
-        t3 = time.perf_counter()
-        coord = tuple(mesh.get_coordinate())
-    finally:
-        dist.destroy_process_group()
-    options = {"precision": args.precision, "reduce_dtype": args.reduce_dtype, "recompute": args.recompute,
-               **({"kernels": dict(pm.ctx.lowered)} if args.kernels != "off" else {}),
-               "accumulate": args.accumulate, "optimizer": args.optimizer,
-               "inputs": [f"{list(x.shape)} {x.dtype}" for x in loaded.example_inputs]}
-    return Analysis(args.model, axes, plan, rank, coord, options, pm, memory, est, dev, links,
-                    {"build": t1 - t0, "compile": t2 - t1, "cost_model": t3 - t2, "total": t3 - t0,
-                     **{f"pass {k}": v for k, v in pm.ctx.timings.items()}}, notes, n_params)
-
-
-# --------------------------------------------------------------------------- formatting helpers
 def _b(n: float) -> str:
     n = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -317,7 +115,7 @@ def _stage_views(a: Analysis):
         return [a]
     from dataclasses import replace
 
-    from autopar.pipeline import StageView
+    from autopar.runtime.pipeline import StageView
 
     return [replace(a, pm=StageView(a.pm, sp)) for _, sp in sorted(a.pm.stages.items())]
 
@@ -501,7 +299,7 @@ def dump_svg(a: Analysis) -> str:
     bars with kind, axis, bytes and reason, and a live-memory bar (liveness) beside every box."""
     from html import escape
 
-    from autopar.cost import program_memory
+    from autopar.analysis.cost import program_memory
 
     rows = [r for r in node_rows(a) if r["op"] == "call_function"]
     prog = a.pm.program
@@ -736,85 +534,3 @@ def explain_text(a: Analysis) -> str:
               "collective's real per-rank size; time = roofline per op + alpha-beta per collective, "
               "communication overlapped only where the program's order allows."]
     return "\n".join(lines) + "\n"
-
-
-# --------------------------------------------------------------------------- entry points
-def _run(command: str, argv) -> int:
-    from autopar import zoo
-
-    p = argparse.ArgumentParser(prog=f"autopar {command}", description=_DESCRIPTIONS[command],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=zoo.describe_builtins())
-    add_common(p)
-    if command == "dump":
-        p.add_argument("--format", default="text", choices=["text", "json", "dot", "svg"])
-    p.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
-    if command == "plan":
-        p.add_argument("--json", action="store_true", help="print the analysis as JSON")
-    try:
-        args = p.parse_args(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
-    if args.list_models:
-        print(zoo.describe_builtins())
-        return 0
-    if not args.model:
-        p.print_usage(sys.stderr)
-        print(f"autopar {command}: a MODEL is required (autopar {command} --list-models)", file=sys.stderr)
-        return 2
-    progress = Progress(args.quiet)
-    try:
-        axes = parse_mesh(args.mesh)
-        ranks = parse_ranks(args.rank, math.prod(axes.values()))
-        if command == "dump" and len(ranks) > 1:
-            raise PlanError("dump shows one rank's program", where="--rank", fix="give one rank")
-        if args.accumulate < 1:
-            raise PlanError(f"--accumulate must be >= 1, got {args.accumulate}", where="--accumulate")
-        results = [analyse(args, r, progress) for r in ranks]
-    except PlanError as e:
-        progress.done()
-        print(f"autopar {command}: {e}", file=sys.stderr)
-        return 2
-    except AutoparError as e:
-        progress.done()
-        print(f"autopar {command}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    progress.done()
-    if command == "dump":
-        text = {"text": dump_text, "json": dump_json, "dot": dump_dot, "svg": dump_svg}[args.format](results[0])
-    elif command == "plan":
-        text = (json.dumps([summary(a) for a in results], indent=1, default=str) + "\n") if args.json \
-            else plan_table(results)
-    else:
-        text = "\n".join(explain_text(a) for a in results)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text)
-        print(f"wrote {args.output}", file=sys.stderr)
-    else:
-        try:
-            sys.stdout.write(text)
-        except BrokenPipeError:  # `autopar dump ... | head`
-            pass
-    return 0
-
-
-_DESCRIPTIONS = {
-    "dump": "the partitioned per-rank program: every value's placement, every collective with its kind, mesh axis, "
-            "bytes, reason and source line; forward and backward apart",
-    "plan": "per-rank table: parameters, gradients, optimizer state, activation peak (liveness), bytes per "
-            "collective kind and mesh axis, FLOPs, predicted step time with the device assumptions",
-    "explain": "the plan table, and why: the rule behind each placement, the source line behind each collective, "
-               "what is alive at the memory peak",
-}
-
-
-def dump_main(argv=None) -> int:
-    return _run("dump", argv)
-
-
-def plan_main(argv=None) -> int:
-    return _run("plan", argv)
-
-
-def explain_main(argv=None) -> int:
-    return _run("explain", argv)

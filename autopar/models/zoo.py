@@ -203,3 +203,13 @@ def _load_factory(spec: str) -> Loaded:
     if not all(isinstance(x, torch.Tensor) for x in example):
         raise PlanError("example_inputs must be tensors (the global batch)", where=where)
     return Loaded(model, example, out[2] if len(out) == 3 else None, spec)
+
+
+def random_batches(cfg, n: int, batch: int, seq: int):
+    """``n`` (tokens, next tokens) pairs of shape [batch, seq], the same on every call."""
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
+        out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
+    return out

@@ -16,12 +16,12 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
-    "dump": ("autopar.explain", "dump_main", "the partitioned per-rank program: placements, collectives, source lines"),
-    "plan": ("autopar.explain", "plan_main", "per-rank memory, bytes per collective and axis, FLOPs, predicted time"),
-    "explain": ("autopar.explain", "explain_main", "the plan, and why each placement, collective and peak byte is there"),
-    "calibrate": ("autopar.calibrate", "main", "measure this machine (matmul, memory, gloo) for the device table"),
-    "bench": ("autopar.bench", "main", "autopar against PyTorch-native parallelism, same run, alternating"),
-    "demo": ("autopar.demo", "main", "compile the built-in Llama on a CPU mesh, train, print what it did"),
+    "dump": ("autopar.tools.explain", "dump_main", "the partitioned per-rank program: placements, collectives, source lines"),
+    "plan": ("autopar.tools.explain", "plan_main", "per-rank memory, bytes per collective and axis, FLOPs, predicted time"),
+    "explain": ("autopar.tools.explain", "explain_main", "the plan, and why each placement, collective and peak byte is there"),
+    "calibrate": ("autopar.tools.calibrate", "main", "measure this machine (matmul, memory, gloo) for the device table"),
+    "bench": ("autopar.tools.bench", "main", "autopar against PyTorch-native parallelism, same run, alternating"),
+    "demo": ("autopar.tools.demo", "main", "compile the built-in Llama on a CPU mesh, train, print what it did"),
 }
 
 

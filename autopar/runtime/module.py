@@ -23,7 +23,7 @@ from torch.distributed.tensor.placement_types import Shard
 
 from autopar.errors import InputError
 from autopar.ir import CommRecord, bytes_by_collective, fmt_dtype, fmt_placements, ring_bytes
-from autopar.memory import MemoryTracker, categorize, optimizer_state_bytes, tensor_bytes
+from autopar.runtime.memory import MemoryTracker, categorize, optimizer_state_bytes, tensor_bytes
 from autopar.passes.localize import COLLECTIVES
 
 

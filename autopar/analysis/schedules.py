@@ -14,7 +14,7 @@ gradient of ``B/I(s, m)`` to the rank of ``s - 1``.
 
 Here: generators (GPipe, 1F1B, interleaved 1F1B, ZB-H1), ``validate`` (complete, on the right
 ranks, no deadlock) and ``simulate`` (per rank timelines, bubble fraction, peak activations in
-flight). autopar/pipeline.py splits the model into stages and runs these action lists on
+flight). passes/split.py splits the model into stages and runs these action lists on
 process groups (``plan={"pp": "1f1b"}``).
 """
 

@@ -3,7 +3,7 @@ Megatron on tp), train a few steps, and print the plan, the collectives, the los
 moved and the memory each rank held; then the same model and data as a 2-stage 1F1B pipeline
 over 2-way FSDP (its stages, bytes, measured schedule and activations in flight).
 
-    python -m autopar.demo [--steps 5] [--dp 2] [--tp 2] [--dp-plan fsdp] [--no-pipeline]
+    python -m autopar.tools.demo [--steps 5] [--dp 2] [--tp 2] [--dp-plan fsdp] [--no-pipeline]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def demo_job(axes: dict, steps: int, dp_plan: str = "fsdp") -> str:
         opt.step()
         if i == len(data) - 1:
             mem = pm.memory_report(opt)
-            from autopar.cost import predict_memory
+            from autopar.analysis.cost import predict_memory
 
             predicted_mem = predict_memory(pm)
         opt.zero_grad()
@@ -89,8 +89,8 @@ def pipeline_demo_job(steps: int, data) -> tuple[str, list[float]]:
 
     import autopar
     from autopar.models.llama import Llama, LlamaConfig, cross_entropy
-    from autopar.pipebench import measured_bubble
-    from autopar.schedules import simulate
+    from autopar.tools.pipebench import measured_bubble
+    from autopar.analysis.schedules import simulate
 
     mesh = autopar.mesh(pp=2, dp=2)
     torch.manual_seed(0)

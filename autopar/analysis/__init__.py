@@ -1,0 +1,1 @@
+"""Analysis: the cost model (memory, bytes, FLOPs, time) and the pipeline-schedule simulator."""

@@ -1,0 +1,94 @@
+"""What the passes know about the mesh, the plan and this rank (``Context``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+
+from autopar.plan import Placed, Plan
+
+
+class Context:
+    """What the passes know about the mesh, the plan and this rank."""
+
+    def __init__(self, mesh: DeviceMesh, plan: Plan, placed: Placed, *, compute_dtype=None, reduce_dtype=None,
+                 recompute: str = "none", accumulate: int = 1):
+        self.mesh = mesh
+        self.axis_names = tuple(mesh.mesh_dim_names)
+        self.axis_sizes = tuple(mesh.shape)
+        coord = mesh.get_coordinate()
+        self.coord = tuple(coord) if coord is not None else tuple(0 for _ in self.axis_sizes)
+        self.device = torch.device(mesh.device_type)
+        self.plan = plan
+        self.placed = placed
+        self.dp_axes = [i for i, a in enumerate(plan.axes) if a.data_parallel]
+        self.timings: dict[str, float] = {}
+        self.compute_dtype = compute_dtype  # None: fp32 throughout
+        self.reduce_dtype = reduce_dtype  # dtype gradients are reduced in (None: as produced)
+        self.recompute = recompute
+        self.accumulate = accumulate
+        self.sync_grads = True  # False while building the no-sync program of accumulation
+        self._groups = [mesh.get_group(i).group_name for i in range(len(self.axis_sizes))]
+        # a pipeline stage's program: (per input, per output) whether dim 0 is the batch
+        self.boundary: tuple[list[bool], list[bool]] | None = None
+        self.lowered: dict[str, int] = {}  # what the lower pass rewrote into kernel ops, per rule
+
+    # placements the program's boundary must have
+    def input_placements(self, shape: tuple[int, ...]) -> tuple[Placement, ...]:
+        """Batch (dim 0) sharded on every data-parallel axis, replicated elsewhere (and on 1-rank
+        axes, where sharding is the identity: a batch of 1 cannot be "sharded")."""
+        return tuple(Shard(0) if (i in self.dp_axes and len(shape) > 0 and self.axis_sizes[i] > 1) else Replicate()
+                     for i in range(len(self.axis_sizes)))
+
+    def io_placements(self, shape, batched: bool) -> tuple[Placement, ...]:
+        """A value crossing a pipeline stage boundary: batch-sharded like the inputs if its dim 0
+        is the batch, replicated otherwise (so neighbouring stages agree on the layout)."""
+        return self.input_placements(shape) if batched else tuple(Replicate() for _ in self.axis_sizes)
+
+    def placeholder_placements(self, role, shape):
+        kind, what = role
+        if kind == "param":
+            return self.placed.compute[what]  # the state pass applies the storage layout
+        if kind == "input":
+            return self.io_placements(shape, self.boundary[0][what]) if self.boundary else self.input_placements(shape)
+        if kind == "tangent" and self.boundary:
+            return self.io_placements(shape, self.boundary[1][what])
+        return tuple(Replicate() for _ in self.axis_sizes)
+
+    def output_placements(self, role, node=None):
+        kind, what = role
+        if kind == "grad":
+            return self.placed.placements[what] if self.sync_grads else None
+        if kind == "act":
+            return self.io_placements(tuple(node.meta["val"].shape), self.boundary[1][what])
+        if kind == "input_grad":
+            return self.io_placements(tuple(node.meta["val"].shape), self.boundary[0][what])
+        return tuple(Replicate() for _ in self.axis_sizes)
+
+    def output_hint(self, node: fx.Node):
+        """The placements the program's output wants for ``node`` (a gradient), if it is one."""
+        for u in node.users:
+            if u.op == "output":
+                return u.meta.get("autopar_in", [None] * len(u.args[0]))[list(u.args[0]).index(node)]
+        return None
+
+    # process groups, for rule implementations and localize
+    def group_name(self, axis: int) -> str:
+        return self._groups[axis]
+
+    def axis_of_group(self, name: str) -> int:
+        return self._groups.index(name)
+
+    def all_reduce(self, x: torch.Tensor, op: str, axis: int) -> torch.Tensor:
+        if self.axis_sizes[axis] == 1:
+            return x
+        c10d = torch.ops._c10d_functional
+        return c10d.wait_tensor(c10d.all_reduce(x, op, self.group_name(axis)))
+
+    def prod(self, axes) -> int:
+        n = 1
+        for a in axes:
+            n *= self.axis_sizes[a]
+        return n

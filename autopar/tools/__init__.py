@@ -1,0 +1,1 @@
+"""Tools: the ``autopar`` command line, ``explain`` (analysis + renderers), the benchmark harness, the demo."""

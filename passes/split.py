@@ -1,0 +1,543 @@
+"""The split pass: a pipeline's stages, cut from the torch-level graph of model + loss.
+
+
+``plan={"pp": "1f1b", "dp": "fsdp", "tp": "megatron"}`` (or ``"gpipe"``, ``"interleaved"``, ``"zb"``;
+``{"pp": {"schedule": "interleaved", "microbatches": 8, "virtual": 2, "split": ["layers.2"]}}``
+for the options). What happens, in order:
+
+1. **Capture** the whole model (+ loss) once, at the micro-batch's global shapes, as a torch-level
+   FX graph (the dynamo graph the joint capture starts from), every node with its module path.
+2. **Split** it into ``S = P * v`` stages at module boundaries: before the modules the user names
+   (``split``), or balanced by the cost model: each block of a ModuleList (``layers.3``) and the
+   prologue/epilogue around them is a segment; its cost is the roofline time of its forward +
+   backward (FLOPs measured with torch's flop counter on the trace's fake tensors, 3x the forward)
+   plus the per-op overhead, and contiguous segments are grouped to minimise the slowest stage,
+   ties broken by parameter bytes. Values computed only from parameters and buffers (mixed-
+   precision casts, rope tables) move to the first stage that uses them. A stage's inputs are the
+   values earlier stages (or the user's batch) produce that it reads; stages exchange exactly
+   those, point to point, and their gradients backward.
+3. **Compile each stage** this rank holds with the ordinary pass pipeline on the stage's
+   sub-mesh (the mesh without ``pp``): its own dp/fsdp/tp sharding, gradient reduction deferred to
+   one sync program per step (as ``accumulate=M``).
+4. **Partition** each stage's per-rank joint program into three graphs: ``F`` (what the stage's
+   outputs need), ``I`` (what the input gradients need, beyond F) and ``W`` (the rest: weight
+   gradients). Values F hands to I/W are the stage's saved activations; B runs I then W.
+5. **Run** the schedule (autopar/analysis/schedules.py): each rank walks its action list; a forward
+   receives its inputs (blocking ``recv`` from the producer's rank, tagged by edge and
+   micro-batch), runs F, sends its outputs (``isend``); a backward receives the output gradients,
+   runs I, sends input gradients back, runs W (ZB-H1 runs W later). Parameter gradients are summed
+   over micro-batches and synchronised once. Every action is timed (``timeline``), saved
+   activations are counted (``peak_in_flight``), bytes sent are counted per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import re
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+
+from autopar.errors import CaptureError, PlanError
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+
+
+# ------------------------------------------------------------------------------------ options
+@dataclass
+class PipelineOptions:
+    schedule: str
+    microbatches: int | None = None  # None: the default (see default_microbatches)
+    virtual: int = 1
+    split: list[str] | None = None  # module names that start a stage (S - 1 of them)
+
+    @classmethod
+    def parse(cls, value, axis: str = "pp") -> PipelineOptions:
+        where = f"plan[{axis!r}]"
+        if isinstance(value, str):
+            value = {"schedule": value}
+        if not isinstance(value, dict):
+            raise PlanError(f"the pipeline axis wants a schedule name or a dict, got {value!r}", where=where,
+                            fix=f'e.g. "{axis}": "1f1b" or {{"schedule": "interleaved", "virtual": 2, '
+                            '"microbatches": 8}')
+        unknown = set(value) - {"schedule", "microbatches", "virtual", "split"}
+        if unknown:
+            raise PlanError(f"unknown pipeline option(s) {sorted(unknown)}", where=where,
+                            fix="options are schedule, microbatches, virtual, split")
+        s = value.get("schedule")
+        if s not in PP_SCHEDULES:
+            raise PlanError(f"unknown pipeline schedule {s!r}", where=where, fix=f"use one of {list(PP_SCHEDULES)}")
+        m = value.get("microbatches")
+        if m is not None and (not isinstance(m, int) or m < 1):
+            raise PlanError(f"microbatches must be a positive int, got {m!r}", where=f"{where}['microbatches']")
+        v = value.get("virtual", 2 if s == "interleaved" else 1)
+        if not isinstance(v, int) or v < 1 or (v > 1 and s != "interleaved"):
+            raise PlanError(f"virtual={v!r}: only the interleaved schedule runs more than one stage per rank",
+                            where=f"{where}['virtual']", fix='use "schedule": "interleaved" with virtual >= 2')
+        split = value.get("split")
+        if split is not None and (not isinstance(split, (list, tuple)) or not all(isinstance(x, str) for x in split)):
+            raise PlanError(f"split must be a list of module names, got {split!r}", where=f"{where}['split']")
+        return cls(s, m, v, list(split) if split is not None else None)
+
+
+def default_microbatches(opts: PipelineOptions, p: int, batch_per_dp: int) -> int:
+    """The largest M <= 4 * P that divides the per-data-parallel-rank batch (a multiple of P for
+    the interleaved schedule), so the bubble (P-1)/(M+P-1) is at most ~20% when the batch
+    allows; at least P."""
+    for m in range(4 * p, p - 1, -1):
+        if batch_per_dp % m == 0 and (opts.schedule != "interleaved" or m % p == 0):
+            return m
+    raise PlanError(f"a {p}-stage pipeline needs at least {p} micro-batches, and the batch per data-parallel "
+                    f"rank ({batch_per_dp}) cannot be split into {p} or more equal micro-batches"
+                    + (" (a multiple of P, interleaved)" if opts.schedule == "interleaved" else ""),
+                    where="example_inputs", fix=f"use a batch per data-parallel rank that is a multiple of {p}")
+
+
+# ------------------------------------------------------------------------------------ splitting
+@dataclass
+class StageSpec:
+    index: int
+    gm: fx.GraphModule  # the stage's torch-level program
+    inputs: list[tuple]  # per placeholder: ("user", i) | ("stage", j, k): output k of stage j
+    consumers: list[list[tuple[int, int]]]  # per output: [(stage t, input k of t)]
+    example: list[torch.Tensor]
+    in_batched: list[bool]  # per input: dim 0 is the batch
+    out_batched: list[bool]
+    params: list[str]
+    modules: tuple[str, str]  # first and last module path in the stage
+    cost: float = 0.0  # predicted seconds of forward + backward (whole micro-batch, one rank)
+    param_bytes: int = 0
+    is_last: bool = False
+
+
+_BLOCK = re.compile(r"^((?:[^.]*\.)*?\d+)(\.|$)")  # the first list element on the path: layers.3, h.0, 3
+
+
+def _path(n: fx.Node) -> str:
+    st = n.meta.get("nn_module_stack")
+    if not st:
+        return ""
+    p = list(st.values())[-1][0]
+    while "getattr(" in p:  # under functional_call (mixed precision): getattr(L['self'].model.layers, '0').mlp
+        q = re.sub(r"getattr\(([^()]*?), '([^']*)'\)", r"\1.\2", p)
+        if q == p:
+            break
+        p = q
+    p = re.sub(r"^L\['self'\]\.model\.?", "", p)
+    p = re.sub(r"^L\['self'\]\.?", "", p)
+    p = re.sub(r"\[(\d+)\]", r".\1", p).replace("_modules['", "").replace("']", "")
+    return p
+
+
+def _block(path: str) -> str:
+    m = _BLOCK.match(path)
+    return m.group(1) if m else ""
+
+
+def _node_flops(n: fx.Node, fake_mode) -> float:
+    """Forward FLOPs of one torch-level node, from torch's flop-counter formulas on the trace's
+    fake tensors (matmuls, attention; everything else counts 0 and is timed as an op)."""
+    if n.op not in ("call_function", "call_method"):
+        return 0.0
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def val(a):
+        return a.meta.get("example_value") if isinstance(a, fx.Node) else a
+
+    args = fx.node.map_aggregate(n.args, val)
+    kwargs = fx.node.map_aggregate(n.kwargs, val)
+    try:
+        with fake_mode, FlopCounterMode(display=False) as fc, torch.no_grad():
+            if n.op == "call_method":
+                getattr(args[0], n.target)(*args[1:], **kwargs)
+            else:
+                n.target(*args, **kwargs)
+        return float(fc.get_total_flops())
+    except Exception:  # noqa: BLE001 - an op we cannot replay counts as overhead only
+        return 0.0
+
+
+def _val_bytes(v) -> int:
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def capture_whole(model: nn.Module, micro_inputs: tuple, loss_fn, compute_dtype, lower: bool = False) -> fx.GraphModule:
+    from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
+
+    from autopar.capture import _meta_attention, _WithLoss
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with _meta_attention(model, lower):
+                gm = _dynamo_graph_capture_for_export(_WithLoss(model, loss_fn, compute_dtype))(*micro_inputs)
+    except Exception as e:  # noqa: BLE001
+        raise CaptureError(f"could not trace the model for pipeline splitting: {type(e).__name__}: {e}",
+                           where=type(model).__name__) from e
+    if lower:
+        from autopar.passes.lower import lower_pass
+
+        gm.meta["autopar_lowered"] = dict(lower_pass(gm))
+    return gm
+
+
+def split_stages(gm: fx.GraphModule, n_stages: int, split: list[str] | None, device=None,
+                 dev_name: str | None = None) -> list[StageSpec]:
+    """The stage-split pass over the captured graph; see the module docstring."""
+    from autopar.analysis import cost
+
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    out_node = nodes[-1]
+    compute = [n for n in nodes if n.op in ("call_function", "call_method", "call_module")]
+    # which values depend on the batch (everything else is computed from parameters/buffers)
+    batch_dep: dict[fx.Node, bool] = {}
+    for n in nodes:
+        batch_dep[n] = n.op == "placeholder" or any(batch_dep.get(a, False) for a in n.all_input_nodes)
+    paths = {n: _path(n) for n in compute}
+    anchors = [n for n in compute if batch_dep[n] and n.target is not operator.getitem]
+    if not anchors:
+        raise CaptureError("the traced model does no computation on its inputs: nothing to pipeline")
+
+    # ---- segments: maximal runs of anchors in the same block (ModuleList element) or outside one
+    seg_of: dict[fx.Node, int] = {}
+    seg_start_path: list[str] = []
+    cur = None
+    for n in anchors:
+        b = _block(paths[n])
+        if cur is None or b != cur[0]:
+            cur = (b, len(seg_start_path))
+            seg_start_path.append(paths[n])
+        seg_of[n] = cur[1]
+    n_seg = len(seg_start_path)
+
+    if split is not None:
+        if len(split) != n_stages - 1:
+            raise PlanError(f"{len(split)} split point(s) for {n_stages} stages: a split point starts each stage "
+                            f"after the first, so {n_stages - 1} are needed", where="plan['pp']['split']")
+        cuts = []
+        for name in split:
+            hit = next((n for n in anchors if paths[n] == name or paths[n].startswith(name + ".")), None)
+            if hit is None:
+                known = sorted({_block(p) or p.split(".")[0] for p in paths.values() if p})
+                raise PlanError(f"no module named {name!r} runs in the traced forward", where="plan['pp']['split']",
+                                fix=f"name a module path, e.g. one of {known[:12]}")
+            cuts.append(anchors.index(hit))
+        if cuts != sorted(cuts) or len(set(cuts)) != len(cuts) or cuts[0] == 0:
+            raise PlanError(f"split points {split} must be distinct, in forward order, and not the first module",
+                            where="plan['pp']['split']")
+        bounds = [0] + cuts + [len(anchors)]
+        stage_of_anchor = {}
+        for s in range(n_stages):
+            for n in anchors[bounds[s]:bounds[s + 1]]:
+                stage_of_anchor[n] = s
+    else:
+        if n_seg < n_stages:
+            raise PlanError(f"the model has {n_seg} splittable segments (blocks of its layer lists plus what runs "
+                            f"before and after them) but the pipeline wants {n_stages} stages",
+                            where="plan['pp']", fix="use fewer pipeline stages (pp x virtual) or a deeper model")
+        dev = cost.get_device(dev_name or ("h100" if torch.cuda.is_available() else "cpu"))
+        fake_mode = gm.meta.get("fake_mode") or contextlib.nullcontext()
+        seg_cost = [0.0] * n_seg
+        seg_bytes = [0] * n_seg
+        rate = dev.flops["fp32"] * dev.efficiency
+        for n in anchors:
+            out = n.meta.get("example_value")
+            moved = _val_bytes(out) + sum(_val_bytes(a.meta.get("example_value")) for a in n.all_input_nodes)
+            t = max(_node_flops(n, fake_mode) / rate, moved / dev.mem_bw) + dev.op_overhead
+            seg_cost[seg_of[n]] += 3 * t  # forward + backward (2x)
+        for n in nodes:
+            if n.op == "get_attr":
+                users = [u for u in n.users if u in seg_of]
+                if users:
+                    seg_bytes[seg_of[users[0]]] += _val_bytes(n.meta.get("example_value"))
+        groups = _linear_partition(seg_cost, seg_bytes, n_stages)
+        stage_of_anchor = {n: groups[seg_of[n]] for n in anchors}
+
+    # ---- every node's stage: anchors by position, getitems with their source, values computed
+    # from parameters/buffers only with their first consumer
+    stage: dict[fx.Node, int] = {}
+    s = 0
+    for n in compute:
+        if n in stage_of_anchor:
+            s = stage_of_anchor[n]
+            stage[n] = s
+        elif batch_dep[n]:
+            stage[n] = s
+    for n in compute:
+        if n.target is operator.getitem and n.args[0] in stage:
+            stage[n] = stage[n.args[0]]
+    for n in reversed(nodes):
+        if n.op in ("placeholder", "output") or n in stage:
+            continue
+        user_stages = [stage[u] for u in n.users if u in stage]
+        if n.op == "get_attr":
+            continue
+        stage[n] = min(user_stages) if user_stages else n_stages - 1
+    # parameters/buffers are copied into each stage that uses them; parameters may live in one only
+    attr_stages: dict[fx.Node, set[int]] = {}
+    for n in nodes:
+        if n.op == "get_attr":
+            attr_stages[n] = {stage[u] for u in n.users if u in stage}
+            if _is_param(gm, n) and len(attr_stages[n]) > 1:
+                users = sorted({paths.get(u, "") for u in n.users if u in stage})
+                raise PlanError(f"parameter {n.target} is used by pipeline stages {sorted(attr_stages[n])} "
+                                f"(modules {users}): tied weights cannot live on two stages",
+                                where="plan['pp']", fix="untie the weights, or choose split points (plan['pp']"
+                                "['split']) that keep the modules sharing it in one stage")
+    loss = out_node.args[0]
+    loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+    if not isinstance(loss, fx.Node) or stage.get(loss) != n_stages - 1:
+        raise CaptureError("the loss is not computed in the last pipeline stage", where="loss_fn")
+    counts = [0] * n_stages
+    for n, st in stage.items():
+        counts[st] += 1
+    if any(c == 0 for c in counts):
+        raise PlanError(f"pipeline stage {counts.index(0)} would be empty", where="plan['pp']['split']")
+
+    # ---- stage graphs
+    specs: list[StageSpec] = []
+    out_index: dict[fx.Node, tuple[int, int]] = {}  # value -> (stage, output index)
+    stage_nodes = [[n for n in nodes if stage.get(n) == st] for st in range(n_stages)]
+    outputs_of = []
+    for st in range(n_stages):
+        outs = [n for n in stage_nodes[st] if any(stage.get(u, -1) > st for u in n.users)]
+        if st == n_stages - 1:
+            outs = [loss]
+        for k, n in enumerate(outs):
+            out_index[n] = (st, k)
+        outputs_of.append(outs)
+    consumers: list[list[list]] = [[[] for _ in outs] for outs in outputs_of]
+    for st in range(n_stages):
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        root = nn.Module()
+        inputs, example, in_batched, params = [], [], [], []
+        ext = []
+        for n in stage_nodes[st]:
+            for a in n.all_input_nodes:
+                if a not in env and a not in ext and (a.op == "placeholder" or (a.op != "get_attr" and stage.get(a) != st)):
+                    ext.append(a)
+        ext.sort(key=lambda a: pos[a])
+        for a in ext:
+            ph = g.placeholder(a.name)
+            ph.meta.update(a.meta)
+            env[a] = ph
+            k = len(inputs)
+            if a.op == "placeholder":
+                inputs.append(("user", placeholders.index(a)))
+            else:
+                j, o = out_index[a]
+                inputs.append(("stage", j, o))
+                consumers[j][o].append((st, k))
+            ev = a.meta.get("example_value")
+            if not isinstance(ev, torch.Tensor):
+                raise CaptureError(f"a non-tensor value ({type(ev).__name__}) crosses pipeline stages at "
+                                   f"{paths.get(a, a.name)}", where="plan['pp']", fix="move the split point")
+            t = torch.zeros(ev.shape, dtype=ev.dtype, device=device)
+            if ev.requires_grad and ev.is_floating_point() and a.op != "placeholder":
+                t.requires_grad_(True)
+            example.append(t)
+            in_batched.append(_batched(a, ev, batch_dep, placeholders))
+        for n in stage_nodes[st]:
+            for a in n.all_input_nodes:
+                if a.op == "get_attr" and a not in env:
+                    obj = _attr(gm, a.target)
+                    setattr(root, a.target, obj)
+                    env[a] = g.get_attr(a.target)
+                    env[a].meta.update(a.meta)
+                    if isinstance(obj, nn.Parameter):
+                        params.append(a.target)
+            env[n] = g.node_copy(n, env.__getitem__)
+        outs = outputs_of[st]
+        g.output(tuple(env[n] for n in outs))
+        sg = fx.GraphModule(root, g)
+        stage_paths = [paths[n] for n in stage_nodes[st] if n in paths and paths[n]]
+        spec = StageSpec(st, sg, inputs, consumers[st], example, in_batched,
+                         [False] if st == n_stages - 1 else
+                         [_batched(n, n.meta.get("example_value"), batch_dep, placeholders) for n in outs],
+                         params, (stage_paths[0] if stage_paths else "", stage_paths[-1] if stage_paths else ""),
+                         is_last=st == n_stages - 1)
+        spec.param_bytes = sum(_val_bytes(getattr(root, p)) for p in params)
+        specs.append(spec)
+    return specs
+
+
+def _is_param(gm, n) -> bool:
+    return isinstance(_attr(gm, n.target), nn.Parameter)
+
+
+def _attr(gm, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _batched(n: fx.Node, ev, batch_dep, placeholders) -> bool:
+    """Dim 0 of a value crossing stages is the batch iff it is computed from the batch and its dim 0
+    has the batch's size; a value computed from the batch with another leading dim is refused."""
+    if not batch_dep.get(n, False):
+        return False
+    b = placeholders[0].meta["example_value"].shape[0] if placeholders else None
+    if isinstance(ev, torch.Tensor) and ev.ndim > 0 and ev.shape[0] == b:
+        return True
+    raise CaptureError(f"value {n.name} ({list(ev.shape) if isinstance(ev, torch.Tensor) else ev}) crosses a "
+                       "pipeline stage boundary but its leading dim is not the micro-batch", where=_path(n) or n.name,
+                       fix="move the split point (plan['pp']['split']) to a module boundary where activations are "
+                       "batch-first")
+
+
+def _linear_partition(costs: list[float], nbytes: list[int], k: int) -> list[int]:
+    """Group contiguous segments into k non-empty stages minimising the slowest stage (then the
+    largest parameter bytes); returns the stage of each segment."""
+    n = len(costs)
+    pre = [0.0]
+    preb = [0]
+    for c, b in zip(costs, nbytes):
+        pre.append(pre[-1] + c)
+        preb.append(preb[-1] + b)
+    inf = (float("inf"), float("inf"))
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    arg = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = (0.0, 0)
+    for j in range(1, k + 1):
+        for i in range(j, n - (k - j) + 1):
+            for t in range(j - 1, i):
+                prev = best[j - 1][t]
+                if prev == inf:
+                    continue
+                here = (pre[i] - pre[t], preb[i] - preb[t])
+                cand = (max(prev[0], here[0]), max(prev[1], here[1]))
+                if cand < best[j][i]:
+                    best[j][i], arg[j][i] = cand, t
+    out = [0] * n
+    i = n
+    for j in range(k, 0, -1):
+        t = arg[j][i]
+        for x in range(t, i):
+            out[x] = j - 1
+        i = t
+    return out
+
+
+def is_pipeline_strategy(v) -> bool:
+    return (isinstance(v, str) and v in PP_SCHEDULES) or (isinstance(v, dict) and "schedule" in v)
+
+
+# ------------------------------------------------------------------------------------ partition
+@dataclass
+class Part:
+    """One of a stage's three graphs (F, I, W): reads ``args`` (names of the joint program's
+    placeholders or of values earlier parts produced), writes ``outs``."""
+
+    name: str
+    gm: fx.GraphModule | None
+    args: list[str]
+    outs: list[str]
+    nodes: int = 0
+
+
+def partition(gm: fx.GraphModule, roles: list[tuple]) -> dict[str, Part]:
+    """Split a stage's per-rank joint program into F (everything its activations / loss need),
+    I (what its input gradients need beyond F) and W (what its weight gradients need beyond
+    both). Collectives go with the values they produce; recomputed values land in I/W."""
+    nodes = list(gm.graph.nodes)
+    out = nodes[-1]
+    outs = list(out.args[0])
+
+    def targets(kinds):
+        return [o for o, r in zip(outs, roles) if r[0] in kinds and isinstance(o, fx.Node)]
+
+    def ancestors(ts, exclude):
+        seen: set[fx.Node] = set()
+        stack = list(ts)
+        while stack:
+            n = stack.pop()
+            if n in seen or n in exclude or n.op == "placeholder":
+                continue
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+        return seen
+
+    f = ancestors(targets(("act", "loss")), set())
+    i = ancestors(targets(("input_grad",)), f)
+    w = ancestors(targets(("grad",)), f | i)
+    groups = [("F", f), ("I", i), ("W", w)]
+    needed_by_later: list[set[fx.Node]] = []
+    for k, (_, g) in enumerate(groups):
+        later = set()
+        for _, h in groups[k + 1:]:
+            for n in h:
+                later.update(a for a in n.all_input_nodes if a in g)
+        later.update(o for o in outs if isinstance(o, fx.Node) and o in g)
+        needed_by_later.append(later)
+    parts = {}
+    for (name, g), later in zip(groups, needed_by_later):
+        if not g:
+            parts[name] = Part(name, None, [], [])
+            continue
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        args = []
+        for n in nodes:
+            if n not in g:
+                continue
+            for a in n.all_input_nodes:
+                if a not in env and a not in g:
+                    ph = graph.placeholder(a.name)
+                    ph.meta.update({k: a.meta[k] for k in ("val", "autopar") if k in a.meta})
+                    env[a] = ph
+                    args.append(a.name)
+            env[n] = graph.node_copy(n, env.__getitem__)
+        keep = [n for n in nodes if n in later]
+        graph.output(tuple(env[n] for n in keep))
+        parts[name] = Part(name, fx.GraphModule(gm, graph), args, [n.name for n in keep], len(g))
+    return parts
+
+
+# ------------------------------------------------------------------------------------ compile
+@dataclass
+class StageProgram:
+    spec: StageSpec
+    ctx: object
+    program: object
+    sync: object
+    parts: dict[str, Part]
+    param_names: list[str]  # the user's names of the parameters this stage holds
+    ph_names: list[str] = field(default_factory=list)  # per program input: its placeholder's name
+    out_names: list[str | None] = field(default_factory=list)  # per program output: node name (None: no value)
+    ph_vals: dict = field(default_factory=dict)  # placeholder name -> its per-rank fake value
+    saved_bytes: int = 0  # predicted: what one micro-batch's forward leaves for its backward
+    saved_after_i: int = 0  # ... and what its input-gradient part leaves for its weight-gradient part
+
+
+def _saved_bytes(gm: fx.GraphModule, roles, parts: dict[str, Part], after: str = "F") -> int:
+    """Bytes of the distinct storages a micro-batch holds between its parts, from the trace's fake
+    tensors: ``after="F"``: what F leaves for I and W (the stage's activations in flight);
+    ``after="I"``: what W still needs (with the output gradients). Views of parameters and
+    buffers do not count."""
+    from autopar.analysis.cost import _storages
+
+    nodes = {n.name: n for n in gm.graph.nodes}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    state = {sid for n, (kind, _) in zip(placeholders, roles) if kind in ("param", "buffer")
+             for sid, _ in _storages(n.meta.get("val"))}
+    skip = {n.name for n, (kind, _) in zip(placeholders, roles) if kind in ("param", "buffer")}
+    if after == "F":
+        skip |= {n.name for n, (kind, _) in zip(placeholders, roles) if kind == "tangent"} | set(parts["I"].outs)
+        names = set(parts["I"].args) | set(parts["W"].args)
+    else:
+        names = set(parts["W"].args)
+    seen, total = set(state), 0
+    for name in sorted(names - skip):
+        for sid, nbytes in _storages(nodes[name].meta.get("val")):
+            if sid not in seen:
+                seen.add(sid)
+                total += nbytes
+    return total
+
