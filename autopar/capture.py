@@ -27,22 +27,34 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 from autopar.errors import CaptureError
-from autopar.ir import Program
+from autopar.ir import Program, info
+from autopar.scoped import SharedPatch
+
+# ---- a model on meta tensors (planning a 70B model without its memory) must trace into the same
+# joint graph as with real weights (tests/test_explain.py compares the two). Two fixes, in force
+# only while the autograd pass traces a meta model (``_meta_autograd``): nothing changes at import.
 
 
-# On the meta device aten::nll_loss dispatches straight to a meta kernel that has no autograd
-# formula, so a cross-entropy loss traced on meta tensors (planning a 70B model without memory)
-# silently had no backward: every gradient output was None. Route it through nll_loss_forward,
-# as the CPU/CUDA composite does, so the meta trace is the same joint graph as a real one
-# (tests/test_explain.py compares the two).
-_META_FIX = torch.library.Library("aten", "IMPL")
-_META_FIX.impl("nll_loss", lambda self, target, weight=None, reduction=1, ignore_index=-100:
-               torch.ops.aten.nll_loss_forward(self, target, weight, reduction, ignore_index)[0], "AutogradMeta")
+def _nll_loss_via_forward(self, target, weight=None, reduction=1, ignore_index=-100):
+    return torch.ops.aten.nll_loss_forward(self, target, weight, reduction, ignore_index)[0]
 
 
-_SDPA = torch.nn.functional.scaled_dot_product_attention
+def _register_nll_loss_fix() -> torch.library.Library:
+    """On the meta device aten::nll_loss dispatches straight to a meta kernel with no autograd
+    formula, so AOTAutograd traced a cross-entropy loss on meta with no backward (every gradient
+    None). An AutogradMeta kernel routes it through nll_loss_forward, as the CPU/CUDA composite
+    does. A registration on torch's dispatcher is process-wide while it exists (no thread-local
+    form), so it is made for the length of the trace and destroyed after (``Library._destroy``)."""
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("nll_loss", _nll_loss_via_forward, "AutogradMeta")
+    return lib
+
+
+_META_NLL_LOSS = SharedPatch(_register_nll_loss_fix, lambda lib: lib._destroy())
+_SDPA = torch._C._nn.scaled_dot_product_attention  # what torch.nn.functional exports; modes see this
 
 
 def _sdpa_as_on_cpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -62,16 +74,28 @@ def _sdpa_as_on_cpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
                  enable_gqa=enable_gqa)
 
 
+class _MetaAttention(TorchFunctionMode):
+    """SDPA calls go to ``_sdpa_as_on_cpu``. A torch function mode, not a patched
+    ``torch.nn.functional``: it is thread-local and ends with the ``with`` block, so only
+    autopar's trace sees it. It is entered around AOTAutograd (which honours modes), not around
+    dynamo's export capture (which ignores them): the torch-level graph keeps SDPA as written,
+    which is also what the lower pass wants."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _SDPA:
+            return _sdpa_as_on_cpu(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
-def _meta_attention(model: nn.Module, lowering: bool = False):
-    if lowering or not any(p.is_meta for p in model.parameters()):  # (lowering wants SDPA as written)
+def _meta_autograd(model: nn.Module):
+    """The meta-model fixes above, for the length of one AOTAutograd trace of ``model``."""
+    if not any(p.is_meta for p in model.parameters()):
         yield
         return
-    torch.nn.functional.scaled_dot_product_attention = _sdpa_as_on_cpu
-    try:
+    with _META_NLL_LOSS(), _MetaAttention():
         yield
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = _SDPA
 
 
 class _WithLoss(nn.Module):
@@ -121,30 +145,16 @@ def _tensor_names(module: nn.Module) -> dict[int, tuple[str, str]]:
     return names
 
 
-def capture_joint(model: nn.Module, example_inputs: tuple, loss_fn: Callable | None,
-                  compute_dtype: torch.dtype | None = None, lower: bool = False) -> Program:
-    """Trace model (+loss) into the joint graph. Parameter names are the user's names.
-    ``lower``: rewrite attention / linear + activation into autopar's kernel ops first
-    (passes/lower.py); the counts land in ``program.lowered``."""
-    wrapper = _WithLoss(model, loss_fn, compute_dtype)
-    ids = _tensor_names(model)
-    lowered = None
-    try:
-        from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
-        from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+def capture_graph(model: nn.Module, example_inputs: tuple, loss_fn: Callable | None,
+                  compute_dtype: torch.dtype | None = None) -> fx.GraphModule:
+    """Trace model (+ loss) with dynamo into a torch-level graph (the capture pass). SDPA calls
+    stay as written, also on meta (the lower pass rewrites them; ``_meta_autograd`` fixes the rest)."""
+    from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
 
+    try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with _meta_attention(model, lower):
-                gm = _dynamo_graph_capture_for_export(wrapper)(*example_inputs)
-            if lower:
-                from autopar.passes.lower import lower_pass
-
-                lowered = lower_pass(gm)
-            stack = contextlib.ExitStack()
-            with stack:
-                joint = aot_export_joint_with_descriptors(stack, gm, tuple(example_inputs))
-                graph = joint.graph_module.graph
+            return _dynamo_graph_capture_for_export(_WithLoss(model, loss_fn, compute_dtype))(*example_inputs)
     except Exception as e:  # noqa: BLE001 - re-raised with context
         raise CaptureError(
             f"could not trace the model into a joint forward+backward graph: {type(e).__name__}: {e}",
@@ -152,28 +162,34 @@ def capture_joint(model: nn.Module, example_inputs: tuple, loss_fn: Callable | N
             fix="make the model traceable by torch.export (no data-dependent Python control flow; "
             "HF models need use_cache=False)",
         ) from e
-    program = _describe(graph, gm, ids, model)
-    program.lowered = dict(lowered or {})
-    return program
 
 
-def capture_stage(stage_gm: fx.GraphModule, example_inputs: tuple, model: nn.Module, last: bool) -> Program:
-    """A pipeline stage (a slice of the captured graph, passes/split.py) as a joint program:
-    its outputs are activations for later stages (the loss on the last stage), its tangents their
-    gradients, and it also returns the gradients of its floating-point inputs."""
+def joint_program(gm: fx.GraphModule, example_inputs: tuple, model: nn.Module, stage: str | None = None) -> Program:
+    """The joint forward + backward ATen graph of a torch-level graph (the autograd pass).
+    ``stage``: None for a whole model; "middle" / "last" for a pipeline stage (passes/split.py),
+    whose outputs are activations for later stages (the loss on the last stage), whose tangents
+    are their gradients, and which also returns the gradients of its floating-point inputs."""
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
     try:
-        from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             stack = contextlib.ExitStack()
-            with stack:
-                joint = aot_export_joint_with_descriptors(stack, stage_gm, tuple(example_inputs))
+            with stack, _meta_autograd(model):
+                joint = aot_export_joint_with_descriptors(stack, gm, tuple(example_inputs))
                 graph = joint.graph_module.graph
-    except Exception as e:  # noqa: BLE001
-        raise CaptureError(f"could not trace pipeline stage into a joint graph: {type(e).__name__}: {e}",
+    except Exception as e:  # noqa: BLE001 - re-raised with context
+        what = "pipeline stage" if stage else "model"
+        raise CaptureError(f"could not trace the {what} into a joint forward+backward graph: {type(e).__name__}: {e}",
                            where=type(model).__name__) from e
-    return _describe(graph, stage_gm, _tensor_names(model), model, stage="last" if last else "middle")
+    return _describe(graph, gm, _tensor_names(model), model, stage=stage)
+
+
+def capture_joint(model: nn.Module, example_inputs: tuple, loss_fn: Callable | None,
+                  compute_dtype: torch.dtype | None = None) -> Program:
+    """capture + autograd for a whole model, in one call (tests and tools that want the joint
+    graph of a model without the rest of the pass list)."""
+    return joint_program(capture_graph(model, example_inputs, loss_fn, compute_dtype), example_inputs, model)
 
 
 def _describe(graph: fx.Graph, gm: fx.GraphModule, ids, model, stage: str | None = None) -> Program:
@@ -210,7 +226,7 @@ def _describe(graph: fx.Graph, gm: fx.GraphModule, ids, model, stage: str | None
         else:
             raise CaptureError(f"unsupported graph input {desc!r}",
                                fix="inputs must be tensors, parameters and buffers")
-        n.meta["autopar_role"] = inputs[-1]
+        info(n).role = inputs[-1]
     out_node = next(n for n in graph.nodes if n.op == "output")
     outputs: list[tuple[str, Any]] = []
     for desc in out_node.meta.get("desc", []):
@@ -280,7 +296,7 @@ def capture_forward(model: nn.Module, example_inputs: tuple, compute_dtype: torc
         else:
             inputs.append(("input", user_idx))
             user_idx += 1
-        n.meta["autopar_role"] = inputs[-1]
+        info(n).role = inputs[-1]
     out_node = next(n for n in graph.nodes if n.op == "output")
     outputs = [("output", i) for i in range(len(out_node.args[0]))]
     return Program(graph=graph, inputs=inputs, outputs=outputs, buffers=buffers)

@@ -1,22 +1,27 @@
-"""``autopar.compile``: the driver. Reads top to bottom as the pipeline it runs."""
+"""``autopar.compile``: validate the options, run the pass list (passes/__init__.py), build the runtime.
+
+    compile = validate -> run_pipeline(capture, lower, split, autograd, propagate, recompute,
+              state, collectives, localize, overlap, schedule) -> ParallelModule | PipelineModule
+"""
 
 from __future__ import annotations
 
 import functools
+import math
 import time
-import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from autopar.context import Context
+from autopar.capture import capture_forward
 from autopar.errors import PlanError
-from autopar.capture import capture_forward, capture_joint
-from autopar.ir import Program
-from autopar.plan import parse_plan, place_parameters
+from autopar.ir import CompileState
+from autopar.pipeline_plan import PipelineSetup, is_pipeline_strategy, pipeline_setup
+from autopar.plan import Plan, parse_plan
 
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -64,9 +69,10 @@ def compile(
     ``capture_eval=False`` skips capturing the forward-only program (planning without running).
     ``pipeline_stages="all"`` (with a pipeline axis) also compiles the stages other ranks hold, so
     planning tools can show and cost the whole pipeline from one rank.
-    ``kernels``: "auto" (lower attention and linear + activation to autopar's Triton kernels on a
-    CUDA mesh when Triton is installed), "on" (also on CPU, through Triton's interpreter: slow),
-    "off". ``pm.ctx.lowered`` counts what was rewritten.
+    ``kernels``: "on" lowers attention and linear + activation to autopar's Triton kernels
+    (compiled on CUDA; on CPU through Triton's interpreter: slow), "off" keeps PyTorch's ops,
+    "auto" (the default) keeps PyTorch's ops until the kernels have been measured on a GPU, then
+    will pick them on a CUDA mesh. ``pm.ctx.lowered`` counts what was rewritten.
 
     As a decorator (``@autopar.compile(mesh=..., example_inputs=..., plan=...)``) on a model
     class or a model-building function, the class/function then returns ParallelModules.
@@ -77,9 +83,52 @@ def compile(
                 capture_eval=capture_eval, pipeline_stages=pipeline_stages, kernels=kernels)
     if model is None or (isinstance(model, type) or (callable(model) and not isinstance(model, nn.Module))):
         return _decorator(model, **opts)
-    from autopar.passes import run_passes
+    capture_eval = opts.pop("capture_eval")
+    return runtime_for(build(model, **opts), capture_eval=capture_eval)
+
+
+@dataclass(frozen=True)
+class Options:
+    """``autopar.compile``'s options, validated: what the passes read (``state.options``)."""
+
+    plan: dict
+    parsed: Plan  # the plan on the mesh the stages run on (without a pipeline axis)
+    loss_fn: Callable | None
+    inputs: str  # "global" | "local"
+    compute_dtype: torch.dtype | None  # None: fp32 throughout
+    reduce_dtype: torch.dtype | None
+    loss_scale: str | float | None  # fp16 only
+    accumulate: int
+    recompute: str
+    lower: bool  # run the lower pass (kernels)
+    debug: bool
+    skip: tuple[str, ...]
+    progress: Callable[[str], None] | None
+    stages: str  # "local" | "all" (planning: compile every pipeline stage on this rank)
+    pipeline: PipelineSetup | None  # the pipeline axis, validated, with its schedule
+
+
+def build(model: nn.Module, mesh: DeviceMesh, *, stop_after: str | None = None, **options) -> CompileState:
+    """Validate everything that can be checked without tracing (``options``: compile's), then run
+    the pass list (passes/__init__.py) up to ``stop_after`` (all of it by default)."""
+    from autopar.passes import run_pipeline
+
+    t0 = time.perf_counter()
+    opts, micro = validate(model, mesh, **options)
+    state = CompileState(model, mesh, opts, tuple(options["example_inputs"]), micro)
+    state = run_pipeline(state, skip=opts.skip, debug=opts.debug, stop_after=stop_after)
+    state.timings["total"] = time.perf_counter() - t0
+    return state
+
+
+def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, inputs="global", precision="fp32",
+             reduce_dtype=None, loss_scale="dynamic", accumulate=1, recompute="none", debug=False, skip_passes=(),
+             progress=None, pipeline_stages="local", kernels="auto") -> tuple[Options, tuple]:
+    """Every check that needs no trace: options, plan against mesh and model, batch against
+    the data-parallel ranks and the pipeline's micro-batches. Returns the options and one
+    micro-batch of the example inputs (what capture traces)."""
+    from autopar.passes import check_names
     from autopar.passes.recompute import POLICIES
-    from autopar.runtime.module import ParallelModule
 
     if mesh is None:
         raise PlanError("autopar.compile needs a mesh", fix="pass mesh=autopar.mesh(dp=2)")
@@ -97,106 +146,108 @@ def compile(
     if compute_dtype == torch.float16 and not (loss_scale == "dynamic" or isinstance(loss_scale, (int, float))):
         raise PlanError(f"loss_scale must be 'dynamic' or a number, got {loss_scale!r}",
                         where="autopar.compile(loss_scale=...)")
-    example_inputs = tuple(example_inputs)
-    lower = _kernels_option(kernels, mesh)
     if not isinstance(accumulate, int) or accumulate < 1:
         raise PlanError(f"accumulate must be a positive int, got {accumulate!r}", where="autopar.compile(accumulate=...)")
-    from autopar.compile_pipeline import compile_pipeline
-    from autopar.passes.split import is_pipeline_strategy
-
+    check_names(skip_passes, "autopar.compile(skip_passes=...)")
+    example_inputs = tuple(example_inputs)
+    lower = _kernels_option(kernels, mesh)
+    already = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    if already:
+        raise PlanError(f"the model's parameters are already DTensors ({already[0]}, ...): it was compiled "
+                        "before, and autopar.compile replaces a module's parameters in place",
+                        where="autopar.compile(model)", fix="build a fresh model (or deep-copy it) for each compile")
     pp_axes = [a for a, v in (plan or {}).items() if a != "rules" and is_pipeline_strategy(v)]
     if len(pp_axes) > 1:
         raise PlanError(f"more than one pipeline axis in the plan: {pp_axes}", where="plan",
                         fix="pipeline over one mesh axis")
+    pipeline = None
     if pp_axes:
         if pp_axes[0] not in (mesh.mesh_dim_names or ()):
             raise PlanError(f"plan names mesh axis {pp_axes[0]!r}, which the mesh does not have", where="plan",
                             fix=f"mesh axes are {list(mesh.mesh_dim_names)}")
-        if any(isinstance(p, DTensor) for p in model.parameters()):
-            raise PlanError("the model's parameters are already DTensors: it was compiled before",
-                            where="autopar.compile(model)", fix="build a fresh model for each compile")
-        return compile_pipeline(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, plan=plan,
-                                pp_axis=pp_axes[0], compute_dtype=compute_dtype, reduce_dtype=reduce,
-                                recompute=recompute, accumulate=accumulate, inputs=inputs, debug=debug,
-                                skip_passes=skip_passes, progress=progress, stages=pipeline_stages, lower=lower,
-                                loss_scale=loss_scale)
-    micro_inputs = example_inputs
+        pipeline = pipeline_setup(mesh, plan, pp_axes[0], example_inputs, accumulate)
+        parsed, m = pipeline.parsed, pipeline.microbatches
+        micro = tuple(x[: x.shape[0] // m] if isinstance(x, torch.Tensor) and x.ndim > 0 else x
+                      for x in example_inputs)
+    else:
+        parsed = parse_plan(plan, tuple(mesh.mesh_dim_names))
+        micro = _micro_batch(example_inputs, accumulate, parsed, mesh)
+    options = Options(plan or {}, parsed, loss_fn, inputs, compute_dtype, reduce,
+                      loss_scale if compute_dtype == torch.float16 else None, accumulate, recompute, lower, debug,
+                      tuple(skip_passes), progress, pipeline_stages, pipeline)
+    return options, micro
+
+
+def _micro_batch(example_inputs: tuple, accumulate: int, parsed: Plan, mesh) -> tuple:
+    """One of the ``accumulate`` micro-batches, checked against the data-parallel ranks."""
+    micro = example_inputs
     if accumulate > 1:
         for i, x in enumerate(example_inputs):
             if x.ndim == 0 or x.shape[0] % accumulate:
                 raise PlanError(f"input #{i} has batch size {x.shape[0] if x.ndim else 'none'}, not divisible "
                                 f"by accumulate={accumulate}", where=f"example_inputs[{i}]",
                                 fix="pick a global batch that is a multiple of accumulate (x the data-parallel size)")
-        micro_inputs = tuple(x[: x.shape[0] // accumulate] for x in example_inputs)
-    t0 = time.perf_counter()
-    parsed = parse_plan(plan, tuple(mesh.mesh_dim_names))
-    params = dict(model.named_parameters())
-
-    already = [n for n, p in params.items() if isinstance(p, DTensor)]
-    if already:
-        raise PlanError(f"the model's parameters are already DTensors ({already[0]}, ...): it was compiled "
-                        "before, and autopar.compile replaces a module's parameters in place",
-                        where="autopar.compile(model)", fix="build a fresh model (or deep-copy it) for each compile")
-    placed = place_parameters(parsed, params, tuple(mesh.shape))
-    for axis, names in placed.unplaced.items():
-        warnings.warn(f"autopar: the '{axis}' strategy did not recognise {len(names)} parameter(s), "
-                      f"replicated on '{axis}': {', '.join(names)} (place them with plan['rules'])",
-                      stacklevel=2)
-    ctx = Context(mesh, parsed, placed, compute_dtype=compute_dtype, reduce_dtype=reduce, recompute=recompute,
-                  accumulate=accumulate)
-    ctx.loss_scale = loss_scale if compute_dtype == torch.float16 else None
-    dp = ctx.prod(ctx.dp_axes)
-    for i, x in enumerate(micro_inputs):
+        micro = tuple(x[: x.shape[0] // accumulate] for x in example_inputs)
+    dp_axes = [i for i, a in enumerate(parsed.axes) if a.data_parallel]
+    dp = math.prod(mesh.shape[i] for i in dp_axes)
+    for i, x in enumerate(micro):
         if x.ndim > 0 and dp > 1 and x.shape[0] % dp:
-            names = "x".join(ctx.axis_names[a] for a in ctx.dp_axes)
+            names = "x".join(mesh.mesh_dim_names[a] for a in dp_axes)
             raise PlanError(f"input #{i} has batch size {x.shape[0]}" + (f" per micro-batch (accumulate={accumulate})"
                             if accumulate > 1 else "") + f", which the data-parallel axes ({names}, {dp} ranks) "
                             "cannot split evenly", where=f"example_inputs[{i}]",
                             fix=f"use a global batch that is a multiple of {dp * accumulate}")
-    ctx.progress = progress
-    if any(p.is_meta for p in params.values()):  # planning only (no data): the program stays on meta
-        ctx.device = torch.device("meta")
-    if progress:
-        progress("capture (torch.export, joint forward + backward)")
-    program: Program = capture_joint(model, micro_inputs, loss_fn, compute_dtype, lower=lower)
-    ctx.lowered = program.lowered
-    ctx.timings["capture"] = time.perf_counter() - t0
-    ctx.sync_grads = accumulate == 1
-    program = run_passes(program, ctx, skip=skip_passes, debug=debug)
-    sync = None
-    if accumulate > 1:
-        from autopar.passes.state import grad_sync_program
+    return micro
 
-        sync = grad_sync_program(program, ctx, debug=debug)
-    ctx.sync_grads = True
-    ctx.timings["total"] = time.perf_counter() - t0
+
+def runtime_for(state: CompileState, capture_eval: bool = True):
+    """The runtime object for a compiled state: ParallelModule (one stage) or PipelineModule."""
+    from autopar.passes import run_stage_passes
+    from autopar.runtime.module import ParallelModule
+    from autopar.runtime.pipeline import PipelineModule
+
+    o = state.options
+    if o.pipeline is not None:
+        pl = o.pipeline
+        return PipelineModule(state.model, state.mesh, pl.axis, pl.stage_mesh, pl.schedule, pl.options, state.specs,
+                              state.stages, state.example_inputs, o.inputs, stage_plan=pl.parsed)
+    stage = state.stages[0]
+    ctx = stage.ctx
     # the eval program is captured now, while the parameters are still plain tensors; its
     # passes run on the first forward call
     forward_builder = None
     if capture_eval:
-        fwd_inputs = example_inputs[:-1] if loss_fn is not None else example_inputs
-        if progress:
-            progress("capture (eval forward)")
-        fwd_program = capture_forward(model, fwd_inputs, compute_dtype)
-        ctx.timings["capture_forward"] = time.perf_counter() - t0 - ctx.timings["total"]
-        forward_builder = functools.partial(run_passes, fwd_program, ctx, debug=debug, label="eval ",
-                                            skip=tuple(skip_passes) + ("recompute",))
-    return ParallelModule(model, ctx, program, example_inputs, loss_fn is not None, inputs, forward_builder,
-                          sync_program=sync)
+        fwd_inputs = state.example_inputs[:-1] if o.loss_fn is not None else state.example_inputs
+        if o.progress:
+            o.progress("capture (eval forward)")
+        t0 = time.perf_counter()
+        fwd_program = capture_forward(state.model, fwd_inputs, o.compute_dtype)
+        ctx.timings["capture_forward"] = time.perf_counter() - t0
+        forward_builder = functools.partial(run_stage_passes, fwd_program, ctx, debug=o.debug, label="eval ",
+                                            skip=tuple(o.skip) + ("recompute",))
+    return ParallelModule(state.model, ctx, stage.program, state.example_inputs, o.loss_fn is not None, o.inputs,
+                          forward_builder, sync_program=stage.sync)
 
 
 def _kernels_option(kernels: str, mesh) -> bool:
-    """Whether to run the lower pass (autopar's Triton kernels)."""
-    from autopar.kernels.ops import available
+    """Whether to run the lower pass (autopar's Triton kernels). "auto" picks them only where
+    they were measured to beat PyTorch's own ops: on a CUDA mesh, once that measurement exists
+    (``KERNELS_MEASURED_ON_GPU`` in kernels/ops.py says what it is). Nobody has run them on a GPU
+    yet, so for now "auto" is PyTorch's ops everywhere; "on" forces the kernels, "off" disables."""
+    from autopar.kernels.ops import KERNELS_MEASURED_ON_GPU, available
 
     if kernels not in ("auto", "on", "off"):
         raise PlanError(f"unknown kernels option {kernels!r}", where="autopar.compile(kernels=...)",
                         fix='use "auto", "on" or "off"')
+    if kernels == "off":
+        return False
     ok, how = available()
-    if kernels == "on" and not ok:
-        raise PlanError(f"kernels='on' but {how}", where="autopar.compile(kernels='on')",
-                        fix="pip install triton, or compile with kernels='off'")
-    return kernels == "on" or (kernels == "auto" and ok and how == "cuda" and mesh.device_type == "cuda")
+    if kernels == "on":
+        if not ok:
+            raise PlanError(f"kernels='on' but {how}", where="autopar.compile(kernels='on')",
+                            fix="pip install triton, or compile with kernels='off'")
+        return True
+    return KERNELS_MEASURED_ON_GPU and ok and how == "cuda" and mesh.device_type == "cuda"
 
 
 def _decorator(target, **kw):

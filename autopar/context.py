@@ -8,6 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from autopar.plan import Placed, Plan
+from autopar.ir import info
 
 
 class Context:
@@ -71,7 +72,7 @@ class Context:
         """The placements the program's output wants for ``node`` (a gradient), if it is one."""
         for u in node.users:
             if u.op == "output":
-                return u.meta.get("autopar_in", [None] * len(u.args[0]))[list(u.args[0]).index(node)]
+                return (info(u).wants or [None] * len(u.args[0]))[list(u.args[0]).index(node)]
         return None
 
     # process groups, for rule implementations and localize
@@ -92,3 +93,20 @@ class Context:
         for a in axes:
             n *= self.axis_sizes[a]
         return n
+
+
+def make_context(mesh: DeviceMesh, parsed: Plan, params: dict, options, accumulate: int, state=None) -> Context:
+    """A stage's Context: its parameters placed by the plan on ``mesh``, the compile options."""
+    from autopar.plan import place_parameters
+
+    placed = place_parameters(parsed, params, tuple(mesh.shape))
+    ctx = Context(mesh, parsed, placed, compute_dtype=options.compute_dtype, reduce_dtype=options.reduce_dtype,
+                  recompute=options.recompute, accumulate=accumulate)
+    ctx.loss_scale = options.loss_scale if options.compute_dtype == torch.float16 else None
+    ctx.progress = options.progress
+    if any(p.is_meta for p in params.values()):  # planning only (no data): the program stays on meta
+        ctx.device = torch.device("meta")
+    if state is not None:  # what the earlier passes recorded, seen from the stage
+        ctx.timings = state.timings
+        ctx.lowered = state.lowered
+    return ctx

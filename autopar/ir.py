@@ -1,25 +1,23 @@
 """The IR: a torch.fx graph whose every tensor value carries a ``ShardSpec``.
 
-Where the pieces live on a node (the invariants ``check_invariants`` enforces):
-
-- ``node.meta["val"]``: FakeTensor(s) with the GLOBAL shape (set by the front end);
-- ``node.meta["autopar"]``: the value's ``ShardSpec`` (or a tuple of them, ``None`` for
-  non-tensors), set by ``propagate`` on every node;
-- ``node.meta["autopar_in"]``: the placements each tensor input must have when the op runs,
-  set by ``propagate`` for call_function nodes; after ``collectives`` runs they equal the
-  producers' placements (every mismatch got a redistribute node);
-- redistribute nodes (target ``redistribute``) carry ``node.meta["autopar_comm"]``: a
-  ``CommRecord`` per collective step (kind, mesh axis, bytes per rank, reason, source line).
+Where the pieces live on a node: ``node.meta["val"]`` holds FakeTensor(s) with the GLOBAL
+shape (set by capture; the per-rank graph's nodes hold LOCAL ones); everything autopar adds is
+one typed record, ``node.meta["autopar"]`` = ``NodeInfo`` (``info(node)``): the value's
+``ShardSpec`` (propagate), the placements its op needs (propagate), the rule that decided, the
+``CommRecord``s of a collective with its reason and source line (collectives, localize).
+``check_invariants`` (global graphs) and ``check_local`` (per-rank graphs) enforce what each
+pass promises (passes/README.md).
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 
 
 @dataclass(frozen=True)
@@ -31,10 +29,12 @@ class ShardSpec:
     dtype: torch.dtype
 
     def local_shape(self, axis_sizes: tuple[int, ...]) -> tuple[int, ...]:
-        """The per-rank shape (evenly divisible shards; uneven ones are rejected earlier)."""
+        """The per-rank shape (evenly divisible shards; uneven ones are rejected earlier). A
+        strided shard (DTensor's ``_StridedShard``, e.g. a view that merges a sharded dim with the
+        dims after it) holds as many elements of its dim as a plain shard does."""
         shape = list(self.shape)
         for p, n in zip(self.placements, axis_sizes):
-            if isinstance(p, Shard):
+            if isinstance(p, (Shard, _StridedShard)):
                 shape[p.dim] = math.ceil(shape[p.dim] / n)
         return tuple(shape)
 
@@ -101,7 +101,7 @@ def ring_bytes(kind: str, payload_bytes: int, n: int) -> float:
 
 
 def bytes_by_collective(records) -> dict[str, float]:
-    """Ring bytes per rank per step, keyed "kind@axis" like the runtime's CommCounter.summary()."""
+    """Ring bytes per rank per step, keyed "kind@axis" like the runtime's ``counter.summary()`` (CommMeter)."""
     out: dict[str, float] = {}
     for r in records:
         key = f"{r.kind}@{r.axis}"
@@ -114,8 +114,42 @@ def redistribute(x, src, dst):  # pragma: no cover - a marker target, never exec
     raise RuntimeError("autopar.ir.redistribute is a graph marker; run the localize pass")
 
 
+_UNSET = object()  # a node propagate has not reached yet
+
+
+@dataclass
+class NodeInfo:
+    """Everything autopar records about one node, in one typed record: ``node.meta["autopar"]``
+    (``info(node)``). Each field names the pass that sets it."""
+
+    role: tuple | None = None  # autograd / capture: a placeholder's role, e.g. ("param", name)
+    spec: object = _UNSET  # propagate: ShardSpec (a tuple of them for multi-output ops; None: no tensor)
+    wants: list | None = None  # propagate: the placements each tensor input must have when the op runs
+    rule: object = None  # propagate: the RuleResult that decided (its .name, its local .impl)
+    why: str | None = None  # state: why this consumer needs its input's layout (becomes a reason)
+    recomputed: str | None = None  # recompute: the forward node this backward copy recomputes
+    reason: str | None = None  # collectives (redistribute nodes): why the move exists
+    producer: str = ""  # collectives: source line of the op that produced the value moved
+    comm: object = None  # collectives: predicted CommRecords (list); localize: a per-rank collective's CommRecord
+
+    @property
+    def has_spec(self) -> bool:
+        return self.spec is not _UNSET
+
+
+def info(node: fx.Node) -> NodeInfo:
+    """The node's record, created empty on first use."""
+    rec = node.meta.get("autopar")
+    if rec is None:
+        rec = node.meta["autopar"] = NodeInfo()
+    return rec
+
+
 def spec_of(node) -> ShardSpec | None:
-    return node.meta.get("autopar") if isinstance(node, fx.Node) else None
+    if not isinstance(node, fx.Node):
+        return None
+    rec = node.meta.get("autopar")
+    return rec.spec if rec is not None and rec.has_spec else None
 
 
 def source_line(node: fx.Node) -> str:
@@ -160,6 +194,45 @@ class Program:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass
+class Stage:
+    """One SPMD program of the whole. A plan without a pipeline axis has one stage holding the
+    whole model; a pipeline has one per stage (passes/split.py). The passes fill it in order."""
+
+    index: int
+    gm: fx.GraphModule  # split: the stage's torch-level graph (SPMD: the whole capture)
+    example: tuple  # its global example inputs (one micro-batch)
+    param_names: list[str]  # the user's names of the parameters it holds
+    ctx: object = None  # split: the stage's Context (mesh or pipeline sub-mesh, plan, placements)
+    spec: object = None  # split (pipelines): StageSpec, where its inputs come from and outputs go
+    program: Program | None = None  # autograd: the joint graph; localize adds .local, the per-rank one
+    sync: Program | None = None  # schedule: gradients reduced once per step (accumulation, pipelines)
+    parts: dict = field(default_factory=dict)  # schedule (pipelines): the F / I / W per-rank graphs
+    ph_names: list[str] = field(default_factory=list)  # per program input: its placeholder's name
+    out_names: list[str | None] = field(default_factory=list)  # per program output: node name (None: no value)
+    ph_vals: dict = field(default_factory=dict)  # placeholder name -> its per-rank fake value
+    saved_bytes: int = 0  # predicted: what one micro-batch's forward leaves for its backward
+    saved_after_i: int = 0  # ... and what its input-gradient part leaves for its weight-gradient part
+
+
+@dataclass
+class CompileState:
+    """The whole program as it moves through the pass list (passes/__init__.py): each pass reads
+    what the earlier ones left and adds its part. ``done`` lists the passes run, in order."""
+
+    model: object  # the user's nn.Module
+    mesh: object  # the DeviceMesh
+    options: object  # autopar.compiler.Options: the plan and every compile option, validated
+    example_inputs: tuple  # the global example batch, as given
+    micro_inputs: tuple  # one micro-batch of it: what capture traces
+    gm: fx.GraphModule | None = None  # capture: the torch-level graph of model + loss
+    lowered: dict = field(default_factory=dict)  # lower: rewrites into kernel ops, per rule
+    stages: list[Stage] = field(default_factory=list)  # split: the stages compiled on this rank
+    specs: list = field(default_factory=list)  # split (pipelines): every stage's StageSpec
+    timings: dict[str, float] = field(default_factory=dict)
+    done: list[str] = field(default_factory=list)
+
+
 def check_invariants(graph: fx.Graph, stage: str) -> None:
     """The IR's written-down invariants; the pass runner calls this between passes in debug mode."""
     graph.lint()
@@ -167,33 +240,85 @@ def check_invariants(graph: fx.Graph, stage: str) -> None:
         if n.op == "output":
             continue
         if stage in ("propagate", "recompute", "state", "collectives"):
-            if "autopar" not in n.meta:
+            if not info(n).has_spec:
                 raise AssertionError(f"after {stage}: node {n.name} has no ShardSpec")
-            spec = n.meta["autopar"]
+            spec = spec_of(n)
             val = n.meta.get("val")
             if isinstance(spec, ShardSpec) and isinstance(val, torch.Tensor):
                 if tuple(val.shape) != spec.shape:
                     raise AssertionError(f"{n.name}: ShardSpec shape {spec.shape} != value {tuple(val.shape)}")
-        if stage == "collectives" and n.op == "call_function" and "autopar_in" in n.meta:
-            for a, want in zip(tensor_args(n), n.meta["autopar_in"]):
+        if stage == "collectives" and n.op == "call_function" and info(n).wants is not None:
+            for a, want in zip(tensor_args(n), info(n).wants):
                 have = spec_of(a)
                 if want is not None and have is not None and tuple(have.placements) != tuple(want):
                     raise AssertionError(
                         f"after collectives: {n.name} wants {fmt_placements(want)} for {a.name}, "
                         f"which is {fmt_placements(have.placements)}")
         if stage == "localize":
-            target = collective_op(n.target) if n.op == "call_function" else None
+            target = n.target if n.op == "call_function" else None
             if target is not None and "_c10d_functional" in str(target) and "wait_tensor" not in str(target):
                 users = list(n.users)
                 if not any("wait_tensor" in str(u.target) for u in users):
                     raise AssertionError(f"collective {n.name} has no wait_tensor")
-                if "autopar_comm" not in n.meta:
+                if info(n).comm is None:
                     raise AssertionError(f"collective {n.name} has no CommRecord (why is it there?)")
 
 
-def collective_op(target):
-    """The functional collective behind a call target (the runtime wraps them to count bytes)."""
-    return getattr(target, "_autopar_collective", target)
+def check_local(gm: fx.GraphModule, program: Program, axis_sizes, after: str) -> None:
+    """The per-rank graph's invariants (debug mode, after localize and every later pass):
+
+    - it lints; every ``_c10d_functional`` collective has a ``wait_tensor`` and a CommRecord;
+    - every value has its LOCAL shape: placeholders, outputs, and the value each global node
+      became (the last per-rank node traced for it, ``meta["custom"]["autopar_origin"]``) have the
+      shape of that global value's ShardSpec on this rank. A global shape left behind (a view or an expand
+      that kept its global size) fails here, naming the node and the user's line.
+    """
+    where = f"after {after}"
+    gm.graph.lint()
+    globals_ = {n.name: n for n in program.graph.nodes}
+    g_ph = [n for n in program.graph.nodes if n.op == "placeholder"]
+    g_out = next(n for n in program.graph.nodes if n.op == "output")
+    for n in gm.graph.nodes:
+        target = n.target if n.op == "call_function" else None
+        if target is not None and "_c10d_functional" in str(target) and "wait_tensor" not in str(target):
+            if not any("wait_tensor" in str(u.target) for u in n.users):
+                raise AssertionError(f"{where}: collective {n.name} has no wait_tensor")
+            if info(n).comm is None:
+                raise AssertionError(f"{where}: collective {n.name} has no CommRecord (why is it there?)")
+    pairs = []
+    if len(g_ph) == len([n for n in gm.graph.nodes if n.op == "placeholder"]):
+        pairs += zip([n for n in gm.graph.nodes if n.op == "placeholder"], g_ph)
+    last: dict[str, fx.Node] = {}  # a global node's value is the last per-rank node traced for it
+    for n in gm.graph.nodes:
+        name = (n.meta.get("custom") or {}).get("autopar_origin", "")
+        if n.op == "call_function" and name in globals_:
+            last[name] = n
+    for name, n in last.items():
+        origin = globals_[name]
+        if isinstance(spec_of(origin), ShardSpec) and n.target is not operator.getitem:
+            pairs.append((n, origin))
+    for n, origin in pairs:
+        _check_local_value(n, n.meta.get("val"), spec_of(origin), axis_sizes, where, origin)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    if len(out.args[0]) == len(g_out.args[0]):
+        for o, g in zip(out.args[0], g_out.args[0]):
+            if isinstance(o, fx.Node) and isinstance(g, fx.Node):
+                _check_local_value(o, o.meta.get("val"), spec_of(g), axis_sizes, where, g)
+
+
+def _check_local_value(n: fx.Node, val, spec, axis_sizes, where: str, origin: fx.Node) -> None:
+    if isinstance(spec, (tuple, list)) and isinstance(val, (tuple, list)):
+        for v, s in zip(val, spec):
+            _check_local_value(n, v, s, axis_sizes, where, origin)
+        return
+    if not isinstance(spec, ShardSpec) or not isinstance(val, torch.Tensor):
+        return
+    want = spec.local_shape(axis_sizes)
+    if tuple(val.shape) != tuple(want):
+        shape = "the GLOBAL shape" if tuple(val.shape) == spec.shape else "shape"
+        raise AssertionError(
+            f"{where}: per-rank value {n.name} has {shape} {list(val.shape)}, but {origin.name} is "
+            f"{spec} and a rank holds {list(want)} of it (at {source_line(origin) or 'unknown line'})")
 
 
 def tensor_args(node: fx.Node) -> list[fx.Node]:

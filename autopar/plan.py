@@ -4,10 +4,17 @@
     plan = {"dp": "ddp", "tp": "megatron",
             "rules": {"*lm_head.weight": {"tp": "R"}}}           # override a preset
     plan = {"tp": [("*.w_in.weight", "S(0)"), ("*.w_out.weight", "S(1)")]}   # replace it
+    plan = {"tp": "megatron", "rest": "replicate"}               # replicate what no rule matches
 
 A rule is (glob on the parameter's full name, placement); the first matching rule wins,
 overrides before presets. Placements are written "R", "S(d)" (a tensor dim) or DTensor
 placement objects.
+
+A parameter that no rule matches on some axis is a PlanError naming it (a silently replicated
+weight costs memory and bandwidth nobody asked for). ``"rest": "replicate"`` replicates every
+such parameter on every axis instead; they are listed in ``placed.unplaced``, ``report()`` and
+``autopar explain``. Data-parallel presets match every parameter ("*"), so "rest" only
+concerns tensor-parallel axes.
 """
 
 from __future__ import annotations
@@ -25,19 +32,25 @@ R = Replicate()
 
 # Megatron-LM tensor parallelism, written as rules over the usual Llama/GPT/Qwen/Mistral names.
 # HF GPT-2 (Conv1D c_attn/c_fc/c_proj: [in, out] weights, fused qkv) is deliberately absent: its
-# parameters are replicated and named in a warning rather than sharded along the wrong dim.
+# parameters are a PlanError (no rule) rather than sharded along the wrong dim; plan["rest"] =
+# "replicate" or plan["rules"] say what to do with them.
 _COLUMN = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "wq", "wk", "wv", "w1", "w3",
            "fc1", "query", "key", "value", "dense_h_to_4h"]
 _ROW = ["o_proj", "down_proj", "wo", "w2", "fc2", "out_proj", "dense_4h_to_h"]
 _VOCAB = ["embed_tokens", "tok_embeddings", "wte", "word_embeddings", "lm_head", "output", "embed_out"]
+# Stacked experts [E, dim, ffn] / [E, ffn, dim] (autopar.models.llama.MoE): each expert's MLP split
+# as above, along ffn (one all-reduce after the experts); the router stays whole.
+_EXPERTS = [("*mlp.w_gate", Shard(2)), ("*mlp.w_up", Shard(2)), ("*mlp.w_down", Shard(1))]
+# replicated on purpose: small, and their ops need the whole hidden dim
 _REPLICATED_OK = ["*norm*", "*ln_*", "*ln_f*", "*layernorm*", "*layer_norm*", "*wpe*", "*position_embedding*",
-                  "*rotary*", "*bias"]
+                  "*rotary*", "*router.weight", "*bias"]
 
 MEGATRON: list[tuple[str, Placement]] = (
     [(f"*{m}.weight", Shard(0)) for m in _COLUMN]
     + [(f"*{m}.bias", Shard(0)) for m in _COLUMN]
     + [(f"*{m}.weight", Shard(1)) for m in _ROW]
     + [(f"*{m}.weight", Shard(0)) for m in _VOCAB]
+    + _EXPERTS
     + [(g, R) for g in _REPLICATED_OK]
 )
 
@@ -82,10 +95,16 @@ class AxisPlan:
         return ZERO_LEVEL.get(self.strategy, 0)
 
 
+# plan["rest"]: what happens to a parameter that no rule of an axis matches
+REST = {"error": "a PlanError naming it (the default)",
+        "replicate": "replicated on that axis, listed in report() and autopar explain"}
+
+
 @dataclass
 class Plan:
     axes: list[AxisPlan]
     overrides: dict[str, list[tuple[str, Placement]]] = field(default_factory=dict)
+    rest: str = "error"  # a key of REST
 
     def describe(self) -> str:
         return ", ".join(f"{a.axis}={a.strategy}" for a in self.axes)
@@ -112,7 +131,7 @@ def parse_plan(plan, axis_names: tuple[str, ...]) -> Plan:
             overrides[axis].append((glob, parse_placement(p, f"plan['rules'][{glob!r}][{axis!r}]")))
     axes = []
     for key in plan:
-        if key != "rules" and key not in axis_names:
+        if key not in ("rules", "rest") and key not in axis_names:
             raise PlanError(f"plan names mesh axis {key!r}, which the mesh does not have",
                             where=f"plan[{key!r}]", fix=f"mesh axes are {list(axis_names)}")
     for axis in axis_names:
@@ -132,44 +151,104 @@ def parse_plan(plan, axis_names: tuple[str, ...]) -> Plan:
         else:
             raise PlanError(f"strategy for axis {axis!r} must be a preset name or a list of (glob, placement)",
                             where=f"plan[{axis!r}]")
-    return Plan(axes, overrides)
+    return Plan(axes, overrides, _parse_rest(plan.get("rest", "error")))
+
+
+def _parse_rest(value) -> str:
+    if isinstance(value, str) and value in REST:
+        return value
+    raise PlanError(f"unknown plan['rest'] value {value!r}", where="plan['rest']",
+                    fix='use "replicate" (replicate every parameter that no rule matches) or leave "rest" out '
+                    "(a parameter that no rule matches is then an error naming it)")
 
 
 @dataclass
 class Placed:
     placements: dict[str, tuple[Placement, ...]]  # how each parameter is STORED (what the optimizer sees)
-    unplaced: dict[str, list[str]]  # axis -> parameter names no rule recognised (replicated)
+    unplaced: dict[str, list[str]]  # axis -> parameters no rule matched, replicated by plan["rest"]
     compute: dict[str, tuple[Placement, ...]] = field(default_factory=dict)  # how the program uses it
     unsharded: dict[str, list[str]] = field(default_factory=dict)  # zero axis -> params kept whole
+    # tensor-parallel axis of size > 1 -> every parameter replicated on it, with the rule that did it
+    replicated: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
 
 
 def place_parameters(plan: Plan, params: dict[str, torch.Tensor], axis_sizes) -> Placed:
+    """Each parameter's placement on each axis: the first matching rule, plan['rules'] before the
+    strategy's. A parameter no rule matches is an error unless plan['rest'] says what to do."""
+    unplaced = check_rules_cover(plan, params)
     out: dict[str, list[Placement]] = {n: [] for n in params}
-    unplaced: dict[str, list[str]] = {}
+    replicated: dict[str, list[tuple[str, str]]] = {}
     for i, ap in enumerate(plan.axes):
         for name, t in params.items():
-            hit = _first_match(plan.overrides.get(ap.axis, []), name)
-            if hit is None:
-                hit = _first_match(ap.rules, name)
-            if hit is None:
-                unplaced.setdefault(ap.axis, []).append(name)
+            hit, glob, source = _match(plan, ap, name)
+            if hit is None:  # plan["rest"] == "replicate" (check_rules_cover raised otherwise)
                 hit = R
             if axis_sizes[i] == 1:  # one rank on this axis: every placement is the whole tensor
                 hit = R
-            if isinstance(hit, Shard):
-                d = hit.dim % t.ndim if t.ndim else None
-                if d is None or t.shape[d] % axis_sizes[i]:
-                    raise PlanError(
-                        f"parameter {name!r} of shape {list(t.shape)} cannot be sharded on dim {hit.dim} "
-                        f"over mesh axis '{ap.axis}' of size {axis_sizes[i]}: not divisible",
-                        where=f"parameter {name}",
-                        fix=f"use a '{ap.axis}' size that divides {t.shape[d] if d is not None else 'it'}, "
-                        f"or add a rule {{'{name}': {{'{ap.axis}': 'R'}}}} to plan['rules']")
-                hit = Shard(d)
+            elif isinstance(hit, Shard):
+                hit = _checked_shard(hit, name, t, ap.axis, axis_sizes[i])
+            elif not ap.data_parallel:
+                replicated.setdefault(ap.axis, []).append((name, _rule_text(ap, glob, source)))
             out[name].append(hit)
     compute = {n: tuple(p) for n, p in out.items()}
     storage, unsharded = _shard_state(plan, params, compute, axis_sizes)
-    return Placed(storage, unplaced, compute, unsharded)
+    return Placed(storage, unplaced, compute, unsharded, replicated)
+
+
+def check_rules_cover(plan: Plan, params: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+    """Per axis, the parameters that no rule matches; a PlanError naming all of them (with their
+    shapes) unless plan['rest'] = 'replicate'. Works on the whole model before any splitting."""
+    unmatched: dict[str, list[str]] = {}
+    for ap in plan.axes:
+        names = [n for n in params if _match(plan, ap, n)[0] is None]
+        if names:
+            unmatched[ap.axis] = names
+    if unmatched and plan.rest == "error":
+        raise _unmatched_error(plan, unmatched, params)
+    return unmatched
+
+
+def _unmatched_error(plan: Plan, unmatched: dict[str, list[str]], params) -> PlanError:
+    lines = []
+    for ap in plan.axes:
+        names = unmatched.get(ap.axis, [])
+        if names:
+            lines.append(f"{_strategy_text(ap)} has no rule for {len(names)} parameter(s), so nothing says how to "
+                         f"place them on mesh axis '{ap.axis}':")
+            lines += [f"    {n} {list(params[n].shape)}" for n in names]
+    axis, names = next(iter(unmatched.items()))
+    return PlanError(
+        "\n".join(lines), where=", ".join(f"plan[{a!r}]" for a in unmatched),
+        fix=f'give them rules in plan["rules"], e.g. {{"{names[0]}": {{"{axis}": "R"}}}} to replicate or '
+        f'{{"{names[0]}": {{"{axis}": "S(0)"}}}} to shard dim 0, or set plan["rest"] = "replicate" to replicate '
+        "every parameter that no rule matches (report() and autopar explain list them with their sizes)")
+
+
+def _strategy_text(ap: AxisPlan) -> str:
+    return f"the {ap.strategy!r} strategy" if ap.strategy in PRESETS else f"the rule list in plan[{ap.axis!r}]"
+
+
+def _rule_text(ap: AxisPlan, glob: str, source: str) -> str:
+    """Which rule placed a parameter, in words, for the reports."""
+    if not glob:
+        return "plan['rest'] = 'replicate' (no rule matched)"
+    if source == OVERRIDE:
+        return f"plan['rules'] override {glob!r}"
+    if ap.strategy in PRESETS:
+        return f"{ap.strategy} preset rule {glob!r}"
+    return f"plan[{ap.axis!r}] rule {glob!r}"
+
+
+def _checked_shard(p: Shard, name: str, t: torch.Tensor, axis: str, size: int) -> Shard:
+    d = p.dim % t.ndim if t.ndim else None
+    if d is None or t.shape[d] % size:
+        raise PlanError(
+            f"parameter {name!r} of shape {list(t.shape)} cannot be sharded on dim {p.dim} "
+            f"over mesh axis '{axis}' of size {size}: not divisible",
+            where=f"parameter {name}",
+            fix=f"use a '{axis}' size that divides {t.shape[d] if d is not None else 'it'}, "
+            f"or add a rule {{'{name}': {{'{axis}': 'R'}}}} to plan['rules']")
+    return Shard(d)
 
 
 def _shard_state(plan: Plan, params, compute, axis_sizes):
@@ -195,23 +274,43 @@ def _shard_state(plan: Plan, params, compute, axis_sizes):
     return storage, unsharded
 
 
-def _first_match(rules, name: str):
-    for glob, p in rules:
-        if fnmatch.fnmatchcase(name, glob):
-            return p
-    return None
+OVERRIDE = "override (plan['rules'])"
+
+
+def _match(plan: Plan, ap: AxisPlan, name: str) -> tuple[Placement | None, str, str]:
+    """The rule that places ``name`` on axis ``ap``: (placement, glob, source), where source is
+    OVERRIDE or the strategy's name; (None, "", "") when no rule matches."""
+    for source, rules in ((OVERRIDE, plan.overrides.get(ap.axis, [])), (ap.strategy, ap.rules)):
+        for glob, p in rules:
+            if fnmatch.fnmatchcase(name, glob):
+                return p, glob, source
+    return None, "", ""
 
 
 def placement_reasons(plan: Plan, name: str) -> list[tuple[str, str, str]]:
     """Per mesh axis, which rule placed parameter ``name`` and where it came from:
-    (axis, rule glob or "", "override" | strategy name | "no rule: replicated")."""
+    (axis, rule glob or "", OVERRIDE | strategy name | "plan['rest']: replicated" | "no rule")."""
     out = []
     for ap in plan.axes:
-        for source, rules in (("override (plan['rules'])", plan.overrides.get(ap.axis, [])), (ap.strategy, ap.rules)):
-            hit = next((g for g, _ in rules if fnmatch.fnmatchcase(name, g)), None)
-            if hit is not None:
-                out.append((ap.axis, hit, source))
-                break
-        else:
-            out.append((ap.axis, "", "no rule: replicated"))
+        p, glob, source = _match(plan, ap, name)
+        if p is None:
+            source = "plan['rest']: replicated" if plan.rest == "replicate" else "no rule"
+        out.append((ap.axis, glob, source))
     return out
+
+
+def replicated_lines(placed: Placed, params: dict[str, torch.Tensor], indent: str = "  ") -> list[str]:
+    """Every parameter replicated on a tensor-parallel axis (each of its ranks holds the whole
+    tensor), its size and the rule that replicated it, with the total per axis: the memory a
+    tensor-parallel plan does not divide, for report() and autopar explain."""
+    lines = []
+    for axis, rows in placed.replicated.items():
+        rows = [(n, params[n], why) for n, why in rows if n in params]
+        numel = sum(t.numel() for _, t, _ in rows)
+        nbytes = sum(t.numel() * t.element_size() for _, t, _ in rows)
+        lines.append(f"{indent}replicated on tensor-parallel axis '{axis}' (whole tensor on each of its ranks): "
+                     f"{len(rows)} parameter(s), {numel:,} elements, {nbytes:,} B in all")
+        for n, t, why in rows:
+            lines.append(f"{indent}  {n:44s} {str(list(t.shape)):>14s} {t.numel():>12,} elements "
+                         f"{t.numel() * t.element_size():>14,} B  <- {why}")
+    return lines

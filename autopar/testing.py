@@ -18,6 +18,7 @@ import traceback
 
 import torch
 import torch.multiprocessing as mp
+from autopar.ir import info
 
 _TIMEOUT_S = float(os.environ.get("AUTOPAR_POOL_TIMEOUT", "600"))
 
@@ -240,7 +241,7 @@ def parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: float = 1e
     opt = torch.optim.AdamW(pm.parameters(), lr=lr)
     losses, grads = [], []
     pm.counter.reset()
-    pm.track_memory()
+    pm.track_memory()  # the allocator's peak, live storages, FLOPs; and bytes at the process group
     for i in range(steps):
         loss = pm.train_step(*batches[i % len(batches)])
         losses.append(loss.item())
@@ -260,9 +261,8 @@ def parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: float = 1e
     return {"predicted_memory": predicted, "losses": losses, "grads": grads, "params": params, "records": records,
             "measured": measured, "steps": steps, "eval": evaluated, "memory": memory,
             "placements": {n: str(p.placements) for n, p in pm.named_parameters()},
-            "skipped": pm.skipped_steps,
-            "rules": sorted({n.meta["autopar_rule"].name for n in pm.program.graph.nodes
-                             if "autopar_rule" in n.meta}),
+            "skipped": pm.skipped_steps, "accumulate": pm.accumulate,
+            "rules": sorted({info(n).rule.name for n in pm.program.graph.nodes if info(n).rule is not None}),
             }
 
 
@@ -346,6 +346,7 @@ def pipeline_parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: f
     opt = torch.optim.AdamW(pm.parameters(), lr=lr)
     losses, grads = [], []
     pm.counter.reset()
+    pm.measure()  # count what each rank hands to the process group
     for i in range(steps):
         losses.append(pm.train_step(*batches[i % len(batches)]).item())
         grads.append({n: p.grad.full_tensor().detach() for n, p in pm.named_parameters()})

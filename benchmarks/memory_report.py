@@ -3,8 +3,11 @@ activation peak and FLOPs of recompute policies, on real gloo process groups.
 
     .venv/bin/python benchmarks/memory_report.py [--ranks 2 4] [--out benchmarks/memory-DATE.md]
 
-Prints markdown tables (and writes them with --out). Every figure is measured on this machine:
-memory on the tensors each rank holds (autopar.runtime.memory), bytes at every collective call.
+Prints markdown tables (and writes them with --out). Every figure is measured on this machine,
+by instruments that do not read autopar's graphs (autopar/runtime/memory.py, measure.py):
+persistent state on the tensors each rank holds; parameter copies and gradients in flight on the
+storages the programs' ops created, op by op; program peaks from the allocator; FLOPs from
+torch's formulas on the ops that ran; bytes where they are handed to the process group.
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ def main(argv=None):
              "Bytes per parameter = measured bytes / Psi. *Persistent* = parameters + gradients + optimizer "
              "state as stored between steps (fp32 master, fp32 .grad, exp_avg, exp_avg_sq). "
              "*Peak model states* adds the most parameter copies + gradients in flight the program held at "
-             "once during the step (gathered / cast parameters, whole gradients before their reduction).", ""]
+             "once during the step (gathered / cast parameters, whole gradients before their reduction; "
+             "measured on the storages the programs' ops created).", ""]
     lines += ["| precision | N | plan | persistent B/param | ours: 16/N or 16 | paper (a + b/N) | "
               "max param copies B/param | max grads in flight B/param | peak model states B/param | "
               "bytes sent / step | vs ddp |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -100,7 +104,8 @@ def main(argv=None):
         finally:
             pool.close()
     lines += ["", f"## Activation checkpointing (llama_deep: 8 layers, seq 128, batch 4, dp={args.ranks[0]})", "",
-              "| recompute | values recomputed | program peak (B) | activations at peak (B) | FLOPs / step | "
+              "| recompute | values recomputed | program peak, allocator (B) | activations at the op outputs' peak (B) "
+              "| FLOPs / step | "
               "vs none: peak | vs none: FLOPs |", "|---|---|---|---|---|---|---|"]
     base = rec["none"]
     for policy, m in rec.items():

@@ -5,8 +5,9 @@
 --state: the ZeRO / mixed-precision / accumulation / recompute cases (bf16 and fp16 against a
 single process in the same precision).
 --cost: every case (both lists and the MoE model): the cost model's per-rank memory and bytes
-against what the run measured (memory tracker on the tensors held; bytes counted at every
-collective).
+against instruments that do not read the graph: the allocator over the real step (without the
+process group's own buffers; with them in brackets), the storages the programs' ops created
+alive at once, and the bytes handed to the process group (every c10d call).
 --pipeline: the pipeline cases (every schedule at pp=2 and pp=4, pp x dp, pp x tp).
 """
 
@@ -46,9 +47,10 @@ STATE_CASES = [
 
 
 def cost_report(pools):
-    print("| model | mesh, plan, options | program peak predicted | measured | ratio | step peak predicted | "
-          "measured | ratio | persistent predicted = measured | bytes/rank/step predicted | counted |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | mesh, plan, options | program peak predicted | allocator without gloo's buffers (with) | ratio | "
+          "op outputs | ratio | step peak predicted | allocator | ratio | persistent predicted = measured | "
+          "bytes/rank/step predicted | counted at the process group |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, axes, plan, opts in CASES + STATE_CASES + [("moe", {"dp": 2}, {"dp": "fsdp"}, {})]:
         world = 1
         for v in axes.values():
@@ -58,10 +60,13 @@ def cost_report(pools):
         persistent = [p[k] == m[k] for k in ("parameters", "gradients", "optimizer_state")]
         pred = sum(bytes_by_collective(out["records"]).values())
         meas = sum(v["wire_bytes"] for v in out["measured"].values()) / out["steps"]
+        alloc = m["program_peak_without_backend"]
+        step = m["parameters"] + m["optimizer_state"] + alloc
         print(f"| {name} | {' x '.join(f'{a}={n}' for a, n in axes.items())} "
               f"{'+'.join(plan.values())} {' '.join(f'{k}={v}' for k, v in opts.items())} | "
-              f"{p['program_peak']:,} | {m['program_peak']:,} | {p['program_peak'] / m['program_peak']:.4f} | "
-              f"{p['step_peak']:,} | {m['step_peak']:,} | {p['step_peak'] / m['step_peak']:.4f} | "
+              f"{p['program_peak']:,} | {alloc:,} ({m['program_peak']:,}) | {alloc / p['program_peak']:.3f} | "
+              f"{m['tensor_peak']:,} | {m['tensor_peak'] / p['program_peak']:.3f} | "
+              f"{p['step_peak']:,} | {step:,} | {step / p['step_peak']:.3f} | "
               f"{'yes' if all(persistent) else 'NO'} ({p['parameters'] + p['gradients'] + p['optimizer_state']:,}) | "
               f"{pred:,.0f} | {meas:,.0f} |", flush=True)
 

@@ -7,6 +7,8 @@
   FLOP formulas and a reference path (``ops.reference()`` / ``AUTOPAR_KERNELS=reference``).
 
 ``passes/lower.py`` rewrites models to use them (``autopar.compile(..., kernels="auto"|"on"|"off")``).
-Import the Triton modules only through ``ops`` (without a GPU they must be jitted in interpreter
-mode, which ``import autopar`` arranges).
+- ``interpreter.py``: the interpreted twins of the Triton modules that CPU tensors run on
+  (Triton's interpreter, without setting ``TRITON_INTERPRET`` for the whole process).
+
+Launch the Triton modules only through ``ops`` (it picks compiled or interpreted by device).
 """

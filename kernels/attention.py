@@ -10,13 +10,18 @@ divides ``H``: query head ``h`` reads key/value head ``h // (H / Hkv)``; dK/dV s
 group inside one program, no atomics); any head dim (padded to a power of two, masked); sequence
 lengths that are not multiples of the block; fp32 / bf16 / fp16 inputs with fp32 accumulation.
 
-Launch only through ``kernels.ops`` (it picks the device path and checks shapes).
+Launch only through ``kernels.ops`` (it picks the device path and checks shapes; on CPU tensors it
+launches this module's interpreted twin, ``kernels/interpreter.py``).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+# Whether these kernels run in Triton's interpreter: Triton's own choice here (TRITON_INTERPRET,
+# read, never set, by autopar); True in the interpreted twin that CPU tensors use.
+INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 
 @triton.jit
@@ -254,11 +259,9 @@ def backward(do, q, k, v, out, lse, bias, causal: bool, scale: float):
 
 def _upcast(t) -> bool:
     """Triton's interpreter (CPU) computes bf16 dots wrongly; there, tiles go to fp32 first."""
-    import os
-
     import torch
 
-    return t.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    return t.dtype == torch.bfloat16 and INTERPRETED
 
 
 def _bias_strides(bias):

@@ -9,11 +9,12 @@ kernel), ``dx = dz @ w``, ``dw = dz.T @ x`` (stride swaps again), ``db = dz.sum(
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
+# Whether these kernels run in Triton's interpreter (see kernels/attention.py): the bf16 dot is
+# wrong there, so tiles are upcast to fp32 first.
+INTERPRETED = bool(triton.knobs.runtime.interpret)
 ACTS = {"none": 0, "gelu": 1, "silu": 2}
 
 
@@ -96,7 +97,7 @@ def matmul(a, b, bias=None, act: str = "none", store_z: bool = False):
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _matmul[grid](a, b, bias if bias is not None else a, c, z, m, n, k, *a.stride(), *b.stride(), *c.stride(),
                   HAS_BIAS=bias is not None, ACT=ACTS[act], STORE_Z=store_z, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                  UPCAST=a.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+                  UPCAST=a.dtype == torch.bfloat16 and INTERPRETED,
                   GROUP_M=8)
     return (c, z) if store_z else c
 

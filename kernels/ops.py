@@ -11,8 +11,9 @@ attention over batch and heads and linear_act like a column-parallel linear.
 
 Which path runs: ``AUTOPAR_KERNELS=reference`` (or ``reference()``) -> the PyTorch reference
 (tests compare the two); otherwise Triton: on CUDA tensors compiled, on CPU tensors through
-Triton's interpreter (``TRITON_INTERPRET=1`` is set before the kernels are first imported when
-no GPU is present; slow, for tests on small shapes).
+Triton's interpreter (the kernel modules' interpreted twins, ``kernels/interpreter.py``: autopar
+never sets ``TRITON_INTERPRET``, so other Triton code in the process keeps Triton's own choice;
+slow, for tests on small shapes).
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ import torch
 from torch import Tensor
 
 _REFERENCE = [os.environ.get("AUTOPAR_KERNELS", "") == "reference"]
+
+# Whether ``autopar.compile(kernels="auto")`` may pick these kernels on a CUDA mesh. Flip it when
+# ``autopar bench --kernels`` has been run on a GPU and its report (benchmarks/results/) shows
+# flash_attention (forward and forward + backward, bf16) and linear_act at least as fast as
+# PyTorch's SDPA and linear + activation over its sizes; until then "auto" means PyTorch's ops
+# (the kernels have only run through Triton's interpreter on CPU, which says nothing of speed).
+KERNELS_MEASURED_ON_GPU = False
 
 
 @contextlib.contextmanager
@@ -46,15 +54,19 @@ def available() -> tuple[bool, str]:
         return False, "triton is not installed (pip install triton)"
     if torch.cuda.is_available():
         return True, "cuda"
-    return True, "interpreter (TRITON_INTERPRET=1: CPU, slow)"
+    return True, "interpreter (Triton's, on CPU tensors: slow)"
 
 
-def _triton():
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are jitted (first import)
+def _triton(t: Tensor):
+    """The kernel modules (attention, matmul) that run on ``t``'s device: compiled for CUDA
+    tensors, interpreted twins for CPU tensors."""
     from autopar.kernels import attention, matmul
 
-    return attention, matmul
+    if t.device.type == "cuda":
+        return attention, matmul
+    from autopar.kernels.interpreter import interpreted
+
+    return interpreted(attention), interpreted(matmul)
 
 
 # ------------------------------------------------------------------------------------ attention
@@ -79,7 +91,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, causal
                     scale: float) -> tuple[Tensor, Tensor]:
     if _REFERENCE[0]:
         return attention_reference(q, k, v, bias, causal, scale)
-    return _triton()[0].forward(q, k, v, bias, causal, scale)
+    return _triton(q)[0].forward(q, k, v, bias, causal, scale)
 
 
 @flash_attention.register_fake
@@ -92,7 +104,7 @@ def flash_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
                              bias: Tensor | None, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     if _REFERENCE[0]:
         return attention_backward_reference(do, q, k, v, out, bias, causal, scale)
-    return _triton()[0].backward(do, q, k, v, out, lse, bias, causal, scale)
+    return _triton(q)[0].backward(do, q, k, v, out, lse, bias, causal, scale)
 
 
 def attention_backward_reference(do, q, k, v, out, bias, causal: bool, scale: float):
@@ -153,7 +165,7 @@ def linear_act_reference(x, w, b, act: str):
 def linear_act(x: Tensor, w: Tensor, b: Tensor | None, act: str) -> tuple[Tensor, Tensor]:
     if _REFERENCE[0]:
         return linear_act_reference(x, w, b, act)
-    mm = _triton()[1]
+    mm = _triton(x)[1]
     x2 = x.reshape(-1, x.shape[-1])
     y, z = mm.matmul(x2, w.t(), b, act, store_z=True)
     shape = (*x.shape[:-1], w.shape[0])
@@ -180,7 +192,7 @@ def linear_act_backward(dy: Tensor, x: Tensor, w: Tensor, z: Tensor, act: str) -
             grad = torch.ones_like(zf)
         dz2 = (dy.float() * grad).to(dy.dtype).reshape(-1, n)
         return (dz2 @ w).reshape(x.shape), dz2.t() @ x.reshape(-1, k), dz2.sum(0)
-    mm = _triton()[1]
+    mm = _triton(x)[1]
     dz = mm.act_grad(dy, z, act).reshape(-1, n)
     x2 = x.reshape(-1, k)
     return mm.matmul(dz, w).reshape(x.shape), mm.matmul(dz.t(), x2), dz.float().sum(0).to(dz.dtype)

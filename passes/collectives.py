@@ -16,7 +16,7 @@ import math
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from autopar.ir import CommRecord, Program, ShardSpec, fmt_placements, phase_of, redistribute, source_line, spec_of
+from autopar.ir import CommRecord, Program, ShardSpec, fmt_placements, info, phase_of, redistribute, source_line, spec_of
 
 
 def plan_steps(src, dst) -> list[tuple[int, object, object]]:
@@ -64,10 +64,12 @@ def predict_records(spec: ShardSpec, dst, ctx, reason: str, source: str, phase: 
 
 
 def collectives_pass(program: Program, ctx) -> Program:
+    """After it: every input of every op has the placements the op needs: each mismatch got a
+    ``redistribute`` node with its predicted CommRecords, reason and source line."""
     graph = program.graph
     cache: dict[tuple[fx.Node, tuple], fx.Node] = {}
     for n in list(graph.nodes):
-        wants = n.meta.get("autopar_in")
+        wants = info(n).wants
         if wants is None:
             continue
         if n.op == "output":
@@ -113,11 +115,11 @@ def _fix(graph, a: fx.Node, want, consumer: fx.Node, ctx, cache, reason, before=
     # under recompute="full" a recomputed op gets its own copy of a communicated value (the
     # forward's copy is freed after the forward: only block inputs are kept); "selective" keeps
     # communicated values like other expensive ones and reuses the forward's copy
-    key = (a, tuple(want), ctx.recompute == "full" and bool(consumer.meta.get("autopar_recomputed")))
+    key = (a, tuple(want), ctx.recompute == "full" and bool(info(consumer).recomputed))
     if key in cache:
         return cache[key]
-    if reason is None and consumer.meta.get("autopar_why"):
-        reason = consumer.meta["autopar_why"]  # a pass said why this consumer needs the layout
+    if reason is None and info(consumer).why:
+        reason = info(consumer).why  # a pass said why this consumer needs the layout
     if reason is None:
         reason = (f"{fmt_placements(have.placements)} -> {fmt_placements(want)} for "
                   f"{getattr(consumer.target, '__name__', consumer.target)} ({consumer.name})")
@@ -137,10 +139,17 @@ def insert_redistribute(graph, a: fx.Node, want, before: fx.Node, ctx, reason: s
     with graph.inserting_before(before):
         r = graph.call_function(redistribute, (a, tuple(have.placements), tuple(want)))
     r.meta["val"] = a.meta["val"]
-    r.meta["autopar"] = ShardSpec(tuple(want), have.shape, have.dtype)
+    info(r).spec = ShardSpec(tuple(want), have.shape, have.dtype)
     r.meta["stack_trace"] = stack or a.meta.get("stack_trace") or before.meta.get("stack_trace")
     r.meta["partitioner_tag"] = "is_backward" if phase == "backward" else "is_forward"
-    r.meta["autopar_reason"] = reason
-    r.meta["autopar_producer"] = source_line(a)
-    r.meta["autopar_comm"] = predict_records(have, want, ctx, reason, src, phase, source_line(a))
+    info(r).reason = reason
+    info(r).producer = source_line(a)
+    info(r).comm = predict_records(have, want, ctx, reason, src, phase, source_line(a))
     return r
+
+
+def predicted_records(program: Program) -> list[CommRecord]:
+    """What this pass predicted, before lowering: the CommRecords on the program's global graph's
+    redistribute nodes (localize leaves that graph as it is; tests compare these records with the
+    collectives of the per-rank program)."""
+    return [r for n in program.graph.nodes if n.target is redistribute for r in info(n).comm or ()]

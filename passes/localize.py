@@ -11,7 +11,9 @@ The annotated global graph is executed symbolically (make_fx, fake tensors of LO
   result must come from a marker or a rule).
 
 Every per-rank node keeps the stack trace and forward/backward tag of the global node it
-came from; collective nodes get a ``CommRecord`` in ``meta["autopar_comm"]``.
+came from (and its name, ``meta["custom"]["autopar_origin"]``); collective nodes get a
+``CommRecord`` (``info(n).comm``). Each collective's wait follows it at once: when
+they run is the overlap pass's decision (passes/overlap.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from autopar.ir import (
     CommRecord,
     Program,
     fmt_placements,
+    info,
     phase_of,
     redistribute,
     source_line,
@@ -51,6 +54,8 @@ COLLECTIVES = {
 
 
 def localize_pass(program: Program, ctx) -> Program:
+    """After it: ``program.local`` is the per-rank program (local shapes), every redistribute an
+    explicit ``_c10d_functional`` collective with a CommRecord, each followed by its wait."""
     graph = program.graph
     for n in graph.nodes:
         n.meta["custom"] = {"autopar_origin": n.name}
@@ -73,8 +78,6 @@ def localize_pass(program: Program, ctx) -> Program:
     with fx_traceback.preserve_node_meta(), torch.no_grad():
         gm = make_fx(run, tracing_mode="fake")(*example)
     _annotate_collectives(gm.graph, origins, ctx)
-    _defer_output_waits(gm)
-    _keep_inputs_until_wait(gm)
     program.local = gm
     return program
 
@@ -92,7 +95,7 @@ def _local_example(n: fx.Node, ctx) -> torch.Tensor:
 
 
 def _role_str(n: fx.Node) -> str:
-    kind, what = n.meta.get("autopar_role", ("value", n.name))
+    kind, what = info(n).role or ("value", n.name)
     return {"param": f"parameter '{what}'", "input": f"input #{what}"}.get(kind, f"{kind} {what}")
 
 
@@ -112,7 +115,7 @@ def _run_node(n: fx.Node, env, ctx):
         return apply_redistribute(env[x], src, dst, spec_of(n), ctx)
     if n.target is operator.getitem:
         return env[n.args[0]][n.args[1]]
-    rule = n.meta.get("autopar_rule")
+    rule = info(n).rule
     args = _map(n.args, lambda a: env[a])
     kwargs = _map(n.kwargs, lambda a: env[a])
     if rule is not None and rule.impl is not None:
@@ -198,73 +201,11 @@ def _annotate_collectives(graph: fx.Graph, origins, ctx) -> None:
         if origin is None:
             reason, src, phase = "unattributed", "", "forward"
         elif origin.target is redistribute:
-            reason, src, phase = origin.meta["autopar_reason"], source_line(origin), phase_of(origin)
-            producer = origin.meta.get("autopar_producer", "")
+            reason, src, phase = info(origin).reason, source_line(origin), phase_of(origin)
+            producer = info(origin).producer
         else:
-            rule = origin.meta.get("autopar_rule")
+            rule = info(origin).rule
             reason = f"inside rule: {rule.name}" if rule else "unattributed"
             src, phase = source_line(origin), phase_of(origin)
-        n.meta["autopar_comm"] = CommRecord(kind, ctx.axis_names[a], ctx.axis_sizes[a], payload,
+        info(n).comm = CommRecord(kind, ctx.axis_names[a], ctx.axis_sizes[a], payload,
                                             reason, src, phase, n.name, producer)
-
-
-_PASS_THROUGH = {torch.ops.aten._to_copy.default, torch.ops.aten.view.default, torch.ops.aten.t.default,
-                 torch.ops.aten.cat.default, torch.ops.aten.clone.default}
-
-
-def _defer_output_waits(gm: fx.GraphModule) -> None:
-    """Waits for gradient reductions move later, so the rest of the backward runs while the
-    gradient is on the wire (functional collectives are asynchronous until ``wait_tensor``;
-    DDP's reducer and FSDP2 overlap the same way). The wait and the local ops after it (the fp32
-    cast of a bf16-reduced gradient, a layout fix-up) move together:
-
-    - all-reduce (DDP, tp): to the end of the program; it reduces a copy of its input, and its
-      output is a program output anyway, so this costs no memory;
-    - reduce-scatter (ZeRO): to just before the next reduce-scatter is issued, so one is in
-      flight at a time and a whole gradient is freed one layer later, not at the end (ZeRO-2/3
-      never hold all gradients whole).
-    """
-    graph = gm.graph
-    out = next(n for n in graph.nodes if n.op == "output")
-    issued = [n for n in graph.nodes if n.op == "call_function" and n.target in COLLECTIVES]
-    nxt = {a: b for a, b in zip([n for n in issued if COLLECTIVES[n.target] == "reduce_scatter"],
-                                [n for n in issued if COLLECTIVES[n.target] == "reduce_scatter"][1:])}
-    moves = []
-    for n in list(graph.nodes):
-        if n.op != "call_function" or n.target is not c10d.wait_tensor.default:
-            continue
-        coll = n.args[0]
-        kind = COLLECTIVES.get(getattr(coll, "target", None))
-        if kind not in ("all_reduce", "reduce_scatter"):
-            continue
-        chain, cur = [n], n
-        while len(cur.users) == 1 and all(u.op == "call_function" and u.target in _PASS_THROUGH for u in cur.users):
-            cur = next(iter(cur.users))
-            chain.append(cur)
-        if not cur.users or not all(u is out for u in cur.users):
-            continue
-        moves.append((chain, out if kind == "all_reduce" else nxt.get(coll, out)))
-    for chain, before in moves:
-        for node in chain:
-            before.prepend(node)
-    if moves:
-        graph.lint()
-        gm.recompile()
-
-
-def _keep_inputs_until_wait(gm: fx.GraphModule) -> None:
-    """A collective may read (and, in gloo's reduce-scatter, write) its input until it is waited
-    for: an ``alias`` of the input right after the wait keeps the input alive that long (the
-    generated code frees every value after its last use). All-reduce works on a copy."""
-    graph = gm.graph
-    for n in list(graph.nodes):
-        # functional all_reduce reduces a copy of its input: nothing to keep
-        if (n.op == "call_function" and n.target in COLLECTIVES and COLLECTIVES[n.target] != "all_reduce"
-                and isinstance(n.args[0], fx.Node)):
-            wait = next((u for u in n.users if u.target is c10d.wait_tensor.default), None)
-            if wait is None or n.args[0].op == "placeholder":
-                continue
-            with graph.inserting_after(wait):
-                keep = graph.call_function(torch.ops.aten.alias.default, (n.args[0],))
-            keep.meta["val"] = n.args[0].meta.get("val")
-    gm.recompile()

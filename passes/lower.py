@@ -18,7 +18,7 @@ binds, or None) and a replacement (the kernel op and its arguments). In order:
   ``autopar::linear_act``, when the linear's output has no other user.
 
 Not rewritten (and left as they were): attention with dropout, non-4-D inputs, a mask that
-needs a gradient, GELU with ``approximate="tanh"``. ``lower_pass`` returns how many of each it
+needs a gradient, GELU with ``approximate="tanh"``. ``lower_graph`` returns how many of each it
 rewrote (``autopar.compile(..., kernels="on")`` records them in ``ctx.lowered``).
 """
 
@@ -229,7 +229,15 @@ RULES = [
 ]
 
 
-def lower_pass(gm: fx.GraphModule, rules=RULES) -> Counter:
+def lower_pass(state):
+    """After it (``kernels`` on): every match of RULES in the torch-level graph is a
+    ``torch.ops.autopar`` kernel op; ``state.lowered`` counts them per rule. Off: nothing changes."""
+    if state.options.lower:
+        state.lowered = dict(lower_graph(state.gm))
+    return state
+
+
+def lower_graph(gm: fx.GraphModule, rules=RULES) -> Counter:
     """Rewrite every match of ``rules`` in ``gm`` (in place); returns the count per rule."""
     import autopar.kernels.ops  # noqa: F401 - registers torch.ops.autopar.*
 

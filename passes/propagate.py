@@ -14,7 +14,7 @@ Otherwise it is an error naming the op and the user's source line.
 from __future__ import annotations
 
 import contextlib
-import functools
+import contextvars
 import operator
 
 import torch
@@ -26,27 +26,30 @@ from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from autopar.errors import ShardingError
-from autopar.ir import Program, ShardSpec, fmt_placements, source_line, spec_of, tensor_args
+from autopar.ir import Program, ShardSpec, fmt_placements, info, source_line, spec_of, tensor_args
 from autopar.rules import RULES, RuleResult
+from autopar.scoped import SharedPatch
 
 VIEW_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
             torch.ops.aten.reshape.default}
 
 
 def propagate_pass(program: Program, ctx) -> Program:
+    """After it: every value has a ShardSpec (``info(n).spec``) and every op the placements its
+    inputs must have (``info(n).wants``) and the rule that decided (``info(n).rule``)."""
     graph = program.graph
     out = next(n for n in graph.nodes if n.op == "output")
     # what the program's outputs must be (gradients: their parameter's placements) is known
     # up front, so rules can produce a value directly in the layout its consumer wants
-    out.meta["autopar_in"] = [
+    info(out).wants = [
         ctx.output_placements(role, o) if isinstance(o, fx.Node) else None
         for role, o in zip(program.outputs, out.args[0])]
     ctx.strategy_cache = {}  # repeated blocks ask DTensor the same question: answer it once
     for n in graph.nodes:
         if n.op == "placeholder":
             val = n.meta["val"]
-            placements = ctx.placeholder_placements(n.meta["autopar_role"], tuple(val.shape))
-            n.meta["autopar"] = ShardSpec(tuple(placements), tuple(val.shape), val.dtype)
+            placements = ctx.placeholder_placements(info(n).role, tuple(val.shape))
+            info(n).spec = ShardSpec(tuple(placements), tuple(val.shape), val.dtype)
         elif n.op == "call_function":
             _propagate_node(n, ctx)
         elif n.op == "get_attr":
@@ -63,7 +66,7 @@ def _spec_from_val(val, placements) -> ShardSpec | None:
 def _propagate_node(n: fx.Node, ctx) -> None:
     if n.target is operator.getitem:
         parent, idx = n.args
-        n.meta["autopar"] = spec_of(parent)[idx]
+        info(n).spec = spec_of(parent)[idx]
         return
     in_specs = [spec_of(a) for a in tensor_args(n)]
     res = None
@@ -73,12 +76,12 @@ def _propagate_node(n: fx.Node, ctx) -> None:
         res = _dtensor_rule(n, in_specs, ctx)
     val = n.meta.get("val")
     if isinstance(val, (tuple, list)):
-        n.meta["autopar"] = tuple(
+        info(n).spec = tuple(
             _spec_from_val(v, p) if p is not None else None for v, p in zip(val, res.outputs))
     else:
-        n.meta["autopar"] = _spec_from_val(val, res.outputs)
-    n.meta["autopar_in"] = [tuple(p) if p is not None else None for p in res.inputs]
-    n.meta["autopar_rule"] = res
+        info(n).spec = _spec_from_val(val, res.outputs)
+    info(n).wants = [tuple(p) if p is not None else None for p in res.inputs]
+    info(n).rule = res
 
 
 def _cache_key(n: fx.Node):
@@ -177,15 +180,42 @@ def _dtensor_rule_uncached(n: fx.Node, in_specs, ctx) -> RuleResult:
 INVENT = 1e6
 
 
+# The node autopar is choosing a strategy for; set only inside ``_choose_with`` (per thread).
+_CHOOSING: contextvars.ContextVar[fx.Node | None] = contextvars.ContextVar("autopar_choosing", default=None)
+
+
+def _install_selector():
+    """Put a dispatching selector in DTensor's module: ``_select_strategy`` for the node autopar
+    is choosing for in this thread, DTensor's own selector for every other caller."""
+    dtensor_select = _sharding_prop._select_min_cost_strategy
+
+    def select(strategy, op_schema=None):
+        node = _CHOOSING.get()
+        return dtensor_select(strategy, op_schema) if node is None else _select_strategy(node, strategy, op_schema)
+
+    _sharding_prop._select_min_cost_strategy = select
+    return dtensor_select
+
+
+_SELECTOR = SharedPatch(_install_selector, lambda dtensor_select: setattr(
+    _sharding_prop, "_select_min_cost_strategy", dtensor_select))
+
+
 @contextlib.contextmanager
 def _choose_with(node: fx.Node):
-    """Swap DTensor's strategy selector for ``_select_strategy`` while propagating ``node``."""
-    orig = _sharding_prop._select_min_cost_strategy
-    _sharding_prop._select_min_cost_strategy = functools.partial(_select_strategy, node)
+    """DTensor picks ``node``'s strategy with ``_select_strategy`` inside the block.
+
+    DTensor calls its module-level ``_select_min_cost_strategy`` with no hook to pass our own,
+    so the module attribute is replaced, but only while a node is being propagated (undone on
+    exit, also when a rule raises; nested and concurrent propagations share one replacement),
+    and the replacement consults a ContextVar: other threads, and DTensor's own dispatch outside
+    this block, get DTensor's selector."""
+    token = _CHOOSING.set(node)
     try:
-        yield
+        with _SELECTOR():
+            yield
     finally:
-        _sharding_prop._select_min_cost_strategy = orig
+        _CHOOSING.reset(token)
 
 
 def _select_strategy(node: fx.Node, strategy, op_schema=None):

@@ -30,6 +30,8 @@ Random ops (dropout) are never recomputed: a second draw would differ.
 
 from __future__ import annotations
 
+import dataclasses
+
 import operator
 import re
 
@@ -37,7 +39,7 @@ import torch
 from torch import fx
 from torch.distributed.tensor.placement_types import Partial
 
-from autopar.ir import Program, ShardSpec, phase_of, tensor_args
+from autopar.ir import Program, ShardSpec, info, phase_of, spec_of, tensor_args
 
 aten = torch.ops.aten
 POLICIES = ("none", "full", "selective")
@@ -81,7 +83,7 @@ def _random(n: fx.Node) -> bool:
 def param_chains(graph: fx.Graph) -> set[fx.Node]:
     """Forward nodes that are a view/cast chain of one parameter."""
     out: set[fx.Node] = set()
-    params = {n for n in graph.nodes if n.op == "placeholder" and n.meta.get("autopar_role", ("",))[0] == "param"}
+    params = {n for n in graph.nodes if n.op == "placeholder" and (info(n).role or ("",))[0] == "param"}
     for n in graph.nodes:
         if n.op != "call_function" or phase_of(n) != "forward":
             continue
@@ -113,13 +115,13 @@ def choose(graph: fx.Graph, policy: str, zero3: bool) -> set[fx.Node]:
 
 def _communicated(n: fx.Node) -> bool:
     """Will the value be moved by a collective (propagate has decided its placements)?"""
-    spec = n.meta.get("autopar")
+    spec = spec_of(n)
     if not isinstance(spec, ShardSpec):
         return False
     if any(isinstance(p, Partial) for p in spec.placements):
         return True
     for u in n.users:
-        wants = u.meta.get("autopar_in") or []
+        wants = info(u).wants or []
         for a, w in zip(tensor_args(u), wants):
             if a is n and w is not None and tuple(w) != tuple(spec.placements):
                 return True
@@ -127,6 +129,8 @@ def _communicated(n: fx.Node) -> bool:
 
 
 def recompute_pass(program: Program, ctx) -> Program:
+    """After it: the backward reads no forward value the policy recomputes; it reads copies
+    of the forward nodes, placed in the backward (``recompute="none"``: nothing changes)."""
     graph = program.graph
     chosen = choose(graph, getattr(ctx, "recompute", "none"), ctx.plan.zero >= 3)
     clones: dict[fx.Node, fx.Node] = {}
@@ -141,12 +145,12 @@ def recompute_pass(program: Program, ctx) -> Program:
             c = graph.node_copy(a, lambda x: clones.get(x, x))
         c.meta = dict(a.meta)
         c.meta["partitioner_tag"] = "is_backward"
-        c.meta["autopar_recomputed"] = a.name
+        c.meta["autopar"] = dataclasses.replace(info(a), recomputed=a.name)  # its own record
         clones[a] = c
         return c
 
     for n in list(graph.nodes):
-        if n.op == "output" or phase_of(n) != "backward" or n.meta.get("autopar_recomputed"):
+        if n.op == "output" or phase_of(n) != "backward" or info(n).recomputed:
             continue
         if not any(a in chosen for a in tensor_args(n)):
             continue

@@ -35,65 +35,47 @@ from __future__ import annotations
 import contextlib
 import operator
 import re
-import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
 
 from autopar.errors import CaptureError, PlanError
+from autopar.ir import CompileState, Stage
 
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+def split_pass(state: CompileState) -> CompileState:
+    """After it: ``state.stages`` holds the stages this rank compiles (every stage when planning
+    with ``pipeline_stages="all"``), each with its torch-level graph, its example inputs, its
+    parameters, and a Context on its mesh (a pipeline stage: the sub-mesh without the pipeline
+    axis) with the parameters placed by the plan. No pipeline axis: one stage, the whole graph."""
+    from autopar.capture import _tensor_names
+    from autopar.context import make_context
+    from autopar.plan import check_rules_cover
 
-
-# ------------------------------------------------------------------------------------ options
-@dataclass
-class PipelineOptions:
-    schedule: str
-    microbatches: int | None = None  # None: the default (see default_microbatches)
-    virtual: int = 1
-    split: list[str] | None = None  # module names that start a stage (S - 1 of them)
-
-    @classmethod
-    def parse(cls, value, axis: str = "pp") -> PipelineOptions:
-        where = f"plan[{axis!r}]"
-        if isinstance(value, str):
-            value = {"schedule": value}
-        if not isinstance(value, dict):
-            raise PlanError(f"the pipeline axis wants a schedule name or a dict, got {value!r}", where=where,
-                            fix=f'e.g. "{axis}": "1f1b" or {{"schedule": "interleaved", "virtual": 2, '
-                            '"microbatches": 8}')
-        unknown = set(value) - {"schedule", "microbatches", "virtual", "split"}
-        if unknown:
-            raise PlanError(f"unknown pipeline option(s) {sorted(unknown)}", where=where,
-                            fix="options are schedule, microbatches, virtual, split")
-        s = value.get("schedule")
-        if s not in PP_SCHEDULES:
-            raise PlanError(f"unknown pipeline schedule {s!r}", where=where, fix=f"use one of {list(PP_SCHEDULES)}")
-        m = value.get("microbatches")
-        if m is not None and (not isinstance(m, int) or m < 1):
-            raise PlanError(f"microbatches must be a positive int, got {m!r}", where=f"{where}['microbatches']")
-        v = value.get("virtual", 2 if s == "interleaved" else 1)
-        if not isinstance(v, int) or v < 1 or (v > 1 and s != "interleaved"):
-            raise PlanError(f"virtual={v!r}: only the interleaved schedule runs more than one stage per rank",
-                            where=f"{where}['virtual']", fix='use "schedule": "interleaved" with virtual >= 2')
-        split = value.get("split")
-        if split is not None and (not isinstance(split, (list, tuple)) or not all(isinstance(x, str) for x in split)):
-            raise PlanError(f"split must be a list of module names, got {split!r}", where=f"{where}['split']")
-        return cls(s, m, v, list(split) if split is not None else None)
-
-
-def default_microbatches(opts: PipelineOptions, p: int, batch_per_dp: int) -> int:
-    """The largest M <= 4 * P that divides the per-data-parallel-rank batch (a multiple of P for
-    the interleaved schedule), so the bubble (P-1)/(M+P-1) is at most ~20% when the batch
-    allows; at least P."""
-    for m in range(4 * p, p - 1, -1):
-        if batch_per_dp % m == 0 and (opts.schedule != "interleaved" or m % p == 0):
-            return m
-    raise PlanError(f"a {p}-stage pipeline needs at least {p} micro-batches, and the batch per data-parallel "
-                    f"rank ({batch_per_dp}) cannot be split into {p} or more equal micro-batches"
-                    + (" (a multiple of P, interleaved)" if opts.schedule == "interleaved" else ""),
-                    where="example_inputs", fix=f"use a batch per data-parallel rank that is a multiple of {p}")
+    o = state.options
+    if o.pipeline is None:
+        params = dict(state.model.named_parameters())
+        ctx = make_context(state.mesh, o.parsed, params, o, o.accumulate, state)
+        ctx.sync_grads = o.accumulate == 1  # else: gradients summed over micro-batches, reduced once
+        state.stages = [Stage(0, state.gm, state.micro_inputs, list(params), ctx)]
+        return state
+    pl = o.pipeline
+    check_rules_cover(pl.parsed, dict(state.model.named_parameters()))  # every stage's leftovers at once
+    device = next((q.device for q in state.model.parameters()), torch.device("cpu"))
+    state.specs = split_stages(state.gm, pl.n_stages, pl.options.split, device=device)
+    pp_rank = state.mesh.get_local_rank(pl.axis)
+    mine = [s for s in range(pl.n_stages) if o.stages == "all" or pl.schedule.rank_of(s) == pp_rank]
+    ids = _tensor_names(state.model)
+    state.stages = []
+    for s in mine:
+        spec = state.specs[s]
+        params = {ids[id(getattr(spec.gm, t))][1]: getattr(spec.gm, t) for t in spec.params}
+        ctx = make_context(pl.stage_mesh, pl.parsed, params, o, pl.microbatches, state)
+        ctx.boundary = (spec.in_batched, spec.out_batched)
+        ctx.stage = s
+        ctx.sync_grads = False  # gradients summed over the micro-batches, reduced once per step
+        state.stages.append(Stage(s, spec.gm, tuple(spec.example), list(params), ctx, spec=spec))
+    return state
 
 
 # ------------------------------------------------------------------------------------ splitting
@@ -108,7 +90,6 @@ class StageSpec:
     out_batched: list[bool]
     params: list[str]
     modules: tuple[str, str]  # first and last module path in the stage
-    cost: float = 0.0  # predicted seconds of forward + backward (whole micro-batch, one rank)
     param_bytes: int = 0
     is_last: bool = False
 
@@ -139,49 +120,55 @@ def _block(path: str) -> str:
 
 def _node_flops(n: fx.Node, fake_mode) -> float:
     """Forward FLOPs of one torch-level node, from torch's flop-counter formulas on the trace's
-    fake tensors (matmuls, attention; everything else counts 0 and is timed as an op)."""
+    fake tensors (matmuls, attention; everything else counts 0 and is timed as an op). A node
+    that cannot be replayed, or whose formula fails, is a PlanError: costed as 0 it would
+    silently unbalance the stages."""
     if n.op not in ("call_function", "call_method"):
         return 0.0
     from torch.utils.flop_counter import FlopCounterMode
+
+    from autopar.ir import source_line
+    from autopar.runtime.memory import CPU_ATTENTION_FLOPS
 
     def val(a):
         return a.meta.get("example_value") if isinstance(a, fx.Node) else a
 
     args = fx.node.map_aggregate(n.args, val)
     kwargs = fx.node.map_aggregate(n.kwargs, val)
+    fc = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
+    fc.flop_registry = {op: _formula_guard(op, f) for op, f in fc.flop_registry.items()}
     try:
-        with fake_mode, FlopCounterMode(display=False) as fc, torch.no_grad():
+        with fake_mode, fc, torch.no_grad():
             if n.op == "call_method":
                 getattr(args[0], n.target)(*args[1:], **kwargs)
             else:
                 n.target(*args, **kwargs)
         return float(fc.get_total_flops())
-    except Exception:  # noqa: BLE001 - an op we cannot replay counts as overhead only
-        return 0.0
+    except Exception as e:  # noqa: BLE001 - the cost is unknown: say so instead of counting 0
+        what = str(e) if isinstance(e, _FormulaError) else (
+            f"replaying it on the trace's fake tensors raised {type(e).__name__}: {e}")
+        raise PlanError(f"cannot count the FLOPs of {getattr(n.target, '__name__', n.target)} ({n.name}) to balance "
+                        f"the pipeline stages: {what}", where=source_line(n) or n.name,
+                        fix="name the stage boundaries yourself (plan['pp']['split'] = [module names]: no costing "
+                        "needed), or register a FLOP formula (torch.utils.flop_counter.register_flop_formula)") from e
+
+
+class _FormulaError(Exception):
+    pass
+
+
+def _formula_guard(op, formula):
+    """``formula`` whose failure is told apart from the op's own (see ``_node_flops``)."""
+    def run(*args, **kwargs):
+        try:
+            return formula(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            raise _FormulaError(f"the FLOP formula of {op} raised {type(e).__name__}: {e}") from e
+    return run
 
 
 def _val_bytes(v) -> int:
     return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
-
-
-def capture_whole(model: nn.Module, micro_inputs: tuple, loss_fn, compute_dtype, lower: bool = False) -> fx.GraphModule:
-    from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
-
-    from autopar.capture import _meta_attention, _WithLoss
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with _meta_attention(model, lower):
-                gm = _dynamo_graph_capture_for_export(_WithLoss(model, loss_fn, compute_dtype))(*micro_inputs)
-    except Exception as e:  # noqa: BLE001
-        raise CaptureError(f"could not trace the model for pipeline splitting: {type(e).__name__}: {e}",
-                           where=type(model).__name__) from e
-    if lower:
-        from autopar.passes.lower import lower_pass
-
-        gm.meta["autopar_lowered"] = dict(lower_pass(gm))
-    return gm
 
 
 def split_stages(gm: fx.GraphModule, n_stages: int, split: list[str] | None, device=None,
@@ -425,10 +412,6 @@ def _linear_partition(costs: list[float], nbytes: list[int], k: int) -> list[int
     return out
 
 
-def is_pipeline_strategy(v) -> bool:
-    return (isinstance(v, str) and v in PP_SCHEDULES) or (isinstance(v, dict) and "schedule" in v)
-
-
 # ------------------------------------------------------------------------------------ partition
 @dataclass
 class Part:
@@ -498,22 +481,6 @@ def partition(gm: fx.GraphModule, roles: list[tuple]) -> dict[str, Part]:
         graph.output(tuple(env[n] for n in keep))
         parts[name] = Part(name, fx.GraphModule(gm, graph), args, [n.name for n in keep], len(g))
     return parts
-
-
-# ------------------------------------------------------------------------------------ compile
-@dataclass
-class StageProgram:
-    spec: StageSpec
-    ctx: object
-    program: object
-    sync: object
-    parts: dict[str, Part]
-    param_names: list[str]  # the user's names of the parameters this stage holds
-    ph_names: list[str] = field(default_factory=list)  # per program input: its placeholder's name
-    out_names: list[str | None] = field(default_factory=list)  # per program output: node name (None: no value)
-    ph_vals: dict = field(default_factory=dict)  # placeholder name -> its per-rank fake value
-    saved_bytes: int = 0  # predicted: what one micro-batch's forward leaves for its backward
-    saved_after_i: int = 0  # ... and what its input-gradient part leaves for its weight-gradient part
 
 
 def _saved_bytes(gm: fx.GraphModule, roles, parts: dict[str, Part], after: str = "F") -> int:

@@ -24,7 +24,7 @@ from autopar.passes.collectives import insert_redistribute
 from torch import fx
 from torch.distributed.tensor.placement_types import Partial
 
-from autopar.ir import Program, ShardSpec, phase_of, spec_of
+from autopar.ir import Program, ShardSpec, info, phase_of, spec_of
 
 aten = torch.ops.aten
 
@@ -34,9 +34,11 @@ def _is_cast(n: fx.Node) -> bool:
 
 
 def state_pass(program: Program, ctx) -> Program:
+    """After it: parameters carry their STORAGE placements (ZeRO shards) and are gathered to the
+    compute layout where used; gradients are reduced in ``reduce_dtype``."""
     graph = program.graph
     for n in list(graph.nodes):
-        if n.op == "placeholder" and n.meta.get("autopar_role", ("",))[0] == "param":
+        if n.op == "placeholder" and (info(n).role or ("",))[0] == "param":
             _place_parameter(graph, n, ctx)
     if ctx.sync_grads and ctx.reduce_dtype is not None:
         out = next(n for n in graph.nodes if n.op == "output")
@@ -47,7 +49,7 @@ def state_pass(program: Program, ctx) -> Program:
 
 
 def _place_parameter(graph: fx.Graph, p: fx.Node, ctx) -> None:
-    name = p.meta["autopar_role"][1]
+    name = info(p).role[1]
     storage, compute = ctx.placed.placements[name], ctx.placed.compute[name]
     casts = [u for u in p.users if _is_cast(u)]
     for c in casts:  # cast just before first use: the compute-dtype copy lives no longer than needed
@@ -57,11 +59,11 @@ def _place_parameter(graph: fx.Graph, p: fx.Node, ctx) -> None:
     if tuple(storage) == tuple(compute):
         return
     spec = spec_of(p)
-    p.meta["autopar"] = ShardSpec(tuple(storage), spec.shape, spec.dtype)
+    info(p).spec = ShardSpec(tuple(storage), spec.shape, spec.dtype)
     for c in casts:
         cs = spec_of(c)
-        c.meta["autopar"] = ShardSpec(tuple(storage), cs.shape, cs.dtype)
-        c.meta["autopar_in"] = [tuple(storage)]
+        info(c).spec = ShardSpec(tuple(storage), cs.shape, cs.dtype)
+        info(c).wants = [tuple(storage)]
     zero3 = ctx.plan.zero >= 3
     order = _order(graph)
     for head in [p] + casts:
@@ -87,12 +89,12 @@ def _reduce_before_upcast(graph: fx.Graph, g: fx.Node, out: fx.Node, ctx, name: 
     have = spec_of(src)
     if have is None or have.dtype != ctx.reduce_dtype or not any(isinstance(p, Partial) for p in have.placements):
         return
-    want = out.meta["autopar_in"][list(out.args[0]).index(g)]
+    want = info(out).wants[list(out.args[0]).index(g)]
     if want is None:
         return
-    g.meta["autopar_in"] = [tuple(want)]
-    g.meta["autopar_why"] = f"gradient of {name} reduced in {str(ctx.reduce_dtype).removeprefix('torch.')} before its fp32 cast"
-    g.meta["autopar"] = ShardSpec(tuple(want), spec_of(g).shape, spec_of(g).dtype)
+    info(g).wants = [tuple(want)]
+    info(g).why = f"gradient of {name} reduced in {str(ctx.reduce_dtype).removeprefix('torch.')} before its fp32 cast"
+    info(g).spec = ShardSpec(tuple(want), spec_of(g).shape, spec_of(g).dtype)
     if ctx.plan.zero == 1:  # ZeRO-1 reduces at the end of backward
         out.prepend(g)
 
@@ -123,8 +125,8 @@ def grad_sync_program(program: Program, ctx, debug: bool = False) -> Program:
         name = role[1]
         have = spec_of(o)
         a = graph.placeholder(f"acc_{len(inputs)}")
-        a.meta.update(val=o.meta["val"], autopar=have, autopar_role=("grad_acc", name),
-                      partitioner_tag="is_backward")
+        a.meta.update(val=o.meta["val"], partitioner_tag="is_backward")
+        info(a).spec, info(a).role = have, ("grad_acc", name)
         inputs.append(("grad_acc", name))
         want = ctx.placed.placements[name]
         x = a
@@ -138,7 +140,7 @@ def grad_sync_program(program: Program, ctx, debug: bool = False) -> Program:
         results.append(x)
         outputs.append(("grad", name))
     out = graph.output(tuple(results))
-    out.meta["autopar_in"] = [None] * len(results)
+    info(out).wants = [None] * len(results)
     sync = Program(graph=graph, inputs=inputs, outputs=outputs)
     if debug:
         check_invariants(graph, "collectives")
@@ -148,9 +150,9 @@ def grad_sync_program(program: Program, ctx, debug: bool = False) -> Program:
 def _cast(graph: fx.Graph, x: fx.Node, dtype) -> fx.Node:
     c = graph.call_function(aten._to_copy.default, (x,), {"dtype": dtype})
     val = x.meta["val"]
-    c.meta.update(val=val.to(dtype) if hasattr(val, "to") else val, partitioner_tag="is_backward",
-                  autopar=ShardSpec(spec_of(x).placements, spec_of(x).shape, dtype))
-    c.meta["autopar_in"] = [spec_of(x).placements]
+    c.meta.update(val=val.to(dtype) if hasattr(val, "to") else val, partitioner_tag="is_backward")
+    info(c).spec = ShardSpec(spec_of(x).placements, spec_of(x).shape, dtype)
+    info(c).wants = [spec_of(x).placements]
     return c
 
 

@@ -5,34 +5,23 @@ The gloo pools are spawned once per test session (spawning costs seconds) and sh
 
 from __future__ import annotations
 
-import contextlib
-import math
 import os
 
-import autopar  # noqa: F401  (first: without a GPU it switches Triton to its interpreter before torch imports it)
+import autopar  # noqa: F401
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 warnings.filterwarnings("ignore")
 
 
-@contextlib.contextmanager
 def fake_mesh(rank: int = 0, **axes):
     """A DeviceMesh over a fake process group of any size, in this process."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from autopar.tools.explain import fake_mesh as mesh_of
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=math.prod(axes.values()))
-    try:
-        yield init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
-    finally:
-        dist.destroy_process_group()
+    return mesh_of(axes, rank)
 
 
 @pytest.fixture

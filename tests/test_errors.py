@@ -79,23 +79,6 @@ def test_op_without_rule(fake):
     assert "autopar_test.mystery" in msg and "test_errors.py" in msg and "autopar/rules.py" in msg
 
 
-def test_unplaced_parameters_are_reported(fake):
-    class Odd(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.up_proj = torch.nn.Linear(8, 16, bias=False)
-            self.down_proj = torch.nn.Linear(16, 8, bias=False)
-            self.gizmo = torch.nn.Parameter(torch.ones(8))
-
-        def forward(self, x):
-            return (self.down_proj(self.up_proj(x)) * self.gizmo).sum()
-
-    with fake(tp=2) as mesh, pytest.warns(UserWarning, match="gizmo"):
-        pm = autopar.compile(Odd(), mesh, example_inputs=(torch.randn(4, 8),), plan={"tp": "megatron"})
-    assert pm.ctx.placed.unplaced == {"tp": ["gizmo"]}
-    assert "did not recognise 1 parameter(s), replicated: gizmo" in pm.report()
-
-
 def test_batch_shape_mismatch(fake):
     with fake(dp=2) as mesh:
         pm = _compile(mesh, {"dp": "ddp"})

@@ -161,6 +161,20 @@ def test_kernels_option_errors():
         autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn, kernels="fast")
 
 
+def test_kernels_auto_means_pytorchs_ops_until_measured_on_a_gpu(monkeypatch):
+    """"auto" keeps PyTorch's ops even on a CUDA mesh with Triton, until the kernels have been
+    timed on a GPU (``KERNELS_MEASURED_ON_GPU``); "on" forces them, "off" disables them."""
+    from types import SimpleNamespace
+
+    from autopar import compiler
+
+    cuda, cpu = SimpleNamespace(device_type="cuda"), SimpleNamespace(device_type="cpu")
+    monkeypatch.setattr(ops, "available", lambda: (True, "cuda"))
+    assert [compiler._kernels_option(k, cuda) for k in ("auto", "on", "off")] == [False, True, False]
+    monkeypatch.setattr(ops, "KERNELS_MEASURED_ON_GPU", True)
+    assert [compiler._kernels_option("auto", m) for m in (cuda, cpu)] == [True, False]
+
+
 def test_dump_shows_kernel_ops_sharded(capsys):
     """``autopar dump --kernels on`` on meta tensors: the kernel ops (fake implementations) sit in
     the per-rank program with their placements, attention sharded over heads on tp."""

@@ -205,7 +205,7 @@ def test_tied_weights_error(fake):
 
 
 def test_default_microbatches():
-    from autopar.passes.split import PipelineOptions, default_microbatches
+    from autopar.pipeline_plan import PipelineOptions, default_microbatches
 
     assert default_microbatches(PipelineOptions("1f1b"), 2, 16) == 8
     assert default_microbatches(PipelineOptions("1f1b"), 4, 4) == 4

@@ -15,7 +15,7 @@ from torch.distributed.tensor.placement_types import Shard
 
 import autopar
 from autopar.errors import PlanError
-from autopar.ir import bytes_by_collective, collective_op
+from autopar.ir import bytes_by_collective
 from autopar.models.llama import Llama, LlamaConfig, cross_entropy
 
 B, S = 8, 16
@@ -77,7 +77,7 @@ def test_zero3_gathers_per_phase_zero2_once(fake):
 
         def positions(pm):
             nodes = list(pm.program.local.graph.nodes)
-            rs = [i for i, n in enumerate(nodes) if "reduce_scatter" in str(collective_op(n.target))]
+            rs = [i for i, n in enumerate(nodes) if "reduce_scatter" in str(n.target)]
             mms = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default]
             return rs, mms
 

@@ -17,7 +17,9 @@ collective counter); tests compare the two.
   otherwise the inter-node one.
 - **Compute**: FLOPs per node from torch's flop-counter formulas (matmuls, attention), timed by
   a roofline: ``max(flops / (peak * efficiency), bytes / memory_bandwidth)``; ops without FLOPs
-  are memory-bound (bytes read + written). Views cost nothing.
+  are memory-bound (bytes read + written). Views cost nothing. A formula that raises, or a
+  matmul-like op with none (``UNCOUNTED``), makes the FLOPs unknown, never 0: the estimate lists
+  them (``TimeEstimate.unknown_flops``) and ``autopar plan`` shows "unknown".
 - **Time** (``simulate``): one compute stream and one communication stream. A collective starts
   when its input is ready and the link is free; ``wait_tensor`` stalls compute until it is done.
   Communication hidden under compute is what the program's ordering buys.
@@ -37,10 +39,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch import fx
-from torch.utils import flop_counter
 
-from autopar.ir import CommRecord, collective_op
-from autopar.runtime.memory import CATEGORIES, categorize
+from autopar.ir import CommRecord, info, source_line
+from autopar.runtime.memory import CATEGORIES, categorize, flop_formula
 
 aten = torch.ops.aten
 
@@ -164,7 +165,7 @@ def program_memory(gm: fx.GraphModule, inputs, outputs) -> ProgramMemory:
     # a collective's output is waited for by wait_tensor, whose fake value is a new storage that
     # at runtime is the same tensor: fold the two
     for n in nodes:
-        if n.op == "call_function" and "wait_tensor" in str(collective_op(n.target)):
+        if n.op == "call_function" and "wait_tensor" in str(n.target):
             src = n.args[0]
             ks = [k for k, _ in _storages(src.meta.get("val"))]
             kd = [k for k, _ in _storages(n.meta.get("val"))]
@@ -249,11 +250,28 @@ def _val_bytes(val) -> int:
                if isinstance(t, torch.Tensor))
 
 
+# ops that multiply matrices but have no FLOP formula in torch's flop counter: 0 would be a lie
+UNCOUNTED = {aten.mv, aten.dot, aten.vdot, aten.addmv, aten.addbmm, aten.addr, aten._int_mm,
+             aten._weight_int8pack_mm, aten._cdist_forward, aten._cdist_backward}
+
+
+class UnknownFlops(Exception):
+    """The FLOPs of one op cannot be computed; the message names the op, the user's source line
+    and why."""
+
+
 def node_flops(n: fx.Node) -> int:
+    """FLOPs of one ATen node by its formula; 0 for ops that have none (elementwise, views,
+    collectives: memory-bound, timed by bytes). Raises UnknownFlops when the formula fails or a
+    matmul-like op has no formula."""
     if n.op != "call_function" or not hasattr(n.target, "overloadpacket"):
         return 0
-    fn = flop_counter.flop_registry.get(n.target.overloadpacket) or flop_counter.flop_registry.get(n.target)
+    fn = flop_formula(n.target)
     if fn is None:
+        if n.target.overloadpacket in UNCOUNTED:
+            raise UnknownFlops(f"{n.target} ({n.name}) at {source_line(n) or 'an unknown line'}: torch's flop "
+                               "counter has no formula for it (register one with torch.utils.flop_counter."
+                               "register_flop_formula)")
         return 0
 
     def val(a):
@@ -261,7 +279,11 @@ def node_flops(n: fx.Node) -> int:
 
     args = fx.node.map_aggregate(n.args, val)
     kwargs = fx.node.map_aggregate(n.kwargs, val)
-    return int(fn(*args, **kwargs, out_val=n.meta.get("val")))  # FlopCounterMode's calling convention
+    try:
+        return int(fn(*args, **kwargs, out_val=n.meta.get("val")))  # FlopCounterMode's calling convention
+    except Exception as e:  # noqa: BLE001 - any failure of the formula: the count is unknown, not 0
+        raise UnknownFlops(f"{n.target} ({n.name}) at {source_line(n) or 'an unknown line'}: its FLOP formula "
+                           f"raised {type(e).__name__}: {e}") from e
 
 
 def _dtype_key(n: fx.Node) -> str:
@@ -319,6 +341,9 @@ class TimeEstimate:
     comm_by_axis: dict[str, float] = field(default_factory=dict)
     bubble: float | None = None  # pipelines: idle fraction of the simulated schedule
     stage_seconds: dict[str, list[float]] = field(default_factory=dict)  # pipelines: F/I/W per stage
+    # ops whose FLOPs could not be computed (UnknownFlops messages): flops and the compute times
+    # are then lower bounds (those ops timed by their bytes only)
+    unknown_flops: list[str] = field(default_factory=list)
 
 
 def core_share(dev: Device, world: int) -> float:
@@ -334,7 +359,7 @@ def simulate(gm: fx.GraphModule, dev: Device, links, share: float = 1.0) -> Time
     t_compute, t_link = 0.0, 0.0
     done: dict[fx.Node, float] = {}
     for n in gm.graph.nodes:
-        rec = n.meta.get("autopar_comm")
+        rec = info(n).comm
         if rec is not None:
             dur = comm_seconds(rec, links)
             start = max(t_compute, t_link)
@@ -342,13 +367,17 @@ def simulate(gm: fx.GraphModule, dev: Device, links, share: float = 1.0) -> Time
             est.comm_s += dur
             est.comm_by_axis[rec.axis] = est.comm_by_axis.get(rec.axis, 0.0) + dur
             continue
-        if n.op == "call_function" and "wait_tensor" in str(collective_op(n.target)):
+        if n.op == "call_function" and "wait_tensor" in str(n.target):
             src = n.args[0]
             if src in done and done[src] > t_compute:
                 est.exposed_comm_s += done[src] - t_compute
                 t_compute = done[src]
             continue
-        f = node_flops(n)
+        try:
+            f = node_flops(n)
+        except UnknownFlops as e:
+            f = 0  # timed by its bytes; the estimate says it is a lower bound
+            est.unknown_flops.append(str(e))
         dt = compute_seconds(n, dev, f, share)
         est.flops += f
         est.compute_s += dt
@@ -377,6 +406,7 @@ def predict_time(pm, dev: Device, optimizer: str = "adamw") -> TimeEstimate:
         e = simulate(program.local, dev, links, share)
         for f in ("step_s", "compute_s", "comm_s", "exposed_comm_s", "flops"):
             setattr(total, f, getattr(total, f) + times * getattr(e, f))
+        total.unknown_flops += [u for u in e.unknown_flops if u not in total.unknown_flops]
         for mine, theirs in ((total.by_phase, e.by_phase), (total.comm_by_axis, e.comm_by_axis)):
             for k, v in theirs.items():
                 mine[k] = mine.get(k, 0.0) + times * v
@@ -448,6 +478,7 @@ def predict_pipeline_time(pm, dev: Device, optimizer: str = "adamw") -> TimeEsti
                 continue
             e = simulate(part.gm, dev, links, share)
             per[kind][s] = e.step_s
+            total.unknown_flops += [u for u in e.unknown_flops if u not in total.unknown_flops]
             if mine:
                 times = pm.microbatches
                 total.compute_s += times * e.compute_s

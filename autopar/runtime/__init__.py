@@ -1,5 +1,6 @@
 """The runtime: runs compiled per-rank programs on torch.distributed process groups."""
 
-from autopar.runtime.module import CommCounter, ParallelModule, instrument
+from autopar.runtime.measure import CommMeter
+from autopar.runtime.module import ParallelModule
 
-__all__ = ["CommCounter", "ParallelModule", "instrument"]
+__all__ = ["CommMeter", "ParallelModule"]

@@ -1,14 +1,34 @@
 """Instruments at the level the user pays for: the process group and the allocator.
 
-``CommMeter`` counts the bytes of every collective this process hands to ``c10d`` (a
-TorchDispatchMode at the collective ops that DDP's reducer, FSDP2, DTensor and autopar's
-programs all go through); ``allocator_peak`` reads the allocator's own memory events
-(torch.profiler, CPU and CUDA). Neither reads autopar's graphs, so a prediction compared with
-them can fail. ``timed`` runs one step between barriers.
+Neither reads autopar's graphs, so a prediction compared with them can fail.
+
+- ``CommMeter`` counts what this process hands to the process group: every ``c10d::*`` op
+  (a TorchDispatchMode). ``ProcessGroup``'s methods (``allreduce``, ``send``...) call these ops
+  through the dispatcher whoever calls them: ``torch.distributed``'s functions, DDP's reducer,
+  FSDP2, DTensor, and the ``_c10d_functional`` ops of autopar's per-rank programs, whose
+  kernels (torch/csrc/distributed/c10d/Functional.cpp) call ``group->allreduce(...)`` and so
+  ``c10d::allreduce_``. A Python dispatch mode is taken off the mode stack while it handles an
+  op, so it sees a functional collective but not the ``c10d`` op inside it; the meter runs the
+  functional op's own kernel with itself entered again and counts only at the ``c10d`` op:
+  each transfer once, as the process group receives it.
+- ``AllocatorPeak`` / ``allocator_peak``: the most the allocator held above its level when the
+  measurement started. CUDA: ``torch.cuda.max_memory_allocated`` (peak statistics reset at the
+  start). CPU, which keeps no statistics: the CPU allocator's own allocation and free events,
+  reported to torch.profiler (``profile_memory=True``). They include scratch memory inside ops
+  and everything the step allocates outside autopar's programs; a free of a block allocated
+  before the measurement is not reported (the profiler cannot size it), so a step that frees
+  memory it did not allocate reads high, never low.
+- ``timed`` runs one step between barriers.
+
+Dispatch modes cost Python time on every op while active: on the 2-rank test Llama the meter
+adds 56% (fsdp) to 92% (ddp) to a step, ``track_memory()`` (the meter, memory.ProgramMeter and
+the profiler) 2.1x to 3.6x; so the runtime turns them on only when asked (``pm.measure()``,
+``pm.track_memory()``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 
@@ -18,33 +38,35 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.ir import ring_bytes
 
+_DK = torch._C.DispatchKey
 
-_KINDS = {"allreduce_": "all_reduce", "all_reduce": "all_reduce", "allreduce_coalesced_": "all_reduce",
-          "_allgather_base_": "all_gather", "allgather_": "all_gather", "all_gather_into_tensor": "all_gather",
-          "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-          "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
-          "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-          "reduce_scatter_tensor_coalesced": "reduce_scatter", "broadcast_": "broadcast",
-          "all_to_all_single": "all_to_all", "alltoall_base_": "all_to_all"}
+# c10d op -> (kind, the argument holding this rank's payload). The payload is what the prediction
+# (autopar/ir.py ring_bytes) calls it: the tensor reduced (all_reduce), this rank's input to a
+# gather, the whole input of a reduce-scatter, what a send sends / a broadcast's root broadcasts.
+C10D_OPS = {
+    "allreduce_": ("all_reduce", "tensors"),
+    "allreduce_coalesced_": ("all_reduce", "tensors"),
+    "allgather_": ("all_gather", "input_tensors"),
+    "_allgather_base_": ("all_gather", "input_tensor"),
+    "allgather_coalesced_": ("all_gather", "input_list"),
+    "allgather_into_tensor_coalesced_": ("all_gather", "inputs"),
+    "reduce_scatter_": ("reduce_scatter", "input_tensors"),
+    "_reduce_scatter_base_": ("reduce_scatter", "input_tensor"),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "inputs"),
+    "alltoall_": ("all_to_all", "input_tensors"),
+    "alltoall_base_": ("all_to_all", "input"),
+    "broadcast_": ("broadcast", "tensors"),
+    "send": ("send", "tensors"),
+    "recv_": ("recv", "tensors"),
+    "recv_any_source_": ("recv", "tensors"),
+    "reduce_": ("reduce", "tensors"),
+    "gather_": ("gather", "input_tensors"),
+    "scatter_": ("scatter", "output_tensors"),
+}
+_FUNCTIONAL = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional")
 
 
-def _group_size(args) -> int:
-    names = [a for a in args if isinstance(a, str)]
-    if names:  # functional collectives name their group last (an earlier str is the reduce op)
-        return dist.get_world_size(dist.distributed_c10d._resolve_process_group(names[-1]))
-    for a in args:  # c10d ops carry the ProcessGroup object
-        if hasattr(a, "size") and not isinstance(a, torch.Tensor) and callable(a.size):
-            try:
-                return int(a.size())
-            except Exception:  # noqa: BLE001
-                continue
-    for a in args:  # all_gather_into_tensor(x, group_size, group): the int is the size
-        if isinstance(a, int) and a > 0:
-            return a
-    return dist.get_world_size()
-
-
-def _tensors(x):
+def _tensors(x) -> list[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         return [x]
     if isinstance(x, (list, tuple)):
@@ -52,65 +74,248 @@ def _tensors(x):
     return []
 
 
-class CommMeter(TorchDispatchMode):
-    """Bytes every collective this process calls sends (ring model), by kind."""
+def _named_args(func, args, kwargs) -> dict:
+    names = [a.name for a in func._schema.arguments]
+    return {**dict(zip(names, args)), **kwargs}
 
-    def __init__(self):
+
+def mesh_axes(mesh) -> dict[str, str]:
+    """Process-group name -> mesh axis name. A mesh axis spanning every rank uses the default
+    group, so collectives on the default group (``dist.all_reduce`` with no group) are then
+    counted on that axis; otherwise on ``"world"``."""
+    return {mesh.get_group(i).group_name: name for i, name in enumerate(mesh.mesh_dim_names)}
+
+
+class CommMeter(TorchDispatchMode):
+    """Bytes this process hands to the process group, per collective kind and mesh axis.
+
+    ``axes``: process-group name -> axis name (``mesh_axes``); a group not in it is ``"world"``
+    (the default group) or ``"group <name>"``. ``p2p_axis``: the axis sends and receives are
+    counted on whatever group carries them (a pipeline sends on the default group to a global
+    rank). ``summary()``: ``{"kind@axis": {"calls", "payload_bytes", "wire_bytes"}}``, keyed
+    like the compiler's prediction (``autopar.ir.bytes_by_collective``). Wire bytes follow the
+    ring model the compiler predicts with; a broadcast's root sends the payload to each of the
+    other ranks, a receive sends nothing.
+    """
+
+    def __init__(self, axes: dict[str, str] | None = None, p2p_axis: str | None = None):
         super().__init__()
-        self.bytes: dict[str, float] = defaultdict(float)
-        self.calls: dict[str, int] = defaultdict(int)
+        self.axes = dict(axes or {})
+        self.p2p_axis = p2p_axis
+        self.table: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0, 0.0])
+        self._depth = 0
+
+    def __enter__(self):
+        # entered again while active (``with pm.counter:`` around a measured step): one mode on
+        # the stack, so each op is counted once
+        self._depth += 1
+        return super().__enter__() if self._depth == 1 else self
+
+    def __exit__(self, *exc):
+        self._depth -= 1
+        return super().__exit__(*exc) if self._depth == 0 else False
+
+    def reset(self) -> None:
+        self.table.clear()
+
+    def summary(self) -> dict:
+        return {f"{k}@{a}": {"calls": c, "payload_bytes": p, "wire_bytes": w}
+                for (k, a), (c, p, w) in sorted(self.table.items())}
+
+    @property
+    def bytes(self) -> dict[str, float]:
+        """Wire bytes per kind, all axes together."""
+        out: dict[str, float] = defaultdict(float)
+        for (k, _), (_, _, w) in self.table.items():
+            out[k] += w
+        return dict(out)
+
+    @property
+    def calls(self) -> dict[str, int]:
+        """Calls per kind, all axes together."""
+        out: dict[str, int] = defaultdict(int)
+        for (k, _), (c, _, _) in self.table.items():
+            out[k] += c
+        return dict(out)
+
+    def axis_of(self, group) -> str:
+        """The name this meter counts ``group``'s collectives under."""
+        name = group.group_name
+        if name in self.axes:
+            return self.axes[name]
+        return "world" if group is dist.group.WORLD else f"group {name}"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         ns = func.namespace
-        if ns in ("c10d", "_c10d_functional"):
-            kind = _KINDS.get(func._opname)
-            if kind is not None:
-                n = _group_size(list(args) + list(kwargs.values()))
-                if kind == "all_gather":  # the per-rank input: the last tensor argument
-                    ts = _tensors(args[1] if ns == "c10d" else args[0])
-                else:
-                    ts = _tensors(args[0])
-                nbytes = sum(t.numel() * t.element_size() for t in ts)
-                if kind == "broadcast":
-                    sent = nbytes if n > 1 and dist.get_rank() == 0 else 0  # the root sends
-                else:  # the same ring model autopar's compiler predicts with
-                    sent = ring_bytes(kind, nbytes, n)
-                self.bytes[kind] += sent
-                self.calls[kind] += 1
+        if ns in _FUNCTIONAL and torch._C._dispatch_has_kernel_for_dispatch_key(
+                func.name(), _DK.CompositeExplicitAutograd):
+            TorchDispatchMode.__enter__(self)  # back on the stack: see the c10d op the kernel calls
+            try:
+                return func._op_dk(_DK.CompositeExplicitAutograd, *args, **kwargs)
+            finally:
+                TorchDispatchMode.__exit__(self, None, None, None)
+        if ns == "c10d" and func._opname in C10D_OPS:
+            self._count(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _count(self, func, args, kwargs) -> None:
+        kind, payload_arg = C10D_OPS[func._opname]
+        named = _named_args(func, args, kwargs)
+        group = dist.ProcessGroup.unbox(named["process_group"])
+        n = group.size()
+        nbytes = sum(t.numel() * t.element_size() for t in _tensors(named[payload_arg]))
+        if kind in ("send", "recv") and self.p2p_axis is not None:
+            axis = self.p2p_axis
+        else:
+            axis = self.axis_of(group)
+        if kind == "broadcast":
+            wire = nbytes * (n - 1) if named["root_rank"] == group.rank() else 0.0
+        elif kind == "recv":
+            wire = 0.0
+        else:
+            wire = ring_bytes(kind, nbytes, n)
+        row = self.table[(kind, axis)]
+        row[0] += 1
+        row[1] += nbytes
+        row[2] += wire
+
+
+_BACKEND = ("c10d::", "gloo:", "nccl:")  # the process group's own implementation (ops and worker threads)
+
+
+def _allocations(prof) -> list[tuple[int, int, int, bool]]:
+    """(time, bytes (+ allocated / - freed), address, inside the process group's implementation)
+    for every allocator event the profiler recorded, in time order."""
+    events = []
+
+    def walk(nodes, backend: bool):
+        for e in nodes:
+            if type(e.extra_fields).__name__ == "_ExtraFields_Allocation":
+                events.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.ptr, backend))
+            else:
+                walk(e.children, backend or e.name.startswith(_BACKEND))
+
+    walk(prof.profiler.kineto_results.experimental_event_tree(), False)
+    return sorted(events, key=lambda e: e[0])
+
+
+def _peaks(events) -> tuple[int, int]:
+    """(peak of everything, peak without the process group's scratch), walked by address: events
+    of different threads can be recorded out of order (a block freed by a gloo worker and reused
+    by the main thread may show its new allocation first), and an address allocated again
+    implies it was freed first."""
+    live: dict[int, tuple[int, bool]] = {}
+    cur = [0, 0]
+    peak = [0, 0]
+    for _, size, ptr, backend in events:
+        old = live.pop(ptr, None)
+        if old is not None:
+            cur[0] -= old[0]
+            cur[1] -= 0 if old[1] else old[0]
+        if size > 0:
+            live[ptr] = (size, backend)
+            cur[0] += size
+            cur[1] += 0 if backend else size
+        peak = [max(p, c) for p, c in zip(peak, cur)]
+    return peak[0], peak[1]
+
+
+class AllocatorPeak:
+    """``with AllocatorPeak(device) as a: ...`` then ``a.peak``: the most the allocator held above
+    its level at entry (see the module docstring for how, per device). On CPU also
+    ``a.peak_without_backend``: the same without the blocks the process group allocates for its
+    own use (under a ``c10d::`` op or in a gloo worker: gloo's reduce-scatter clones its whole
+    input, its all-gather flattens into a whole-size buffer, held while the collective is in
+    flight); None on CUDA, whose allocator keeps no such record."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.peak = 0
+        self.peak_without_backend: int | None = None
+        self._prof = None
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self._start
+        else:
+            self._prof.__exit__(*exc)
+            if exc[0] is None:
+                self.peak, self.peak_without_backend = _peaks(_allocations(self._prof))
+            self._prof = None
+        return False
 
 
 def allocator_peak(fn) -> int:
-    """Peak bytes the allocator held above its level before ``fn()``, from profiler memory events."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else []),
-                 profile_memory=True, record_shapes=False) as prof:
+    """Peak bytes the allocator held above its level before ``fn()`` (on the current CUDA device
+    when there is one, else the CPU)."""
+    with AllocatorPeak(torch.device("cuda" if torch.cuda.is_available() else "cpu")) as a:
         fn()
-    events = []
+    return a.peak
 
-    def walk(nodes):
-        for e in nodes:
-            extra = e.extra_fields
-            if type(extra).__name__ == "_ExtraFields_Allocation":
-                events.append((e.start_time_ns, extra.alloc_size))
-            walk(e.children)
 
-    walk(prof.profiler.kineto_results.experimental_event_tree())
-    cur = peak = 0
-    for _, size in sorted(events):
-        cur += size
-        peak = max(peak, cur)
-    return peak
+def tensor_bytes(tensors) -> int:
+    """Bytes of distinct storages among ``tensors`` (DTensors count their local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        s = t.untyped_storage()
+        if s.data_ptr() in seen:
+            continue
+        seen.add(s.data_ptr())
+        total += s.nbytes()
+    return total
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    if optimizer is None:
+        return 0
+    ts = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
+    return tensor_bytes(ts)
 
 
 def persistent_bytes(params, optimizer) -> dict[str, int]:
-    from autopar.runtime.memory import optimizer_state_bytes, tensor_bytes
-
     params = list(params)
     return {"parameters": tensor_bytes(params), "gradients": tensor_bytes(p.grad for p in params),
             "optimizer_state": optimizer_state_bytes(optimizer)}
+
+
+def switch(obj, attr: str, value) -> contextlib.AbstractContextManager:
+    """Set ``obj.attr`` now; a context manager that puts the old value back on exit."""
+    old = getattr(obj, attr)
+    setattr(obj, attr, value)
+    return _Restore(lambda: setattr(obj, attr, old))
+
+
+def both(*restores) -> contextlib.AbstractContextManager:
+    return _Restore(lambda: [r.restore() for r in reversed(restores)])
+
+
+class _Restore(contextlib.AbstractContextManager):
+    def __init__(self, restore):
+        self.restore = restore
+
+    def __exit__(self, *exc):
+        self.restore()
+        return False
 
 
 def timed(step, *batch):

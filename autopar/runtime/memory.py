@@ -1,48 +1,75 @@
-"""Measured per-rank memory, by category, on the tensors the program really holds.
+"""Measured per-rank memory and FLOPs, on the real step (the per-rank programs' generated code).
 
-``MemoryTracker.run`` executes a per-rank GraphModule node by node (an ``fx.Interpreter``
-that frees every value after its last use, as the generated code does) and, after each node,
-sums the bytes of the distinct storages alive, by category:
+``MemoryTracker.step`` wraps one whole ``train_step``:
 
-- ``param_copies``: values made only from parameters: mixed-precision casts, ZeRO all-gathers
-  and their views (the "fp16 parameters" of the ZeRO paper's arithmetic);
-- ``grads_in_flight``: gradients of parameters between the op that produced them and the end of
-  the program (whole under DDP/ZeRO-1 until reduced; a shard after a reduce-scatter);
-- ``activations``: everything else (saved activations, activation gradients, temporaries).
+- **the step's peak** (``program_peak``): the most the allocator held above its level when the
+  step started (``measure.AllocatorPeak``: CUDA's peak statistics; on CPU the allocator's own
+  allocation events). It sees everything the step allocates: the programs' values, scratch
+  memory inside ops, the process group's own buffers, the runtime's own tensors (batch slices,
+  the loss-scale tangent, gradient accumulators). On CPU ``program_peak_without_backend`` leaves
+  out the process group's buffers (gloo copies whole inputs and outputs of reduce-scatters and
+  all-gathers while they are in flight: how many are in flight at once depends on timing). Persistent state (parameter shards, ``.grad``, optimizer state) is measured on
+  the tensors the ParallelModule and the optimizer hold.
+- **by category** (``ProgramMeter``, a TorchDispatchMode over each program run): the storages
+  the program's ops create, op by op, until they are freed (a weak reference on each storage
+  sees the free), each counted once however many views point at it:
 
-Persistent state (parameter shards, ``.grad``, optimizer state) is measured from the
-ParallelModule and the optimizer. Storages are counted once however many views point at them.
-What it does not see: allocator caching/fragmentation and scratch memory inside one op; on a
-GPU, ``torch.cuda.max_memory_allocated`` is reported next to it.
+  - ``param_copies``: made only from parameters (or from such copies): mixed-precision casts,
+    ZeRO all-gathers and their views (the "fp16 parameters" of the ZeRO paper's arithmetic);
+  - ``grads_in_flight``: a gradient the program returns, from the op that computed it (traced
+    back through single-input ops: casts, reductions) until the program ends;
+  - ``activations``: everything else (saved activations, activation gradients, temporaries).
 
-FLOPs are counted by ``torch.utils.flop_counter.FlopCounterMode`` over the same run (matmuls
-and attention; the CPU flash-attention ops are registered with the SDPA formulas below).
+  The categories read only the program's interface (which inputs are parameters, which outputs
+  gradients) and the ops that really ran; not the graph the cost model reads. Their sum
+  (``tensor_peak``) is below the allocator's figure by the scratch memory inside ops and what
+  the runtime holds outside the programs.
+- **FLOPs**: torch's flop-counter formulas (``torch.utils.flop_counter``; the CPU flash-attention
+  ops with the SDPA formulas below, ``CPU_ATTENTION_FLOPS``) on every op the programs ran, with
+  its real arguments, counted by ``ProgramMeter``. Not by ``FlopCounterMode`` itself: it runs
+  composite ops (``silu_backward``...) as their decompositions, whose extra temporaries the
+  allocator would then measure.
+
+The cost model (autopar/analysis/cost.py) predicts the same figures from the graph; ``categorize``
+below is its (graph-side) definition of the categories.
 """
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+
 import torch
 from torch import fx
 from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from autopar.ir import collective_op, tensor_args
+from autopar.ir import tensor_args
+from autopar.runtime.measure import AllocatorPeak, optimizer_state_bytes, tensor_bytes  # noqa: F401 (re-exported)
 
 aten = torch.ops.aten
 CATEGORIES = ("param_copies", "grads_in_flight", "activations")
 
 
-def _register_cpu_attention_flops():
-    reg = flop_counter.flop_registry
-    fwd, bwd = aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward
-    if fwd not in reg:
-        flop_counter.register_flop_formula(fwd)(
-            lambda q, k, v, *a, out_shape=None, **kw: flop_counter.sdpa_flop_count(q, k, v))
-    if bwd not in reg:
-        flop_counter.register_flop_formula(bwd)(
-            lambda go, q, k, v, *a, out_shape=None, **kw: flop_counter.sdpa_backward_flop_count(go, q, k, v))
+# torch has no FLOP formula for the CPU flash-attention ops (they count 0); these are its SDPA
+# ones. They are not registered in torch's global registry (a user's FlopCounterMode in the same
+# process counts as torch does, and may register its own): autopar's counters take them as
+# ``custom_mapping`` and the cost model looks them up through ``flop_formula``.
+CPU_ATTENTION_FLOPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu:
+        lambda q, k, v, *a, out_shape=None, **kw: flop_counter.sdpa_flop_count(q, k, v),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        lambda go, q, k, v, *a, out_shape=None, **kw: flop_counter.sdpa_backward_flop_count(go, q, k, v),
+}
 
 
-_register_cpu_attention_flops()
+def flop_formula(target):
+    """The FLOP formula of an op (FlopCounterMode's calling convention): torch's, else autopar's."""
+    packet = getattr(target, "overloadpacket", target)
+    fn = flop_counter.flop_registry.get(packet) or flop_counter.flop_registry.get(target)
+    if fn is None and packet in CPU_ATTENTION_FLOPS:
+        fn = flop_counter.shape_wrapper(CPU_ATTENTION_FLOPS[packet])
+    return fn
 
 
 def categorize(gm: fx.GraphModule, roles: list[tuple[str, object]], outputs: list[tuple[str, object]]) -> dict[str, str]:
@@ -62,107 +89,149 @@ def categorize(gm: fx.GraphModule, roles: list[tuple[str, object]], outputs: lis
         while isinstance(o, fx.Node) and role[0] == "grad" and o.op == "call_function":
             cat[o.name] = "grads_in_flight"
             ins = tensor_args(o)
-            if len(ins) != 1 and "wait_tensor" not in str(collective_op(o.target)):
+            if len(ins) != 1 and "wait_tensor" not in str(o.target):
                 break
             o = ins[0]
     return cat
 
 
-class _Tracking(fx.Interpreter):
-    def __init__(self, gm, categories, skip: set[str]):
-        super().__init__(gm, garbage_collect_values=True)
-        self.categories = categories
-        self.skip = skip  # placeholders counted as persistent state elsewhere
-        self.peak_total = 0
-        self.at_peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
-        self.model_state_peak = 0  # max of param_copies + grads_in_flight
-        self.max_by: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
-        self._unused: list = []
+class ProgramMeter(TorchDispatchMode):
+    """One run of a per-rank program: the storages its ops create, by category, alive op by op;
+    and the FLOPs of its ops.
 
-    def run_node(self, n):
-        for dead in self._unused:  # unused values die at once, as in the generated code
-            self.env.pop(dead, None)
-        self._unused = [n] if not n.users and n.op != "output" else []
-        out = super().run_node(n)
-        self.env[n] = out
-        self._measure()
+    ``args``: the program's arguments; ``roles``: its ``program.inputs`` (parameters are
+    persistent state: not counted, and what is made only from them is a parameter copy). Other
+    arguments (the batch, a sync program's gradients) are counted from the start. Call
+    ``close(outputs, roles)`` after the run: gradients are known only then.
+    """
+
+    def __init__(self, args, roles):
+        super().__init__()
+        self.persistent = {_key(a) for a, (kind, _) in zip(args, roles) if kind == "param" and _counted(a)}
+        self.sid: dict[int, int] = {}  # live storage (data pointer) -> serial id
+        self.nbytes: list[int] = []  # per serial id
+        self.copy: list[bool] = []  # made only from parameters (or from such copies)
+        self.made_from: list[tuple[int | None, ...]] = []  # the tracked inputs of the op that made it
+        self.events: list[tuple[int, int]] = []  # (serial id, +bytes at birth / -bytes at free), in order
+        self._refs: list = []
+        self._open = True
+        self.flops = 0
+        for a, (kind, _) in zip(args, roles):
+            if kind != "param" and _counted(a) and _key(a) not in self.sid:
+                self._new(a.untyped_storage(), False, ())
+
+    def _new(self, st, copy: bool, made_from) -> None:
+        sid = len(self.nbytes)
+        self.sid[st.data_ptr()] = sid
+        self.nbytes.append(st.nbytes())
+        self.copy.append(copy)
+        self.made_from.append(made_from)
+        self.events.append((sid, st.nbytes()))
+        key = st.data_ptr()
+        self._refs.append(weakref.ref(st, lambda _: self._freed(sid, key)))
+
+    def _freed(self, sid: int, key: int) -> None:
+        if self._open:
+            self.events.append((sid, -self.nbytes[sid]))
+            if self.sid.get(key) == sid:
+                del self.sid[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        count = flop_formula(func)
+        if count is not None:
+            self.flops += count(*args, **kwargs, out_val=out)
+        ins = [t for t in _leaves((args, kwargs)) if _counted(t)]
+        keys = [_key(t) for t in ins]
+        tracked = tuple(self.sid.get(k) for k in keys)
+        copy = bool(keys) and all(k in self.persistent or (self.sid.get(k) is not None and self.copy[self.sid[k]])
+                                  for k in keys)
+        for t in _leaves(out):
+            if _counted(t):
+                k = _key(t)
+                if k not in self.sid and k not in self.persistent:
+                    self._new(t.untyped_storage(), copy, tracked if len(ins) == 1 else ())
         return out
 
-    def run(self, *args):
-        # storages of persistent state (parameter shards) are counted elsewhere, and so are views
-        # of them (a transposed weight saved for the backward is not a copy)
-        names = [n.name for n in self.graph.nodes if n.op == "placeholder"]
-        self.persistent = {a.untyped_storage().data_ptr() for name, a in zip(names, args)
-                           if name in self.skip and isinstance(a, torch.Tensor)}
-        return super().run(*args)
+    def close(self, outputs, roles) -> dict:
+        """Stop watching; the run's peak: total, by category at it, and each category's maximum."""
+        self._open = False
+        grads = set()
+        for o, (kind, _) in zip(outputs, roles):
+            sid = self.sid.get(_key(o)) if kind == "grad" and _counted(o) else None
+            while sid is not None and sid not in grads:  # back through single-input ops
+                grads.add(sid)
+                sid = self.made_from[sid][0] if self.made_from[sid] else None
+        cat = ["grads_in_flight" if s in grads else "param_copies" if self.copy[s] else "activations"
+               for s in range(len(self.nbytes))]
+        cur = dict.fromkeys(CATEGORIES, 0)
+        out = {"peak": 0, "at_peak": dict(cur), "max_by": dict(cur), "model_state_peak": 0, "flops": self.flops}
+        for sid, delta in self.events:
+            cur[cat[sid]] += delta
+            total = sum(cur.values())
+            if total > out["peak"]:
+                out["peak"], out["at_peak"] = total, dict(cur)
+            out["model_state_peak"] = max(out["model_state_peak"], cur["param_copies"] + cur["grads_in_flight"])
+            for c in CATEGORIES:
+                out["max_by"][c] = max(out["max_by"][c], cur[c])
+        return out
 
-    def _measure(self):
-        seen: set[int] = set(self.persistent)
-        by = dict.fromkeys(CATEGORIES, 0)
-        for node, v in self.env.items():
-            if node.name in self.skip:
-                continue
-            c = self.categories.get(node.name, "activations")
-            for t in (v if isinstance(v, (list, tuple)) else (v,)):
-                if isinstance(t, torch.Tensor):
-                    s = t.untyped_storage()
-                    key = s.data_ptr()
-                    if key in seen or s.nbytes() == 0:
-                        continue
-                    seen.add(key)
-                    by[c] += s.nbytes()
-        total = sum(by.values())
-        if total > self.peak_total:
-            self.peak_total, self.at_peak = total, by
-        self.model_state_peak = max(self.model_state_peak, by["param_copies"] + by["grads_in_flight"])
-        for c in CATEGORIES:
-            self.max_by[c] = max(self.max_by[c], by[c])
+
+def _leaves(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _leaves(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _leaves(y)
+
+
+def _counted(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type != "meta" and t.untyped_storage().nbytes() > 0
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 class MemoryTracker:
-    """Per-rank measured memory over the steps run while tracking (the maximum of each step)."""
+    """Measured per-rank memory and FLOPs over the steps run while tracking (each figure the
+    maximum over those steps; FLOPs summed)."""
 
-    def __init__(self):
-        self.program_peak = 0
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.program_peak = 0  # the allocator: peak above the step's starting level
+        self.program_peak_without_backend: int | None = None  # ... without the process group's scratch (CPU)
+        self.tensor_peak = 0  # the programs' storages alive at once (ProgramMeter)
         self.at_peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.model_state_peak = 0
         self.max_by: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.flops = 0
         self.steps = 0
 
-    def run(self, gm: fx.GraphModule, args, categories: dict[str, str], skip: set[str]):
-        interp = _Tracking(gm, categories, skip)
-        with flop_counter.FlopCounterMode(display=False) as fc:
-            out = interp.run(*args)
-        self.flops += fc.get_total_flops()
-        if interp.peak_total > self.program_peak:
-            self.program_peak, self.at_peak = interp.peak_total, interp.at_peak
-        self.model_state_peak = max(self.model_state_peak, interp.model_state_peak)
+    @contextlib.contextmanager
+    def step(self):
+        """Around one whole train_step: the allocator's peak."""
+        with AllocatorPeak(self.device) as alloc:
+            yield
+        self.program_peak = max(self.program_peak, alloc.peak)
+        if alloc.peak_without_backend is not None:
+            self.program_peak_without_backend = max(self.program_peak_without_backend or 0, alloc.peak_without_backend)
+        self.steps += 1
+
+    def run(self, gm: fx.GraphModule, args, program):
+        """One run of a per-rank program (its generated code) under ``ProgramMeter``."""
+        meter = ProgramMeter(args, program.inputs)
+        with meter:
+            out = gm(*args)
+        m = meter.close(out, program.outputs)
+        self.flops += m["flops"]
+        if m["peak"] > self.tensor_peak:
+            self.tensor_peak, self.at_peak = m["peak"], m["at_peak"]
+        self.model_state_peak = max(self.model_state_peak, m["model_state_peak"])
         for c in CATEGORIES:
-            self.max_by[c] = max(self.max_by[c], interp.max_by[c])
+            self.max_by[c] = max(self.max_by[c], m["max_by"][c])
         return out
-
-
-def tensor_bytes(tensors) -> int:
-    """Bytes of distinct storages among ``tensors`` (DTensors count their local shard)."""
-    from torch.distributed.tensor import DTensor
-
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        if isinstance(t, DTensor):
-            t = t._local_tensor
-        s = t.untyped_storage()
-        if s.data_ptr() in seen:
-            continue
-        seen.add(s.data_ptr())
-        total += s.nbytes()
-    return total
-
-
-def optimizer_state_bytes(optimizer) -> int:
-    if optimizer is None:
-        return 0
-    ts = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
-    return tensor_bytes(ts)

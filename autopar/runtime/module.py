@@ -5,65 +5,28 @@ plan's placements (so an unchanged torch.optim.AdamW works on them and its state
 with them). ``train_step`` slices the global batch, runs the per-rank joint graph and
 writes gradients to ``param.grad`` (accumulating, as autograd does).
 
-Bytes communicated are counted as the program runs: every ``_c10d_functional`` collective
-in the per-rank graph is called through a counter that reads the real tensor's size and the
-real group's size.
+Measuring is opt-in (it costs Python time on every op): while ``measure()`` is on, ``counter``
+counts what the process hands to the process group (autopar/runtime/measure.py: every ``c10d``
+op, independent of the graph); while ``track_memory()`` is on, the allocator's peak, the live
+storages by category and the FLOPs of each step (autopar/runtime/memory.py).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import contextlib
 
 import torch
 import torch.distributed as dist
-from torch import fx, nn
+from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Shard
 
 from autopar.errors import InputError
-from autopar.ir import CommRecord, bytes_by_collective, fmt_dtype, fmt_placements, ring_bytes
-from autopar.runtime.memory import MemoryTracker, categorize, optimizer_state_bytes, tensor_bytes
-from autopar.passes.localize import COLLECTIVES
-
-
-class CommCounter:
-    """Bytes per (kind, axis), counted at each collective call."""
-
-    def __init__(self):
-        self.calls: dict[tuple[str, str], int] = defaultdict(int)
-        self.payload: dict[tuple[str, str], int] = defaultdict(int)
-        self.wire: dict[tuple[str, str], float] = defaultdict(float)
-
-    def reset(self):
-        self.calls.clear(), self.payload.clear(), self.wire.clear()
-
-    def summary(self) -> dict:
-        return {f"{k}@{a}": {"calls": self.calls[(k, a)], "payload_bytes": self.payload[(k, a)],
-                             "wire_bytes": self.wire[(k, a)]} for (k, a) in sorted(self.calls)}
-
-
-def _counted(op, kind: str, axis: str, n: int, counter: CommCounter):
-    def call(x, *args):
-        nbytes = x.numel() * x.element_size()
-        counter.calls[(kind, axis)] += 1
-        counter.payload[(kind, axis)] += nbytes
-        counter.wire[(kind, axis)] += ring_bytes(kind, nbytes, n)
-        return op(x, *args)
-
-    call.__name__ = f"counted_{kind}"
-    call._autopar_collective = op
-    return call
-
-
-def instrument(gm: fx.GraphModule, counter: CommCounter, ctx) -> fx.GraphModule:
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in COLLECTIVES:
-            axis = ctx.axis_names[ctx.axis_of_group(n.args[-1])]
-            size = dist.get_world_size(dist.distributed_c10d._resolve_process_group(n.args[-1]))
-            n.target = _counted(n.target, COLLECTIVES[n.target], axis, size, counter)
-    gm.recompile()
-    return gm
+from autopar.ir import CommRecord, bytes_by_collective, fmt_dtype, fmt_placements, info
+from autopar.plan import replicated_lines
+from autopar.runtime.measure import CommMeter, both, mesh_axes, switch
+from autopar.runtime.memory import MemoryTracker, optimizer_state_bytes, tensor_bytes
 
 
 class ParallelModule:
@@ -78,13 +41,14 @@ class ParallelModule:
         self.has_loss = has_loss
         self.input_mode = inputs
         self.example_shapes = [(tuple(x.shape), x.dtype) for x in example_inputs]
-        self.counter = CommCounter()
+        self.counter = CommMeter(mesh_axes(self.mesh))  # counts while measure() is on
+        self._counting = False
         self._forward_builder = forward_builder
         self._forward_program = None
         self._distribute_parameters()
-        self._gm = instrument(program.local, self.counter, ctx)
+        self._gm = program.local
         self.sync_program = sync_program  # accumulate=K: reduces the summed gradients once per step
-        self._sync_gm = instrument(sync_program.local, self.counter, ctx) if sync_program is not None else None
+        self._sync_gm = sync_program.local if sync_program is not None else None
         self.accumulate = ctx.accumulate
         # fp16: dynamic loss scaling (torch.amp.GradScaler's constants)
         self.loss_scale = (65536.0 if ctx.loss_scale == "dynamic" else float(ctx.loss_scale)) if ctx.loss_scale else None
@@ -92,7 +56,7 @@ class ParallelModule:
         self.skipped_steps = 0
         self.memory: MemoryTracker | None = None
         self._loss_dtype = next((n.meta["val"].dtype for n in program.graph.nodes if n.op == "placeholder"
-                                 and n.meta.get("autopar_role", ("",))[0] == "tangent"), torch.float32)
+                                 and (info(n).role or ("",))[0] == "tangent"), torch.float32)
         self.steps = 0
 
     # ---------------------------------------------------------------- parameters
@@ -174,6 +138,10 @@ class ParallelModule:
         With fp16 dynamic loss scaling, a step whose gradients overflow leaves ``.grad`` untouched
         (so ``optimizer.step()`` changes nothing), halves the scale and counts ``skipped_steps``.
         """
+        with self._measuring(memory=True):
+            return self._train_step(inputs)
+
+    def _train_step(self, inputs) -> torch.Tensor:
         local = self._local_inputs(inputs, len(self.example_shapes))
         k = self.accumulate
         scale = self.loss_scale or 1.0
@@ -192,8 +160,6 @@ class ParallelModule:
             acc = list(self._run(self._sync_gm, self.sync_program, [a.contiguous() for a in acc if a is not None]))
             names = [what for _, what in self.sync_program.outputs]
         self.steps += 1
-        if self.memory is not None:
-            self.memory.steps += 1
         if self.loss_scale is not None and not self._unscale(acc, scale):
             return (sum(losses) / len(losses)).detach()
         params = dict(self.module.named_parameters())
@@ -212,11 +178,7 @@ class ParallelModule:
         with torch.no_grad():
             if self.memory is None:
                 return gm(*args)
-            if not hasattr(program, "_categories"):
-                program._categories = categorize(gm, program.inputs, program.outputs)
-                placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-                program._persistent = {n for n, (kind, _) in zip(placeholders, program.inputs) if kind == "param"}
-            return self.memory.run(gm, args, program._categories, program._persistent)
+            return self.memory.run(gm, args, program)
 
     def _unscale(self, grads, scale: float) -> bool:
         """fp16: divide by the loss scale; on inf/NaN anywhere (any rank) skip and back off."""
@@ -227,10 +189,6 @@ class ParallelModule:
                 found = torch.maximum(found, (~torch.isfinite(g)).any().float())
         if dist.get_world_size() > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
-            key = ("all_reduce", "world")
-            self.counter.calls[key] += 1
-            self.counter.payload[key] += 4
-            self.counter.wire[key] += ring_bytes("all_reduce", 4, dist.get_world_size())
         if found.item() > 0:
             self.loss_scale = max(scale * 0.5, 1.0)
             self._growth_tracker = 0
@@ -241,23 +199,51 @@ class ParallelModule:
             self.loss_scale, self._growth_tracker = scale * 2.0, 0
         return True
 
-    # ---------------------------------------------------------------- memory
-    def track_memory(self, on: bool = True) -> None:
-        """Measure per-rank memory (and FLOPs) on the following steps; see ``memory_report``."""
-        self.memory = MemoryTracker() if on else None
+    # ---------------------------------------------------------------- measuring
+    def measure(self, on: bool = True) -> contextlib.AbstractContextManager:
+        """Count the bytes this rank hands to the process group (``counter``) on the following
+        steps and eval calls. Costs Python time on every op: off by default. As a context
+        manager (``with pm.measure(): ...``) it restores the previous setting on exit."""
+        return switch(self, "_counting", on)
+
+    def track_memory(self, on: bool = True) -> contextlib.AbstractContextManager:
+        """Measure per-rank memory and FLOPs on the following steps (``memory_report``); also
+        counts bytes, as ``measure()``. As a context manager it restores the previous settings."""
+        mem = switch(self, "memory", MemoryTracker(self.ctx.device) if on else None)
+        count = switch(self, "_counting", on or self._counting)
+        return both(mem, count)
+
+    def _measuring(self, memory: bool):
+        stack = contextlib.ExitStack()
+        if self._counting:
+            stack.enter_context(self.counter)  # outermost: it sees the c10d ops under the others
+        if memory and self.memory is not None:
+            stack.enter_context(self.memory.step())
+        return stack
 
     def memory_report(self, optimizer=None) -> dict:
-        """Bytes this rank holds, measured: persistent state plus the program's peak over the
-        tracked steps. ``optimizer``: include its state (exp_avg, exp_avg_sq...)."""
+        """Bytes this rank holds, measured (the maximum over the steps tracked since
+        ``track_memory()``). ``optimizer``: include its state (exp_avg, exp_avg_sq...).
+
+        - ``parameters``, ``gradients``, ``optimizer_state``: the tensors held now;
+        - ``program_peak``: the allocator's peak during a step above its level at the step's start;
+          ``step_peak`` = parameters + optimizer state + program_peak; on CPU
+          ``program_peak_without_backend``: the same without the process group's own buffers;
+        - ``tensor_peak``, ``peak_<category>``, ``max_<category>``, ``model_states_peak``
+          (parameters + optimizer state + the most parameter copies and gradients in flight held at
+          once): the storages the programs' ops created, alive op by op (memory.ProgramMeter);
+        - ``flops_per_step``: torch's FLOP formulas on the ops the programs ran.
+        """
         params = tensor_bytes(p for p in self.module.parameters())
         grads = tensor_bytes(p.grad for p in self.module.parameters())
         opt = optimizer_state_bytes(optimizer)
-        m = self.memory or MemoryTracker()
+        m = self.memory or MemoryTracker(self.ctx.device)
         out = {"parameters": params, "gradients": grads, "optimizer_state": opt,
-               "program_peak": m.program_peak, **{f"peak_{k}": v for k, v in m.at_peak.items()},
+               "program_peak": m.program_peak, "step_peak": params + opt + m.program_peak,
+               "program_peak_without_backend": m.program_peak_without_backend,
+               "tensor_peak": m.tensor_peak, **{f"peak_{k}": v for k, v in m.at_peak.items()},
                **{f"max_{k}": v for k, v in m.max_by.items()},
                "model_states_peak": params + opt + m.model_state_peak, "flops_per_step": m.flops / max(1, m.steps)}
-        out["step_peak"] = params + opt + m.program_peak
         if self.ctx.device.type == "cuda":
             out["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.ctx.device)
         return out
@@ -269,10 +255,10 @@ class ParallelModule:
                 raise InputError("this program was compiled with capture_eval=False: it has no forward-only "
                                  "program", where="ParallelModule.__call__", fix="compile with capture_eval=True")
             self._forward_program = self._forward_builder()
-            self._fwd_gm = instrument(self._forward_program.local, self.counter, self.ctx)
+            self._fwd_gm = self._forward_program.local
         n = len(self.example_shapes) - (1 if self.has_loss else 0)
         local = self._local_inputs(inputs, n)
-        with torch.no_grad():
+        with torch.no_grad(), self._measuring(memory=False):
             outs = self._fwd_gm(*self._args(self._forward_program, local))
         return outs[0] if len(outs) == 1 else tuple(outs)
 
@@ -283,9 +269,9 @@ class ParallelModule:
         """Every collective in the per-rank training program, in execution order."""
         programs = [program] if program is not None else [self.program] * self.accumulate + (
             [self.sync_program] if self.sync_program is not None else [])
-        recs = [n.meta["autopar_comm"] for p in programs for n in p.local.graph.nodes if "autopar_comm" in n.meta]
+        recs = [info(n).comm for p in programs for n in p.local.graph.nodes if info(n).comm is not None]
         if program is None and self.loss_scale is not None and dist.get_world_size() > 1:
-            recs.append(CommRecord("all_reduce", "world", dist.get_world_size(), 4,
+            recs.append(CommRecord("all_reduce", self.counter.axis_of(dist.group.WORLD), dist.get_world_size(), 4,
                                    "fp16 loss scaling: did any rank's gradients overflow?", "", "backward"))
         return recs
 
@@ -308,9 +294,7 @@ class ParallelModule:
             local = p.to_local().shape if isinstance(p, DTensor) else p.shape
             lines.append(f"  {name:48s} {list(p.shape)!s:>14s} {fmt_placements(p.placements):>12s}"
                          f" local {list(local)}")
-        for axis, names in ctx.placed.unplaced.items():
-            lines.append(f"  note: the {axis} strategy did not recognise {len(names)} parameter(s), replicated: "
-                         + ", ".join(names))
+        lines += replicated_lines(ctx.placed, dict(self.module.named_parameters()))
         recs = self.collectives()
         lines += ["", f"collectives per step ({len(recs)}):"]
         for r in recs:
@@ -321,20 +305,22 @@ class ParallelModule:
         lines.append("")
         lines.append("predicted bytes sent per rank per step (ring): " + ", ".join(
             f"{k}={v:,.0f}" for k, v in sorted(self.predicted_bytes().items())))
-        if self.counter.calls:
-            lines.append("measured (counted at the collectives, since start): " + ", ".join(
+        if self.counter.table:
+            lines.append("measured (handed to the process group while measure() was on): " + ", ".join(
                 f"{k}={v['wire_bytes']:,.0f}" for k, v in self.counter.summary().items()))
         for axis, names in ctx.placed.unsharded.items():
             lines.append(f"  note: {len(names)} parameter(s) have no dim divisible by '{axis}' and are stored whole: "
                          + ", ".join(names))
         if self.memory is not None:
             m = self.memory_report(optimizer)
-            lines += ["", "memory on this rank (measured on the tensors held; bytes):",
+            lines += ["", "memory on this rank (measured; bytes):",
                       f"  parameters {m['parameters']:,}  gradients {m['gradients']:,}  "
                       f"optimizer state {m['optimizer_state']:,}" + ("" if optimizer else " (pass the optimizer)"),
-                      f"  step peak {m['step_peak']:,} = parameters + optimizer state + program peak "
-                      f"{m['program_peak']:,} (parameter copies {m['peak_param_copies']:,}, gradients in flight "
-                      f"{m['peak_grads_in_flight']:,}, activations {m['peak_activations']:,})",
+                      f"  step peak {m['step_peak']:,} = parameters + optimizer state + the allocator's peak during "
+                      f"the step {m['program_peak']:,}",
+                      f"  the programs' tensors at their peak {m['tensor_peak']:,}: parameter copies "
+                      f"{m['peak_param_copies']:,}, gradients in flight {m['peak_grads_in_flight']:,}, activations "
+                      f"{m['peak_activations']:,}",
                       f"  FLOPs per step {m['flops_per_step']:,.0f}"]
         lines.append("compile time: " + ", ".join(f"{k} {v:.2f}s" for k, v in ctx.timings.items()))
         return "\n".join(lines)

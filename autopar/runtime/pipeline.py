@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.errors import InputError
-from autopar.passes.split import StageProgram, _val_bytes
+from autopar.ir import Stage, info
+from autopar.passes.split import _val_bytes
 
 class PipelineModule:
     """The compiled pipeline on one rank: the stages it holds, the schedule, the executor.
@@ -23,7 +24,7 @@ class PipelineModule:
 
     def __init__(self, module, mesh, pp_axis, stage_mesh, sched, opts, specs, stages, example_inputs, inputs,
                  stage_plan):
-        from autopar.runtime.module import CommCounter
+        from autopar.runtime.measure import CommMeter, mesh_axes
 
         self.module = module
         self.mesh = mesh
@@ -39,7 +40,10 @@ class PipelineModule:
         self.plan = stage_plan
         self.input_mode = inputs
         self.example_shapes = [(tuple(x.shape), x.dtype) for x in example_inputs]
-        self.counter = CommCounter()
+        # counts what this rank hands to the process group while measure() is on; sends go to a
+        # global rank on the default group, and are counted on the pipeline axis
+        self.counter = CommMeter({**mesh_axes(stage_mesh), **mesh_axes(mesh)}, p2p_axis=pp_axis)
+        self._counting = False
         self.pp_rank = mesh.get_local_rank(pp_axis)
         self.pp_size = sched.ranks
         self.pp_group = mesh.get_group(pp_axis)
@@ -67,13 +71,6 @@ class PipelineModule:
                          if src[0] == "stage" and not spec.example[k].requires_grad
                          for mb in range(self.microbatches)}
         self._distribute()
-        from autopar.runtime.module import instrument
-
-        for sp in self.stages.values():
-            for part in sp.parts.values():
-                if part.gm is not None:
-                    instrument(part.gm, self.counter, sp.ctx)
-            instrument(sp.sync.local, self.counter, sp.ctx)
 
     # ------------------------------------------------------------ parameters
     def _distribute(self):
@@ -110,6 +107,13 @@ class PipelineModule:
 
     forward = __call__
 
+    def measure(self, on: bool = True):
+        """Count the bytes this rank hands to the process group (``counter``) on the following
+        steps (as ParallelModule.measure; a context manager restores the previous setting)."""
+        from autopar.runtime.measure import switch
+
+        return switch(self, "_counting", on)
+
     def track_memory(self, on: bool = True):
         raise InputError("memory tracking by category is not built for pipelined programs yet",
                          where="PipelineModule.track_memory",
@@ -129,10 +133,6 @@ class PipelineModule:
     def _send(self, t: torch.Tensor, stage_to: int, tag: int):
         dst = self.pp_ranks[self.schedule.rank_of(stage_to)]
         t = t.contiguous()
-        nbytes = t.numel() * t.element_size()
-        self.counter.calls[("send", self.pp_axis)] += 1
-        self.counter.payload[("send", self.pp_axis)] += nbytes
-        self.counter.wire[("send", self.pp_axis)] += nbytes
         self._pending.append((dist.isend(t, dst=dst, tag=tag), t))
 
     def _incoming(self, action) -> list[tuple]:
@@ -192,7 +192,7 @@ class PipelineModule:
             return self._mailbox.pop(tag)
         return self._recv(like, stage_from, tag)
 
-    def _run_part(self, sp: StageProgram, name: str, env: dict):
+    def _run_part(self, sp: Stage, name: str, env: dict):
         part = sp.parts[name]
         if part.gm is None:
             return
@@ -200,7 +200,7 @@ class PipelineModule:
             outs = part.gm(*[env[a] if a in env else self._shared[sp.spec.index][a] for a in part.args])
         env.update(zip(part.outs, outs))
 
-    def _keep_only(self, sp: StageProgram, env: dict, later: list[str]):
+    def _keep_only(self, sp: Stage, env: dict, later: list[str]):
         need = set()
         for name in later:
             need.update(sp.parts[name].args)
@@ -274,6 +274,12 @@ class PipelineModule:
     def train_step(self, *inputs) -> torch.Tensor:
         """Run the schedule on the global batch; gradients land on ``parameters()``; returns the
         global-batch loss (the mean of the micro-batch losses) on every rank."""
+        if self._counting:
+            with self.counter:
+                return self._train_step(inputs)
+        return self._train_step(inputs)
+
+    def _train_step(self, inputs) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
@@ -345,10 +351,6 @@ class PipelineModule:
         if self.pp_size > 1:
             dist.broadcast(loss, src=self.pp_ranks[self.schedule.rank_of(len(self.specs) - 1)], group=self.pp_group,
                            async_op=True).wait(timeout=datetime.timedelta(seconds=self.p2p_timeout))
-            self.counter.calls[("broadcast", self.pp_axis)] += 1
-            self.counter.payload[("broadcast", self.pp_axis)] += 4
-            if self.pp_rank == self.schedule.rank_of(len(self.specs) - 1):
-                self.counter.wire[("broadcast", self.pp_axis)] += 4 * (self.pp_size - 1)
         self.timeline = events
         self.recv_wait = waits  # per action: seconds blocked receiving its inputs / output gradients
         self.in_flight = {"peak_microbatches": peak, "peak_bytes": peak_bytes}
@@ -391,7 +393,7 @@ class PipelineModule:
                                             f"gradient of stage {s}'s input {what} back to stage {src[1]}",
                                             sp.spec.modules[0], "backward")] * self.microbatches
         if self.loss_scale is not None and dist.get_world_size() > 1:
-            recs.append(CommRecord("all_reduce", "world", dist.get_world_size(), 4,
+            recs.append(CommRecord("all_reduce", self.counter.axis_of(dist.group.WORLD), dist.get_world_size(), 4,
                                    "fp16 loss scaling: did any rank's gradients overflow?", "", "backward"))
         if self.pp_size > 1 and self.pp_rank == self.schedule.rank_of(len(self.specs) - 1):
             recs.append(CommRecord("broadcast", self.pp_axis, self.pp_size, 4, "the global-batch loss to every stage",
@@ -444,8 +446,8 @@ class PipelineModule:
         lines.append("")
         lines.append("predicted bytes sent per rank per step: " + ", ".join(
             f"{k}={v:,.0f}" for k, v in sorted(self.predicted_bytes().items())))
-        if self.counter.calls:
-            lines.append("measured (counted, since start): " + ", ".join(
+        if self.counter.table:
+            lines.append("measured (handed to the process group while measure() was on): " + ", ".join(
                 f"{k}={v['wire_bytes']:,.0f}" for k, v in self.counter.summary().items()))
         if self.in_flight:
             lines.append(f"saved activations in flight (last step): {self.in_flight['peak_microbatches']} "
@@ -457,7 +459,7 @@ class StageView:
     """One compiled stage seen the way ``autopar dump`` / ``explain`` read a ParallelModule: its
     joint per-rank program, its gradient sync program, its context and parameters."""
 
-    def __init__(self, pm: PipelineModule, sp: StageProgram):
+    def __init__(self, pm: PipelineModule, sp: Stage):
         self.pipeline, self.stage = pm, sp
         self.program, self.sync_program, self.ctx = sp.program, sp.sync, sp.ctx
         self.example_shapes = pm.example_shapes
@@ -482,9 +484,9 @@ class StageView:
         return out
 
     def collectives(self):
-        per_mb = [n.meta["autopar_comm"] for n in self.program.local.graph.nodes if "autopar_comm" in n.meta]
-        return per_mb * self.accumulate + [n.meta["autopar_comm"] for n in self.sync_program.local.graph.nodes
-                                           if "autopar_comm" in n.meta]
+        per_mb = [info(n).comm for n in self.program.local.graph.nodes if info(n).comm is not None]
+        return per_mb * self.accumulate + [info(n).comm for n in self.sync_program.local.graph.nodes
+                                           if info(n).comm is not None]
 
 
 def _held_bytes(envs, exclude=()) -> int:

@@ -34,9 +34,10 @@ def demo_job(axes: dict, steps: int, dp_plan: str = "fsdp") -> str:
     opt = torch.optim.AdamW(pm.parameters(), lr=3e-3)
     losses, times = [], []
     pm.counter.reset()
+    pm.measure()  # count the bytes each rank hands to the process group (a dispatch mode: slower steps)
     for i, (x, y) in enumerate(data):
         if i == len(data) - 1:
-            pm.track_memory()  # measure the last step (tracking runs node by node: slower)
+            pm.track_memory()  # measure the last step's memory (the allocator, and the tensors op by op)
         t = time.perf_counter()
         loss = pm.train_step(x, y)
         opt.step()
@@ -66,19 +67,25 @@ def demo_job(axes: dict, steps: int, dp_plan: str = "fsdp") -> str:
                    f"{why}  [{rs[0].source.split('  ')[0]}]")
     out += ["", "training:"]
     for i, (l, t) in enumerate(zip(losses, times)):
-        out.append(f"  step {i}: loss {l:.4f}  ({t * 1000:.0f} ms{', memory tracked' if i == steps - 1 else ''})")
+        out.append(f"  step {i}: loss {l:.4f}  ({t * 1000:.0f} ms, bytes counted"
+                   f"{', memory tracked' if i == steps - 1 else ''})")
+    backend = mem["program_peak"] - (mem["program_peak_without_backend"] or mem["program_peak"])
     out += ["", "memory on rank 0, measured (bytes):",
             f"  stored: parameters {mem['parameters']:,}  gradients {mem['gradients']:,}  "
             f"optimizer state {mem['optimizer_state']:,}",
-            f"  step peak {mem['step_peak']:,}: program peak {mem['program_peak']:,} = gathered parameters "
+            f"  step peak {mem['step_peak']:,} = parameters + optimizer state + the allocator's peak during the step "
+            f"{mem['program_peak']:,} (of which the process group's own buffers {backend:,})",
+            f"  the programs' tensors at their peak, op by op: {mem['tensor_peak']:,} = gathered parameters "
             f"{mem['peak_param_copies']:,} + gradients in flight {mem['peak_grads_in_flight']:,} + activations "
             f"{mem['peak_activations']:,}", f"  FLOPs per step on this rank: {mem['flops_per_step']:,.0f}",
             f"  the cost model predicted a step peak of {predicted_mem['step_peak']:,} "
-            f"({predicted_mem['step_peak'] / mem['step_peak']:.4f} x measured; `autopar plan` shows it before running)"]
+            f"({predicted_mem['step_peak'] / mem['step_peak']:.4f} x the allocator's; `autopar plan` shows it "
+            "before running)"]
     predicted = {k: v * steps for k, v in pm.predicted_bytes().items()}
-    out += ["", f"bytes sent per rank over {steps} steps (ring model), predicted by the compiler vs counted at run time:"]
+    out += ["", f"bytes sent per rank over {steps} steps (ring model), predicted by the compiler vs counted at the "
+            "process group (every c10d call):"]
     for k, v in pm.counter.summary().items():
-        out.append(f"  {k:18s} predicted {predicted[k]:12,.0f}   measured {v['wire_bytes']:12,.0f}   "
+        out.append(f"  {k:18s} predicted {predicted[k]:12,.0f}   counted {v['wire_bytes']:12,.0f}   "
                    f"({v['calls']} calls)")
     return "\n".join(out), losses, data
 
@@ -102,8 +109,9 @@ def pipeline_demo_job(steps: int, data) -> tuple[str, list[float]]:
     opt = torch.optim.AdamW(pm.parameters(), lr=3e-3)
     losses = []
     pm.counter.reset()
-    for x, y in data:
-        losses.append(pm.train_step(x, y).item())
+    for i, (x, y) in enumerate(data):
+        with pm.measure(i == 0):  # bytes counted on the first step (the meter slows every op it sees)
+            losses.append(pm.train_step(x, y).item())
         opt.step()
         opt.zero_grad()
     timeline = pm.gather_timeline()

@@ -17,6 +17,7 @@ Exit codes: 0 success; 1 the model could not be compiled under this plan (the er
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -156,12 +157,43 @@ def parse_ranks(text: str, world: int) -> list[int]:
     return ranks
 
 
-def analyse(args, rank: int, progress: Progress) -> Analysis:
-    """Build the model, compile it for ``rank`` of a fake process group, run the cost model."""
+@contextlib.contextmanager
+def fake_mesh(axes: dict[str, int], rank: int):
+    """A DeviceMesh of ``axes`` on a fake process group, as seen by ``rank`` (nothing is sent)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=math.prod(axes.values()))
+    try:
+        yield init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
+    finally:
+        dist.destroy_process_group()
+
+
+def dump_after(args, rank: int, progress: Progress) -> str:
+    """The program as the pass list leaves it after pass ``args.after`` (``autopar dump --after``)."""
+    from autopar.compiler import build
+    from autopar.models import zoo
+    from autopar.tools.passdump import state_text
+
+    axes = parse_mesh(args.mesh)
+    plan = parse_plan_arg(args.plan) if args.plan else {a: "ddp" for a in axes}
+    progress(f"rank {rank}: building {args.model}")
+    loaded = zoo.load(args.model, meta=not args.real, batch=args.batch, seq=args.seq,
+                      overrides=zoo.parse_overrides(args.set))
+    with fake_mesh(axes, rank) as mesh:
+        state = build(loaded.model, mesh, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn, plan=plan,
+                      precision=args.precision, reduce_dtype=args.reduce_dtype, recompute=args.recompute,
+                      accumulate=args.accumulate, progress=lambda s: progress(f"rank {rank}: {s}"),
+                      pipeline_stages="all", kernels=args.kernels, stop_after=args.after)
+        return state_text(state)
+
+
+def analyse(args, rank: int, progress: Progress) -> Analysis:
+    """Build the model, compile it for ``rank`` of a fake process group, run the cost model."""
     import autopar
     from autopar.analysis import cost
     from autopar.models import zoo
@@ -176,13 +208,8 @@ def analyse(args, rank: int, progress: Progress) -> Analysis:
     loaded = zoo.load(args.model, meta=not args.real, batch=args.batch, seq=args.seq,
                       overrides=zoo.parse_overrides(args.set))
     n_params = sum(p.numel() for p in loaded.model.parameters())
-    world = math.prod(axes.values())
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     notes = []
-    try:
-        mesh = init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
+    with fake_mesh(axes, rank) as mesh:
         t1 = time.perf_counter()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -201,8 +228,6 @@ def analyse(args, rank: int, progress: Progress) -> Analysis:
         est = cost.predict_time(pm, dev, args.optimizer)
         t3 = time.perf_counter()
         coord = tuple(mesh.get_coordinate())
-    finally:
-        dist.destroy_process_group()
     options = {"precision": args.precision, "reduce_dtype": args.reduce_dtype, "recompute": args.recompute,
                **({"kernels": dict(pm.ctx.lowered)} if args.kernels != "off" else {}),
                "accumulate": args.accumulate, "optimizer": args.optimizer,
@@ -224,6 +249,9 @@ def _run(command: str, argv) -> int:
     add_common(p)
     if command == "dump":
         p.add_argument("--format", default="text", choices=["text", "json", "dot", "svg"])
+        p.add_argument("--passes", action="store_true", help="print the pass list, in order, and exit")
+        p.add_argument("--after", default=None, metavar="PASS",
+                       help="the program as the pass list leaves it after PASS (autopar dump --passes lists them)")
     p.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
     if command == "plan":
         p.add_argument("--json", action="store_true", help="print the analysis as JSON")
@@ -233,6 +261,11 @@ def _run(command: str, argv) -> int:
         return int(e.code or 0)
     if args.list_models:
         print(zoo.describe_builtins())
+        return 0
+    if command == "dump" and args.passes:
+        from autopar.tools.passdump import passes_text
+
+        sys.stdout.write(passes_text())
         return 0
     if not args.model:
         p.print_usage(sys.stderr)
@@ -246,7 +279,13 @@ def _run(command: str, argv) -> int:
             raise PlanError("dump shows one rank's program", where="--rank", fix="give one rank")
         if args.accumulate < 1:
             raise PlanError(f"--accumulate must be >= 1, got {args.accumulate}", where="--accumulate")
-        results = [analyse(args, r, progress) for r in ranks]
+        if command == "dump" and args.after:
+            from autopar.passes import check_names
+
+            check_names([args.after], "--after")
+            text = dump_after(args, ranks[0], progress)
+        else:
+            results = [analyse(args, r, progress) for r in ranks]
     except PlanError as e:
         progress.done()
         print(f"autopar {command}: {e}", file=sys.stderr)
@@ -256,7 +295,9 @@ def _run(command: str, argv) -> int:
         print(f"autopar {command}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     progress.done()
-    if command == "dump":
+    if command == "dump" and args.after:
+        pass
+    elif command == "dump":
         text = {"text": dump_text, "json": dump_json, "dot": dump_dot, "svg": dump_svg}[args.format](results[0])
     elif command == "plan":
         text = (json.dumps([summary(a) for a in results], indent=1, default=str) + "\n") if args.json \

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from autopar.ir import info, spec_of
 
 
 @dataclass
@@ -61,9 +62,7 @@ def _module_path(node) -> str:
 
 
 def _target(n) -> str:
-    from autopar.ir import collective_op
-
-    t = collective_op(n.target) if n.op == "call_function" else n.target
+    t = n.target
     s = str(t)
     return s.replace("aten.", "").replace(".default", "").replace("_c10d_functional.", "c10d.")
 
@@ -83,7 +82,7 @@ def _global(n, origin, axis_sizes) -> str:
     """The value's placements, where this per-rank node is the one producing its global value."""
     from autopar.ir import ShardSpec, fmt_placements
 
-    spec = origin.meta.get("autopar") if origin is not None else None
+    spec = spec_of(origin) if origin is not None else None
     v = n.meta.get("val")
     if isinstance(spec, ShardSpec) and isinstance(v, torch.Tensor) and tuple(v.shape) == spec.local_shape(axis_sizes):
         return f"{fmt_placements(spec.placements)} of {list(spec.shape)}"
@@ -143,7 +142,7 @@ def node_rows(a: Analysis) -> list[dict]:
         if n.op == "placeholder":
             kind, what = next(roles)
             row["role"] = f"{kind} {what}"
-        rec = n.meta.get("autopar_comm")
+        rec = info(n).comm
         if rec is not None:
             row["collective"] = _comm_dict(rec)
         rows.append(row)
@@ -194,7 +193,7 @@ def dump_text(a: Analysis) -> str:
         lines += ["", f"== gradient sync program (runs once per step, after the {pm.ctx.accumulate} micro-batches "
                       "above, on the summed gradients) " + "=" * 10]
         for n in pm.sync_program.local.graph.nodes:
-            rec = n.meta.get("autopar_comm")
+            rec = info(n).comm
             if rec is not None:
                 lines += _comm_lines(n.name, _comm_dict(rec), _local(n))
     recs = pm.collectives()
@@ -383,7 +382,9 @@ def summary(a: Analysis) -> dict:
     t = a.time
     return {
         "parameters": a.n_params, "memory": {k: v for k, v in m.items() if k != "alive_at_peak"},
-        "comm_bytes": bytes_by_collective(recs), "comm_calls": calls, "flops": t.flops,
+        "comm_bytes": bytes_by_collective(recs), "comm_calls": calls,
+        # None when some op's FLOPs are unknown (listed, with why): flops_counted is then a lower bound
+        "flops": None if t.unknown_flops else t.flops, "flops_counted": t.flops, "flops_unknown": t.unknown_flops,
         "time": {"step_s": t.step_s, "compute_s": t.compute_s, "comm_s": t.comm_s,
                  "exposed_comm_s": t.exposed_comm_s,
                  "optimizer_s": t.optimizer_s, "by_phase": t.by_phase, "comm_by_axis": t.comm_by_axis,
@@ -431,8 +432,11 @@ def plan_table(results: list[Analysis]) -> str:
     for k in keys:
         row(f"sent: {k}", [f"{_b(s['comm_bytes'].get(k, 0))} ({s['comm_calls'].get(k, 0)} calls)" for s in sums])
     row("sent: total per step", [_b(sum(s["comm_bytes"].values())) for s in sums])
-    row("FLOPs per step", [f"{s['flops']:.3e}" for s in sums])
-    row("predicted step time", [_t(s["time"]["step_s"]) for s in sums])
+    row("FLOPs per step", [f"{s['flops']:.3e}" if s["flops"] is not None else
+                           f"unknown (>= {s['flops_counted']:.3e}; {len(s['flops_unknown'])} op(s) not counted)"
+                           for s in sums])
+    row("predicted step time", [_t(s["time"]["step_s"]) if s["flops"] is not None else
+                                f">= {_t(s['time']['step_s'])} (FLOPs unknown)" for s in sums])
     if pipes:
         row("  compute (F / I / W)", [f"{_t(s['time']['compute_s'])} ({_t(s['time']['by_phase'].get('F', 0))} / "
                                       f"{_t(s['time']['by_phase'].get('I', 0))} / "
@@ -446,10 +450,12 @@ def plan_table(results: list[Analysis]) -> str:
     tokens = math.prod(results[0].pm.example_shapes[0][0][:2]) if results[0].pm.example_shapes else 0
     world = math.prod(a0.axes.values())
     for s in sums:
-        s["mfu"] = s["flops"] / max(s["time"]["step_s"], 1e-12) / dev.flops[a0.options["precision"]]
-    row("  model FLOP/s utilisation", [f"{s['mfu'] * 100:.1f}%" for s in sums])
+        s["mfu"] = (None if s["flops"] is None
+                    else s["flops"] / max(s["time"]["step_s"], 1e-12) / dev.flops[a0.options["precision"]])
+    row("  model FLOP/s utilisation", [f"{s['mfu'] * 100:.1f}%" if s["mfu"] is not None else "unknown" for s in sums])
     if tokens:
-        row("  tokens/s (whole mesh)", [f"{tokens / max(s['time']['step_s'], 1e-12):,.0f}" for s in sums])
+        row("  tokens/s (whole mesh)", [("" if s["flops"] is not None else "<= ")
+                                        + f"{tokens / max(s['time']['step_s'], 1e-12):,.0f}" for s in sums])
     widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
     lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths)))
     lines.append("  ".join("-" * w for w in widths))
@@ -462,6 +468,14 @@ def plan_table(results: list[Analysis]) -> str:
            f"; {world} ranks, every rank runs the same program on its own shards (SPMD)")]
     for n in a0.notes:
         lines.append("note: " + n.replace("autopar: ", ""))
+    unknown = list(dict.fromkeys(u for s in sums for u in s["flops_unknown"]))
+    if unknown:
+        lines.append(f"note: the FLOPs of {len(unknown)} op(s) could not be counted (timed by their bytes only, "
+                     "so FLOPs and step time above are lower bounds):")
+        lines += [f"  {u}" for u in unknown[:8]] + ([f"  ... and {len(unknown) - 8} more"] if len(unknown) > 8 else [])
+    for axis, names in (a0.pm.ctx.placed.unplaced.items() if not pipes else ()):
+        lines.append(f"note: no rule matches {len(names)} parameter(s) on '{axis}'; plan['rest'] replicated them: "
+                     + ", ".join(names[:6]) + (" ..." if len(names) > 6 else "") + " (autopar explain: sizes)")
     for axis, names in (a0.pm.ctx.placed.unsharded.items() if not pipes else ()):
         lines.append(f"note: {len(names)} parameter(s) have no dim divisible by '{axis}' and are stored whole: "
                      + ", ".join(names[:6]) + (" ..." if len(names) > 6 else ""))
@@ -487,17 +501,21 @@ def _general_reason(reason: str) -> tuple[str, str]:
 
 def explain_text(a: Analysis) -> str:
     from autopar.ir import fmt_placements
-    from autopar.plan import placement_reasons
+    from autopar.plan import placement_reasons, replicated_lines
 
     pm = a.pm
     lines = [plan_table([a]), "why each parameter is placed as it is (storage placement; rule per axis):"]
     placed = pm.ctx.placed
-    for name, p in pm.module.named_parameters():
+    params = dict(pm.module.named_parameters())
+    for name, p in params.items():
         why = "; ".join(f"{ax}: {glob or '-'} ({src})" for ax, glob, src in placement_reasons(pm.ctx.plan, name))
         comp = placed.compute[name]
         stored = placed.placements[name]
         extra = f", computes as {fmt_placements(comp)}" if comp != stored else ""
         lines.append(f"  {name:44s} {str(list(p.shape)):>16s} stored {fmt_placements(stored)}{extra}   <- {why}")
+    replicated = replicated_lines(placed, params)
+    if replicated:
+        lines += ["", "what tensor parallelism does not divide (the rule behind each replicated parameter):"] + replicated
     recs = pm.collectives()
     groups: dict[tuple, list] = {}
     for r in recs:

@@ -1,0 +1,119 @@
+"""autopar's Triton kernels through Triton's interpreter, for CPU tensors, without ``TRITON_INTERPRET``.
+
+Triton picks compiled or interpreted once per ``@triton.jit`` function, when the decorator runs,
+from ``TRITON_INTERPRET`` (``triton.knobs.runtime.interpret``); that includes its standard library
+(``tl.sum``, ``tl.max``, ``tl.cdiv``... are ``@jit`` functions decorated when ``triton.language`` is
+first imported, and torch imports it early). Setting the variable from autopar would switch every
+Triton kernel in the process, the user's too, and would not even work once torch had imported
+Triton. So autopar leaves the environment alone and builds, on first use, an interpreted twin of
+each kernel module (``interpreted(attention)``): the same source, every function rebound to a
+private copy of the module's namespace in which
+
+- each ``@triton.jit`` kernel is a ``triton.runtime.interpreter.InterpretedFunction`` of the same
+  Python function (what ``triton.jit`` returns under ``TRITON_INTERPRET=1``);
+- ``tl`` is a view of ``triton.language`` that hands out the standard library's ``@jit``
+  functions as interpreted ones too (everything else is ``triton.language``'s own attribute, read
+  at call time, so the interpreter's per-launch patching of ``tl``'s builtins is seen);
+- ``INTERPRETED`` is True (the host code upcasts bf16 tiles there: the interpreter's bf16 dot
+  is wrong).
+
+The module itself keeps Triton's choice (compiled unless the user set ``TRITON_INTERPRET``), so
+CUDA tensors take the compiled kernels. What is process-wide is what Triton's interpreter does
+while one launch runs: it patches ``triton.language``'s builtins with interpreter versions. It
+undoes the grid launch's patches, but not those of a nested call of another ``@jit`` function
+(``tl.sum``, a helper: ``InterpretedFunction.__call__`` in triton 3.9), which left
+``triton.language.core``'s builtins patched after the launch, so compiled Triton code in the
+same process (a user's, on a GPU) would have traced interpreter builtins. Each launch of a twin
+therefore restores every attribute of ``triton.language``'s modules and classes that it changed
+(``_LeavesLanguageAsFound``; launches are serialised: the patching is process-wide while it lasts).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+import types
+
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import KernelInterface
+
+_LAUNCH = threading.Lock()
+
+
+def _is_kernel(value) -> bool:
+    """A ``@triton.jit`` function, compiled (JITFunction) or already interpreted."""
+    return isinstance(value, KernelInterface) and callable(getattr(value, "fn", None))
+
+
+class _InterpretedLanguage(types.ModuleType):
+    """``triton.language`` as an interpreted kernel must see it: its ``@jit`` functions interpreted."""
+
+    def __init__(self):
+        super().__init__(tl.__name__)
+        self._interpreted: dict[str, InterpretedFunction] = {}
+
+    def __getattr__(self, name: str):
+        value = getattr(tl, name)
+        if not _is_kernel(value):
+            return value  # read each time: the interpreter patches builtins for the length of a launch
+        if name not in self._interpreted:
+            self._interpreted[name] = InterpretedFunction(value.fn)
+        return self._interpreted[name]
+
+
+def _language_objects() -> list:
+    """triton.language's modules and the classes they define: what the interpreter patches."""
+    mods = [m for name, m in list(sys.modules.items())
+            if m is not None and (name == "triton.language" or name.startswith("triton.language."))]
+    classes = {id(v): v for m in mods for v in vars(m).values()
+               if isinstance(v, type) and v.__module__.startswith("triton.language")}
+    return mods + list(classes.values())
+
+
+def _restore(saved: list[tuple[object, dict]]) -> None:
+    """Put back every attribute that existed before and now holds something else. Names the
+    interpreter added (to a module's globals, for the functions it rewrote and caches) stay:
+    compiled code never reads them."""
+    for obj, before in saved:
+        now = vars(obj)
+        for name, value in before.items():
+            if name in now and now[name] is not value:
+                setattr(obj, name, value)
+
+
+class _LeavesLanguageAsFound(InterpretedFunction):
+    """An interpreted kernel whose launch leaves ``triton.language`` as it found it."""
+
+    def run(self, *args, **kwargs):
+        with _LAUNCH:
+            saved = [(obj, dict(vars(obj))) for obj in _language_objects()]
+            try:
+                return super().run(*args, **kwargs)
+            finally:
+                _restore(saved)
+
+
+def _rebind(fn: types.FunctionType, namespace: dict) -> types.FunctionType:
+    """``fn`` with ``namespace`` as its globals (same code, defaults and closure)."""
+    new = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__annotations__ = dict(fn.__annotations__)
+    new.__qualname__, new.__doc__, new.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
+    return new
+
+
+@functools.cache
+def interpreted(module: types.ModuleType) -> types.SimpleNamespace:
+    """The interpreted twin of a kernel module (built once per module): its public functions
+    (``forward``, ``matmul``...) launch interpreted kernels, whatever Triton chose for ``module``."""
+    namespace = dict(vars(module))
+    # Triton's interpreter patches the real triton.language it finds among a kernel's globals
+    namespace.update(tl=_InterpretedLanguage(), _triton_language=tl, INTERPRETED=True)
+    for name, value in vars(module).items():
+        if _is_kernel(value):
+            namespace[name] = _LeavesLanguageAsFound(_rebind(value.fn, namespace))
+        elif isinstance(value, types.FunctionType) and value.__module__ == module.__name__:
+            namespace[name] = _rebind(value, namespace)
+    return types.SimpleNamespace(**{k: v for k, v in namespace.items() if not k.startswith("__")})

@@ -1,0 +1,179 @@
+"""autopar leaves the process as it found it: importing it changes no environment variable, no
+torch function, no registration on torch's own ops; a compile (successful or not) undoes what it
+installed for its own steps; and autopar's Triton kernels run through Triton's interpreter on CPU
+without switching other Triton code to it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+from torch import fx
+from torch.distributed.tensor import _sharding_prop
+from torch.utils import flop_counter
+
+import autopar
+from autopar.models.llama import Llama, LlamaConfig, cross_entropy
+
+aten = torch.ops.aten
+CPU_FLASH = (aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward)
+
+IMPORT_EVERYTHING = textwrap.dedent("""
+    import json, os, pkgutil, importlib
+    import torch._dynamo  # torch's own import sets TORCHINDUCTOR_CACHE_DIR (any custom op call imports it)
+    before = dict(os.environ)
+    import autopar, autopar.passes, autopar.kernels
+    for pkg in (autopar, autopar.passes, autopar.kernels):
+        for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+            importlib.import_module(m.name)
+    import torch, triton
+    import triton.language as tl
+    from torch.distributed.tensor import _sharding_prop
+    from torch.utils import flop_counter
+
+    @triton.jit
+    def users_kernel(x):  # defined after autopar's import: Triton's own choice, compiled
+        pass
+
+    aten = torch.ops.aten
+    langs = [tl, tl.core, tl.math, tl.standard, tl.core.tensor]
+    lang_before = [dict(vars(o)) for o in langs]
+    x, w = torch.randn(3, 8), torch.randn(5, 8)
+    y, _ = torch.ops.autopar.linear_act(x, w, None, "silu")  # autopar's kernel on CPU: interpreted
+    print(json.dumps({
+        # the interpreter patches triton.language's builtins during a launch: all put back after
+        "triton.language changed": sorted(f"{getattr(o, '__name__', o)}.{k}" for o, b in zip(langs, lang_before)
+                                          for k, v in b.items() if vars(o).get(k, v) is not v),
+        "environment changed": sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)),
+        "users kernel": type(users_kernel).__name__,
+        "kernel right": torch.allclose(y, torch.nn.functional.silu(x @ w.T), atol=1e-5),
+        "sdpa": torch.nn.functional.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention,
+        "selector": _sharding_prop._select_min_cost_strategy.__qualname__,
+        "nll_loss AutogradMeta": torch._C._dispatch_has_kernel_for_dispatch_key("aten::nll_loss", "AutogradMeta"),
+        "cpu flash FLOP formulas": [op in flop_counter.flop_registry for op in (
+            aten._scaled_dot_product_flash_attention_for_cpu,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward)],
+    }))
+""")
+
+
+def test_importing_autopar_changes_nothing_outside_it(tmp_path):
+    """In a fresh process without TRITON_INTERPRET: import every autopar module, define a Triton
+    kernel of one's own, run one of autopar's kernels on CPU."""
+    script = tmp_path / "import_everything.py"  # (Triton reads a kernel's source from its file)
+    script.write_text(IMPORT_EVERYTHING)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"environment changed": [], "users kernel": "JITFunction", "kernel right": True,
+                   "triton.language changed": [], "sdpa": True,
+                   "selector": "_select_min_cost_strategy", "nll_loss AutogradMeta": False,
+                   "cpu flash FLOP formulas": [False, False]}
+
+
+def torch_state() -> dict:
+    """What autopar may change only for the length of one of its steps."""
+    return {
+        "sdpa": torch.nn.functional.scaled_dot_product_attention,
+        "selector": _sharding_prop._select_min_cost_strategy,
+        "nll_loss AutogradMeta kernel": torch._C._dispatch_has_kernel_for_dispatch_key("aten::nll_loss", "AutogradMeta"),
+        "torch function modes": torch._C._len_torch_function_stack(),
+        "cpu flash FLOP formulas": [op in flop_counter.flop_registry for op in CPU_FLASH],
+        "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),
+    }
+
+
+PRISTINE = {"sdpa": torch._C._nn.scaled_dot_product_attention, "selector": _sharding_prop._select_min_cost_strategy,
+            "nll_loss AutogradMeta kernel": False, "torch function modes": 0, "cpu flash FLOP formulas": [False, False],
+            "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET")}
+
+
+@torch.library.custom_op("autopar_test::no_backward", mutates_args=())
+def no_backward(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@no_backward.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class FailsInAutograd(torch.nn.Module):
+    """Traces (dynamo), then fails while AOTAutograd builds the backward: no autograd formula."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return no_backward(self.proj(x)).sum()
+
+
+def _meta_llama(**cfg):
+    with torch.device("meta"):
+        return Llama(LlamaConfig(n_layers=1, **cfg))
+
+
+def _tokens():
+    return torch.randint(0, LlamaConfig().vocab_size, (4, 16), device="meta")
+
+
+CASES = {
+    # a meta model: the meta fixes (nll_loss's backward, SDPA's CPU flash op) are in force during
+    # the autograd pass, and DTensor's selector during propagate
+    "succeeds": lambda mesh: autopar.compile(_meta_llama(), mesh, example_inputs=(_tokens(), _tokens()),
+                                             loss_fn=cross_entropy, plan={"tp": "megatron"}, capture_eval=False),
+    # raises from inside DTensor's propagation (the K/V heads do not divide over 4 ranks)
+    "fails in propagate": lambda mesh: autopar.compile(_meta_llama(n_kv_heads=2), mesh,
+                                                       example_inputs=(_tokens(), _tokens()), loss_fn=cross_entropy,
+                                                       plan={"tp": "megatron"}, capture_eval=False),
+    # raises from inside AOTAutograd, while the meta fixes are in force
+    "fails in autograd": lambda mesh: autopar.compile(FailsInAutograd().to("meta"), mesh,
+                                                      example_inputs=(torch.randn(4, 8, device="meta"),),
+                                                      loss_fn=None, plan={"dp": "ddp"}, capture_eval=False),
+}
+MESH = {"succeeds": {"tp": 2}, "fails in propagate": {"tp": 4}, "fails in autograd": {"dp": 2}}
+RAISES = {"succeeds": None, "fails in propagate": autopar.ShardingError, "fails in autograd": autopar.CaptureError}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_compile_leaves_torch_as_it_found_it(fake, case):
+    assert torch_state() == PRISTINE
+    with fake(**MESH[case]) as mesh:
+        if RAISES[case] is None:
+            pm = CASES[case](mesh)
+            assert any(r.phase == "backward" for r in pm.collectives())  # nll_loss's backward was traced on meta
+        else:
+            with pytest.raises(RAISES[case]):
+                CASES[case](mesh)
+    assert torch_state() == PRISTINE
+
+
+def test_autopars_selector_is_seen_only_by_the_propagating_thread(monkeypatch):
+    """While autopar propagates a node, DTensor's module holds a dispatching selector: autopar's
+    choice in this thread, DTensor's own in any other; DTensor's own again afterwards."""
+    from autopar.passes import propagate
+
+    calls = []
+    monkeypatch.setattr(_sharding_prop, "_select_min_cost_strategy", lambda s, o=None: calls.append(("dtensor", s)))
+    monkeypatch.setattr(propagate, "_select_strategy", lambda node, s, o=None: calls.append(("autopar", s)))
+    dtensor_select = _sharding_prop._select_min_cost_strategy
+    node = fx.Graph().placeholder("x")
+    with propagate._choose_with(node):
+        _sharding_prop._select_min_cost_strategy("here", None)
+        other = threading.Thread(target=_sharding_prop._select_min_cost_strategy, args=("other thread", None))
+        other.start()
+        other.join()
+    assert calls == [("autopar", "here"), ("dtensor", "other thread")]
+    assert _sharding_prop._select_min_cost_strategy is dtensor_select
+    with pytest.raises(RuntimeError), propagate._choose_with(node):
+        raise RuntimeError("a rule failed")
+    assert _sharding_prop._select_min_cost_strategy is dtensor_select
