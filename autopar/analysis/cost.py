@@ -218,7 +218,7 @@ def persistent_memory(pm, optimizer: str = "adamw") -> dict[str, int]:
 
 def predict_memory(pm, optimizer: str = "adamw") -> dict:
     """Predicted per-rank bytes, keyed like ``ParallelModule.memory_report``."""
-    if hasattr(pm, "schedule"):
+    if pm.pipelined:
         return predict_pipeline_memory(pm, optimizer)
     state = persistent_memory(pm, optimizer)
     mems = [program_memory(p.local, p.inputs, p.outputs) for p in _programs(pm)]
@@ -396,7 +396,7 @@ def _optimizer_bytes_per_element(optimizer: str) -> int:
 
 def predict_time(pm, dev: Device, optimizer: str = "adamw") -> TimeEstimate:
     """Step time: the program(s) simulated, plus the optimizer step (memory-bound, on the shards)."""
-    if hasattr(pm, "schedule"):
+    if pm.pipelined:
         return predict_pipeline_time(pm, dev, optimizer)
     links = axis_links(pm.ctx.axis_names, pm.ctx.axis_sizes, dev)
     share = core_share(dev, math.prod(pm.ctx.axis_sizes))

@@ -20,17 +20,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import Shard
 
 from autopar.errors import InputError
 from autopar.ir import CommRecord, bytes_by_collective, fmt_dtype, fmt_placements, info
 from autopar.plan import replicated_lines
+from autopar.runtime.common import LossScaler, local_inputs
 from autopar.runtime.measure import CommMeter, both, mesh_axes, switch
 from autopar.runtime.memory import MemoryTracker, optimizer_state_bytes, tensor_bytes
 
 
 class ParallelModule:
     """The compiled program. ``parameters()`` are DTensors; ``train_step`` runs fwd+bwd."""
+
+    pipelined = False  # (PipelineModule: True) what tools branch on
 
     def __init__(self, module: nn.Module, ctx, program, example_inputs, has_loss, inputs, forward_builder,
                  sync_program=None):
@@ -51,9 +53,7 @@ class ParallelModule:
         self._sync_gm = sync_program.local if sync_program is not None else None
         self.accumulate = ctx.accumulate
         # fp16: dynamic loss scaling (torch.amp.GradScaler's constants)
-        self.loss_scale = (65536.0 if ctx.loss_scale == "dynamic" else float(ctx.loss_scale)) if ctx.loss_scale else None
-        self._growth_tracker = 0
-        self.skipped_steps = 0
+        self.scaler = LossScaler(ctx.loss_scale)
         self.memory: MemoryTracker | None = None
         self._loss_dtype = next((n.meta["val"].dtype for n in program.graph.nodes if n.op == "placeholder"
                                  and (info(n).role or ("",))[0] == "tangent"), torch.float32)
@@ -82,36 +82,8 @@ class ParallelModule:
 
     # ---------------------------------------------------------------- inputs
     def _local_inputs(self, inputs, n_expected):
-        if len(inputs) != n_expected:
-            raise InputError(f"expected {n_expected} inputs (as compiled), got {len(inputs)}",
-                             where="ParallelModule.train_step / __call__")
-        out = []
-        for i, (x, (shape, dtype)) in enumerate(zip(inputs, self.example_shapes)):
-            if not isinstance(x, torch.Tensor):
-                raise InputError(f"input #{i} must be a tensor, got {type(x).__name__}")
-            pl = self.ctx.input_placements(shape)
-            local_shape = list(shape)
-            for p, n in zip(pl, self.ctx.axis_sizes):
-                if isinstance(p, Shard):
-                    local_shape[p.dim] //= n
-            want = tuple(local_shape) if self.input_mode == "local" else shape
-            if tuple(x.shape) != want or x.dtype != dtype:
-                hint = ""
-                if self.input_mode == "global" and tuple(x.shape) == tuple(local_shape):
-                    hint = " (this looks like a per-rank batch: compile with inputs='local' if your loader shards)"
-                elif self.input_mode == "local" and tuple(x.shape) == shape:
-                    hint = " (this looks like the global batch: compile with inputs='global')"
-                raise InputError(
-                    f"input #{i} has shape {list(x.shape)} {x.dtype}, but the program was compiled for "
-                    f"{self.input_mode} shape {list(want)} {dtype}{hint}",
-                    where=f"input #{i}", fix="pass batches of the compiled shape, or compile again for this one")
-            x = x.to(self.ctx.device)
-            if self.input_mode == "global":
-                for a, p in enumerate(pl):
-                    if isinstance(p, Shard):
-                        x = torch.chunk(x, self.ctx.axis_sizes[a], dim=p.dim)[self.ctx.coord[a]]
-            out.append(x.contiguous())
-        return out
+        return local_inputs(inputs, n_expected, self.example_shapes, self.input_mode, self.ctx,
+                            "ParallelModule.train_step / __call__")
 
     def _args(self, program, local_inputs, tangents=()):
         params = dict(self.module.named_parameters())
@@ -160,7 +132,7 @@ class ParallelModule:
             acc = list(self._run(self._sync_gm, self.sync_program, [a.contiguous() for a in acc if a is not None]))
             names = [what for _, what in self.sync_program.outputs]
         self.steps += 1
-        if self.loss_scale is not None and not self._unscale(acc, scale):
+        if self.loss_scale is not None and not self.scaler.unscale(acc, self.ctx.device):
             return (sum(losses) / len(losses)).detach()
         params = dict(self.module.named_parameters())
         for name, o in zip(names, acc):
@@ -180,24 +152,11 @@ class ParallelModule:
                 return gm(*args)
             return self.memory.run(gm, args, program)
 
-    def _unscale(self, grads, scale: float) -> bool:
-        """fp16: divide by the loss scale; on inf/NaN anywhere (any rank) skip and back off."""
-        found = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-        for g in grads:
-            if g is not None:
-                g.div_(scale)
-                found = torch.maximum(found, (~torch.isfinite(g)).any().float())
-        if dist.get_world_size() > 1:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        if found.item() > 0:
-            self.loss_scale = max(scale * 0.5, 1.0)
-            self._growth_tracker = 0
-            self.skipped_steps += 1
-            return False
-        self._growth_tracker += 1
-        if self.ctx.loss_scale == "dynamic" and self._growth_tracker >= 2000:
-            self.loss_scale, self._growth_tracker = scale * 2.0, 0
-        return True
+    # fp16 loss scaling (runtime/common.py LossScaler), read and set as before
+    loss_scale = property(lambda self: self.scaler.scale, lambda self, v: setattr(self.scaler, "scale", v))
+    skipped_steps = property(lambda self: self.scaler.skipped_steps)
+    _growth_tracker = property(lambda self: self.scaler.growth_tracker,
+                               lambda self, v: setattr(self.scaler, "growth_tracker", v))
 
     # ---------------------------------------------------------------- measuring
     def measure(self, on: bool = True) -> contextlib.AbstractContextManager:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.errors import InputError
+from autopar.runtime.common import LossScaler, local_inputs
 from autopar.ir import Stage, info
 from autopar.passes.split import _val_bytes
 
@@ -21,6 +22,8 @@ class PipelineModule:
     other stages' parameters are dropped from the module (meta tensors), so an unchanged
     optimizer built on ``parameters()`` steps what this rank owns. ``train_step`` runs the
     schedule over the global batch and returns the global-batch loss on every rank."""
+
+    pipelined = True  # (ParallelModule: False) what tools branch on
 
     def __init__(self, module, mesh, pp_axis, stage_mesh, sched, opts, specs, stages, example_inputs, inputs,
                  stage_plan):
@@ -48,12 +51,9 @@ class PipelineModule:
         self.pp_size = sched.ranks
         self.pp_group = mesh.get_group(pp_axis)
         self.pp_ranks = dist.get_process_group_ranks(self.pp_group)
-        # fp16: dynamic loss scaling (as ParallelModule: torch.amp.GradScaler's constants); the scale
-        # enters as the last stage's tangent, the overflow check is one all-reduce over the world
-        ls = self.ctx.loss_scale
-        self.loss_scale = (65536.0 if ls == "dynamic" else float(ls)) if ls else None
-        self._growth_tracker = 0
-        self.skipped_steps = 0
+        # fp16 loss scaling: the scale enters as the last stage's tangent, the overflow check is one
+        # all-reduce over the world (runtime/common.py)
+        self.scaler = LossScaler(self.ctx.loss_scale)
         self.steps = 0
         self.accumulate = 1
         self.timeline: list[tuple[float, float, tuple]] = []  # last step, this rank: (start once its inputs arrived, end, action)
@@ -122,9 +122,12 @@ class PipelineModule:
 
     # ------------------------------------------------------------ inputs
     def _local_inputs(self, inputs, n_expected):
-        from autopar.runtime.module import ParallelModule
+        return local_inputs(inputs, n_expected, self.example_shapes, self.input_mode, self.ctx,
+                            "PipelineModule.train_step")
 
-        return ParallelModule._local_inputs(self, inputs, n_expected)
+    # fp16 loss scaling (runtime/common.py LossScaler)
+    loss_scale = property(lambda self: self.scaler.scale, lambda self, v: setattr(self.scaler, "scale", v))
+    skipped_steps = property(lambda self: self.scaler.skipped_steps)
 
     # ------------------------------------------------------------ the executor
     def _tag(self, stage: int, k: int, mb: int, backward: bool) -> int:
@@ -337,10 +340,7 @@ class PipelineModule:
             names = [what for _, what in sp.sync.inputs]
             outs = sp.sync.local(*[acc[n].contiguous() for n in names]) if names else []
             synced += list(zip([name for _, name in sp.sync.outputs], outs))
-        from autopar.runtime.module import ParallelModule
-
-        scale = self.loss_scale
-        if scale is None or ParallelModule._unscale(self, [g for _, g in synced], scale):
+        if self.loss_scale is None or self.scaler.unscale([g for _, g in synced], self.ctx.device):
             for name, g in synced:
                 p = params[name]
                 d = DTensor(g.detach(), DTensorSpec(self.stage_mesh, p.placements,
@@ -458,6 +458,8 @@ class PipelineModule:
 class StageView:
     """One compiled stage seen the way ``autopar dump`` / ``explain`` read a ParallelModule: its
     joint per-rank program, its gradient sync program, its context and parameters."""
+
+    pipelined = False  # one stage's SPMD program
 
     def __init__(self, pm: PipelineModule, sp: Stage):
         self.pipeline, self.stage = pm, sp

@@ -222,7 +222,7 @@ def analyse(args, rank: int, progress: Progress) -> Analysis:
         t2 = time.perf_counter()
         progress(f"rank {rank}: cost model")
         memory = cost.predict_memory(pm, args.optimizer)
-        pipelined = hasattr(pm, "schedule")
+        pipelined = pm.pipelined
         links = (cost._pipeline_links(pm, dev) if pipelined
                  else cost.axis_links(pm.ctx.axis_names, pm.ctx.axis_sizes, dev))
         est = cost.predict_time(pm, dev, args.optimizer)

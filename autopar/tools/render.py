@@ -110,7 +110,7 @@ def _comm_lines(name: str, c: dict, local: str) -> list[str]:
 def _stage_views(a: Analysis):
     """A pipelined program: one Analysis per stage (each stage's program read like a
     ParallelModule's), in stage order; otherwise [a]."""
-    if not hasattr(a.pm, "schedule"):
+    if not a.pm.pipelined:
         return [a]
     from dataclasses import replace
 
@@ -155,7 +155,7 @@ def node_rows(a: Analysis) -> list[dict]:
 
 # --------------------------------------------------------------------------- dump formats
 def dump_text(a: Analysis) -> str:
-    if hasattr(a.pm, "schedule"):
+    if a.pm.pipelined:
         return _dump_pipeline_text(a)
     pm = a.pm
     lines = [f"# per-rank program: {a.model} on mesh {a.axes}, rank {a.rank} (coordinate {a.coord})",
@@ -241,7 +241,7 @@ def _dump_pipeline_text(a: Analysis) -> str:
 
 
 def dump_json(a: Analysis) -> str:
-    if hasattr(a.pm, "schedule"):
+    if a.pm.pipelined:
         pm = a.pm
         return json.dumps({"model": a.model, "mesh": a.axes, "plan": a.plan, "rank": a.rank,
                            "coordinate": list(a.coord), "options": a.options,
@@ -414,7 +414,7 @@ def plan_table(results: list[Analysis]) -> str:
     row("parameters (as stored)", [_b(m["parameters"]) for m in mem])
     row("gradients (fp32, as stored)", [_b(m["gradients"]) for m in mem])
     row(f"optimizer state ({a0.options['optimizer']})", [_b(m["optimizer_state"]) for m in mem])
-    pipes = [a.pm for a in results if hasattr(a.pm, "schedule")]
+    pipes = [a.pm for a in results if a.pm.pipelined]
     if pipes:
         row("pipeline stages held", [f"{sorted(pm.local)} of {len(pm.specs)} ({pm.schedule.name}, "
                                      f"M={pm.microbatches})" for pm in pipes])
