@@ -78,3 +78,13 @@ def local_inputs(inputs, n_expected: int, example_shapes, input_mode: str, ctx, 
                     x = torch.chunk(x, ctx.axis_sizes[a], dim=p.dim)[ctx.coord[a]]
         out.append(x.contiguous())
     return out
+
+
+def bytes_lines(predicted: dict[str, float], counter) -> list[str]:
+    """The report's bytes: the compiler's prediction, and what the meter counted (if it ran)."""
+    lines = ["predicted bytes sent per rank per step (ring): " + ", ".join(
+        f"{k}={v:,.0f}" for k, v in sorted(predicted.items()))]
+    if counter.table:
+        lines.append("measured (handed to the process group while measure() was on): " + ", ".join(
+            f"{k}={v['wire_bytes']:,.0f}" for k, v in counter.summary().items()))
+    return lines

@@ -24,7 +24,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from autopar.errors import InputError
 from autopar.ir import CommRecord, bytes_by_collective, fmt_dtype, fmt_placements, info
 from autopar.plan import replicated_lines
-from autopar.runtime.common import LossScaler, local_inputs
+from autopar.runtime.common import LossScaler, bytes_lines, local_inputs
 from autopar.runtime.measure import CommMeter, both, mesh_axes, switch
 from autopar.runtime.memory import MemoryTracker, optimizer_state_bytes, tensor_bytes
 
@@ -262,11 +262,7 @@ class ParallelModule:
             if r.producer and r.producer != r.source:
                 lines.append(f"{'':12s}value from {r.producer}")
         lines.append("")
-        lines.append("predicted bytes sent per rank per step (ring): " + ", ".join(
-            f"{k}={v:,.0f}" for k, v in sorted(self.predicted_bytes().items())))
-        if self.counter.table:
-            lines.append("measured (handed to the process group while measure() was on): " + ", ".join(
-                f"{k}={v['wire_bytes']:,.0f}" for k, v in self.counter.summary().items()))
+        lines += bytes_lines(self.predicted_bytes(), self.counter)
         for axis, names in ctx.placed.unsharded.items():
             lines.append(f"  note: {len(names)} parameter(s) have no dim divisible by '{axis}' and are stored whole: "
                          + ", ".join(names))

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.errors import InputError
-from autopar.runtime.common import LossScaler, local_inputs
+from autopar.runtime.common import LossScaler, bytes_lines, local_inputs
 from autopar.ir import Stage, info
 from autopar.passes.split import _val_bytes
 
@@ -444,11 +444,7 @@ class PipelineModule:
             lines.append(f"  stage {r['stage']} (pp rank {r['rank']}): {r['first']} .. {r['last']}, "
                          f"{r['parameters']:,} B of parameters")
         lines.append("")
-        lines.append("predicted bytes sent per rank per step: " + ", ".join(
-            f"{k}={v:,.0f}" for k, v in sorted(self.predicted_bytes().items())))
-        if self.counter.table:
-            lines.append("measured (handed to the process group while measure() was on): " + ", ".join(
-                f"{k}={v['wire_bytes']:,.0f}" for k, v in self.counter.summary().items()))
+        lines += bytes_lines(self.predicted_bytes(), self.counter)
         if self.in_flight:
             lines.append(f"saved activations in flight (last step): {self.in_flight['peak_microbatches']} "
                          f"(stage, micro-batch) sets, {self.in_flight['peak_bytes']:,} B")
