@@ -125,17 +125,17 @@ class CommMeter(TorchDispatchMode):
     @property
     def bytes(self) -> dict[str, float]:
         """Wire bytes per kind, all axes together."""
-        out: dict[str, float] = defaultdict(float)
-        for (k, _), (_, _, w) in self.table.items():
-            out[k] += w
-        return dict(out)
+        return self._per_kind(2)
 
     @property
     def calls(self) -> dict[str, int]:
         """Calls per kind, all axes together."""
-        out: dict[str, int] = defaultdict(int)
-        for (k, _), (c, _, _) in self.table.items():
-            out[k] += c
+        return self._per_kind(0)
+
+    def _per_kind(self, column: int) -> dict:
+        out: dict = defaultdict(int)
+        for (k, _), row in self.table.items():
+            out[k] += row[column]
         return dict(out)
 
     def axis_of(self, group) -> str:
