@@ -225,8 +225,7 @@ def runtime_for(state: CompileState, capture_eval: bool = True):
         ctx.timings["capture_forward"] = time.perf_counter() - t0
         forward_builder = functools.partial(run_stage_passes, fwd_program, ctx, debug=o.debug, label="eval ",
                                             skip=tuple(o.skip) + ("recompute",))
-    return ParallelModule(state.model, ctx, stage.program, state.example_inputs, o.loss_fn is not None, o.inputs,
-                          forward_builder, sync_program=stage.sync)
+    return ParallelModule(state.model, stage, state.example_inputs, o.loss_fn is not None, o.inputs, forward_builder)
 
 
 def _kernels_option(kernels: str, mesh) -> bool:

@@ -241,8 +241,10 @@ def parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: float = 1e
     opt = torch.optim.AdamW(pm.parameters(), lr=lr)
     losses, grads = [], []
     pm.counter.reset()
-    pm.track_memory()  # the allocator's peak, live storages, FLOPs; and bytes at the process group
+    pm.measure()  # bytes at the process group, every step
     for i in range(steps):
+        if i == steps - 1:  # (slow: on the last step) the allocator's peak, live storages, FLOPs
+            pm.track_memory()
         loss = pm.train_step(*batches[i % len(batches)])
         losses.append(loss.item())
         grads.append({n: p.grad.full_tensor().detach() if p.grad is not None else None
@@ -332,10 +334,12 @@ PIPELINE_CASES = [  # (model, mesh, plan, compile options): tests/test_pipeline.
 ]
 
 
-def pipeline_parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: float = 1e-2, **options):
+def pipeline_parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: float = 1e-2,
+                        track_memory: bool = False, **options):
     """``parity_job`` for a pipelined program: every rank holds only its stages, so parameters and
     gradients are gathered from all ranks; also returns the last step's measured schedule (every
-    pipeline rank's action timings) and the activations each rank held in flight."""
+    pipeline rank's action timings) and the activations each rank held in flight
+    (``track_memory``: and the allocator's figures of the last step, ``memory``)."""
     import torch.distributed as dist
 
     import autopar
@@ -348,6 +352,8 @@ def pipeline_parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: f
     pm.counter.reset()
     pm.measure()  # count what each rank hands to the process group
     for i in range(steps):
+        if track_memory and i == steps - 1:
+            pm.track_memory()
         losses.append(pm.train_step(*batches[i % len(batches)]).item())
         grads.append({n: p.grad.full_tensor().detach() for n, p in pm.named_parameters()})
         opt.step()
@@ -355,7 +361,8 @@ def pipeline_parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: f
     params = {n: p.detach().full_tensor() for n, p in pm.named_parameters()}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (params, grads, pm.counter.summary(), pm.predicted_bytes(), pm.in_flight,
-                                      [s.spec.index for s in pm.stages.values()], pm.predicted_in_flight()))
+                                      [s.spec.index for s in pm.stages.values()], pm.predicted_in_flight(),
+                                      pm.memory_report(opt) if track_memory else None))
     timeline = pm.gather_timeline()
     merged_p, merged_g = {}, [{} for _ in range(steps)]
     for p_, g_, *_ in everyone:
@@ -365,7 +372,7 @@ def pipeline_parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: f
     return {"losses": losses, "grads": merged_g, "params": merged_p, "steps": steps,
             "measured": [e[2] for e in everyone], "predicted": [e[3] for e in everyone],
             "in_flight": [e[4] for e in everyone], "stages": [e[5] for e in everyone],
-            "predicted_in_flight": [e[6] for e in everyone],
+            "predicted_in_flight": [e[6] for e in everyone], "memory": [e[7] for e in everyone],
             "timeline": timeline, "microbatches": pm.microbatches, "schedule": pm.schedule,
             "split": pm.describe_stages(), "report": pm.report(), "skipped": pm.skipped_steps}
 
@@ -396,7 +403,7 @@ def pipeline_failure_job(fail_rank: int, timeout_s: float = 3.0):
     if dist.get_rank() == fail_rank:
         def boom(*args):
             raise RuntimeError("injected failure in this rank's forward")
-        pm._forward = boom
+        pm.executor._forward = boom
     return pm.train_step(*batches[0])
 
 

@@ -36,17 +36,23 @@ def schedule_pass(state: CompileState) -> CompileState:
             if "overlap" not in o.skip:
                 overlap_pass(st.sync, st.ctx)
         st.ctx.sync_grads = True  # what later programs of this context (the eval forward) assume
+        _names(st)
         if o.pipeline is not None:
             _cut(st)
     return state
 
 
-def _cut(st: Stage) -> None:
-    gm, program = st.program.local, st.program
-    st.parts = partition(gm, program.outputs)
+def _names(st: Stage) -> None:
+    """What the executor reads: each program input's placeholder and each output's node name."""
+    gm = st.program.local
     st.ph_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     out = next(n for n in gm.graph.nodes if n.op == "output")
     st.out_names = [a.name if isinstance(a, fx.Node) else None for a in out.args[0]]
     st.ph_vals = {n.name: n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"}
+
+
+def _cut(st: Stage) -> None:
+    gm, program = st.program.local, st.program
+    st.parts = partition(gm, program.outputs)
     st.saved_bytes = _saved_bytes(gm, program.inputs, st.parts)
     st.saved_after_i = _saved_bytes(gm, program.inputs, st.parts, after="I")

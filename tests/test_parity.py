@@ -70,10 +70,9 @@ def assert_memory_predicted(out):
     the process group's own buffers) and from the programs' op outputs alive at once, within 5%
     below and 5% + ``held_by_process_group`` above (tests/test_measure.py explains both).
 
-    With accumulate=K the runtime holds more than the cost model predicts (seen 1.24-1.97x): the
-    gradient accumulators while the next micro-batch runs, and the gradient sync program's inputs
-    for its whole run (the caller's argument list keeps them); the prediction takes each program
-    alone. Those are held only to measured >= predicted."""
+    With accumulate=K the step's peak includes the gradient sums the runtime holds while the next
+    micro-batch runs (``accumulators``), and the gradient sync program's inputs for its whole run;
+    the programs' op outputs (``tensor_peak``, measured per program run) do not."""
     pred, meas = out["predicted_memory"], out["memory"]
     for k in ("parameters", "gradients", "optimizer_state"):
         assert pred[k] == meas[k], k
@@ -82,11 +81,9 @@ def assert_memory_predicted(out):
     persistent = meas["parameters"] + meas["optimizer_state"]
     pairs = {"program peak (allocator)": (allocator, pred["program_peak"]),
              "step peak (allocator)": (persistent + allocator, pred["step_peak"]),
-             "program peak (op outputs)": (meas["tensor_peak"], pred["program_peak"])}
+             "program peak (op outputs)": (meas["tensor_peak"], pred["tensor_peak"])}
     for what, (measured, predicted) in pairs.items():
-        assert measured >= 0.95 * predicted, what
-        if out["accumulate"] == 1:
-            assert measured <= 1.05 * predicted + held, what
+        assert 0.95 * predicted <= measured <= 1.05 * predicted + held, (what, measured, predicted)
 
 
 @pytest.mark.parametrize("name,axes,plan", CASES, ids=[f"{c[0]}-{'x'.join(c[1])}" for c in CASES])

@@ -132,9 +132,11 @@ class ProgramMemory:
     curve: dict[str, int] = field(default_factory=dict)  # node -> bytes alive while it runs
 
 
-def program_memory(gm: fx.GraphModule, inputs, outputs) -> ProgramMemory:
+def program_memory(gm: fx.GraphModule, inputs, outputs, held_inputs: bool = False) -> ProgramMemory:
     """Peak bytes of the per-rank program by liveness over its nodes (parameters excluded: they
-    are persistent state). Mirrors what MemoryTracker measures when the program runs."""
+    are persistent state). Mirrors what MemoryTracker measures when the program runs.
+    ``held_inputs``: the caller keeps the (non-parameter) inputs alive for the whole run (the
+    gradient sync program's accumulated gradients: the executor's argument list holds them)."""
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     cats = categorize(gm, inputs, outputs)
@@ -153,6 +155,8 @@ def program_memory(gm: fx.GraphModule, inputs, outputs) -> ProgramMemory:
         last = max((index[u] for u in n.users), default=i)
         if n.op == "placeholder" and not n.users:
             last = i
+        if n.op == "placeholder" and held_inputs:
+            last = len(nodes) - 1
         for key, nbytes in _storages(val):
             if key in persistent or nbytes == 0:
                 continue
@@ -221,18 +225,28 @@ def predict_memory(pm, optimizer: str = "adamw") -> dict:
     if pm.pipelined:
         return predict_pipeline_memory(pm, optimizer)
     state = persistent_memory(pm, optimizer)
-    mems = [program_memory(p.local, p.inputs, p.outputs) for p in _programs(pm)]
-    m = max(mems, key=lambda x: x.peak)
-    out = {**state, "program_peak": m.peak, **{f"peak_{k}": v for k, v in m.at_peak.items()},
-           **{f"max_{k}": v for k, v in m.max_by.items()}}
-    out["step_peak"] = state["parameters"] + state["optimizer_state"] + m.peak
+    joint = program_memory(pm.program.local, pm.program.inputs, pm.program.outputs)
+    sync = (program_memory(pm.sync_program.local, pm.sync_program.inputs, pm.sync_program.outputs, held_inputs=True)
+            if pm.sync_program is not None else ProgramMemory())
+    # accumulate=K: from the second micro-batch on, the runtime holds the gradient sums (one per
+    # gradient the program returns, as it returns them) while the joint program runs
+    acc = accumulator_bytes(pm.program) if pm.accumulate > 1 else 0
+    m = joint if joint.peak + acc >= sync.peak else sync  # the program during which the step peaks
+    out = {**state, "program_peak": max(joint.peak + acc, sync.peak), "accumulators": acc,
+           # the programs' own values alone (what ProgramMeter measures per run: ``tensor_peak``)
+           "tensor_peak": max(joint.peak, sync.peak),
+           **{f"peak_{k}": v for k, v in m.at_peak.items()}, **{f"max_{k}": v for k, v in m.max_by.items()}}
+    out["step_peak"] = state["parameters"] + state["optimizer_state"] + out["program_peak"]
     out["peak_node"] = m.peak_node
     out["alive_at_peak"] = m.alive_at_peak
     return out
 
 
-def _programs(pm):
-    return [pm.program] + ([pm.sync_program] if pm.sync_program is not None else [])
+def accumulator_bytes(program) -> int:
+    """Bytes of the gradients one run of ``program`` returns (what ``accumulate=K`` sums them into)."""
+    out = next(n for n in program.local.graph.nodes if n.op == "output")
+    return sum(_val_bytes(o.meta["val"]) for o, (kind, _) in zip(out.args[0], program.outputs)
+               if kind == "grad" and isinstance(o, fx.Node))
 
 
 # ------------------------------------------------------------------------------------ compute

@@ -222,12 +222,13 @@ class MemoryTracker:
             self.program_peak_without_backend = max(self.program_peak_without_backend or 0, alloc.peak_without_backend)
         self.steps += 1
 
-    def run(self, gm: fx.GraphModule, args, program):
-        """One run of a per-rank program (its generated code) under ``ProgramMeter``."""
-        meter = ProgramMeter(args, program.inputs)
+    def run(self, gm: fx.GraphModule, args, in_roles, out_roles):
+        """One run of a per-rank program (its generated code, or a pipeline stage's part) under
+        ``ProgramMeter``; ``in_roles`` / ``out_roles``: (kind, name) per argument / output."""
+        meter = ProgramMeter(args, in_roles)
         with meter:
             out = gm(*args)
-        m = meter.close(out, program.outputs)
+        m = meter.close(out, out_roles)
         self.flops += m["flops"]
         if m["peak"] > self.tensor_peak:
             self.tensor_peak, self.at_peak = m["peak"], m["at_peak"]

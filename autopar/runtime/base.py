@@ -1,0 +1,208 @@
+"""Runtime: what every compiled program does on its rank, SPMD or pipelined.
+
+One training step, the same for both (``train_step``):
+
+1. this rank's slice of the user's batch, checked against the compiled shapes, cut into the
+   step's micro-batches (``accumulate=K``, or the pipeline's M);
+2. the executor runs this rank's action list (autopar/runtime/executor.py): an SPMD program is
+   one stage whose actions are its joint forward + backward per micro-batch; a pipeline's are its
+   schedule's F / B / I / W actions, with point-to-point transfers between stages;
+3. each stage's gradient sync program reduces the gradients summed over the micro-batches;
+4. fp16: the loss scaler unscales them and decides over the whole world whether the step
+   overflowed (then ``.grad`` is left as it was);
+5. the gradients land on the parameters' ``.grad`` (DTensors in their storage placements,
+   accumulating as autograd does).
+
+Parameters are the user's module's, replaced in place by DTensors with the plan's placements,
+so an unchanged ``torch.optim`` optimizer steps them and shards its state with them.
+
+Measuring is opt-in (it costs Python time on every op): ``measure()`` counts what the process
+hands to the process group (autopar/runtime/measure.py, at the ``c10d`` ops, independent of the
+graphs); ``track_memory()`` adds the allocator's peak, the live storages by category and the FLOPs
+of each step (autopar/runtime/memory.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from autopar.runtime.common import LossScaler, local_inputs
+from autopar.runtime.executor import Executor
+from autopar.runtime.measure import both, switch
+from autopar.runtime.memory import MemoryTracker, optimizer_state_bytes, tensor_bytes
+
+
+class Runtime:
+    """The compiled program on one rank. Subclasses set ``executor`` (the stages this rank runs,
+    its action list), ``counter`` (a CommMeter) and ``example_shapes`` / ``input_mode``."""
+
+    pipelined = False  # what tools branch on (PipelineModule: True)
+    executor: Executor
+    where = "train_step"  # how errors about the inputs name the call
+
+    def __init__(self, module: nn.Module, ctx, example_inputs, inputs: str, counter):
+        self.module = module
+        self.ctx = ctx
+        self.input_mode = inputs
+        self.example_shapes = [(tuple(x.shape), x.dtype) for x in example_inputs]
+        self.counter = counter  # counts while measure() is on
+        self._counting = False
+        self.scaler = LossScaler(ctx.loss_scale)  # fp16: dynamic loss scaling (GradScaler's constants)
+        self.steps = 0
+
+    # ---------------------------------------------------------------- parameters
+    def _place(self, full_name: str, p: torch.Tensor, mesh, placements) -> None:
+        """Replace parameter ``full_name`` of the user's module by a DTensor (``mesh`` None: a
+        meta tensor, a parameter this rank does not hold)."""
+        mod_name, _, attr = full_name.rpartition(".")
+        mod = self.module.get_submodule(mod_name) if mod_name else self.module
+        if mesh is None:
+            new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
+        else:
+            new = nn.Parameter(distribute_tensor(p.detach().to(self.ctx.device), mesh, placements),
+                               requires_grad=p.requires_grad)
+        mod.register_parameter(attr, new)
+
+    def named_parameters(self):
+        return self.module.named_parameters()
+
+    def parameters(self):
+        return (p for _, p in self.named_parameters())
+
+    def state_dict(self):
+        return self.module.state_dict()
+
+    # ---------------------------------------------------------------- one step
+    def train_step(self, *inputs) -> torch.Tensor:
+        """Forward + backward on the global batch (``inputs="global"``; this rank's part with
+        ``inputs="local"``); gradients land on ``parameters()``; returns the step's loss (the mean
+        of the micro-batch losses).
+
+        With ``accumulate=K`` (or a pipeline's M micro-batches) the gradients are summed locally
+        and synchronised once. With fp16 dynamic loss scaling, a step whose gradients overflow
+        leaves ``.grad`` untouched (so ``optimizer.step()`` changes nothing), halves the scale and
+        counts ``skipped_steps``."""
+        with self._measuring(memory=True):
+            local = local_inputs(inputs, len(self.example_shapes), self.example_shapes, self.input_mode, self.ctx,
+                                 f"{type(self).__name__}.{self.where}")
+            m = self.executor.microbatches
+            micro = [[torch.chunk(x, m, dim=0)[i] if x.ndim > 0 else x for x in local] for i in range(m)] \
+                if m > 1 else [local]
+            del local
+            losses = self.executor.run(micro, self._shared_values(), self.loss_scale or 1.0)
+            del micro
+            grads = self.executor.sync()
+            self.steps += 1
+            if self.loss_scale is None or self.scaler.unscale([g for _, g in grads], self.ctx.device):
+                self._write_grads(grads)
+            del grads
+            return self._step_loss(losses)
+
+    def _shared_values(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Per local stage: its parameters' local shards and its buffers, by placeholder name."""
+        params = dict(self.module.named_parameters())
+        buffers = dict(self.module.named_buffers())
+        out = {}
+        for s, sp in self.executor.stages.items():
+            vals = {}
+            for (kind, what), name in zip(sp.program.inputs, sp.ph_names):
+                if kind == "param":
+                    vals[name] = params[what].to_local()
+                elif kind == "buffer":
+                    vals[name] = buffers.get(what, sp.program.buffers.get(what)).to(self.ctx.device)
+            out[s] = vals
+        return out
+
+    def _write_grads(self, grads) -> None:
+        params = dict(self.module.named_parameters())
+        for name, g in grads:
+            p = params[name]
+            d = DTensor(g.detach(), DTensorSpec(p.device_mesh, p.placements, TensorMeta(p.shape, p.stride(), p.dtype)),
+                        requires_grad=False)
+            p.grad = d if p.grad is None else p.grad + d
+
+    def _step_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        return (sum(losses) / len(losses)).detach()
+
+    # fp16 loss scaling (runtime/common.py LossScaler), read and set on the runtime
+    loss_scale = property(lambda self: self.scaler.scale, lambda self, v: setattr(self.scaler, "scale", v))
+    skipped_steps = property(lambda self: self.scaler.skipped_steps)
+    _growth_tracker = property(lambda self: self.scaler.growth_tracker,
+                               lambda self, v: setattr(self.scaler, "growth_tracker", v))
+
+    # what the executor recorded on the last step (autopar/runtime/executor.py)
+    timeline = property(lambda self: self.executor.timeline)
+    recv_wait = property(lambda self: self.executor.recv_wait)
+    in_flight = property(lambda self: self.executor.in_flight)
+
+    # ---------------------------------------------------------------- measuring
+    memory = property(lambda self: self.executor.memory, lambda self, v: setattr(self.executor, "memory", v))
+
+    def measure(self, on: bool = True) -> contextlib.AbstractContextManager:
+        """Count the bytes this rank hands to the process group (``counter``) on the following
+        steps and eval calls. Costs Python time on every op: off by default. As a context
+        manager (``with pm.measure(): ...``) it restores the previous setting on exit."""
+        return switch(self, "_counting", on)
+
+    def track_memory(self, on: bool = True) -> contextlib.AbstractContextManager:
+        """Measure per-rank memory and FLOPs on the following steps (``memory_report``); also
+        counts bytes, as ``measure()``. As a context manager it restores the previous settings."""
+        mem = switch(self, "memory", MemoryTracker(self.ctx.device) if on else None)
+        count = switch(self, "_counting", on or self._counting)
+        return both(mem, count)
+
+    def _measuring(self, memory: bool):
+        stack = contextlib.ExitStack()
+        if self._counting:
+            stack.enter_context(self.counter)  # outermost: it sees the c10d ops under the others
+        if memory and self.memory is not None:
+            stack.enter_context(self.memory.step())
+        return stack
+
+    def memory_report(self, optimizer=None) -> dict:
+        """Bytes this rank holds, measured (the maximum over the steps tracked since
+        ``track_memory()``). ``optimizer``: include its state (exp_avg, exp_avg_sq...).
+
+        - ``parameters``, ``gradients``, ``optimizer_state``: the tensors held now;
+        - ``program_peak``: the allocator's peak during a step above its level at the step's start;
+          ``step_peak`` = parameters + optimizer state + program_peak; on CPU
+          ``program_peak_without_backend``: the same without the process group's own buffers;
+        - ``tensor_peak``, ``peak_<category>``, ``max_<category>``, ``model_states_peak``
+          (parameters + optimizer state + the most parameter copies and gradients in flight held at
+          once): the storages the programs' ops created, alive op by op (memory.ProgramMeter; in a
+          pipeline, per F / I / W part run);
+        - ``flops_per_step``: torch's FLOP formulas on the ops the programs ran.
+        """
+        params = tensor_bytes(self.parameters())
+        grads = tensor_bytes(p.grad for p in self.parameters())
+        opt = optimizer_state_bytes(optimizer)
+        m = self.memory or MemoryTracker(self.ctx.device)
+        out = {"parameters": params, "gradients": grads, "optimizer_state": opt,
+               "program_peak": m.program_peak, "step_peak": params + opt + m.program_peak,
+               "program_peak_without_backend": m.program_peak_without_backend,
+               "tensor_peak": m.tensor_peak, **{f"peak_{k}": v for k, v in m.at_peak.items()},
+               **{f"max_{k}": v for k, v in m.max_by.items()},
+               "model_states_peak": params + opt + m.model_state_peak, "flops_per_step": m.flops / max(1, m.steps)}
+        if self.ctx.device.type == "cuda":
+            out["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.ctx.device)
+        return out
+
+    def memory_lines(self, optimizer=None) -> list[str]:
+        """The report's measured-memory section (empty unless ``track_memory()`` is on)."""
+        if self.memory is None:
+            return []
+        m = self.memory_report(optimizer)
+        return ["", "memory on this rank (measured; bytes):",
+                f"  parameters {m['parameters']:,}  gradients {m['gradients']:,}  "
+                f"optimizer state {m['optimizer_state']:,}" + ("" if optimizer else " (pass the optimizer)"),
+                f"  step peak {m['step_peak']:,} = parameters + optimizer state + the allocator's peak during "
+                f"the step {m['program_peak']:,}",
+                f"  the programs' tensors at their peak {m['tensor_peak']:,}: parameter copies "
+                f"{m['peak_param_copies']:,}, gradients in flight {m['peak_grads_in_flight']:,}, activations "
+                f"{m['peak_activations']:,}",
+                f"  FLOPs per step {m['flops_per_step']:,.0f}"]
