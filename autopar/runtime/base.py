@@ -77,6 +77,25 @@ class Runtime:
     def state_dict(self):
         return self.module.state_dict()
 
+    # ---------------------------------------------------------------- checkpoints
+    def save(self, path, optimizer=None, extra: dict | None = None, async_save: bool = False):
+        """Write a checkpoint to the folder ``path`` (call on every rank): each rank writes its own
+        shards (torch.distributed.checkpoint), with ``optimizer``'s state, every rank's RNG state,
+        the loss scaler, ``steps`` and ``extra`` (JSON: e.g. the data loader's position). Atomic:
+        written beside ``path`` and renamed once complete; an existing ``path`` is an error.
+        ``async_save``: returns a Future and writes in the background from a staged CPU copy of the
+        state (it costs that memory until the write ends). autopar/runtime/checkpoint.py."""
+        from autopar.runtime import checkpoint
+
+        return checkpoint.save(self, path, optimizer, extra, async_save)
+
+    def load(self, path, optimizer=None) -> dict:
+        """Load a checkpoint written by ``save`` under any mesh or plan (resharded to this one) on
+        every rank; returns its ``extra``. A folder without its COMPLETE marker is refused."""
+        from autopar.runtime import checkpoint
+
+        return checkpoint.load(self, path, optimizer)
+
     # ---------------------------------------------------------------- one step
     def train_step(self, *inputs) -> torch.Tensor:
         """Forward + backward on the global batch (``inputs="global"``; this rank's part with

@@ -1,0 +1,194 @@
+"""Checkpoints (autopar/runtime/checkpoint.py) on real gloo groups: exact resume, resharding across
+meshes and plans, atomic writes, and the errors a wrong or unfinished checkpoint gives.
+
+One run of 5 AdamW steps (fsdp on dp=2) writes the checkpoints the other tests read:
+step 2 (async: training goes on while it is written), step 3, step 5 (CheckpointManager, keep=2).
+The chain fsdp dp=2 -> megatron tp=2 -> one process continues the same run on other meshes; the
+losses match the uninterrupted run's to reduction-order tolerance.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+import autopar
+from autopar.runtime.checkpoint import MARKER, CheckpointManager, read_marker
+from autopar.testing import build_model
+
+STEPS = 5
+LR = 1e-2
+
+
+def _compile(axes: dict, plan: dict, name: str = "llama", seed: int = 0, **options):
+    model, _, loss_fn = build_model(name, seed=seed)
+    _, batches, _ = build_model("llama")  # the run's data, whatever the initial weights
+    pm = autopar.compile(model, autopar.mesh(**axes), example_inputs=batches[0], loss_fn=loss_fn, plan=plan,
+                         **options)
+    return pm, torch.optim.AdamW(pm.parameters(), lr=LR), batches
+
+
+def _step(pm, opt, batches) -> float:
+    """Step ``pm.steps + 1`` of the run (the batch follows the step count, as a data loader's
+    position restored from ``extra`` would)."""
+    loss = pm.train_step(*batches[pm.steps % len(batches)]).item()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _full(pm) -> dict[str, torch.Tensor]:
+    return {n: p.detach().full_tensor().clone() for n, p in pm.named_parameters()}  # (Replicate: no copy)
+
+
+def fsdp_job(root: str) -> dict:
+    """5 steps on dp=2 with checkpoints; then step 2 reloaded into the program (weights zeroed, a
+    fresh optimizer, the RNG moved on) and steps 3..5 replayed."""
+    import torch.distributed as dist
+
+    pm, opt, batches = _compile({"dp": 2}, {"dp": "fsdp"})
+    mgr = CheckpointManager(root, keep=2)
+    torch.manual_seed(100 + dist.get_rank())  # each rank its own RNG stream
+    out = {"losses": []}
+    for _ in range(STEPS):
+        out["losses"].append(_step(pm, opt, batches))
+        if pm.steps == 2:
+            out["params_2"], rng_2 = _full(pm), torch.get_rng_state()
+            fut = mgr.save(pm, optimizer=opt, extra={"next_batch": 2}, async_save=True)
+            torch.rand(3)  # the RNG and the training move on while the shards are written
+        if pm.steps == 3:
+            out["async_done_before"] = fut.done()
+            fut.result()
+            mgr.save(pm, optimizer=opt, extra={"next_batch": 3})
+            out["params_3"] = _full(pm)
+    try:
+        pm.save(mgr.path_of(3))
+    except autopar.InputError as e:
+        out["exists_error"] = str(e)
+    if dist.get_rank() == 0:  # a writer killed before its rename, and a folder without its marker
+        os.makedirs(os.path.join(root, "step-000009.tmp-dead"))
+        os.makedirs(os.path.join(root, "step-000010"))
+    dist.barrier()
+    out["latest_before"] = os.path.basename(mgr.latest())
+
+    with torch.no_grad():
+        for p in pm.parameters():
+            p.zero_()
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    out["extra"] = pm.load(mgr.path_of(2), opt)
+    out["steps_after_load"] = pm.steps
+    out["params_equal"] = all(torch.equal(v, out["params_2"][n]) for n, v in _full(pm).items())
+    out["rng_equal"] = torch.equal(torch.get_rng_state(), rng_2)
+    out["resumed"] = [_step(pm, opt, batches) for _ in range(pm.steps, STEPS)]
+    mgr.save(pm, optimizer=opt)  # step 5: step 2 and the dead writer's folder go
+    dist.barrier()
+    out["listing"] = sorted(os.listdir(root))
+    out["marker"] = read_marker(mgr.path_of(5))
+    return out
+
+
+def reshard_job(root: str, axes: dict, plan: dict, src: str, params: dict, dst: str | None) -> dict:
+    """Load ``src`` (with the optimizer) on another mesh / plan, compare the weights, take the
+    run's next step; save it to ``dst``."""
+    pm, opt, batches = _compile(axes, plan, seed=1)
+    extra = pm.load(os.path.join(root, src), opt)
+    loaded = _full(pm)
+    out = {"extra": extra, "steps": pm.steps, "owned": len(loaded), "loss": _step(pm, opt, batches),
+           "params_equal": all(torch.equal(v, params[n]) for n, v in loaded.items()) if params else None}
+    if dst is not None:
+        pm.save(os.path.join(root, dst), optimizer=opt, extra={"next_batch": pm.steps})
+        if pm.pipelined:  # round trip: each pipeline rank reads back only the stages it holds
+            after = _full(pm)
+            with torch.no_grad():
+                for p in pm.parameters():
+                    p.zero_()
+            pm.load(os.path.join(root, dst), torch.optim.AdamW(pm.parameters(), lr=LR))
+            out["round_trip"] = all(torch.equal(v, after[n]) for n, v in _full(pm).items())
+    return out
+
+
+def errors_job(root: str) -> dict:
+    """One process: an unfinished folder, another model's checkpoint, a checkpoint without the
+    optimizer's state; the fp16 loss scaler and an optimizer saved before its first step."""
+    out = {}
+    pm, opt, _ = _compile({"dp": 1}, {"dp": "ddp"}, name="gpt", precision="fp16")
+    pm.save(os.path.join(root, "gpt-no-optimizer"))
+    for key, path in [("incomplete", "step-000010"), ("other_model", "step-000005"),
+                      ("no_optimizer", "gpt-no-optimizer")]:
+        try:
+            pm.load(os.path.join(root, path), opt)
+        except autopar.InputError as e:
+            out[key] = str(e)
+    pm.scaler.scale, pm.scaler.growth_tracker, pm.scaler.skipped_steps = 512.0, 7, 3
+    pm.save(os.path.join(root, "gpt16"), optimizer=torch.optim.AdamW(pm.parameters(), lr=0.02))
+    pm.scaler.scale, pm.scaler.growth_tracker, pm.scaler.skipped_steps = 65536.0, 0, 0
+    opt = torch.optim.AdamW(pm.parameters(), lr=0.5)
+    pm.load(os.path.join(root, "gpt16"), opt)
+    out["scaler"] = (pm.scaler.scale, pm.scaler.growth_tracker, pm.scaler.skipped_steps)
+    out["optimizer"] = (opt.param_groups[0]["lr"], len(opt.state))  # hyperparameters back, no state made
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(pools, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ckpt"))
+    return root, pools(2).run(fsdp_job, root)
+
+
+def test_resume_is_exact_and_saves_are_atomic(fsdp_run):
+    _, out = fsdp_run
+    assert out["steps_after_load"] == 2 and out["extra"] == {"next_batch": 2}
+    assert out["params_equal"] and out["rng_equal"]
+    assert out["resumed"] == out["losses"][2:], (out["resumed"], out["losses"])  # bit for bit
+    assert "already exists" in out["exists_error"] and "step-000003" in out["exists_error"]
+    assert out["latest_before"] == "step-000003"  # the folder without its marker is skipped
+    assert out["listing"] == ["step-000003", "step-000005", "step-000010"]  # keep=2; the dead writer removed
+    m = out["marker"]
+    assert (m["step"], m["world_size"], m["mesh"], m["plan"]) == (5, 2, {"dp": 2}, "dp=fsdp")
+    assert any(f.endswith(".distcp") for f in m["files"]) and ".metadata" in m["files"]
+
+
+def test_reshard_fsdp_to_megatron_to_one_process(pools, fsdp_run):
+    root, run = fsdp_run
+    tp = pools(2).run(reshard_job, root, {"tp": 2}, {"tp": "megatron"}, "step-000003", run["params_3"], "tp-4")
+    assert tp["params_equal"] and tp["steps"] == 3 and tp["extra"] == {"next_batch": 3}
+    assert tp["loss"] == pytest.approx(run["losses"][3], rel=1e-5)
+    one = pools(1).run(reshard_job, root, {"dp": 1}, {"dp": "ddp"}, "tp-4", {}, None)
+    assert one["steps"] == 4 and one["extra"] == {"next_batch": 4}
+    assert one["loss"] == pytest.approx(run["losses"][4], rel=1e-5)
+
+
+def test_pipeline_loads_only_its_stages(pools, fsdp_run):
+    root, run = fsdp_run
+    pp = pools(2).run(reshard_job, root, {"pp": 2}, {"pp": "1f1b"}, "step-000003", run["params_3"], "pp-4")
+    assert pp["params_equal"] and 0 < pp["owned"] < len(run["params_3"])
+    assert pp["loss"] == pytest.approx(run["losses"][3], rel=1e-5)
+    assert pp["round_trip"]
+
+
+def test_wrong_or_unfinished_checkpoints_are_refused(pools, fsdp_run):
+    root, _ = fsdp_run
+    out = pools(1).run(errors_job, root)
+    assert f"no {MARKER} marker" in out["incomplete"] and "step-000010" in out["incomplete"]
+    other = out["other_model"]
+    assert "layers.0.self_attn.k_proj.weight has shape [64, 64] here but [32, 64]" in other, other
+    assert "no entry for" in other and "up_proj.bias" in other
+    assert "this model does not have" in other and "gate_proj.weight" in other
+    assert "no optimizer state" in out["no_optimizer"]
+    assert out["scaler"] == (512.0, 7, 3) and out["optimizer"] == (0.02, 0)
+
+
+def test_damaged_checkpoint_names_the_file(fsdp_run, tmp_path):
+    root, _ = fsdp_run
+    copy = tmp_path / "copy"
+    shutil.copytree(os.path.join(root, "step-000005"), copy)
+    shard = min(f for f in os.listdir(copy) if f.endswith(".distcp"))
+    with open(copy / shard, "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(autopar.InputError, match=f"{shard} is 10 bytes"):
+        read_marker(str(copy))
+    with pytest.raises(autopar.InputError, match="no checkpoint at"):
+        read_marker(str(tmp_path / "nothing"))
