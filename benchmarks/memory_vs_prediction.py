@@ -1,7 +1,7 @@
 """Predicted vs allocator-measured peak memory and predicted vs process-group-counted bytes, 2 gloo ranks:
     .venv/bin/python benchmarks/memory_vs_prediction.py"""
 import sys
-from autopar.testing import DistPool, parity_job, pipeline_parity_job
+from autopar.testing import DistPool, parity_job
 from autopar.ir import bytes_by_collective
 
 
