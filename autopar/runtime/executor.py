@@ -156,14 +156,11 @@ class Executor:
             return
         s = sp.index
         args = [env[a] if a in env else self._shared[s][a] for a in part.args]
-        if self.memory is None:
-            with torch.no_grad():
-                outs = part.gm(*args)
-        else:
+        in_roles = out_roles = None  # (what the memory tracker categorizes by, when it runs)
+        if self.memory is not None:
             in_roles = [("param", a) if a in self._params[s] else ("input", a) for a in part.args]
             out_roles = [("grad", o) if o in self._grads[s] else ("value", o) for o in part.outs]
-            outs = self._run(part.gm, args, in_roles, out_roles)
-        env.update(zip(part.outs, outs))
+        env.update(zip(part.outs, self._run(part.gm, args, in_roles, out_roles)))
 
     def _value(self, s: int, env: dict, name: str):
         return env[name] if name in env else self._shared[s][name]
