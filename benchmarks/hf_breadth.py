@@ -5,7 +5,8 @@
 Each architecture of ``autopar.models.hf_archs.ARCHS`` (tiny config: 2 layers, hidden 64, 4 heads,
 vocab 128; batch 4 x 16 tokens) is compiled under {"dp": "fsdp"} on dp=2 and under
 {"tp": "megatron", "rest": "replicate"} on tp=2, trained 2 AdamW steps and compared with one eager
-process (losses, parameters after the steps, the eval forward). Prints one table row per
+process (every step's loss and gradients, the parameters AdamW gives, the eval forward:
+``hf_archs.compare``). Prints one table row per
 architecture: ok, or the first line of what went wrong (a compile error, or where the numbers
 differ). About 20 s per architecture on an idle 2-core machine.
 """
@@ -58,7 +59,8 @@ def main():
                     why = compare(ref, out)
                 except Exception as e:  # noqa: BLE001
                     why = _short(e)
-                    pool = DistPool(2)  # a failed job closes the pool
+                    pool.close(force=True)  # a failed job has closed it already; a failed compare has not
+                    pool = DistPool(2)
                 cells.append("ok" if why is None else "FAIL")
                 if why is None:
                     passed[plan] += 1

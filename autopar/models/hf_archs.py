@@ -15,6 +15,8 @@ the architectures that needed a fix).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 BATCH, SEQ, VOCAB, STEPS, LR = 4, 16, 128, 2, 1e-2
@@ -120,13 +122,13 @@ def breadth_job(name: str, plan_name: str, debug: bool = True, **overrides) -> d
                          debug=debug)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
 
-    def gathered():
-        return {n: p.detach().full_tensor() for n, p in pm.named_parameters()}
+    def gathered():  # a copy: full_tensor() of a replicated parameter is the parameter's own storage
+        return {n: p.detach().full_tensor().clone() for n, p in pm.named_parameters()}
 
     losses, grads, params = [], [], [gathered()]
     for x, y in batches:
         losses.append(pm.train_step(x, y).item())
-        grads.append({n: p.grad.full_tensor() for n, p in pm.named_parameters() if p.grad is not None})
+        grads.append({n: p.grad.full_tensor().clone() for n, p in pm.named_parameters() if p.grad is not None})
         opt.step()
         opt.zero_grad()
         params.append(gathered())
@@ -147,9 +149,8 @@ def compare(ref: dict, out: dict) -> str | None:
       tests/test_parity.py) against eager forward + backward at the compiled run's parameters;
     - AdamW on one process, fed the compiled run's gradients, gives the parameters it had after
       every step (1e-6);
-    - the eval forward (1e-4) against eager forward with the final parameters.
-    (Uses the reference's model: its parameters end as the compiled run's.)"""
-    model, batches, loss_fn = ref["model"], ref["batches"], ref["loss_fn"]
+    - the eval forward (1e-4) against eager forward with the final parameters."""
+    model, batches, loss_fn = copy.deepcopy(ref["model"]), ref["batches"], ref["loss_fn"]
     names = [n for n, _ in model.named_parameters()]
     if set(out["params"][0]) != set(names):
         return f"parameter names differ: {sorted(set(out['params'][0]) ^ set(names))[:4]}"
