@@ -10,8 +10,8 @@ torch APIs used, and why (all private in torch 2.13, so they are wrapped here an
   FakeTensorMode; each placeholder/output carries a descriptor (``ParamAOTInput``,
   ``GradAOTOutput``...) so we know which gradient belongs to which parameter without
   relying on positions. It is the API meta-pytorch/autoparallel is built on.
-- ``torch.export.export`` (+ ``run_decompositions``) for the forward-only (eval) program:
-  public, and it names parameters in its graph signature.
+- ``torch.export.export`` (+ ``run_decompositions``, attention kept whole) for the forward-only
+  (eval) program: public, and it names parameters in its graph signature.
 
 Decompositions: none beyond what AOTAutograd does by default, so layer_norm-style ops,
 ``_log_softmax``, ``nll_loss_*``, SDPA and ``embedding_dense_backward`` stay single ops
@@ -205,11 +205,15 @@ def _describe(graph: fx.Graph, gm: fx.GraphModule, ids, model, stage: str | None
     inputs: list[tuple[str, Any]] = []
     buffers: dict[str, torch.Tensor] = {}
     named_b = dict(model.named_buffers())
+    constants = _constants_as_buffers(graph)
     for n in graph.nodes:
         if n.op != "placeholder":
             continue
         desc = n.meta.get("desc")
-        if isinstance(desc, d.ParamAOTInput):
+        if n in constants:
+            name, buffers[name] = constants[n]
+            inputs.append(("buffer", name))
+        elif isinstance(desc, d.ParamAOTInput):
             kind, name = real_name(desc.target)
             inputs.append(("param", name))
         elif isinstance(desc, d.BufferAOTInput):
@@ -245,6 +249,35 @@ def _describe(graph: fx.Graph, gm: fx.GraphModule, ids, model, stage: str | None
     return Program(graph=graph, inputs=inputs, outputs=outputs, buffers=buffers)
 
 
+def _constants_as_buffers(graph: fx.Graph) -> dict[fx.Node, tuple[str, torch.Tensor]]:
+    """Tensor constants the model creates in forward (Falcon's ``qkv[..., [-2], :]``, GPT-Neo's
+    ``torch.tensor(min_value)``) reach the joint graph as ``get_attr`` nodes on AOTAutograd's own
+    module. Each becomes a placeholder placed after the parameters and buffers, fed like a buffer
+    (``Program.buffers`` holds its value): every pass sees graph inputs with roles only, and the
+    value stays what the model computed with. Returns {new placeholder: (name, value)}."""
+    consts = [n for n in graph.nodes if n.op == "get_attr"]
+    if not consts:
+        return {}
+    from torch._functorch._aot_autograd import descriptors as d
+
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    state = [n for n in placeholders if isinstance(n.meta.get("desc"), (d.ParamAOTInput, d.BufferAOTInput))]
+    out = {}
+    for c in consts:
+        value = _get_attr(graph.owning_module, c.target)
+        if not isinstance(value, torch.Tensor):
+            raise CaptureError(f"unsupported constant {c.target!r} ({type(value).__name__}) in the traced graph")
+        anchor = state[-1] if state else None
+        with (graph.inserting_after(anchor) if anchor is not None else graph.inserting_before(placeholders[0])):
+            ph = graph.placeholder(c.name)
+        ph.meta.update(c.meta)
+        c.replace_all_uses_with(ph)
+        graph.erase_node(c)
+        state.append(ph)
+        out[ph] = (f"constant.{c.target}", value.detach())
+    return out
+
+
 def _get_attr(gm: nn.Module, target: str):
     obj: Any = gm
     for part in target.split("."):
@@ -257,13 +290,24 @@ def _get_attr(gm: nn.Module, target: str):
 _ASSERTS = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default}
 
 
+def _forward_decompositions():
+    """Core ATen, except attention, which stays one op (rules.py shards it over batch and heads):
+    SDPA's math decomposition gives its output other strides than the op has, so a model that
+    ``view``s the attention output (GPT-2's Conv1D: ``x.view(-1, x.size(-1))``) would fail to
+    export (pytorch/pytorch#136543), and eval would not run the kernel eager runs."""
+    table = torch.export.default_decompositions()
+    for op in [op for op in table if "scaled_dot_product" in op.name()]:
+        del table[op]
+    return table
+
+
 def capture_forward(model: nn.Module, example_inputs: tuple, compute_dtype: torch.dtype | None = None) -> Program:
     """Forward-only (eval) program via torch.export; outputs are the model's tensors."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             ep = torch.export.export(_WithLoss(model, None, compute_dtype), tuple(example_inputs), strict=False)
-            ep = ep.run_decompositions()  # core ATen: the ops DTensor and our rules know
+            ep = ep.run_decompositions(_forward_decompositions())  # core ATen: what DTensor and our rules know
     except Exception as e:  # noqa: BLE001
         raise CaptureError(f"could not export the model's forward: {type(e).__name__}: {e}",
                            where=type(model).__name__) from e

@@ -56,6 +56,7 @@ def compile(
     capture_eval: bool = True,
     pipeline_stages: str = "local",
     kernels: str = "auto",
+    bucket_mb: float = 25,
 ):
     """Compile ``model`` for ``mesh`` under ``plan``; returns a ParallelModule (a PipelineModule,
     autopar/runtime/pipeline.py, when an axis's strategy is a pipeline schedule: ``{"pp": "1f1b", ...}``).
@@ -73,6 +74,8 @@ def compile(
     (compiled on CUDA; on CPU through Triton's interpreter: slow), "off" keeps PyTorch's ops,
     "auto" (the default) keeps PyTorch's ops until the kernels have been measured on a GPU, then
     will pick them on a CUDA mesh. ``pm.ctx.lowered`` counts what was rewritten.
+    ``bucket_mb``: gradient reductions share one collective per this many MiB of gradients, in
+    backward order (DDP's bucket_cap_mb; the first bucket 1 MiB); 0: one collective per gradient.
 
     As a decorator (``@autopar.compile(mesh=..., example_inputs=..., plan=...)``) on a model
     class or a model-building function, the class/function then returns ParallelModules.
@@ -80,7 +83,8 @@ def compile(
     opts = dict(mesh=mesh, example_inputs=example_inputs, loss_fn=loss_fn, plan=plan, inputs=inputs,
                 precision=precision, reduce_dtype=reduce_dtype, loss_scale=loss_scale, accumulate=accumulate,
                 recompute=recompute, debug=debug, skip_passes=skip_passes, progress=progress,
-                capture_eval=capture_eval, pipeline_stages=pipeline_stages, kernels=kernels)
+                capture_eval=capture_eval, pipeline_stages=pipeline_stages, kernels=kernels,
+                bucket_mb=bucket_mb)
     if model is None or (isinstance(model, type) or (callable(model) and not isinstance(model, nn.Module))):
         return _decorator(model, **opts)
     capture_eval = opts.pop("capture_eval")
@@ -106,6 +110,7 @@ class Options:
     progress: Callable[[str], None] | None
     stages: str  # "local" | "all" (planning: compile every pipeline stage on this rank)
     pipeline: PipelineSetup | None  # the pipeline axis, validated, with its schedule
+    bucket_mb: float = 25  # MiB of gradients per bucketed collective (passes/bucket.py); 0: none
 
 
 def build(model: nn.Module, mesh: DeviceMesh, *, stop_after: str | None = None, **options) -> CompileState:
@@ -123,7 +128,7 @@ def build(model: nn.Module, mesh: DeviceMesh, *, stop_after: str | None = None, 
 
 def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, inputs="global", precision="fp32",
              reduce_dtype=None, loss_scale="dynamic", accumulate=1, recompute="none", debug=False, skip_passes=(),
-             progress=None, pipeline_stages="local", kernels="auto") -> tuple[Options, tuple]:
+             progress=None, pipeline_stages="local", kernels="auto", bucket_mb=25) -> tuple[Options, tuple]:
     """Every check that needs no trace: options, plan against mesh and model, batch against
     the data-parallel ranks and the pipeline's micro-batches. Returns the options and one
     micro-batch of the example inputs (what capture traces)."""
@@ -149,6 +154,10 @@ def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, input
     if not isinstance(accumulate, int) or accumulate < 1:
         raise PlanError(f"accumulate must be a positive int, got {accumulate!r}", where="autopar.compile(accumulate=...)")
     check_names(skip_passes, "autopar.compile(skip_passes=...)")
+    if type(bucket_mb) is bool or not isinstance(bucket_mb, (int, float)) or not 0 <= bucket_mb < math.inf:
+        raise PlanError(f"bucket_mb must be a non-negative number of MiB, got {bucket_mb!r}",
+                        where="autopar.compile(bucket_mb=...)",
+                        fix="use 25 (DDP's bucket size), or 0 for one collective per gradient")
     example_inputs = tuple(example_inputs)
     lower = _kernels_option(kernels, mesh)
     already = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
@@ -174,7 +183,7 @@ def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, input
         micro = _micro_batch(example_inputs, accumulate, parsed, mesh)
     options = Options(plan or {}, parsed, loss_fn, inputs, compute_dtype, reduce,
                       loss_scale if compute_dtype == torch.float16 else None, accumulate, recompute, lower, debug,
-                      tuple(skip_passes), progress, pipeline_stages, pipeline)
+                      tuple(skip_passes), progress, pipeline_stages, pipeline, bucket_mb)
     return options, micro
 
 

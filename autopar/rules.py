@@ -76,7 +76,7 @@ def _all_reduce(ctx, x: torch.Tensor, op: str, axes: list[int]) -> torch.Tensor:
 # attention: shards over batch and heads
 
 
-def _attention_rule(q_pos: int, n_tensor_in: int, n_out: int):
+def _attention_rule(q_pos: int, n_tensor_in: int, n_out: int | None):
     def attention_rule(node: fx.Node, in_specs: list[ShardSpec], ctx) -> RuleResult | None:
         """Keeps Shard(0) (batch) and Shard(1) (heads) of q on every tensor input and output;
         anything else (sequence shards, Partial) is replicated first: attention mixes the
@@ -89,12 +89,14 @@ def _attention_rule(q_pos: int, n_tensor_in: int, n_out: int):
             m = tuple(p if isinstance(p, Shard) and mask.shape[p.dim] == q.shape[p.dim] and len(mask.shape) == 4
                       else R for p in want)
             ins.append(m)
-        return RuleResult(ins, tuple(want for _ in range(n_out)), None, "attention over batch/heads")
+        outs = want if n_out is None else tuple(want for _ in range(n_out))
+        return RuleResult(ins, outs, None, "attention over batch/heads")
 
     return attention_rule
 
 
 rule(aten._scaled_dot_product_flash_attention_for_cpu.default)(_attention_rule(0, 3, 2))
+rule(aten.scaled_dot_product_attention.default)(_attention_rule(0, 3, None))  # the eval program's (one output)
 rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)(_attention_rule(1, 6, 3))
 
 # autopar's own kernels (autopar/kernels/ops.py; the lower pass puts them in the graph): the same
@@ -370,3 +372,52 @@ def embedding_backward_rule(node, in_specs, ctx):
         return aten.embedding_dense_backward(g, torch.where(here, t, torch.zeros_like(t)), v_local, pad, False)
 
     return RuleResult(ins, tuple(outs), impl, "vocab-parallel embedding backward")
+
+
+# ---------------------------------------------------------------------------------------
+# elementwise ops DTensor has no strategy for
+
+
+def _elementwise(node, in_specs, ctx, out_shape, name, first=0):
+    """Inputs broadcast to ``out_shape``. Per mesh axis, the first input (from ``in_specs[first]``
+    on) sharded on a dim it does not broadcast gives the output that shard; every input follows it
+    (Shard of that dim, or Replicate where the input broadcasts it); Partial is reduced first (the
+    op need not be linear)."""
+    nd = len(out_shape)
+    specs = [s for s in in_specs if s is not None]
+    ins: list[list] = [[] for _ in specs]
+    outs = []
+
+    def full_dim(s, d):  # the output dim of input dim d, if the input does not broadcast it
+        od = d + nd - len(s.shape)
+        return od if 0 <= od < nd and s.shape[d] == out_shape[od] else None
+
+    for a in range(len(ctx.axis_sizes)):
+        od = next((full_dim(s, p.dim) for s in specs[first:] + specs[:first] for p in [s.placements[a]]
+                   if isinstance(p, Shard) and full_dim(s, p.dim) is not None), None)
+        for i, s in enumerate(specs):
+            d = od - (nd - len(s.shape)) if od is not None else None
+            ins[i].append(Shard(d) if d is not None and d >= 0 and full_dim(s, d) == od else R)
+        outs.append(Shard(od) if od is not None else R)
+    it = iter(tuple(p) for p in ins)
+    return RuleResult([next(it) if s is not None else None for s in in_specs], tuple(outs), None, name)
+
+
+# not tagged pointwise in torch, and so unknown to DTensor's pointwise strategies
+POINTWISE_UNTAGGED = {aten.softplus_backward.default}
+
+
+def pointwise_rule(node, in_specs, ctx):
+    """Any elementwise op (torch's pointwise tag, or ``POINTWISE_UNTAGGED``) DTensor lacks."""
+    return _elementwise(node, in_specs, ctx, tuple(node.meta["val"].shape), "elementwise")
+
+
+for _op in POINTWISE_UNTAGGED:
+    rule(_op)(pointwise_rule)
+
+
+@rule(aten.copy.default)
+def copy_rule(node, in_specs, ctx):
+    """copy(dst, src): the functional form of ``dst.copy_(src)`` (src broadcast to dst's shape and
+    dtype; dst's values are not read): elementwise in src, with dst following its layout."""
+    return _elementwise(node, in_specs, ctx, in_specs[0].shape, "copy (elementwise)", first=1)

@@ -14,19 +14,25 @@ from __future__ import annotations
 import math
 
 import torch.fx as fx
-from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
 from autopar.ir import CommRecord, Program, ShardSpec, fmt_placements, info, phase_of, redistribute, source_line, spec_of
 
 
 def plan_steps(src, dst) -> list[tuple[int, object, object]]:
     """(axis, from, to) steps: reductions/gathers innermost axis first, then new shards
-    outermost first, so nested shards of one dim stay in DTensor's order."""
+    outermost first, so nested shards of one dim stay in DTensor's order. A strided shard
+    (``_StridedShard``: a view merged the sharded dim with the dims before it) is only ever made
+    from, or turned into, Replicate: any other move to or from one goes through Replicate."""
     src, dst = tuple(src), tuple(dst)
     steps = []
     cur = list(src)
     for a in reversed(range(len(src))):
-        if cur[a] != dst[a] and not (isinstance(cur[a], Replicate) and isinstance(dst[a], Shard)):
+        if cur[a] != dst[a] and not isinstance(cur[a], Replicate) and (
+                isinstance(cur[a], _StridedShard) or isinstance(dst[a], _StridedShard)):
+            steps.append((a, cur[a], Replicate()))
+            cur[a] = Replicate()
+        if cur[a] != dst[a] and not (isinstance(cur[a], Replicate) and isinstance(dst[a], (Shard, _StridedShard))):
             steps.append((a, cur[a], dst[a]))
             cur[a] = dst[a]
     for a in range(len(src)):
@@ -41,11 +47,11 @@ def step_kind(p, q) -> str:
         return "all_reduce"
     if isinstance(p, Partial) and isinstance(q, Shard):
         return "reduce_scatter"
-    if isinstance(p, Shard) and isinstance(q, (Replicate, Partial)):
+    if isinstance(p, (Shard, _StridedShard)) and isinstance(q, (Replicate, Partial)):
         return "all_gather"
     if isinstance(p, Shard) and isinstance(q, Shard):
         return "all_gather"  # gather then take the new shard locally
-    return "local"  # Replicate -> Shard (chunk), Replicate -> Partial (mask)
+    return "local"  # Replicate -> Shard or strided shard (chunk), Replicate -> Partial (mask)
 
 
 def predict_records(spec: ShardSpec, dst, ctx, reason: str, source: str, phase: str,

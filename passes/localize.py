@@ -27,7 +27,7 @@ from autopar.passes.collectives import plan_steps
 from torch import fx
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.errors import ShardingError
@@ -161,6 +161,18 @@ def apply_redistribute(x: torch.Tensor, src, dst, spec, ctx) -> torch.Tensor:
                 x = x.reshape(*shape[:d], n, shape[d] // n, *shape[d + 1:]).movedim(d, 0).reshape(
                     n * shape[0], *shape[1:d], shape[d] // n, *shape[d + 1:])
             x = c10d.wait_tensor(c10d.reduce_scatter_tensor(x.contiguous(), _reduce_op(p), n, group))
+        elif isinstance(p, _StridedShard) and isinstance(q, Replicate):
+            # each rank holds its 1/n of every one of the split_factor blocks of dim d: gathered
+            # pieces [n, ..., sf, block/n, ...] interleave back to [..., sf, n, block/n, ...]
+            d, sf, local = p.dim, p.split_factor, tuple(x.shape)
+            g = c10d.wait_tensor(c10d.all_gather_into_tensor(x.contiguous(), n, group))
+            g = g.view(n, *local[:d], sf, local[d] // sf, *local[d + 1:]).movedim(0, d + 1)
+            x = g.reshape(*local[:d], n * local[d], *local[d + 1:])
+        elif isinstance(p, Replicate) and isinstance(q, _StridedShard):
+            d, sf, shape = q.dim, q.split_factor, tuple(x.shape)
+            blocks = x.reshape(*shape[:d], sf, shape[d] // sf, *shape[d + 1:])
+            x = torch.chunk(blocks, n, dim=d + 1)[ctx.coord[a]].reshape(*shape[:d], shape[d] // n, *shape[d + 1:])
+            x = x.clone(memory_format=torch.contiguous_format)
         elif isinstance(p, Shard):
             d = p.dim
             g = c10d.wait_tensor(c10d.all_gather_into_tensor(x.contiguous(), n, group))

@@ -1,14 +1,25 @@
-"""overlap: when each collective's wait runs, and the buffer lifetimes that makes safe.
+"""overlap: how many collectives the gradients take, when each wait runs, and the buffer
+lifetimes that makes safe.
 
-localize leaves every ``wait_tensor`` right after its collective (a synchronous program).
-Functional collectives run asynchronously until their wait, so moving a wait later lets the
-compute in between run while the bytes are on the wire; DDP's reducer and FSDP2 overlap the
-same way. Today this pass defers the waits of gradient reductions (below); bucketing, FSDP
-prefetch and moving collective starts earlier come with the overlap issue, here.
+localize leaves one collective per gradient and every ``wait_tensor`` right after its
+collective (a synchronous program). This pass, in order:
 
-After it, on the per-rank graphs: every collective still has exactly one wait, every wait
-comes before the first use of its result, and every input a collective may still read or
-write (gloo's reduce-scatter writes its input) stays alive until the wait.
+1. buckets the gradient reductions (passes/bucket.py): gradients in backward order share one
+   flat buffer and ONE all-reduce / reduce-scatter per ``bucket_mb`` MiB (DDP's 25 by default,
+   the first bucket 1 MiB; 0: one collective per gradient), issued where the bucket's last
+   gradient is produced, never mixing mesh axes, reduce ops or dtypes (a reduce-scatter bucket
+   stays within one repeated block, FSDP2's unit);
+2. defers the waits of gradient reductions (below): functional collectives run asynchronously
+   until their wait, so the compute in between runs while the bytes are on the wire; DDP's
+   reducer and FSDP2 overlap the same way;
+3. keeps every collective's input alive until its wait.
+
+FSDP prefetch and moving collective starts earlier come with the overlap issue, here.
+
+After it, on the per-rank graphs: every collective still has exactly one wait and a CommRecord
+(a bucket's: its gradients' bytes summed, their names in the reason), every wait comes before
+the first use of its result, and every input a collective may still read or write (gloo's
+reduce-scatter writes its input) stays alive until the wait.
 """
 
 from __future__ import annotations
@@ -17,14 +28,17 @@ import torch
 from torch import fx
 
 from autopar.ir import Program
+from autopar.passes.bucket import DEFAULT_BUCKET_MB, PASS_THROUGH, bucket_gradient_reductions
 from autopar.passes.localize import COLLECTIVES, c10d
 
 
 def overlap_pass(program: Program, ctx) -> Program:
-    """After it: gradient reductions are waited for as late as their use allows (all-reduce at
-    the end, reduce-scatter before the next one), and every collective's input stays alive
-    until its wait."""
+    """After it: gradient reductions are bucketed (``bucket_mb`` MiB per collective) and waited
+    for as late as their use allows (all-reduce at the end, reduce-scatter before the next
+    one), and every collective's input stays alive until its wait."""
+    bucket_mb = getattr(ctx, "bucket_mb", DEFAULT_BUCKET_MB)
     for gm in _local_graphs(program):
+        bucket_gradient_reductions(gm, program.outputs, bucket_mb)
         _defer_output_waits(gm)
         _keep_inputs_until_wait(gm)
     return program
@@ -34,15 +48,11 @@ def _local_graphs(program: Program):
     return [program.local] if getattr(program, "local", None) is not None else []
 
 
-_PASS_THROUGH = {torch.ops.aten._to_copy.default, torch.ops.aten.view.default, torch.ops.aten.t.default,
-                 torch.ops.aten.cat.default, torch.ops.aten.clone.default}
-
-
 def _defer_output_waits(gm: fx.GraphModule) -> None:
     """Waits for gradient reductions move later, so the rest of the backward runs while the
     gradient is on the wire (functional collectives are asynchronous until ``wait_tensor``;
     DDP's reducer and FSDP2 overlap the same way). The wait and the local ops after it (the fp32
-    cast of a bf16-reduced gradient, a layout fix-up) move together:
+    cast of a bf16-reduced gradient, a layout fix-up; a bucket's slices and views) move together:
 
     - all-reduce (DDP, tp): to the end of the program; it reduces a copy of its input, and its
       output is a program output anyway, so this costs no memory;
@@ -55,6 +65,7 @@ def _defer_output_waits(gm: fx.GraphModule) -> None:
     issued = [n for n in graph.nodes if n.op == "call_function" and n.target in COLLECTIVES]
     nxt = {a: b for a, b in zip([n for n in issued if COLLECTIVES[n.target] == "reduce_scatter"],
                                 [n for n in issued if COLLECTIVES[n.target] == "reduce_scatter"][1:])}
+    pos = {n: i for i, n in enumerate(graph.nodes)}
     moves = []
     for n in list(graph.nodes):
         if n.op != "call_function" or n.target is not c10d.wait_tensor.default:
@@ -63,19 +74,36 @@ def _defer_output_waits(gm: fx.GraphModule) -> None:
         kind = COLLECTIVES.get(getattr(coll, "target", None))
         if kind not in ("all_reduce", "reduce_scatter"):
             continue
-        chain, cur = [n], n
-        while len(cur.users) == 1 and all(u.op == "call_function" and u.target in _PASS_THROUGH for u in cur.users):
-            cur = next(iter(cur.users))
-            chain.append(cur)
-        if not cur.users or not all(u is out for u in cur.users):
+        chain = _after_wait(n, out, pos)
+        before = out if kind == "all_reduce" else nxt.get(coll, out)
+        # what the moved ops read besides each other must exist where they land
+        if chain is None or any(pos[a] >= pos[before] for c in chain for a in c.all_input_nodes
+                                if a not in chain):
             continue
-        moves.append((chain, out if kind == "all_reduce" else nxt.get(coll, out)))
+        moves.append((chain, before))
     for chain, before in moves:
         for node in chain:
             before.prepend(node)
     if moves:
         graph.lint()
         gm.recompile()
+
+
+def _after_wait(wait: fx.Node, out: fx.Node, pos) -> list[fx.Node] | None:
+    """The wait and the local ops (PASS_THROUGH) that lead from it only to the program's outputs,
+    in graph order; None if anything else reads them, or nothing reaches the outputs."""
+    group, todo = {wait}, [wait]
+    while todo:
+        for u in todo.pop().users:
+            if u is out or u in group:
+                continue
+            if u.op != "call_function" or u.target not in PASS_THROUGH:
+                return None
+            group.add(u)
+            todo.append(u)
+    if not any(out in g.users for g in group):
+        return None
+    return sorted(group, key=pos.__getitem__)
 
 
 def _keep_inputs_until_wait(gm: fx.GraphModule) -> None:

@@ -6,7 +6,8 @@ data-parallel axes) or Replicate. Each op then asks, in order:
 1. autopar's own rules (autopar/rules.py), for overrides and ops DTensor lacks;
 2. DTensor's registered strategies (``sharding_propagator.propagate_op_sharding``), which pick
    the cheapest strategy given the inputs' placements;
-3. if neither has a rule and every input is replicated, the op runs as is (replicated).
+3. if neither has a rule and every input is replicated, the op runs as is (replicated);
+4. an op torch tags pointwise that DTensor does not know runs on aligned shards (rules.pointwise_rule).
 
 Otherwise it is an error naming the op and the user's source line.
 """
@@ -27,7 +28,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from autopar.errors import ShardingError
 from autopar.ir import Program, ShardSpec, fmt_placements, info, source_line, spec_of, tensor_args
-from autopar.rules import RULES, RuleResult
+from autopar.rules import RULES, RuleResult, pointwise_rule
 from autopar.scoped import SharedPatch
 
 VIEW_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
@@ -126,6 +127,8 @@ def _dtensor_rule_uncached(n: fx.Node, in_specs, ctx) -> RuleResult:
         # every rank holds the whole value: any op runs as is (also ops DTensor lacks)
         return RuleResult([s.placements for s in in_specs], _replicated_outputs(n, ctx), None,
                           "replicated")
+    if not known and torch.Tag.pointwise in getattr(op, "tags", ()):  # elementwise: shards line up
+        return pointwise_rule(n, in_specs, ctx)
     if not known:
         raise ShardingError(
             f"no sharding rule for op {op} with inputs "
@@ -146,8 +149,12 @@ def _dtensor_rule_uncached(n: fx.Node, in_specs, ctx) -> RuleResult:
             return type(x)(conv(i) for i in x)
         return x
 
+    # as DTensor's dispatch does: ops with a single-dim strategy keep their schema info apart (without
+    # it, list arguments such as index.Tensor's indices are not flattened and no strategy matches)
+    schema_info = (prop.op_to_schema_info.get(op)
+                   or getattr(prop, "op_to_schema_info_for_single_dim_strategy", {}).get(op))
     schema = OpSchema(op, tuple(conv(a) for a in n.args), {k: conv(v) for k, v in n.kwargs.items()},
-                      schema_info=prop.op_to_schema_info.get(op))
+                      schema_info=schema_info)
     try:
         with _choose_with(n):
             out = prop.propagate_op_sharding_non_cached(schema)

@@ -3,7 +3,8 @@
 Megatron: exactly one all-reduce on the tp axis per attention block and one per MLP block
 in forward (plus the vocab-parallel embedding's), the mirrored ones in backward (plus the LM
 head's), no all-gather anywhere, and the full-vocab logits never gathered. DDP: every
-gradient reduced exactly once. Predicted bytes equal the ring formula 2(N-1)/N x bytes.
+gradient reduced exactly once (in buckets, passes/bucket.py: "bucket of N gradients (a, b, ...)").
+Predicted bytes equal the ring formula 2(N-1)/N x bytes.
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ def compile_llama(mesh, plan, n_layers=3, **cfg):
     pm = autopar.compile(model, mesh, example_inputs=(tokens, tokens), loss_fn=cross_entropy, plan=plan,
                          debug=True)
     return pm, cfg, model
+
+
+def reduced_names(r) -> list[str]:
+    """The gradients a record reduces: "gradient of NAME ..." or "bucket of N gradients (A, B, ...)"."""
+    if r.reason.startswith("gradient of"):
+        return [r.reason.split()[2]]
+    return r.reason.split("(", 1)[1].rstrip(")").split(", ")
 
 
 def activation_reduces(pm, phase, nbytes):
@@ -75,8 +83,8 @@ def test_megatron_cross_entropy_is_vocab_parallel(fake):
 def test_ddp_reduces_every_gradient_once(fake, n):
     with fake(dp=n) as mesh:
         pm, cfg, model = compile_llama(mesh, {"dp": "ddp"})
-        grads = [r for r in pm.collectives() if r.reason.startswith("gradient of")]
-        names = [r.reason.split()[2] for r in grads]
+        grads = [r for r in pm.collectives() if r.reason.startswith(("gradient of", "bucket of"))]
+        names = [n_ for r in grads for n_ in reduced_names(r)]
         assert sorted(names) == sorted(n_ for n_, _ in model.named_parameters())
         assert all(r.kind == "all_reduce" and r.axis == "dp" and r.phase == "backward" for r in grads)
         # bytes: ring all-reduce of every parameter's gradient, plus the loss sum and token count
@@ -100,12 +108,13 @@ def test_2d_mesh_composes(fake):
     with fake(dp=2, tp=2) as mesh:
         pm, cfg, model = compile_llama(mesh, {"dp": "ddp", "tp": "megatron"}, n_layers=2)
         recs = pm.collectives()
-        dp_grads = [r for r in recs if r.axis == "dp" and r.reason.startswith("gradient of")]
-        assert len(dp_grads) == len(list(model.parameters()))
+        dp_grads = [r for r in recs if r.axis == "dp" and r.reason.startswith(("gradient of", "bucket of"))]
+        names = sorted(n for r in dp_grads for n in reduced_names(r))
+        assert names == sorted(n for n, _ in model.named_parameters())
         # each gradient is reduced over dp at its tp-local size
+        params = dict(pm.named_parameters())
         for r in dp_grads:
-            p = dict(pm.named_parameters())[r.reason.split()[2]]
-            assert r.payload_bytes == p.to_local().numel() * 4
+            assert r.payload_bytes == sum(params[n].to_local().numel() * 4 for n in reduced_names(r))
 
 
 def test_one_rank_axes_move_nothing(fake):

@@ -129,7 +129,7 @@ def test_passes_can_be_switched_off(fake):
         # overlap off: every wait right after its collective; on: gradient waits deferred
         sync = compile_(skip_passes=("overlap",)).stages[0].program.local
         assert all(collectives_then_waits(sync))
-        deferred = compile_().stages[0].program.local
+        deferred = compile_(bucket_mb=0).stages[0].program.local  # (one bucket would be issued last)
         assert not all(collectives_then_waits(deferred))
         with pytest.raises(PlanError, match="cannot be switched off"):
             compile_(skip_passes=("localize",))

@@ -140,7 +140,9 @@ def test_prediction_before_lowering_is_what_the_program_does(fake, axes, plan, o
     records what each collective it emitted really carries. Per program (the step's and, under
     accumulation, the gradient sync's), kind@axis -> calls and bytes must agree. Rules whose
     implementation communicates (vocab-parallel embedding, log_softmax, nll_loss) are not
-    redistribute nodes: their collectives are counted apart and must be attributed to a rule."""
+    redistribute nodes: their collectives are counted apart and must be attributed to a rule.
+    Gradient bucketing (the overlap pass, after localize) merges calls, never bytes: compiled
+    with ``bucket_mb=0`` here, and the bucketed program's bytes checked against the same prediction."""
     from autopar.passes.collectives import predicted_records
 
     import autopar
@@ -151,7 +153,12 @@ def test_prediction_before_lowering_is_what_the_program_does(fake, axes, plan, o
     tokens = torch.randint(0, cfg.vocab_size, (8, 16))
     with fake(**axes) as mesh:
         pm = autopar.compile(Llama(cfg), mesh, example_inputs=(tokens, tokens), loss_fn=cross_entropy, plan=plan,
-                             capture_eval=False, **opts)
+                             capture_eval=False, bucket_mb=0, **opts)
+        torch.manual_seed(0)
+        bucketed = autopar.compile(Llama(cfg), mesh, example_inputs=(tokens, tokens), loss_fn=cross_entropy,
+                                   plan=plan, capture_eval=False, **opts)
+        assert bytes_by_collective(bucketed.collectives()) == pytest.approx(bytes_by_collective(pm.collectives()))
+        assert len(bucketed.collectives()) < len(pm.collectives()) or "dp" not in axes  # fewer calls
         programs = [pm.program] + ([pm.sync_program] if pm.sync_program is not None else [])
         assert len(programs) == (2 if opts.get("accumulate", 1) > 1 else 1)
         for program in programs:

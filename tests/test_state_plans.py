@@ -73,7 +73,9 @@ def test_zero3_gathers_per_phase_zero2_once(fake):
         assert len([r for r in g3 if r.phase == "backward"]) == n_params - 1  # not the embedding
         assert all("ZeRO-3: gather parameter" in r.reason for r in g3)
         # ZeRO-1 reduces at the very end of the program, ZeRO-2 as soon as each gradient is ready
-        pm1, _ = compile_llama(mesh, {"dp": "zero1"})
+        # (one reduce-scatter per gradient: bucket_mb=0; buckets are tests/test_bucket.py's)
+        pm1, _ = compile_llama(mesh, {"dp": "zero1"}, bucket_mb=0)
+        pm2, _ = compile_llama(mesh, {"dp": "zero2"}, bucket_mb=0)
 
         def positions(pm):
             nodes = list(pm.program.local.graph.nodes)

@@ -1,0 +1,195 @@
+"""Hugging Face causal-LM architectures at tiny sizes, for the architecture-breadth check.
+
+``ARCHS`` names the most used causal-LM families of ``transformers`` (its ``model_type``s), each
+built from its config class with random weights (no download): 2 layers, hidden 64, 4 heads,
+vocab 128, and what each family needs on top (few experts, small rotary dims...). Every model
+keeps the attention implementation transformers picks for it (SDPA where it has one, eager
+otherwise), so the sweep sees the code users run.
+
+``breadth_job`` (on every rank of a ``DistPool``) compiles one of them under a plan, trains
+``STEPS`` AdamW steps and returns the losses, gradients and gathered parameters of every step and
+the eval forward; ``breadth_reference`` builds the same model on one process, and ``compare``
+checks every step against it (benchmarks/hf_breadth.py: the full table; tests/test_hf_breadth.py:
+the architectures that needed a fix).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+BATCH, SEQ, VOCAB, STEPS, LR = 4, 16, 128, 2, 1e-2
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, head_dim=16, use_cache=False,
+              tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+_DROP = object()  # a COMMON field the config class does not accept
+
+# display name -> (model_type, config fields on top of COMMON)
+ARCHS: dict[str, tuple[str, dict]] = {
+    "Llama": ("llama", {}),
+    "Mistral": ("mistral", {}),
+    "Qwen2": ("qwen2", {}),
+    "Qwen3": ("qwen3", {}),
+    "Gemma": ("gemma", {}),
+    "Gemma2": ("gemma2", {}),
+    "Gemma3": ("gemma3_text", {}),
+    "Phi": ("phi", {}),
+    "Phi-3": ("phi3", {}),
+    "GPT-2": ("gpt2", {}),
+    "GPT-Neo": ("gpt_neo", dict(attention_types=[[["global", "local"], 1]], window_size=8)),
+    "GPT-NeoX": ("gpt_neox", {}),
+    "GPT-J": ("gptj", dict(rotary_dim=8)),
+    "OPT": ("opt", dict(ffn_dim=128, word_embed_proj_dim=64)),
+    "BLOOM": ("bloom", {}),
+    "Falcon": ("falcon", dict(head_dim=_DROP)),
+    "MPT": ("mpt", {}),
+    "Mixtral": ("mixtral", _MOE),
+    "Qwen2-MoE": ("qwen2_moe", dict(_MOE, shared_expert_intermediate_size=64)),
+    "Qwen3-MoE": ("qwen3_moe", _MOE),
+    "gpt-oss": ("gpt_oss", _MOE),
+    "DeepSeek-V3": ("deepseek_v3", dict(_MOE, n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1,
+                                        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
+                                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8,
+                                        num_key_value_heads=4)),
+    "Mamba": ("mamba", dict(state_size=8, expand=2, conv_kernel=4)),
+    "StableLM": ("stablelm", {}),
+    "Starcoder2": ("starcoder2", {}),
+    "Cohere": ("cohere", {}),
+    "OLMo": ("olmo", {}),
+    "OLMo2": ("olmo2", {}),
+    "Granite": ("granite", {}),
+    "GLM": ("glm", {}),
+    "CodeGen": ("codegen", dict(rotary_dim=8)),
+    "GPTBigCode": ("gpt_bigcode", {}),
+    "SmolLM3": ("smollm3", {}),
+    "Helium": ("helium", {}),
+}
+
+PLANS = {"fsdp": ({"dp": 2}, {"dp": "fsdp"}),
+         "megatron": ({"tp": 2}, {"tp": "megatron", "rest": "replicate"})}
+
+
+def _ce(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+
+
+def build_hf(name: str, seed: int = 0, seq: int = SEQ, **overrides):
+    """(model, batches, loss_fn) for ``ARCHS[name]`` (``overrides``: config fields on top);
+    batches are GLOBAL (tokens, targets) of ``seq`` tokens."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    model_type, extra = ARCHS[name]
+    fields = {k: v for k, v in {**COMMON, **extra, **overrides}.items() if v is not _DROP}
+    cfg = AutoConfig.for_model(model_type, **fields)
+    for k, v in cfg.to_dict().items():  # dropout off: the ranks and the reference draw different masks
+        if ("dropout" in k or "pdrop" in k) and isinstance(v, float):
+            setattr(cfg, k, 0.0)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    batches = [(torch.randint(3, VOCAB, (BATCH, seq), generator=g),
+                torch.randint(0, VOCAB, (BATCH, seq), generator=g)) for _ in range(STEPS)]
+    return model, batches, _ce
+
+
+def _logits(out):
+    from autopar.capture import _unwrap_output
+
+    return _unwrap_output(out)
+
+
+def breadth_reference(name: str, **overrides) -> dict:
+    """The eager side of ``compare``: the same model (same init) and batches, on one process."""
+    model, batches, loss_fn = build_hf(name, **overrides)
+    return {"model": model, "batches": batches, "loss_fn": loss_fn}
+
+
+def breadth_job(name: str, plan_name: str, debug: bool = True, **overrides) -> dict:
+    """On every rank of a pool: compile ``name`` under ``PLANS[plan_name]``, train ``STEPS`` AdamW
+    steps; returns every step's loss and gradients, the parameters before every step and after the
+    last (gathered), the eval forward, and the names of the rules that decided the training
+    program's ops."""
+    import autopar
+    from autopar.ir import info
+
+    axes, plan = PLANS[plan_name]
+    model, batches, loss_fn = build_hf(name, **overrides)
+    pm = autopar.compile(model, autopar.mesh(**axes), example_inputs=batches[0], loss_fn=loss_fn, plan=plan,
+                         debug=debug)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+
+    def gathered():  # a copy: full_tensor() of a replicated parameter is the parameter's own storage
+        return {n: p.detach().full_tensor().clone() for n, p in pm.named_parameters()}
+
+    losses, grads, params = [], [], [gathered()]
+    for x, y in batches:
+        losses.append(pm.train_step(x, y).item())
+        grads.append({n: p.grad.full_tensor().clone() for n, p in pm.named_parameters() if p.grad is not None})
+        opt.step()
+        opt.zero_grad()
+        params.append(gathered())
+    evaluated = pm(batches[0][0])
+    rules = sorted({info(n).rule.name for n in pm.program.graph.nodes if info(n).rule is not None})
+    return {"losses": losses, "grads": grads, "params": params, "eval": evaluated, "rules": rules}
+
+
+def compare(ref: dict, out: dict) -> str | None:
+    """None when the compiled run matches one process, else what differs first. Each step is
+    checked from the compiled run's own parameters, so that the check is not chaotic: after one
+    AdamW step the two runs' parameters differ by what Adam makes of fp32 noise (a gradient of
+    -4.9e-10 on one process and -2.4e-9 on two, i.e. zero, moves by up to a whole step either way:
+    seen on OLMo), and that difference grows with every step.
+
+    - the parameters before the first step are the model's own (the compile changed nothing);
+    - at every step, the loss (1e-4) and the gradients (1e-4 relative + 3e-5 absolute, as
+      tests/test_parity.py) against eager forward + backward at the compiled run's parameters;
+    - AdamW on one process, fed the compiled run's gradients, gives the parameters it had after
+      every step (1e-6);
+    - the eval forward (1e-4) against eager forward with the final parameters."""
+    model, batches, loss_fn = copy.deepcopy(ref["model"]), ref["batches"], ref["loss_fn"]
+    names = [n for n, _ in model.named_parameters()]
+    if set(out["params"][0]) != set(names):
+        return f"parameter names differ: {sorted(set(out['params'][0]) ^ set(names))[:4]}"
+
+    def differ(got: dict, want: dict, what: str, rtol: float, atol: float) -> str | None:
+        for k, w in want.items():
+            if k not in got:
+                return f"{what}: {k} missing"
+            if not torch.allclose(got[k], w, rtol=rtol, atol=atol):
+                return f"{what}: {k} off by {(got[k] - w).abs().max().item():.1e}"
+        return None
+
+    why = differ(out["params"][0], dict(model.named_parameters()), "initial parameter", 0, 0)
+    if why:
+        return why
+    shadow = {n: p.detach().clone() for n, p in model.named_parameters()}  # AdamW fed the compiled gradients
+    opt = torch.optim.AdamW(shadow.values(), lr=LR)
+    for step, (x, y) in enumerate(batches):
+        with torch.no_grad():
+            for k, p in model.named_parameters():
+                p.copy_(out["params"][step][k])
+        model.zero_grad()
+        loss = loss_fn(_logits(model(x)), y)
+        loss.backward()
+        if abs(out["losses"][step] - loss.item()) > 1e-4 * max(1.0, abs(loss.item())):
+            return f"loss at step {step}: {out['losses'][step]:.6f} vs {loss.item():.6f}"
+        want = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+        why = differ(out["grads"][step], want, f"gradient at step {step}", 1e-4, 3e-5)
+        if why:
+            return why
+        for k, p in shadow.items():
+            p.grad = out["grads"][step].get(k)
+        opt.step()
+        why = differ(out["params"][step + 1], shadow, f"parameter after AdamW step {step}", 0, 1e-6)
+        if why:
+            return why
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.copy_(out["params"][-1][k])
+        expected = _logits(model(batches[0][0]))
+    d = (out["eval"] - expected).abs().max().item()
+    return f"eval forward off by {d:.1e}" if d > 1e-4 else None
