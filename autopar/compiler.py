@@ -57,6 +57,7 @@ def compile(
     pipeline_stages: str = "local",
     kernels: str = "auto",
     bucket_mb: float = 25,
+    prefetch: int = 1,
 ):
     """Compile ``model`` for ``mesh`` under ``plan``; returns a ParallelModule (a PipelineModule,
     autopar/runtime/pipeline.py, when an axis's strategy is a pipeline schedule: ``{"pp": "1f1b", ...}``).
@@ -75,7 +76,10 @@ def compile(
     "auto" (the default) keeps PyTorch's ops until the kernels have been measured on a GPU, then
     will pick them on a CUDA mesh. ``pm.ctx.lowered`` counts what was rewritten.
     ``bucket_mb``: gradient reductions share one collective per this many MiB of gradients, in
-    backward order (DDP's bucket_cap_mb; the first bucket 1 MiB); 0: one collective per gradient.
+    backward order (DDP's bucket_cap_mb; the first bucket 1 MiB); 0: one collective per gradient
+    (and per gathered parameter). ``prefetch``: under ZeRO/FSDP, each block's parameters are
+    gathered in one all-gather issued this many blocks ahead of their use (FSDP2's 1); 0: where
+    first used.
 
     As a decorator (``@autopar.compile(mesh=..., example_inputs=..., plan=...)``) on a model
     class or a model-building function, the class/function then returns ParallelModules.
@@ -84,7 +88,7 @@ def compile(
                 precision=precision, reduce_dtype=reduce_dtype, loss_scale=loss_scale, accumulate=accumulate,
                 recompute=recompute, debug=debug, skip_passes=skip_passes, progress=progress,
                 capture_eval=capture_eval, pipeline_stages=pipeline_stages, kernels=kernels,
-                bucket_mb=bucket_mb)
+                bucket_mb=bucket_mb, prefetch=prefetch)
     if model is None or (isinstance(model, type) or (callable(model) and not isinstance(model, nn.Module))):
         return _decorator(model, **opts)
     capture_eval = opts.pop("capture_eval")
@@ -111,6 +115,7 @@ class Options:
     stages: str  # "local" | "all" (planning: compile every pipeline stage on this rank)
     pipeline: PipelineSetup | None  # the pipeline axis, validated, with its schedule
     bucket_mb: float = 25  # MiB of gradients per bucketed collective (passes/bucket.py); 0: none
+    prefetch: int = 1  # parameter gathers issued this many blocks ahead (passes/gather.py); 0: none
 
 
 def build(model: nn.Module, mesh: DeviceMesh, *, stop_after: str | None = None, **options) -> CompileState:
@@ -128,7 +133,7 @@ def build(model: nn.Module, mesh: DeviceMesh, *, stop_after: str | None = None, 
 
 def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, inputs="global", precision="fp32",
              reduce_dtype=None, loss_scale="dynamic", accumulate=1, recompute="none", debug=False, skip_passes=(),
-             progress=None, pipeline_stages="local", kernels="auto", bucket_mb=25) -> tuple[Options, tuple]:
+             progress=None, pipeline_stages="local", kernels="auto", bucket_mb=25, prefetch=1) -> tuple[Options, tuple]:
     """Every check that needs no trace: options, plan against mesh and model, batch against
     the data-parallel ranks and the pipeline's micro-batches. Returns the options and one
     micro-batch of the example inputs (what capture traces)."""
@@ -158,6 +163,17 @@ def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, input
         raise PlanError(f"bucket_mb must be a non-negative number of MiB, got {bucket_mb!r}",
                         where="autopar.compile(bucket_mb=...)",
                         fix="use 25 (DDP's bucket size), or 0 for one collective per gradient")
+    if type(prefetch) is not int or prefetch < 0:
+        raise PlanError(f"prefetch must be a non-negative int (blocks ahead), got {prefetch!r}",
+                        where="autopar.compile(prefetch=...)",
+                        fix="use 1 (FSDP2's default), 2 for more overlap at one more block's memory, 0 for none")
+    if prefetch > 1 and _backend(mesh) == "gloo":
+        # torch 2.13's functional all_gather_into_tensor corrupts the heap on gloo when two are in
+        # flight on one process group (tests/test_gather.py documents the reproduction)
+        raise PlanError(f"prefetch={prefetch} keeps {prefetch} parameter all-gathers in flight, which gloo's "
+                        "functional all-gather does not survive (heap corruption in torch 2.13)",
+                        where="autopar.compile(prefetch=...)",
+                        fix="use prefetch=1 (one gather in flight, as FSDP2) on a gloo mesh")
     example_inputs = tuple(example_inputs)
     lower = _kernels_option(kernels, mesh)
     already = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
@@ -183,8 +199,17 @@ def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, input
         micro = _micro_batch(example_inputs, accumulate, parsed, mesh)
     options = Options(plan or {}, parsed, loss_fn, inputs, compute_dtype, reduce,
                       loss_scale if compute_dtype == torch.float16 else None, accumulate, recompute, lower, debug,
-                      tuple(skip_passes), progress, pipeline_stages, pipeline, bucket_mb)
+                      tuple(skip_passes), progress, pipeline_stages, pipeline, bucket_mb, prefetch)
     return options, micro
+
+
+def _backend(mesh) -> str:
+    import torch.distributed as dist
+
+    try:
+        return str(dist.get_backend(mesh.get_group(0)))
+    except Exception:  # noqa: BLE001 - no process group (planning): no backend restriction
+        return ""
 
 
 def _micro_batch(example_inputs: tuple, accumulate: int, parsed: Plan, mesh) -> tuple:

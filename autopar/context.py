@@ -105,6 +105,7 @@ def make_context(mesh: DeviceMesh, parsed: Plan, params: dict, options, accumula
     ctx.loss_scale = options.loss_scale if options.compute_dtype == torch.float16 else None
     ctx.progress = options.progress
     ctx.bucket_mb = options.bucket_mb  # the overlap pass's gradient buckets (passes/bucket.py)
+    ctx.prefetch = options.prefetch  # blocks ahead a parameter gather is issued (passes/gather.py)
     if any(p.is_meta for p in params.values()):  # planning only (no data): the program stays on meta
         ctx.device = torch.device("meta")
     if state is not None:  # what the earlier passes recorded, seen from the stage

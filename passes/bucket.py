@@ -224,12 +224,12 @@ def _is_sole_wait_of_all_reduce(x: fx.Node) -> bool:
             and len(c.users) == 1 and info(c).comm is not None and isinstance(c.args[0], fx.Node))
 
 
-def _record(coll: fx.Node, old: list[fx.Node], names: list[str]) -> None:
-    """The bucket collective's CommRecord: the old ones' bytes summed, the gradients named, the
-    last one's source line (where the bucket is issued)."""
+def _record(coll: fx.Node, old: list[fx.Node], names: list[str], what: str = "gradients") -> None:
+    """The bucket collective's CommRecord: the old ones' bytes summed, the ``what`` (gradients,
+    parameters) named, the last one's source line and phase."""
     rec = info(old[-1]).comm
     payload = sum(info(c).comm.payload_bytes for c in old)
-    reason = f"bucket of {len(names)} gradients ({', '.join(names)})"
+    reason = f"bucket of {len(names)} {what} ({', '.join(names)})"
     info(coll).comm = CommRecord(rec.kind, rec.axis, rec.group_size, payload, reason, rec.source, rec.phase,
                                  coll.name)
 

@@ -4,6 +4,9 @@ lifetimes that makes safe.
 localize leaves one collective per gradient and every ``wait_tensor`` right after its
 collective (a synchronous program). This pass, in order:
 
+0. gathers parameters per block and ahead of use (passes/gather.py): under ZeRO/FSDP the
+   gathers of one block's parameters share ONE all-gather of one flat buffer, issued
+   ``prefetch`` blocks ahead (compile option, default 1 like FSDP2; 0: where first used);
 1. buckets the gradient reductions (passes/bucket.py): gradients in backward order share one
    flat buffer and ONE all-reduce / reduce-scatter per ``bucket_mb`` MiB (DDP's 25 by default,
    the first bucket 1 MiB; 0: one collective per gradient), issued where the bucket's last
@@ -13,8 +16,6 @@ collective (a synchronous program). This pass, in order:
    until their wait, so the compute in between runs while the bytes are on the wire; DDP's
    reducer and FSDP2 overlap the same way;
 3. keeps every collective's input alive until its wait.
-
-FSDP prefetch and moving collective starts earlier come with the overlap issue, here.
 
 After it, on the per-rank graphs: every collective still has exactly one wait and a CommRecord
 (a bucket's: its gradients' bytes summed, their names in the reason), every wait comes before
@@ -29,6 +30,7 @@ from torch import fx
 
 from autopar.ir import Program
 from autopar.passes.bucket import DEFAULT_BUCKET_MB, PASS_THROUGH, bucket_gradient_reductions
+from autopar.passes.gather import DEFAULT_PREFETCH, bucket_parameter_gathers
 from autopar.passes.localize import COLLECTIVES, c10d
 
 
@@ -37,7 +39,9 @@ def overlap_pass(program: Program, ctx) -> Program:
     for as late as their use allows (all-reduce at the end, reduce-scatter before the next
     one), and every collective's input stays alive until its wait."""
     bucket_mb = getattr(ctx, "bucket_mb", DEFAULT_BUCKET_MB)
+    prefetch = getattr(ctx, "prefetch", DEFAULT_PREFETCH)
     for gm in _local_graphs(program):
+        bucket_parameter_gathers(gm, program.inputs, prefetch, bucket=bool(bucket_mb))
         bucket_gradient_reductions(gm, program.outputs, bucket_mb)
         _defer_output_waits(gm)
         _keep_inputs_until_wait(gm)

@@ -63,8 +63,9 @@ def test_zero_communication_volume(fake, n):
 
 def test_zero3_gathers_per_phase_zero2_once(fake):
     with fake(dp=4) as mesh:
-        pm3, _ = compile_llama(mesh, {"dp": "zero3"})
-        pm2, _ = compile_llama(mesh, {"dp": "zero2"})
+        # one gather per parameter (bucket_mb=0): per-block buckets are tests/test_gather.py's
+        pm3, _ = compile_llama(mesh, {"dp": "zero3"}, bucket_mb=0)
+        pm2, _ = compile_llama(mesh, {"dp": "zero2"}, bucket_mb=0)
         g3 = [r for r in pm3.collectives() if r.kind == "all_gather"]
         g2 = [r for r in pm2.collectives() if r.kind == "all_gather"]
         n_params = len(list(pm3.parameters()))

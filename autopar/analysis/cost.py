@@ -353,6 +353,7 @@ class TimeEstimate:
     flops: int = 0
     by_phase: dict[str, float] = field(default_factory=dict)
     comm_by_axis: dict[str, float] = field(default_factory=dict)
+    exposed_by_axis: dict[str, float] = field(default_factory=dict)  # the compute stream's stalls per axis
     bubble: float | None = None  # pipelines: idle fraction of the simulated schedule
     stage_seconds: dict[str, list[float]] = field(default_factory=dict)  # pipelines: F/I/W per stage
     # ops whose FLOPs could not be computed (UnknownFlops messages): flops and the compute times
@@ -368,24 +369,30 @@ def core_share(dev: Device, world: int) -> float:
 
 
 def simulate(gm: fx.GraphModule, dev: Device, links, share: float = 1.0) -> TimeEstimate:
-    """Compute stream + one communication stream over the per-rank program."""
+    """One compute stream and one communication stream per mesh axis over the per-rank program,
+    in program order: a collective starts once the compute before it has issued it and its
+    axis's stream is free; a ``wait_tensor`` stalls the compute stream until its collective is
+    done (that stall is the exposed communication, charged to the collective's axis)."""
     est = TimeEstimate()
-    t_compute, t_link = 0.0, 0.0
-    done: dict[fx.Node, float] = {}
+    t_compute = 0.0
+    t_link: dict[str, float] = {}
+    done: dict[fx.Node, tuple[float, str]] = {}
     for n in gm.graph.nodes:
         rec = info(n).comm
         if rec is not None:
             dur = comm_seconds(rec, links)
-            start = max(t_compute, t_link)
-            done[n] = t_link = start + dur
+            start = max(t_compute, t_link.get(rec.axis, 0.0))
+            t_link[rec.axis] = start + dur
+            done[n] = (start + dur, rec.axis)
             est.comm_s += dur
             est.comm_by_axis[rec.axis] = est.comm_by_axis.get(rec.axis, 0.0) + dur
             continue
         if n.op == "call_function" and "wait_tensor" in str(n.target):
-            src = n.args[0]
-            if src in done and done[src] > t_compute:
-                est.exposed_comm_s += done[src] - t_compute
-                t_compute = done[src]
+            end, axis = done.get(n.args[0], (0.0, ""))
+            if end > t_compute:
+                est.exposed_comm_s += end - t_compute
+                est.exposed_by_axis[axis] = est.exposed_by_axis.get(axis, 0.0) + end - t_compute
+                t_compute = end
             continue
         try:
             f = node_flops(n)
@@ -398,7 +405,7 @@ def simulate(gm: fx.GraphModule, dev: Device, links, share: float = 1.0) -> Time
         phase = "backward" if n.meta.get("partitioner_tag") == "is_backward" else "forward"
         est.by_phase[phase] = est.by_phase.get(phase, 0.0) + dt
         t_compute += dt
-    est.step_s = max(t_compute, t_link)
+    est.step_s = max([t_compute, *t_link.values()])
     return est
 
 
@@ -421,7 +428,8 @@ def predict_time(pm, dev: Device, optimizer: str = "adamw") -> TimeEstimate:
         for f in ("step_s", "compute_s", "comm_s", "exposed_comm_s", "flops"):
             setattr(total, f, getattr(total, f) + times * getattr(e, f))
         total.unknown_flops += [u for u in e.unknown_flops if u not in total.unknown_flops]
-        for mine, theirs in ((total.by_phase, e.by_phase), (total.comm_by_axis, e.comm_by_axis)):
+        for mine, theirs in ((total.by_phase, e.by_phase), (total.comm_by_axis, e.comm_by_axis),
+                             (total.exposed_by_axis, e.exposed_by_axis)):
             for k, v in theirs.items():
                 mine[k] = mine.get(k, 0.0) + times * v
     from torch.distributed.tensor import DTensor
@@ -500,8 +508,9 @@ def predict_pipeline_time(pm, dev: Device, optimizer: str = "adamw") -> TimeEsti
                 total.exposed_comm_s += times * e.exposed_comm_s
                 total.flops += times * e.flops
                 total.by_phase[kind] = total.by_phase.get(kind, 0.0) + times * e.step_s
-                for k, v in e.comm_by_axis.items():
-                    total.comm_by_axis[k] = total.comm_by_axis.get(k, 0.0) + times * v
+                for mine_, theirs in ((total.comm_by_axis, e.comm_by_axis), (total.exposed_by_axis, e.exposed_by_axis)):
+                    for k, v in theirs.items():
+                        mine_[k] = mine_.get(k, 0.0) + times * v
         graph = {x.name: x for x in sp.program.local.graph.nodes}
         for (kind, _), o in zip(sp.program.outputs, sp.out_names):
             if kind == "act" and o is not None:

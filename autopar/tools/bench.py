@@ -74,14 +74,15 @@ def _axes(pair: str, world: int) -> dict[str, int]:
     return {"dp": world}
 
 
-def build_autopar(pair: str, world: int, example):
+def build_autopar(pair: str, world: int, example, **options):
     import autopar
 
     axes = _axes(pair, world)
     plan = {"ddp": {"dp": "ddp"}, "fsdp": {"dp": "fsdp"}, "megatron": {"tp": "megatron"},
             "2d": {"dp": "fsdp", "tp": "megatron"}}[pair]
     model, _, loss_fn = bench_model()
-    pm = autopar.compile(model, autopar.mesh(**axes), example_inputs=example, loss_fn=loss_fn, plan=plan)
+    pm = autopar.compile(model, autopar.mesh(**axes), example_inputs=example, loss_fn=loss_fn, plan=plan,
+                         capture_eval=False, **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
 
     def step(x, y, zero_grad=True):
@@ -178,7 +179,7 @@ def build_baseline(pair: str, world: int, example):
 
 
 # ----------------------------------------------------------------------------------------- the run
-def pair_job(pair: str, steps: int, warmup: int, batch: int, seq: int):
+def pair_job(pair: str, steps: int, warmup: int, batch: int, seq: int, options: dict | None = None):
     """On every rank: build both systems, then alternate their steps; rank 0's figures come back."""
     world = dist.get_world_size()
     _, cfg, _ = bench_model()
@@ -189,7 +190,7 @@ def pair_job(pair: str, steps: int, warmup: int, batch: int, seq: int):
     for name, build in builders.items():
         dist.barrier()
         t0 = time.perf_counter()
-        systems[name] = build(pair, world, data[0])
+        systems[name] = build(pair, world, data[0], **((options or {}) if name == "autopar" else {}))
         out[f"{name}_build_s"] = time.perf_counter() - t0
     times = {k: [] for k in systems}
     losses = {k: [] for k in systems}
@@ -299,6 +300,7 @@ def summarize(results: list[dict], batch: int, seq: int) -> list[dict]:
                 "comm_bytes": sum(r[f"{side}_comm_bytes"].values()), "comm": r[f"{side}_comm_bytes"],
                 "peak_bytes": r[f"{side}_peak_bytes"], "persistent_bytes": sum(r[f"{side}_persistent"].values()),
                 "build_s": r[f"{side}_build_s"], "losses": r["losses"][side],
+                "calls": sum(r[f"{side}_comm_calls"].values()),
             }
         a, b = row["autopar"], row["baseline"]
         row["ratio"] = {k: (a[k] / b[k] if b[k] else float("nan"))
@@ -322,8 +324,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"{meta['steps']} timed steps after {meta['warmup']} warm-up, the two systems alternating.", "",
              "| pair | mesh | baseline | step time autopar (IQR) | step time baseline (IQR) | autopar / baseline "
              "| tokens/s autopar | bytes sent/rank/step autopar | baseline | ratio | step peak autopar | "
-             "baseline | ratio | persistent autopar | baseline | compile/wrap s autopar | baseline | max loss diff |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "baseline | ratio | persistent autopar | baseline | collective calls/step autopar | baseline "
+             "| compile/wrap s autopar | baseline | max loss diff |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         a, b, q = r["autopar"], r["baseline"], r["ratio"]
         lines.append(
@@ -332,7 +335,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"**{q['median_s']:.2f}** | {a['tokens_per_s']:,.0f} | {a['comm_bytes']:,.0f} | {b['comm_bytes']:,.0f} | "
             f"{q['comm_bytes']:.2f} | {a['peak_bytes'] / 2**20:.1f} MiB | {b['peak_bytes'] / 2**20:.1f} MiB | "
             f"{q['peak_bytes']:.2f} | {a['persistent_bytes'] / 2**20:.1f} MiB | {b['persistent_bytes'] / 2**20:.1f} MiB | "
-            f"{a['build_s']:.1f} | {b['build_s']:.2f} | {r['max_loss_diff']:.1e} |")
+            f"{a['calls']} | {b['calls']} | {a['build_s']:.1f} | {b['build_s']:.2f} | {r['max_loss_diff']:.1e} |")
     return "\n".join(lines) + "\n"
 
 
@@ -382,6 +385,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=12, help="timed steps per system")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--bucket-mb", type=float, default=25, help="autopar.compile(bucket_mb=...) (0: per-tensor collectives)")
+    ap.add_argument("--prefetch", type=int, default=1, help="autopar.compile(prefetch=...) (0: gathers where used)")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--out", default="benchmarks/results", help="directory for the JSON, markdown and PNGs")
     ap.add_argument("--planning", action="store_true",
@@ -438,7 +443,8 @@ def main(argv=None):
                 if ww != w:
                     continue
                 _progress(len(results), len(jobs), f"{pair} on {w} ranks")
-                results.append(pool.run(pair_job, pair, args.steps, args.warmup, args.batch, args.seq))
+                results.append(pool.run(pair_job, pair, args.steps, args.warmup, args.batch, args.seq,
+                                        {"bucket_mb": args.bucket_mb, "prefetch": args.prefetch}))
         finally:
             pool.close()
     _progress(len(results), len(jobs), "done")
@@ -448,7 +454,8 @@ def main(argv=None):
             "torch": torch.__version__, "device": "CUDA" if torch.cuda.is_available() else "CPU, gloo",
             "model": f"Llama dim {cfg.dim}, {cfg.n_layers} layers, vocab {cfg.vocab_size}, "
                      f"{cfg.n_heads} heads / {cfg.n_kv_heads} KV heads, ffn {cfg.ffn_dim}",
-            "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup}
+            "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
+            "autopar_options": {"bucket_mb": args.bucket_mb, "prefetch": args.prefetch}}
     rows = summarize(results, args.batch, args.seq)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"bench-{datetime.date.today()}")

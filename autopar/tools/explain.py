@@ -104,6 +104,12 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", default="off", choices=["auto", "on", "off"],
                    help="lower attention / linear + activation to autopar's Triton kernel ops (default off here: "
                         "planning on meta tensors; 'on' shows the program a GPU run with kernels would have)")
+    p.add_argument("--bucket-mb", type=float, default=25,
+                   help="MiB of gradients per bucketed reduction, DDP's bucket_cap_mb (default 25; 0: one "
+                        "collective per gradient and per gathered parameter)")
+    p.add_argument("--prefetch", type=int, default=1,
+                   help="ZeRO/FSDP: blocks ahead each block's parameter gather is issued (default 1, FSDP2's; "
+                        "0: where first used)")
     p.add_argument("--batch", type=int, default=None, help="global batch (built-in models)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (built-in models)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -188,7 +194,8 @@ def dump_after(args, rank: int, progress: Progress) -> str:
         state = build(loaded.model, mesh, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn, plan=plan,
                       precision=args.precision, reduce_dtype=args.reduce_dtype, recompute=args.recompute,
                       accumulate=args.accumulate, progress=lambda s: progress(f"rank {rank}: {s}"),
-                      pipeline_stages="all", kernels=args.kernels, stop_after=args.after)
+                      pipeline_stages="all", kernels=args.kernels, bucket_mb=args.bucket_mb,
+                      prefetch=args.prefetch, stop_after=args.after)
         return state_text(state)
 
 
@@ -217,7 +224,8 @@ def analyse(args, rank: int, progress: Progress) -> Analysis:
                                  plan=plan, precision=args.precision, reduce_dtype=args.reduce_dtype,
                                  recompute=args.recompute, accumulate=args.accumulate,
                                  progress=lambda s: progress(f"rank {rank}: {s}"), capture_eval=False,
-                                 pipeline_stages="all", kernels=args.kernels)
+                                 pipeline_stages="all", kernels=args.kernels, bucket_mb=args.bucket_mb,
+                                 prefetch=args.prefetch)
         notes = sorted({str(w.message) for w in caught if "autopar" in str(w.message)})
         t2 = time.perf_counter()
         progress(f"rank {rank}: cost model")
@@ -231,6 +239,7 @@ def analyse(args, rank: int, progress: Progress) -> Analysis:
     options = {"precision": args.precision, "reduce_dtype": args.reduce_dtype, "recompute": args.recompute,
                **({"kernels": dict(pm.ctx.lowered)} if args.kernels != "off" else {}),
                "accumulate": args.accumulate, "optimizer": args.optimizer,
+               "bucket_mb": args.bucket_mb, "prefetch": args.prefetch,
                "inputs": [f"{list(x.shape)} {x.dtype}" for x in loaded.example_inputs]}
     return Analysis(args.model, axes, plan, rank, coord, options, pm, memory, est, dev, links,
                     {"build": t1 - t0, "compile": t2 - t1, "cost_model": t3 - t2, "total": t3 - t0,

@@ -388,6 +388,7 @@ def summary(a: Analysis) -> dict:
         "time": {"step_s": t.step_s, "compute_s": t.compute_s, "comm_s": t.comm_s,
                  "exposed_comm_s": t.exposed_comm_s,
                  "optimizer_s": t.optimizer_s, "by_phase": t.by_phase, "comm_by_axis": t.comm_by_axis,
+                 "exposed_by_axis": t.exposed_by_axis,
                  "bubble": t.bubble, "stage_seconds": t.stage_seconds},
         "device": a.device.name, "seconds": a.seconds,
     }
@@ -447,6 +448,9 @@ def plan_table(results: list[Analysis]) -> str:
                                       f"{_t(s['time']['by_phase'].get('backward', 0))})" for s in sums])
     row(f"  optimizer step ({a0.options['optimizer']})", [_t(s["time"]["optimizer_s"]) for s in sums])
     row("  communication (exposed)", [f"{_t(s['time']['comm_s'])} ({_t(s['time']['exposed_comm_s'])})" for s in sums])
+    for ax in [ax for ax in a0.axes if any(ax in s["time"]["comm_by_axis"] for s in sums)]:
+        row(f"    on {ax} (exposed)", [f"{_t(s['time']['comm_by_axis'].get(ax, 0))} "
+                                      f"({_t(s['time']['exposed_by_axis'].get(ax, 0))})" for s in sums])
     tokens = math.prod(results[0].pm.example_shapes[0][0][:2]) if results[0].pm.example_shapes else 0
     world = math.prod(a0.axes.values())
     for s in sums:
