@@ -74,7 +74,7 @@ def _axes(pair: str, world: int) -> dict[str, int]:
     return {"dp": world}
 
 
-def build_autopar(pair: str, world: int, example, **options):
+def build_autopar(pair: str, world: int, example, foreach=None, **options):
     import autopar
 
     axes = _axes(pair, world)
@@ -83,7 +83,7 @@ def build_autopar(pair: str, world: int, example, **options):
     model, _, loss_fn = bench_model()
     pm = autopar.compile(model, autopar.mesh(**axes), example_inputs=example, loss_fn=loss_fn, plan=plan,
                          capture_eval=False, **options)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=foreach)
 
     def step(x, y, zero_grad=True):
         loss = pm.train_step(x, y)
@@ -112,7 +112,7 @@ def _tp_plan(model, tp_mesh):
         })
 
 
-def build_baseline(pair: str, world: int, example):
+def build_baseline(pair: str, world: int, example, foreach=None):
     from torch.distributed.device_mesh import init_device_mesh
 
     model, cfg, loss_fn = bench_model()
@@ -149,7 +149,7 @@ def build_baseline(pair: str, world: int, example):
             fully_shard(model, mesh=mesh["dp"])
             local_batch = True
         loss_ctx = loss_parallel
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
     dp = {"ddp": world, "fsdp": world, "megatron": 1, "2d": world // 2}[pair]
     rank_dp = dist.get_rank() // (world // dp) if dp > 1 else 0
 
@@ -179,7 +179,8 @@ def build_baseline(pair: str, world: int, example):
 
 
 # ----------------------------------------------------------------------------------------- the run
-def pair_job(pair: str, steps: int, warmup: int, batch: int, seq: int, options: dict | None = None):
+def pair_job(pair: str, steps: int, warmup: int, batch: int, seq: int, options: dict | None = None,
+             foreach: bool | None = None):
     """On every rank: build both systems, then alternate their steps; rank 0's figures come back."""
     world = dist.get_world_size()
     _, cfg, _ = bench_model()
@@ -190,7 +191,8 @@ def pair_job(pair: str, steps: int, warmup: int, batch: int, seq: int, options: 
     for name, build in builders.items():
         dist.barrier()
         t0 = time.perf_counter()
-        systems[name] = build(pair, world, data[0], **((options or {}) if name == "autopar" else {}))
+        systems[name] = build(pair, world, data[0], foreach=foreach,
+                              **((options or {}) if name == "autopar" else {}))
         out[f"{name}_build_s"] = time.perf_counter() - t0
     times = {k: [] for k in systems}
     losses = {k: [] for k in systems}
@@ -320,7 +322,7 @@ def _quantile(xs, q):
 
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"Benchmark {meta['date']} on {meta['machine']} ({meta['device']}, torch {meta['torch']}): "
-             f"{meta['model']}, global batch {meta['batch']} x {meta['seq']} tokens, AdamW; "
+             f"{meta['model']}, global batch {meta['batch']} x {meta['seq']} tokens, {meta.get('optimizer', 'AdamW')}; "
              f"{meta['steps']} timed steps after {meta['warmup']} warm-up, the two systems alternating.", "",
              "| pair | mesh | baseline | step time autopar (IQR) | step time baseline (IQR) | autopar / baseline "
              "| tokens/s autopar | bytes sent/rank/step autopar | baseline | ratio | step peak autopar | "
@@ -387,6 +389,9 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--bucket-mb", type=float, default=25, help="autopar.compile(bucket_mb=...) (0: per-tensor collectives)")
     ap.add_argument("--prefetch", type=int, default=1, help="autopar.compile(prefetch=...) (0: gathers where used)")
+    ap.add_argument("--foreach", action="store_true",
+                    help="AdamW(foreach=True) on both sides (CUDA's default; on CPU torch loops over parameters, "
+                         "which costs DTensor parameters (autopar, FSDP2, DTensor TP) a dispatch per op)")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--out", default="benchmarks/results", help="directory for the JSON, markdown and PNGs")
     ap.add_argument("--planning", action="store_true",
@@ -444,7 +449,8 @@ def main(argv=None):
                     continue
                 _progress(len(results), len(jobs), f"{pair} on {w} ranks")
                 results.append(pool.run(pair_job, pair, args.steps, args.warmup, args.batch, args.seq,
-                                        {"bucket_mb": args.bucket_mb, "prefetch": args.prefetch}))
+                                        {"bucket_mb": args.bucket_mb, "prefetch": args.prefetch},
+                                        True if args.foreach else None))
         finally:
             pool.close()
     _progress(len(results), len(jobs), "done")
@@ -455,7 +461,8 @@ def main(argv=None):
             "model": f"Llama dim {cfg.dim}, {cfg.n_layers} layers, vocab {cfg.vocab_size}, "
                      f"{cfg.n_heads} heads / {cfg.n_kv_heads} KV heads, ffn {cfg.ffn_dim}",
             "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
-            "autopar_options": {"bucket_mb": args.bucket_mb, "prefetch": args.prefetch}}
+            "autopar_options": {"bucket_mb": args.bucket_mb, "prefetch": args.prefetch},
+            "optimizer": "AdamW(foreach=True)" if args.foreach else "AdamW (torch's default: a for-loop on CPU)"}
     rows = summarize(results, args.batch, args.seq)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"bench-{datetime.date.today()}")
