@@ -27,7 +27,7 @@ def _compile(axes: dict, plan: dict, name: str = "llama", seed: int = 0, **optio
     model, _, loss_fn = build_model(name, seed=seed)
     _, batches, _ = build_model("llama")  # the run's data, whatever the initial weights
     pm = autopar.compile(model, autopar.mesh(**axes), example_inputs=batches[0], loss_fn=loss_fn, plan=plan,
-                         **options)
+                         capture_eval=False, **options)
     return pm, torch.optim.AdamW(pm.parameters(), lr=LR), batches
 
 

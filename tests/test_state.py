@@ -81,7 +81,7 @@ def overflow_job():
 
     model, batches, loss_fn = build_model("llama")
     pm = autopar.compile(model, autopar.mesh(dp=2), example_inputs=batches[0], loss_fn=loss_fn,
-                         plan={"dp": "zero2"}, precision="fp16")
+                         plan={"dp": "zero2"}, precision="fp16", capture_eval=False)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     before = {n: p.full_tensor().clone() for n, p in pm.named_parameters()}
     pm.loss_scale = 1e30  # the fp16 backward overflows
@@ -114,7 +114,7 @@ def memory_job(plans, name="llama", axes=None, **options):
         model, batches, loss_fn = build_model(name)
         psi = sum(p.numel() for p in model.parameters())
         pm = autopar.compile(model, autopar.mesh(**(axes or {"dp": 2})), example_inputs=batches[0],
-                             loss_fn=loss_fn, plan=plan, **{**options, **opts})
+                             loss_fn=loss_fn, plan=plan, capture_eval=False, **{**options, **opts})
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
         pm.train_step(*batches[0])
         opt.step()
