@@ -9,7 +9,7 @@
     state        per stage: ZeRO storage layouts, gathers where used, gradients in reduce_dtype
     collectives  per stage: a redistribute node wherever placements disagree, costed and explained
     localize     per stage: the per-rank program, explicit _c10d_functional collectives + waits
-    overlap      per stage: when each collective's wait runs (deferred waits, safe buffer lifetimes)
+    overlap      per stage: ZeRO gathers per block, prefetched; gradient buckets; deferred waits; safe lifetimes
     schedule     per stage: gradient-sync programs; pipelines: F / I / W parts for the action lists
 
 Every pass has one signature, ``pass(state: CompileState) -> CompileState`` (autopar/ir.py),

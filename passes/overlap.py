@@ -35,7 +35,8 @@ from autopar.passes.localize import COLLECTIVES, c10d
 
 
 def overlap_pass(program: Program, ctx) -> Program:
-    """After it: gradient reductions are bucketed (``bucket_mb`` MiB per collective) and waited
+    """After it: ZeRO parameter gathers are one per block and issued ``prefetch`` blocks ahead,
+    gradient reductions are bucketed (``bucket_mb`` MiB per collective) and waited
     for as late as their use allows (all-reduce at the end, reduce-scatter before the next
     one), and every collective's input stays alive until its wait."""
     bucket_mb = getattr(ctx, "bucket_mb", DEFAULT_BUCKET_MB)
