@@ -166,7 +166,7 @@ def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, input
     if type(prefetch) is not int or prefetch < 0:
         raise PlanError(f"prefetch must be a non-negative int (blocks ahead), got {prefetch!r}",
                         where="autopar.compile(prefetch=...)",
-                        fix="use 1 (FSDP2's default), 2 for more overlap at one more block's memory, 0 for none")
+                        fix="use 1 (FSDP2's default), 0 for none, or 2 (NCCL) for more overlap at one more block's memory")
     if prefetch > 1 and _backend(mesh) == "gloo":
         # torch 2.13's functional all_gather_into_tensor corrupts the heap on gloo when two are in
         # flight on one process group (tests/test_gather.py documents the reproduction)

@@ -133,17 +133,21 @@ def test_prefetch_must_be_a_non_negative_int(fake, bad):
 
 # --------------------------------------------------------------------- 2 gloo ranks
 def refused_job():
+    """Every rank's PlanError message (None where compile did not raise)."""
+    import torch.distributed as dist
+
     from autopar.testing import build_model
 
     model, batches, loss_fn = build_model("llama")
+    msg = None
     try:
         autopar.compile(model, autopar.mesh(dp=2), example_inputs=batches[0], loss_fn=loss_fn,
                         plan={"dp": "fsdp"}, capture_eval=False, prefetch=2)
     except PlanError as e:
-        import torch.distributed as dist
-
-        return [str(e)] * dist.get_world_size()  # (raised on this rank; every rank runs the same check)
-    return None
+        msg = str(e)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, msg)
+    return every
 
 
 def test_prefetch_2_is_refused_on_gloo(pools):
@@ -153,7 +157,9 @@ def test_prefetch_2_is_refused_on_gloo(pools):
     "malloc(): unaligned tcache chunk detected" within 3,000 iterations in fp32, bf16 and fp16;
     waited before the next is issued: no crash). So prefetch=2 is refused there, by name."""
     msgs = pools(2).run(refused_job)
-    assert msgs is not None and "prefetch=2" in msgs[0] and "gloo" in msgs[0] and "prefetch=1" in msgs[0]
+    assert len(msgs) == 2
+    for m in msgs:  # raised on every rank, naming the option, the cause and the fix
+        assert m is not None and "prefetch=2" in m and "gloo" in m and "prefetch=1" in m
 
 
 

@@ -2,6 +2,7 @@
 it, in the same processes, alternating step by step, same initialization and data.
 
     autopar bench [--ranks 2 4] [--steps 12] [--warmup 3] [--pairs ddp fsdp megatron 2d]
+                  [--bucket-mb 25] [--prefetch 1] [--foreach]
     autopar bench --planning [--planning-models llama3-8b llama3-70b] [--planning-ranks 8 64 256 1024]
     autopar bench --pipeline [--pp 2 4] [--schedules gpipe 1f1b interleaved zb] [--microbatches 8]
     autopar bench --kernels [--kernel-seqs 512 ... 8192] [--smoke]     (GPU: Triton kernels vs SDPA / cuBLAS)
@@ -26,7 +27,8 @@ Measured per configuration, for both sides with the same instruments:
 - memory: persistent bytes (parameters, gradients, optimizer state as stored on the rank) and the
   step's peak of allocator memory above what was allocated before it (torch.profiler's memory
   events; CPU here, the same on GPU);
-- compile / wrap time; the losses of both (same model, same data: they must agree).
+- collective calls per step (the same meter);
+- compile / wrap time (autopar without the eval program: the benchmark only trains); the losses of both (same model, same data: they must agree).
 
 Writes JSON (machine, versions, every sample), a markdown table and PNG plots (matplotlib, if
 installed: ``pip install -e .[bench]``) to ``--out`` (default ``benchmarks/results/``).
