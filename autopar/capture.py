@@ -319,6 +319,10 @@ def capture_forward(model: nn.Module, example_inputs: tuple, compute_dtype: torc
         if n.op == "call_function" and n.target in _ASSERTS and not n.users:
             graph.erase_node(n)
     named_b = dict(model.named_buffers())
+    # tied weights: export may name a shared parameter by any of its names; the program (and the
+    # runtime) know it by its first one, as named_parameters() lists it
+    first: dict[int, str] = {}
+    canonical = {n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
     inputs = []
     buffers = {}
     user_idx = 0
@@ -328,7 +332,7 @@ def capture_forward(model: nn.Module, example_inputs: tuple, compute_dtype: torc
             continue
         if n.name in sig.inputs_to_parameters:
             name = sig.inputs_to_parameters[n.name].removeprefix("model.")
-            inputs.append(("param", name))
+            inputs.append(("param", canonical.get(name, name)))
         elif n.name in sig.inputs_to_buffers:
             name = sig.inputs_to_buffers[n.name].removeprefix("model.")
             inputs.append(("buffer", name))

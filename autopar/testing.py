@@ -158,14 +158,18 @@ def build_model(name: str, seed: int = 0):
 
         cfg = LlamaConfig(mlp="swiglu" if name == "llama" else "gelu", n_kv_heads=2 if name == "llama" else 4)
         model, loss_fn = Llama(cfg), cross_entropy
+    elif name == "llama_tied":  # the LM head reads the embedding's weight
+        from autopar.models.llama import Llama, LlamaConfig, cross_entropy
+
+        model, loss_fn = Llama(LlamaConfig(tie_embeddings=True)), cross_entropy
     elif name == "llama_deep":  # 8 layers, longer sequences: activations dominate (recompute tests)
         from autopar.models.llama import Llama, LlamaConfig, cross_entropy
 
         model, loss_fn, seq = Llama(LlamaConfig(n_layers=8, max_seq_len=128)), cross_entropy, 128
-    elif name == "llama6":  # 6 blocks: enough segments for 8 pipeline stages (pp=4, 2 virtual)
+    elif name in ("llama6", "llama6_tied"):  # 6 blocks: enough segments for 8 pipeline stages (pp=4, 2 virtual)
         from autopar.models.llama import Llama, LlamaConfig, cross_entropy
 
-        model, loss_fn = Llama(LlamaConfig(n_layers=6)), cross_entropy
+        model, loss_fn = Llama(LlamaConfig(n_layers=6, tie_embeddings=name.endswith("tied"))), cross_entropy
     elif name == "moe":  # top-2 of 4 experts in every block (GShard-style capacity dispatch)
         from autopar.models.llama import Llama, LlamaConfig, cross_entropy
 
@@ -323,13 +327,13 @@ def verify_job(plan: dict, axes: dict, **options):
 PIPELINE_CASES = [  # (model, mesh, plan, compile options): tests/test_pipeline.py, benchmarks/parity_report.py
     ("llama", {"pp": 2}, {"pp": "1f1b"}, {}),
     ("llama", {"pp": 2}, {"pp": "gpipe"}, {}),
-    ("llama", {"pp": 2}, {"pp": "zb"}, {}),
+    ("llama_tied", {"pp": 2}, {"pp": "zb"}, {}),  # tied embedding / LM head: one copy per stage, summed
     ("llama", {"pp": 2}, {"pp": {"schedule": "interleaved", "virtual": 2}}, {}),
-    ("llama6", {"pp": 4}, {"pp": "1f1b"}, {}),
+    ("llama6_tied", {"pp": 4}, {"pp": "1f1b"}, {}),  # tied across pp ranks 0 and 3: a group of its own
     ("llama6", {"pp": 4}, {"pp": "gpipe"}, {}),
     ("llama6", {"pp": 4}, {"pp": "zb"}, {}),
     ("llama6", {"pp": 4}, {"pp": {"schedule": "interleaved", "virtual": 2}}, {}),
-    ("llama", {"pp": 2, "dp": 2}, {"pp": "1f1b", "dp": "fsdp"}, {"recompute": "full"}),
+    ("llama_tied", {"pp": 2, "dp": 2}, {"pp": "1f1b", "dp": "fsdp"}, {"recompute": "full"}),
     ("llama", {"pp": 2, "tp": 2}, {"pp": "zb", "tp": "megatron"}, {}),
 ]
 

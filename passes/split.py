@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx, nn
@@ -66,6 +66,8 @@ def split_pass(state: CompileState) -> CompileState:
     pp_rank = state.mesh.get_local_rank(pl.axis)
     mine = [s for s in range(pl.n_stages) if o.stages == "all" or pl.schedule.rank_of(s) == pp_rank]
     ids = _tensor_names(state.model)
+    for spec in state.specs:  # every stage's, also those other ranks compile: tied weights (runtime)
+        spec.param_names = [ids[id(getattr(spec.gm, t))][1] for t in spec.params]
     state.stages = []
     for s in mine:
         spec = state.specs[s]
@@ -92,6 +94,7 @@ class StageSpec:
     modules: tuple[str, str]  # first and last module path in the stage
     param_bytes: int = 0
     is_last: bool = False
+    param_names: list[str] = field(default_factory=list)  # the user's names of ``params`` (split_pass)
 
 
 _BLOCK = re.compile(r"^((?:[^.]*\.)*?\d+)(\.|$)")  # the first list element on the path: layers.3, h.0, 3
@@ -265,17 +268,10 @@ def split_stages(gm: fx.GraphModule, n_stages: int, split: list[str] | None, dev
         if n.op == "get_attr":
             continue
         stage[n] = min(user_stages) if user_stages else n_stages - 1
-    # parameters/buffers are copied into each stage that uses them; parameters may live in one only
-    attr_stages: dict[fx.Node, set[int]] = {}
-    for n in nodes:
-        if n.op == "get_attr":
-            attr_stages[n] = {stage[u] for u in n.users if u in stage}
-            if _is_param(gm, n) and len(attr_stages[n]) > 1:
-                users = sorted({paths.get(u, "") for u in n.users if u in stage})
-                raise PlanError(f"parameter {n.target} is used by pipeline stages {sorted(attr_stages[n])} "
-                                f"(modules {users}): tied weights cannot live on two stages",
-                                where="plan['pp']", fix="untie the weights, or choose split points (plan['pp']"
-                                "['split']) that keep the modules sharing it in one stage")
+    # parameters/buffers are copied into each stage that uses them. A parameter used by several
+    # stages (tied weights: the embedding on the first, the LM head on the last) gets one copy per
+    # stage; the runtime sums the copies' gradients across those stages every step (Megatron's
+    # way), so the copies stay equal (autopar/runtime/pipeline.py, ``tied``)
     loss = out_node.args[0]
     loss = loss[0] if isinstance(loss, (tuple, list)) else loss
     if not isinstance(loss, fx.Node) or stage.get(loss) != n_stages - 1:

@@ -110,6 +110,22 @@ def reshard_job(root: str, axes: dict, plan: dict, src: str, params: dict, dst: 
     return out
 
 
+def tied_job(root: str) -> dict:
+    """A tied embedding / LM head across pipeline stages: 2 steps on pp=2 (one copy per stage),
+    saved, loaded into fsdp on dp=2 (one parameter), 2 more steps; and 4 steps on ddp, uninterrupted."""
+    out = {}
+    pm, opt, batches = _compile({"pp": 2}, {"pp": "1f1b"}, name="llama_tied")
+    out["pp"] = [_step(pm, opt, batches) for _ in range(2)]
+    pm.save(os.path.join(root, "tied-pp"), optimizer=opt)
+    pm, opt, batches = _compile({"dp": 2}, {"dp": "fsdp"}, name="llama_tied", seed=1)
+    pm.load(os.path.join(root, "tied-pp"), opt)
+    out["fsdp"] = [_step(pm, opt, batches) for _ in range(2)]
+    out["keys"] = sorted(pm.state_dict())
+    pm, opt, batches = _compile({"dp": 2}, {"dp": "ddp"}, name="llama_tied")
+    out["ddp"] = [_step(pm, opt, batches) for _ in range(4)]
+    return out
+
+
 def errors_job(root: str) -> dict:
     """One process: an unfinished folder, another model's checkpoint, a checkpoint without the
     optimizer's state; the fp16 loss scaler and an optimizer saved before its first step."""
@@ -167,6 +183,12 @@ def test_pipeline_loads_only_its_stages(pools, fsdp_run):
     assert pp["params_equal"] and 0 < pp["owned"] < len(run["params_3"])
     assert pp["loss"] == pytest.approx(run["losses"][3], rel=1e-5)
     assert pp["round_trip"]
+
+
+def test_tied_weights_reshard_from_pipeline(pools, tmp_path):
+    out = pools(2).run(tied_job, str(tmp_path))
+    assert out["pp"] + out["fsdp"] == pytest.approx(out["ddp"], rel=1e-5)
+    assert "lm_head.weight" in out["keys"]  # (the module's state_dict keeps both names, as torch's does)
 
 
 def test_wrong_or_unfinished_checkpoints_are_refused(pools, fsdp_run):

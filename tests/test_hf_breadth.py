@@ -23,7 +23,11 @@ ONE_LAYER = dict(num_hidden_layers=1)
 CASES = [  # (architecture, plan, config overrides, rules that must have decided some op)
     # the eval program keeps SDPA whole: its math decomposition had other strides than the op,
     # which GPT-2's Conv1D view(-1, ...) could not take
-    ("GPT-2", "fsdp", ONE_LAYER, set()),
+    # (tied input embedding and LM head, as GPT-2 ships: one parameter, read twice)
+    ("GPT-2", "fsdp", dict(ONE_LAYER, tie_word_embeddings=True), set()),
+    # tied weights across pipeline stages: the embedding's copy on stage 0 and the LM head's on
+    # stage 1, their gradients summed every step (Gemma: tied, sqrt(hidden)-scaled embedding)
+    ("Gemma", "pp", dict(tie_word_embeddings=True), set()),
     # tensor constants (qkv[..., [-2], :]) as constant inputs; index.Tensor on batch-sharded values
     # through DTensor's single-dim strategy (its schema info was missing: no strategy ever matched;
     # the same fix as the MoE models' expert dispatch, which benchmarks/hf_breadth.py runs)

@@ -186,7 +186,10 @@ def test_not_yet_supported_is_a_clear_error(fake):
         pm(torch.zeros(4, 16, dtype=torch.long))
 
 
-def test_tied_weights_error(fake):
+def test_tied_weights_one_copy_per_stage(fake):
+    """A weight shared by the first and the last stage (embedding / LM head) is held by both, and
+    its gradients are summed across them every step: one all-reduce of the local shard on the pp
+    ranks holding it, in the plan (the parity cases in autopar/testing.py run it)."""
     import autopar
 
     class Tied(torch.nn.Module):
@@ -204,9 +207,13 @@ def test_tied_weights_error(fake):
             return self.head(h)
 
     x = torch.randint(0, 32, (4, 8))
-    with fake(pp=2) as mesh, pytest.raises(PlanError, match="tied weights"):
-        autopar.compile(Tied(), mesh, example_inputs=(x, x), plan={"pp": "1f1b"},
-                        loss_fn=lambda o, t: torch.nn.functional.cross_entropy(o.flatten(0, 1), t.flatten()))
+    with fake(pp=2) as mesh:
+        pm = autopar.compile(Tied(), mesh, example_inputs=(x, x), plan={"pp": "1f1b"},
+                             loss_fn=lambda o, t: torch.nn.functional.cross_entropy(o.flatten(0, 1), t.flatten()))
+    assert [spec.param_names.count("embed.weight") for spec in pm.specs] == [1, 1]
+    assert pm.tied == {"embed.weight": (0, 1)}
+    tie = [r for r in pm.collectives() if "tied weight" in r.reason]
+    assert len(tie) == 1 and tie[0].kind == "all_reduce" and tie[0].payload_bytes == 32 * 16 * 4
 
 
 def test_default_microbatches():

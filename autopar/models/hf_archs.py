@@ -69,6 +69,9 @@ ARCHS: dict[str, tuple[str, dict]] = {
 
 PLANS = {"fsdp": ({"dp": 2}, {"dp": "fsdp"}),
          "megatron": ({"tp": 2}, {"tp": "megatron", "rest": "replicate"})}
+# beyond the sweep's two (tests/test_hf_breadth.py: tied embeddings under each)
+MORE_PLANS = {"fsdp+megatron": ({"dp": 2, "tp": 2}, {"dp": "fsdp", "tp": "megatron", "rest": "replicate"}),
+              "pp": ({"pp": 2}, {"pp": "1f1b"})}
 
 
 def _ce(logits, targets):
@@ -116,25 +119,41 @@ def breadth_job(name: str, plan_name: str, debug: bool = True, **overrides) -> d
     import autopar
     from autopar.ir import info
 
-    axes, plan = PLANS[plan_name]
+    import torch.distributed as dist
+
+    axes, plan = {**PLANS, **MORE_PLANS}[plan_name]
     model, batches, loss_fn = build_hf(name, **overrides)
     pm = autopar.compile(model, autopar.mesh(**axes), example_inputs=batches[0], loss_fn=loss_fn, plan=plan,
-                         debug=debug)
+                         debug=debug, capture_eval=not _pipelined(plan))
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
 
+    def merged(local: dict) -> dict:  # a pipeline rank holds its stages' parameters only
+        if not pm.pipelined:
+            return local
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, local)
+        return {k: v for d in everyone for k, v in d.items()}
+
     def gathered():  # a copy: full_tensor() of a replicated parameter is the parameter's own storage
-        return {n: p.detach().full_tensor().clone() for n, p in pm.named_parameters()}
+        return merged({n: p.detach().full_tensor().clone() for n, p in pm.named_parameters()})
 
     losses, grads, params = [], [], [gathered()]
     for x, y in batches:
         losses.append(pm.train_step(x, y).item())
-        grads.append({n: p.grad.full_tensor().clone() for n, p in pm.named_parameters() if p.grad is not None})
+        grads.append(merged({n: p.grad.full_tensor().clone() for n, p in pm.named_parameters()
+                             if p.grad is not None}))
         opt.step()
         opt.zero_grad()
         params.append(gathered())
+    if pm.pipelined:  # (no eval forward for pipelines yet)
+        return {"losses": losses, "grads": grads, "params": params, "eval": None, "rules": []}
     evaluated = pm(batches[0][0])
     rules = sorted({info(n).rule.name for n in pm.program.graph.nodes if info(n).rule is not None})
     return {"losses": losses, "grads": grads, "params": params, "eval": evaluated, "rules": rules}
+
+
+def _pipelined(plan: dict) -> bool:
+    return "pp" in plan
 
 
 def compare(ref: dict, out: dict) -> str | None:
@@ -149,7 +168,7 @@ def compare(ref: dict, out: dict) -> str | None:
       tests/test_parity.py) against eager forward + backward at the compiled run's parameters;
     - AdamW on one process, fed the compiled run's gradients, gives the parameters it had after
       every step (1e-6);
-    - the eval forward (1e-4) against eager forward with the final parameters."""
+    - the eval forward (1e-4) against eager forward with the final parameters (not for pipelines)."""
     model, batches, loss_fn = copy.deepcopy(ref["model"]), ref["batches"], ref["loss_fn"]
     names = [n for n, _ in model.named_parameters()]
     if set(out["params"][0]) != set(names):
@@ -187,6 +206,8 @@ def compare(ref: dict, out: dict) -> str | None:
         why = differ(out["params"][step + 1], shadow, f"parameter after AdamW step {step}", 0, 1e-6)
         if why:
             return why
+    if out["eval"] is None:
+        return None
     with torch.no_grad():
         for k, p in model.named_parameters():
             p.copy_(out["params"][-1][k])

@@ -54,19 +54,34 @@ class Runtime:
         self._counting = False
         self.scaler = LossScaler(ctx.loss_scale)  # fp16: dynamic loss scaling (GradScaler's constants)
         self.steps = 0
+        self._alias_map: dict[str, list[str]] | None = None  # tied weights (_aliases)
 
     # ---------------------------------------------------------------- parameters
     def _place(self, full_name: str, p: torch.Tensor, mesh, placements) -> None:
         """Replace parameter ``full_name`` of the user's module by a DTensor (``mesh`` None: a
         meta tensor, a parameter this rank does not hold)."""
-        mod_name, _, attr = full_name.rpartition(".")
-        mod = self.module.get_submodule(mod_name) if mod_name else self.module
         if mesh is None:
             new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
         else:
             new = nn.Parameter(distribute_tensor(p.detach().to(self.ctx.device), mesh, placements),
                                requires_grad=p.requires_grad)
-        mod.register_parameter(attr, new)
+        # tied weights (an LM head reading the embedding's weight): every module attribute that
+        # holds this parameter gets the same new one, so the tie survives and named_parameters()
+        # still lists it once, under its first name (the name the program uses)
+        for alias in self._aliases().get(full_name, [full_name]):
+            mod_name, _, attr = alias.rpartition(".")
+            mod = self.module.get_submodule(mod_name) if mod_name else self.module
+            mod.register_parameter(attr, new)
+
+    def _aliases(self) -> dict[str, list[str]]:
+        """Each parameter's first name -> every name it is reachable under (tied weights: more
+        than one). Computed once, before any parameter is replaced."""
+        if self._alias_map is None:
+            first: dict[int, str] = {}
+            self._alias_map = {}
+            for name, q in self.module.named_parameters(remove_duplicate=False):
+                self._alias_map.setdefault(first.setdefault(id(q), name), []).append(name)
+        return self._alias_map
 
     def named_parameters(self):
         return self.module.named_parameters()
@@ -115,7 +130,7 @@ class Runtime:
             del local
             losses = self.executor.run(micro, self._shared_values(), self.loss_scale or 1.0)
             del micro
-            grads = self.executor.sync()
+            grads = self._sync_across_stages(self.executor.sync())
             self.steps += 1
             if self.loss_scale is None or self.scaler.unscale([g for _, g in grads], self.ctx.device):
                 self._write_grads(grads)
@@ -136,6 +151,10 @@ class Runtime:
                     vals[name] = buffers.get(what, sp.program.buffers.get(what)).to(self.ctx.device)
             out[s] = vals
         return out
+
+    def _sync_across_stages(self, grads):
+        """Gradients that stages on other ranks also hold (a pipeline's tied weights) summed."""
+        return grads
 
     def _write_grads(self, grads) -> None:
         params = dict(self.module.named_parameters())

@@ -45,7 +45,7 @@ def _model_state(pm) -> dict[str, torch.Tensor]:
     """This rank's parameters (a pipeline: its stages' only; the others are meta tensors) and the
     module's persistent buffers, by name; DCP loads into these tensors in place."""
     out = {name: p.detach() for name, p in pm.named_parameters()}
-    params = {name for name, _ in pm.module.named_parameters()}
+    params = {name for name, _ in pm.module.named_parameters(remove_duplicate=False)}  # tied: every name
     for name, b in pm.module.state_dict(keep_vars=True).items():
         if name not in params:
             out[name] = b.detach()
@@ -54,8 +54,10 @@ def _model_state(pm) -> dict[str, torch.Tensor]:
 
 def _model_shapes(pm) -> dict[str, tuple]:
     """Every parameter and persistent buffer of the model (a pipeline's other stages included):
-    what a checkpoint of this model must hold, with its global shape."""
-    return {name: tuple(t.shape) for name, t in pm.module.state_dict(keep_vars=True).items()}
+    what a checkpoint of this model must hold, with its global shape. A tied weight is held once,
+    under its first name."""
+    aliases = {a for names in pm._aliases().values() for a in names[1:]}
+    return {name: tuple(t.shape) for name, t in pm.module.state_dict(keep_vars=True).items() if name not in aliases}
 
 
 def _optimizer_state(pm, optimizer, with_state: bool) -> dict:

@@ -61,6 +61,59 @@ class PipelineModule(Runtime):
                 self._place(full_name, p, None, None)
         self.executor = Executor(self.local, sched.actions[self.pp_rank], self.microbatches, self.ctx.device,
                                  P2P(specs, sched, self.pp_rank, self.pp_group, self.ctx.device))
+        self.tied = self._find_tied()
+        self._tie_groups: dict[tuple[int, ...], object] = {}
+
+    # ------------------------------------------------------------ tied weights
+    def _find_tied(self) -> dict[str, tuple[int, ...]]:
+        """Parameters held by stages on more than one pipeline rank (tied weights: the embedding
+        on the first stage, the LM head on the last) -> those pp ranks. The copies have the same
+        placements on their stages' sub-meshes (the plan places a parameter by its name and
+        shape: plan.place_parameters), so equal shards meet in the sum."""
+        held: dict[str, set[int]] = {}
+        for spec in self.specs:
+            for name in spec.param_names:
+                held.setdefault(name, set()).add(self.schedule.rank_of(spec.index))
+        return {name: tuple(sorted(r)) for name, r in held.items() if len(r) > 1}
+
+    def _tie_group(self, ranks: tuple[int, ...]):
+        """The process group of this rank's copies of a tied parameter: the pp ranks ``ranks`` at
+        this rank's coordinates on the other mesh axes (the pp group itself when they are all of
+        it). Created on first use, by every rank, in the same order."""
+        if len(ranks) == self.pp_size:
+            return self.pp_group
+        if ranks not in self._tie_groups:
+            dim = self.mesh.mesh_dim_names.index(self.pp_axis)
+            rows = self.mesh.mesh.movedim(dim, -1).reshape(-1, self.pp_size).tolist()
+            me = dist.get_rank()
+            self._tie_groups[ranks] = None  # (this rank holds no copy)
+            for row in rows:  # every rank creates every row's group (new_group's contract)
+                g = dist.new_group([row[r] for r in ranks])
+                if me in row and row.index(me) in ranks:
+                    self._tie_groups[ranks] = g
+                    self.counter.axes[g.group_name] = self.pp_axis
+        return self._tie_groups[ranks]
+
+    def _sync_across_stages(self, grads: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """Sum each tied parameter's gradient over the stages that hold a copy (one all-reduce
+        per tied parameter, on the pp ranks holding it), so every copy steps the same way."""
+        if not self.tied:
+            return grads
+        mine: dict[str, torch.Tensor] = {}
+        rest = []
+        for name, g in grads:
+            if name in self.tied:
+                mine[name] = g if name not in mine else mine[name] + g
+            else:
+                rest.append((name, g))
+        for name in sorted(self.tied):  # the same order on every rank
+            group = self._tie_group(self.tied[name])  # (every rank takes part in creating it)
+            if self.pp_rank not in self.tied[name]:
+                continue
+            g = mine[name].contiguous()
+            dist.all_reduce(g, group=group)
+            rest.append((name, g))
+        return rest
 
     # seconds a receive may wait before the step fails (AUTOPAR_P2P_TIMEOUT)
     p2p_timeout = property(lambda self: self.executor.p2p.timeout,
@@ -122,6 +175,12 @@ class PipelineModule(Runtime):
                         recs += [CommRecord("send", self.pp_axis, 2, _val_bytes(node_of[o].meta["val"]),
                                             f"gradient of stage {s}'s input {what} back to stage {src[1]}",
                                             sp.spec.modules[0], "backward")] * self.microbatches
+        for name, ranks in sorted(self.tied.items()):
+            if self.pp_rank in ranks:
+                p = self.module.get_parameter(name)
+                recs.append(CommRecord("all_reduce", self.pp_axis, len(ranks), p.to_local().numel() * p.element_size(),
+                                       f"tied weight {name}: the gradients of its copies on pp ranks {list(ranks)} "
+                                       "summed", "", "backward"))
         if self.loss_scale is not None and dist.get_world_size() > 1:
             recs.append(CommRecord("all_reduce", self.counter.axis_of(dist.group.WORLD), dist.get_world_size(), 4,
                                    "fp16 loss scaling: did any rank's gradients overflow?", "", "backward"))
