@@ -31,10 +31,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from autopar.errors import TrainingError
 from autopar.runtime.common import LossScaler, local_inputs
 from autopar.runtime.executor import Executor
 from autopar.runtime.measure import both, switch
 from autopar.runtime.memory import MemoryTracker, optimizer_state_bytes, tensor_bytes
+from autopar.runtime.weights import empty_dtensor, tied_names
 
 
 class Runtime:
@@ -54,6 +56,9 @@ class Runtime:
         self._counting = False
         self.scaler = LossScaler(ctx.loss_scale)  # fp16: dynamic loss scaling (GradScaler's constants)
         self.steps = 0
+        self._tied = tied_names(module)  # {alias: name}: parameters registered under several names
+        # parameters / buffers of a model built on meta, still empty (load_pretrained or load fills them)
+        self._unloaded: set[str] = set()
 
     # ---------------------------------------------------------------- parameters
     def _place(self, full_name: str, p: torch.Tensor, mesh, placements) -> None:
@@ -63,10 +68,16 @@ class Runtime:
         mod = self.module.get_submodule(mod_name) if mod_name else self.module
         if mesh is None:
             new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
+        elif p.is_meta:  # a model built on meta: this rank's shard, empty until load_pretrained / load
+            new = nn.Parameter(empty_dtensor(p, mesh, placements, self.ctx.device), requires_grad=p.requires_grad)
+            self._unloaded.add(full_name)
         else:
             new = nn.Parameter(distribute_tensor(p.detach().to(self.ctx.device), mesh, placements),
                                requires_grad=p.requires_grad)
         mod.register_parameter(attr, new)
+        for alias in [a for a, c in self._tied.items() if c == full_name]:  # tied weights stay tied
+            a_mod, _, a_attr = alias.rpartition(".")
+            (self.module.get_submodule(a_mod) if a_mod else self.module).register_parameter(a_attr, new)
 
     def named_parameters(self):
         return self.module.named_parameters()
@@ -96,6 +107,16 @@ class Runtime:
 
         return checkpoint.load(self, path, optimizer)
 
+    def load_pretrained(self, path, strict: bool = True, verbose: bool = True):
+        """Load a Hugging Face safetensors checkpoint (a folder with ``model.safetensors``, or the
+        sharded files + ``model.safetensors.index.json``) into the parameters, each rank reading
+        only the slices its shards hold; for a model built on meta (``autopar.init_empty_weights()``
+        or ``torch.device("meta")``) and compiled. Returns a LoadReport (bytes read, peak memory per
+        rank). autopar/runtime/weights.py."""
+        from autopar.runtime import weights
+
+        return weights.load_pretrained(self, path, strict=strict, verbose=verbose)
+
     # ---------------------------------------------------------------- one step
     def train_step(self, *inputs) -> torch.Tensor:
         """Forward + backward on the global batch (``inputs="global"``; this rank's part with
@@ -106,6 +127,11 @@ class Runtime:
         and synchronised once. With fp16 dynamic loss scaling, a step whose gradients overflow
         leaves ``.grad`` untouched (so ``optimizer.step()`` changes nothing), halves the scale and
         counts ``skipped_steps``."""
+        if self._unloaded:
+            raise TrainingError(f"the model was built on the meta device and {len(self._unloaded)} of its parameters/"
+                                f"buffers hold no weights yet: {', '.join(sorted(self._unloaded)[:4])}"
+                                + (" ..." if len(self._unloaded) > 4 else ""), where=f"{type(self).__name__}.train_step",
+                                fix="load them first: pm.load_pretrained(hf_folder) or pm.load(checkpoint)")
         with self._measuring(memory=True):
             local = local_inputs(inputs, len(self.example_shapes), self.example_shapes, self.input_mode, self.ctx,
                                  f"{type(self).__name__}.{self.where}")

@@ -348,6 +348,7 @@ def load(pm, path, optimizer=None) -> dict:
         pm.scaler.growth_tracker = scaler["growth_tracker"]
         pm.scaler.skipped_steps = scaler["skipped_steps"]
     pm.steps = marker["step"]
+    pm._unloaded.clear()  # (a model built on meta: its weights are these)
     return marker.get("extra") or {}
 
 
