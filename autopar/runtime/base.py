@@ -117,6 +117,17 @@ class Runtime:
 
         return weights.load_pretrained(self, path, strict=strict, verbose=verbose)
 
+    # ---------------------------------------------------------------- gradients
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over the whole model: the norm of every gradient shard on
+        every rank and pipeline stage (replicated values counted once), one all-reduce; scales
+        ``.grad`` in place by ``min(1, max_norm / (total + 1e-6))``; returns the total norm (the same
+        on every rank). Call on every rank, after ``train_step``. autopar/runtime/grads.py."""
+        from autopar.runtime import grads
+
+        return grads.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
+
     # ---------------------------------------------------------------- one step
     def train_step(self, *inputs) -> torch.Tensor:
         """Forward + backward on the global batch (``inputs="global"``; this rank's part with
