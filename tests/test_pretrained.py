@@ -172,3 +172,35 @@ def test_load_pretrained_into_shards(pools, checkpoints, case):
             assert "model.norm.weight has shape [65] in the checkpoint but the model's model.norm.weight has " \
                    "shape [64]" in msg
             assert "strict=False" in msg
+
+
+def strided_job(path: str) -> dict:
+    """Parameters whose placements have no contiguous block (_StridedShard) are read whole and
+    sliced; a column shard (Shard(1)) is read as a slice; a bf16 tensor lands in fp32."""
+    import types
+
+    from torch import nn
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    from autopar.runtime.weights import load_pretrained
+
+    mesh = autopar.mesh(dp=2)
+    m = nn.Module()
+    m.register_parameter("w", nn.Parameter(distribute_tensor(torch.zeros(8, 4), mesh, [_StridedShard(0, split_factor=2)])))
+    m.register_parameter("v", nn.Parameter(distribute_tensor(torch.zeros(8, 4), mesh, [Shard(1)])))
+    pm = types.SimpleNamespace(module=m, _tied={}, _unloaded={"w", "v"}, named_parameters=m.named_parameters)
+    rep = load_pretrained(pm, path, verbose=False)
+    return {"read_whole": rep.read_whole, "per_rank": rep.per_rank, "w": m.w.full_tensor(), "v": m.v.full_tensor(),
+            "unloaded": pm._unloaded}
+
+
+def test_strided_placement_reads_the_parameter_whole(pools, tmp_path):
+    from safetensors.torch import save_file
+
+    full = torch.arange(32.0).reshape(8, 4)
+    save_file({"w": full.to(torch.bfloat16), "v": full}, str(tmp_path / "model.safetensors"))
+    out = pools(2).run(strided_job, str(tmp_path))
+    assert out["read_whole"] == ["w"] and out["unloaded"] == set()
+    assert torch.equal(out["w"], full) and torch.equal(out["v"], full)
+    assert [b for b, _ in out["per_rank"]] == [8 * 4 * 2 + 8 * 2 * 4] * 2  # w whole (bf16), half of v (fp32)

@@ -383,7 +383,7 @@ def load_pretrained(pm, path, strict: bool = True, verbose: bool = True) -> Load
                             from torch.distributed.tensor import distribute_tensor
 
                             full = f.get_tensor(k)
-                            part = distribute_tensor(full.to(t.dtype), t.device_mesh, t.placements,
+                            part = distribute_tensor(full, t.device_mesh, t.placements,
                                                      src_data_rank=None).to_local()
                             report.read_whole.append(n)
                             report.bytes_read += full.numel() * itemsize
@@ -392,10 +392,10 @@ def load_pretrained(pm, path, strict: bool = True, verbose: bool = True) -> Load
                         else:
                             slices, shape = got
                             if _numel(shape):
-                                local.copy_(f.get_slice(k)[slices].to(t.dtype))
+                                local.copy_(f.get_slice(k)[slices])  # (copy_ converts the dtype: no temporary)
                             report.bytes_read += _numel(shape) * itemsize
                     else:  # a buffer (replicated, small) or a parameter of a one-rank program
-                        t.copy_(f.get_tensor(k).to(t.dtype))
+                        t.copy_(f.get_tensor(k))
                         report.bytes_read += t.numel() * itemsize
                     report.tensors += 1
                     loaded.add(n)
