@@ -54,12 +54,16 @@ def _reference(path: str) -> dict:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """Three checkpoints of one random init: untied fp32, tied bf16 (``lm_head.weight`` not
-    stored), and one that does not fit (a key missing, a key too many, a shape changed)."""
+    return make_checkpoints(tmp_path_factory.mktemp("hf"))
+
+
+def make_checkpoints(root) -> dict:
+    """Three checkpoints of one random init under the folder ``root`` (a Path): untied fp32, tied
+    bf16 (``lm_head.weight`` not stored), and one that does not fit (a key missing, a key too
+    many, a shape changed); with the one-process references of the first two."""
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
 
-    root = tmp_path_factory.mktemp("hf")
     out = {}
     for name, tied, dtype, shard in [("untied", False, torch.float32, "200KB"), ("tied", True, torch.bfloat16, "100KB")]:
         torch.manual_seed(0)
