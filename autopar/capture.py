@@ -89,12 +89,15 @@ class _MetaAttention(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def _meta_autograd(model: nn.Module):
-    """The meta-model fixes above, for the length of one AOTAutograd trace of ``model``."""
+def _meta_autograd(model: nn.Module, device: torch.device | None = None):
+    """The meta-model fixes above, for the length of one AOTAutograd trace of ``model``.
+    ``device``: where the program will run (a model built on meta to be loaded after compiling);
+    the CPU attention op is substituted only for CPU (or planning): elsewhere SDPA's math path stays."""
     if not any(p.is_meta for p in model.parameters()):
         yield
         return
-    with _META_NLL_LOSS(), _MetaAttention():
+    cpu = device is None or device.type in ("meta", "cpu")
+    with _META_NLL_LOSS(), (_MetaAttention() if cpu else contextlib.nullcontext()):
         yield
 
 
@@ -164,18 +167,20 @@ def capture_graph(model: nn.Module, example_inputs: tuple, loss_fn: Callable | N
         ) from e
 
 
-def joint_program(gm: fx.GraphModule, example_inputs: tuple, model: nn.Module, stage: str | None = None) -> Program:
+def joint_program(gm: fx.GraphModule, example_inputs: tuple, model: nn.Module, stage: str | None = None,
+                  device: torch.device | None = None) -> Program:
     """The joint forward + backward ATen graph of a torch-level graph (the autograd pass).
     ``stage``: None for a whole model; "middle" / "last" for a pipeline stage (passes/split.py),
     whose outputs are activations for later stages (the loss on the last stage), whose tangents
-    are their gradients, and which also returns the gradients of its floating-point inputs."""
+    are their gradients, and which also returns the gradients of its floating-point inputs.
+    ``device``: the device the program will run on (``_meta_autograd``)."""
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             stack = contextlib.ExitStack()
-            with stack, _meta_autograd(model):
+            with stack, _meta_autograd(model, device):
                 joint = aot_export_joint_with_descriptors(stack, gm, tuple(example_inputs))
                 graph = joint.graph_module.graph
     except Exception as e:  # noqa: BLE001 - re-raised with context

@@ -116,6 +116,9 @@ class Options:
     pipeline: PipelineSetup | None  # the pipeline axis, validated, with its schedule
     bucket_mb: float = 25  # MiB of gradients per bucketed collective (passes/bucket.py); 0: none
     prefetch: int = 1  # parameter gathers issued this many blocks ahead (passes/gather.py); 0: none
+    # the model's parameters are meta and the batch real (``deferred_weights``): traced on meta, run on the
+    # mesh's device, parameters materialized as empty local shards for pm.load_pretrained / pm.load
+    deferred: bool = False
 
 
 def build(model: nn.Module, mesh: DeviceMesh, *, stop_after: str | None = None, **options) -> CompileState:
@@ -197,10 +200,36 @@ def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, input
     else:
         parsed = parse_plan(plan, tuple(mesh.mesh_dim_names))
         micro = _micro_batch(example_inputs, accumulate, parsed, mesh)
+    deferred = deferred_weights(model, example_inputs)
+    if deferred:  # traced on meta like a planning compile; the program runs on the mesh's device
+        micro = tuple(_meta_like(x) for x in micro)
     options = Options(plan or {}, parsed, loss_fn, inputs, compute_dtype, reduce,
                       loss_scale if compute_dtype == torch.float16 else None, accumulate, recompute, lower, debug,
-                      tuple(skip_passes), progress, pipeline_stages, pipeline, bucket_mb, prefetch)
+                      tuple(skip_passes), progress, pipeline_stages, pipeline, bucket_mb, prefetch, deferred)
     return options, micro
+
+
+def deferred_weights(model: nn.Module, example_inputs: tuple) -> bool:
+    """Whether ``model`` was built on the meta device to be loaded after compiling
+    (``pm.load_pretrained`` / ``pm.load``): its parameters are meta but the example batch is real.
+    Meta parameters with a meta batch are a planning compile (the program stays on meta)."""
+    params = list(model.named_parameters())
+    meta = [n for n, p in params if p.is_meta]
+    if not meta:
+        return False
+    if len(meta) < len(params):
+        real = next(n for n, p in params if not p.is_meta)
+        raise PlanError(f"{len(meta)} of the model's {len(params)} parameters are on the meta device ({meta[0]}, ...) "
+                        f"and the others are not ({real}, ...)", where="autopar.compile(model)",
+                        fix="build the whole model on meta (autopar.init_empty_weights(), or with torch.device('meta')) "
+                            "and load its weights after compiling with pm.load_pretrained(path), or build it all real")
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    return bool(tensors) and not all(x.is_meta for x in tensors)
+
+
+def _meta_like(x):
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta") \
+        if isinstance(x, torch.Tensor) and not x.is_meta else x
 
 
 def _backend(mesh) -> str:
@@ -243,8 +272,9 @@ def runtime_for(state: CompileState, capture_eval: bool = True):
     o = state.options
     if o.pipeline is not None:
         pl = o.pipeline
-        return PipelineModule(state.model, state.mesh, pl.axis, pl.stage_mesh, pl.schedule, pl.options, state.specs,
-                              state.stages, state.example_inputs, o.inputs, stage_plan=pl.parsed)
+        pm = PipelineModule(state.model, state.mesh, pl.axis, pl.stage_mesh, pl.schedule, pl.options, state.specs,
+                            state.stages, state.example_inputs, o.inputs, stage_plan=pl.parsed)
+        return _materialize_buffers(pm, o)
     stage = state.stages[0]
     ctx = stage.ctx
     # the eval program is captured now, while the parameters are still plain tensors; its
@@ -252,6 +282,8 @@ def runtime_for(state: CompileState, capture_eval: bool = True):
     forward_builder = None
     if capture_eval:
         fwd_inputs = state.example_inputs[:-1] if o.loss_fn is not None else state.example_inputs
+        if o.deferred:
+            fwd_inputs = tuple(_meta_like(x) for x in fwd_inputs)
         if o.progress:
             o.progress("capture (eval forward)")
         t0 = time.perf_counter()
@@ -259,7 +291,18 @@ def runtime_for(state: CompileState, capture_eval: bool = True):
         ctx.timings["capture_forward"] = time.perf_counter() - t0
         forward_builder = functools.partial(run_stage_passes, fwd_program, ctx, debug=o.debug, label="eval ",
                                             skip=tuple(o.skip) + ("recompute",))
-    return ParallelModule(state.model, stage, state.example_inputs, o.loss_fn is not None, o.inputs, forward_builder)
+    pm = ParallelModule(state.model, stage, state.example_inputs, o.loss_fn is not None, o.inputs, forward_builder)
+    return _materialize_buffers(pm, o)
+
+
+def _materialize_buffers(pm, o: Options):
+    """A model built on meta (``o.deferred``): its buffers on the program's device (non-persistent ones
+    recomputed, persistent ones left for ``load_pretrained`` / ``load``: autopar/runtime/weights.py)."""
+    if o.deferred:
+        from autopar.runtime.weights import materialize_buffers
+
+        materialize_buffers(pm)
+    return pm
 
 
 def _kernels_option(kernels: str, mesh) -> bool:

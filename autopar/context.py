@@ -106,8 +106,10 @@ def make_context(mesh: DeviceMesh, parsed: Plan, params: dict, options, accumula
     ctx.progress = options.progress
     ctx.bucket_mb = options.bucket_mb  # the overlap pass's gradient buckets (passes/bucket.py)
     ctx.prefetch = options.prefetch  # blocks ahead a parameter gather is issued (passes/gather.py)
-    if any(p.is_meta for p in params.values()):  # planning only (no data): the program stays on meta
-        ctx.device = torch.device("meta")
+    if any(p.is_meta for p in params.values()) and not options.deferred:
+        ctx.device = torch.device("meta")  # planning only (no data): the program stays on meta
+    # (deferred: the model was built on meta to be loaded after compiling; traced on meta, the
+    # program runs on the mesh's device: localize puts the graph's meta device arguments there)
     if state is not None:  # what the earlier passes recorded, seen from the stage
         ctx.timings = state.timings
         ctx.lowered = state.lowered

@@ -32,3 +32,8 @@ class InputError(AutoparError):
 
 class CaptureError(AutoparError):
     """The model could not be traced into a joint forward+backward graph."""
+
+
+class TrainingError(AutoparError):
+    """A training call cannot proceed as things are: no gradients yet, non-finite gradients,
+    weights built on meta and not loaded yet."""

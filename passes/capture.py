@@ -33,5 +33,5 @@ def autograd_pass(state: CompileState) -> CompileState:
     pipelined = state.options.pipeline is not None
     for st in state.stages:
         role = ("last" if st.spec.is_last else "middle") if pipelined else None
-        st.program = joint_program(st.gm, st.example, state.model, stage=role)
+        st.program = joint_program(st.gm, st.example, state.model, stage=role, device=st.ctx.device)
     return state

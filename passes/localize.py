@@ -109,6 +109,18 @@ def _map(a, f):
     return a
 
 
+def _off_meta(a, device: torch.device):
+    """``a`` with every ``torch.device("meta")`` in it replaced by ``device`` (factory ops traced
+    from a model built on meta: ``arange(..., device=meta)``). The identity when ``device`` is meta."""
+    if isinstance(a, torch.device):
+        return device if a.type == "meta" else a
+    if isinstance(a, (list, tuple)):
+        return type(a)(_off_meta(x, device) for x in a)
+    if isinstance(a, dict):
+        return {k: _off_meta(v, device) for k, v in a.items()}
+    return a
+
+
 def _run_node(n: fx.Node, env, ctx):
     if n.target is redistribute:
         x, src, dst = n.args
@@ -118,6 +130,8 @@ def _run_node(n: fx.Node, env, ctx):
     rule = info(n).rule
     args = _map(n.args, lambda a: env[a])
     kwargs = _map(n.kwargs, lambda a: env[a])
+    if ctx.device.type != "meta":  # a model built on meta, traced there, runs on the mesh's device
+        args, kwargs = _off_meta(args, ctx.device), _off_meta(kwargs, ctx.device)
     if rule is not None and rule.impl is not None:
         return rule.impl(ctx, *args, **kwargs)
     in_specs = [spec_of(a) for a in tensor_args(n)]
@@ -131,7 +145,7 @@ def _run_node(n: fx.Node, env, ctx):
         if n.target in VIEW_OPS:  # local strides can differ from the global value's
             local = local.contiguous()
         return DTensor(local, dspec, requires_grad=False)
-    out = n.target(*_map(n.args, wrap), **_map(n.kwargs, wrap))
+    out = n.target(*_off_meta(_map(n.args, wrap), ctx.device), **_off_meta(_map(n.kwargs, wrap), ctx.device))
     want = spec_of(n)
     def unwrap(o, w):
         if isinstance(o, DTensor):

@@ -31,10 +31,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from autopar.errors import TrainingError
 from autopar.runtime.common import LossScaler, local_inputs
 from autopar.runtime.executor import Executor
 from autopar.runtime.measure import both, switch
 from autopar.runtime.memory import MemoryTracker, optimizer_state_bytes, tensor_bytes
+from autopar.runtime.weights import empty_dtensor, tied_names
 
 
 class Runtime:
@@ -54,7 +56,9 @@ class Runtime:
         self._counting = False
         self.scaler = LossScaler(ctx.loss_scale)  # fp16: dynamic loss scaling (GradScaler's constants)
         self.steps = 0
-        self._alias_map: dict[str, list[str]] | None = None  # tied weights (_aliases)
+        self._tied = tied_names(module)  # {alias: name}: parameters registered under several names
+        # parameters / buffers of a model built on meta, still empty (load_pretrained or load fills them)
+        self._unloaded: set[str] = set()
 
     # ---------------------------------------------------------------- parameters
     def _place(self, full_name: str, p: torch.Tensor, mesh, placements) -> None:
@@ -62,26 +66,18 @@ class Runtime:
         meta tensor, a parameter this rank does not hold)."""
         if mesh is None:
             new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
+        elif p.is_meta:  # a model built on meta: this rank's shard, empty until load_pretrained / load
+            new = nn.Parameter(empty_dtensor(p, mesh, placements, self.ctx.device), requires_grad=p.requires_grad)
+            self._unloaded.add(full_name)
         else:
             new = nn.Parameter(distribute_tensor(p.detach().to(self.ctx.device), mesh, placements),
                                requires_grad=p.requires_grad)
         # tied weights (an LM head reading the embedding's weight): every module attribute that
         # holds this parameter gets the same new one, so the tie survives and named_parameters()
         # still lists it once, under its first name (the name the program uses)
-        for alias in self._aliases().get(full_name, [full_name]):
+        for alias in [full_name] + [a for a, c in self._tied.items() if c == full_name]:
             mod_name, _, attr = alias.rpartition(".")
-            mod = self.module.get_submodule(mod_name) if mod_name else self.module
-            mod.register_parameter(attr, new)
-
-    def _aliases(self) -> dict[str, list[str]]:
-        """Each parameter's first name -> every name it is reachable under (tied weights: more
-        than one). Computed once, before any parameter is replaced."""
-        if self._alias_map is None:
-            first: dict[int, str] = {}
-            self._alias_map = {}
-            for name, q in self.module.named_parameters(remove_duplicate=False):
-                self._alias_map.setdefault(first.setdefault(id(q), name), []).append(name)
-        return self._alias_map
+            (self.module.get_submodule(mod_name) if mod_name else self.module).register_parameter(attr, new)
 
     def named_parameters(self):
         return self.module.named_parameters()
@@ -111,6 +107,27 @@ class Runtime:
 
         return checkpoint.load(self, path, optimizer)
 
+    def load_pretrained(self, path, strict: bool = True, verbose: bool = True):
+        """Load a Hugging Face safetensors checkpoint (a folder with ``model.safetensors``, or the
+        sharded files + ``model.safetensors.index.json``) into the parameters, each rank reading
+        only the slices its shards hold; for a model built on meta (``autopar.init_empty_weights()``
+        or ``torch.device("meta")``) and compiled. Returns a LoadReport (bytes read, peak memory per
+        rank). autopar/runtime/weights.py."""
+        from autopar.runtime import weights
+
+        return weights.load_pretrained(self, path, strict=strict, verbose=verbose)
+
+    # ---------------------------------------------------------------- gradients
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over the whole model: the norm of every gradient shard on
+        every rank and pipeline stage (replicated values counted once), one all-reduce; scales
+        ``.grad`` in place by ``min(1, max_norm / (total + 1e-6))``; returns the total norm (the same
+        on every rank). Call on every rank, after ``train_step``. autopar/runtime/grads.py."""
+        from autopar.runtime import grads
+
+        return grads.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
+
     # ---------------------------------------------------------------- one step
     def train_step(self, *inputs) -> torch.Tensor:
         """Forward + backward on the global batch (``inputs="global"``; this rank's part with
@@ -121,6 +138,11 @@ class Runtime:
         and synchronised once. With fp16 dynamic loss scaling, a step whose gradients overflow
         leaves ``.grad`` untouched (so ``optimizer.step()`` changes nothing), halves the scale and
         counts ``skipped_steps``."""
+        if self._unloaded:
+            raise TrainingError(f"the model was built on the meta device and {len(self._unloaded)} of its parameters/"
+                                f"buffers hold no weights yet: {', '.join(sorted(self._unloaded)[:4])}"
+                                + (" ..." if len(self._unloaded) > 4 else ""), where=f"{type(self).__name__}.train_step",
+                                fix="load them first: pm.load_pretrained(hf_folder) or pm.load(checkpoint)")
         with self._measuring(memory=True):
             local = local_inputs(inputs, len(self.example_shapes), self.example_shapes, self.input_mode, self.ctx,
                                  f"{type(self).__name__}.{self.where}")

@@ -56,8 +56,7 @@ def _model_shapes(pm) -> dict[str, tuple]:
     """Every parameter and persistent buffer of the model (a pipeline's other stages included):
     what a checkpoint of this model must hold, with its global shape. A tied weight is held once,
     under its first name."""
-    aliases = {a for names in pm._aliases().values() for a in names[1:]}
-    return {name: tuple(t.shape) for name, t in pm.module.state_dict(keep_vars=True).items() if name not in aliases}
+    return {name: tuple(t.shape) for name, t in pm.module.state_dict(keep_vars=True).items() if name not in pm._tied}
 
 
 def _optimizer_state(pm, optimizer, with_state: bool) -> dict:
@@ -350,6 +349,7 @@ def load(pm, path, optimizer=None) -> dict:
         pm.scaler.growth_tracker = scaler["growth_tracker"]
         pm.scaler.skipped_steps = scaler["skipped_steps"]
     pm.steps = marker["step"]
+    pm._unloaded.clear()  # (a model built on meta: its weights are these)
     return marker.get("extra") or {}
 
 
