@@ -125,6 +125,8 @@ def _run_node(n: fx.Node, env, ctx):
     if n.target is redistribute:
         x, src, dst = n.args
         return apply_redistribute(env[x], src, dst, spec_of(n), ctx)
+    if n.target is torch.ops.aten.native_dropout.default and (len(n.args) < 3 or n.args[2] is not False):
+        return _dropout(n, env[n.args[0]], ctx)
     if n.target is operator.getitem:
         return env[n.args[0]][n.args[1]]
     rule = info(n).rule
@@ -158,6 +160,39 @@ def _run_node(n: fx.Node, env, ctx):
     if isinstance(out, (tuple, list)):
         return type(out)(unwrap(o, w) for o, w in zip(out, want))
     return unwrap(out, want)
+
+
+def _dropout(n: fx.Node, x: torch.Tensor, ctx):
+    """A training dropout on this rank's block, its mask drawn from the global positions of the
+    block's elements (autopar/runtime/dropout.py): replicas draw the same mask, shards their part
+    of one mask. The key names the dropout by its node in the torch-level capture, which every
+    rank, stage and plan shares."""
+    from autopar.runtime.dropout import local_dropout, node_key
+
+    spec = spec_of(n.args[0])
+    odd = [p for p in spec.placements if isinstance(p, (Partial, _StridedShard))]
+    if odd:
+        raise ShardingError(f"dropout on a value placed {fmt_placements(spec.placements)}: its mask cannot be "
+                            "drawn by position on this layout", where=source_line(n),
+                            fix="report it; meanwhile compile with a plan that keeps this value sharded "
+                                "by plain Shard or replicated, or set the dropout to 0")
+    shape = tuple(spec.shape)
+    # this rank's block: mesh axes split their dim in order, as torch.chunk (DTensor's layout)
+    starts, extent = [0] * len(shape), list(shape)
+    for a, p in enumerate(spec.placements):
+        if isinstance(p, Shard):
+            piece = -(-extent[p.dim] // ctx.axis_sizes[a])
+            lo = min(ctx.coord[a] * piece, extent[p.dim])
+            starts[p.dim] += lo
+            extent[p.dim] = min(piece, extent[p.dim] - lo)
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.insert(0, acc)
+        acc *= d
+    src = n.meta.get("from_node") or []
+    origin = src[0].name if src and getattr(src[0], "name", None) else n.name
+    ctx.dropouts = getattr(ctx, "dropouts", 0) + 1
+    return local_dropout(x, float(n.args[1]), [int(v) for v in starts], strides, node_key(0, origin))
 
 
 def apply_redistribute(x: torch.Tensor, src, dst, spec, ctx) -> torch.Tensor:

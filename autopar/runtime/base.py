@@ -27,16 +27,28 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from autopar.errors import TrainingError
+from autopar.runtime import dropout
 from autopar.runtime.common import LossScaler, local_inputs
 from autopar.runtime.executor import Executor
 from autopar.runtime.measure import both, switch
 from autopar.runtime.memory import MemoryTracker, optimizer_state_bytes, tensor_bytes
 from autopar.runtime.weights import empty_dtensor, tied_names
+
+
+def _agreed_seed(device) -> int:
+    """Rank 0's ``torch.initial_seed()`` on every rank (one 8-byte broadcast when compiling)."""
+    seed = torch.initial_seed() & ((1 << 63) - 1)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([seed], dtype=torch.int64, device=device if device.type != "meta" else "cpu")
+        dist.broadcast(t, src=0)
+        seed = int(t.item())
+    return seed
 
 
 class Runtime:
@@ -56,6 +68,9 @@ class Runtime:
         self._counting = False
         self.scaler = LossScaler(ctx.loss_scale)  # fp16: dynamic loss scaling (GradScaler's constants)
         self.steps = 0
+        # dropout masks are drawn from this seed, the step and each element's global position
+        # (autopar/runtime/dropout.py): rank 0's torch.initial_seed(), agreed here; set pm.seed to choose
+        self.seed = _agreed_seed(ctx.device)
         self._tied = tied_names(module)  # {alias: name}: parameters registered under several names
         # parameters / buffers of a model built on meta, still empty (load_pretrained or load fills them)
         self._unloaded: set[str] = set()
@@ -150,6 +165,7 @@ class Runtime:
             micro = [[torch.chunk(x, m, dim=0)[i] if x.ndim > 0 else x for x in local] for i in range(m)] \
                 if m > 1 else [local]
             del local
+            dropout.STATE.update(seed=self.seed, step=self.steps)
             losses = self.executor.run(micro, self._shared_values(), self.loss_scale or 1.0)
             del micro
             grads = self._sync_across_stages(self.executor.sync())

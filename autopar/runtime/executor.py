@@ -25,6 +25,7 @@ import time
 import torch
 
 from autopar.ir import Stage
+from autopar.runtime import dropout
 
 
 class Executor:
@@ -66,6 +67,7 @@ class Executor:
             if i + 1 < len(self.actions):  # one action ahead: its inputs arrive while this one computes
                 self._post_recvs(self.actions[i + 1])
             kind, s, mb = action
+            dropout.STATE["micro"] = mb  # (the draw of this micro-batch's dropouts)
             self._ready = time.perf_counter()  # (actions that receive move it past their receives)
             if kind == "FB":
                 self._whole(s, mb)
