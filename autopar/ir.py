@@ -126,6 +126,8 @@ class NodeInfo:
     spec: object = _UNSET  # propagate: ShardSpec (a tuple of them for multi-output ops; None: no tensor)
     wants: list | None = None  # propagate: the placements each tensor input must have when the op runs
     rule: object = None  # propagate: the RuleResult that decided (its .name, its local .impl)
+    seq_dim: object = None  # propagate, under a sequence-parallel strategy: the value's sequence dim
+    #                         (int), "flat" (dim 0 is batch x sequence merged) or None (autopar/layout.py)
     why: str | None = None  # state: why this consumer needs its input's layout (becomes a reason)
     recomputed: str | None = None  # recompute: the forward node this backward copy recomputes
     reason: str | None = None  # collectives (redistribute nodes): why the move exists

@@ -64,8 +64,11 @@ MEGATRON: list[tuple[str, Placement]] = (
 #          use, freed in between; gradients reduce-scattered as produced ("fsdp" is the same)
 ZERO_LEVEL = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
 DATA_PARALLEL = set(ZERO_LEVEL)
+# "sequence": Megatron's parameter placements with sequence parallelism on the same axis: between the
+# tensor-parallel regions activations are sharded over the sequence (autopar/layout.py says how the
+# propagation lays them out); reduce-scatter out of / all-gather into each region, no all-reduce
 PRESETS: dict[str, list[tuple[str, Placement]]] = {
-    **{s: [("*", R)] for s in ZERO_LEVEL}, "megatron": MEGATRON}
+    **{s: [("*", R)] for s in ZERO_LEVEL}, "megatron": MEGATRON, "sequence": MEGATRON}
 
 
 def parse_placement(p, where: str) -> Placement:

@@ -16,6 +16,7 @@ import math
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
+from autopar.layout import sequence_reason
 from autopar.ir import CommRecord, Program, ShardSpec, fmt_placements, info, phase_of, redistribute, source_line, spec_of
 
 
@@ -126,6 +127,8 @@ def _fix(graph, a: fx.Node, want, consumer: fx.Node, ctx, cache, reason, before=
         return cache[key]
     if reason is None and info(consumer).why:
         reason = info(consumer).why  # a pass said why this consumer needs the layout
+    if reason is None:  # a sequence-parallel axis's reduce-scatter out of / all-gather into a region
+        reason = sequence_reason(a, have.placements, want, ctx)
     if reason is None:
         reason = (f"{fmt_placements(have.placements)} -> {fmt_placements(want)} for "
                   f"{getattr(consumer.target, '__name__', consumer.target)} ({consumer.name})")

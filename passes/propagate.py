@@ -27,6 +27,7 @@ from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from autopar.errors import ShardingError
+from autopar.layout import SequenceDims
 from autopar.ir import Program, ShardSpec, fmt_placements, info, source_line, spec_of, tensor_args
 from autopar.rules import RULES, RuleResult, pointwise_rule
 from autopar.scoped import SharedPatch
@@ -46,13 +47,16 @@ def propagate_pass(program: Program, ctx) -> Program:
         ctx.output_placements(role, o) if isinstance(o, fx.Node) else None
         for role, o in zip(program.outputs, out.args[0])]
     ctx.strategy_cache = {}  # repeated blocks ask DTensor the same question: answer it once
+    seq = SequenceDims(program, ctx)  # the activation layout of a sequence-parallel axis (autopar/layout.py)
     for n in graph.nodes:
         if n.op == "placeholder":
             val = n.meta["val"]
             placements = ctx.placeholder_placements(info(n).role, tuple(val.shape))
             info(n).spec = ShardSpec(tuple(placements), tuple(val.shape), val.dtype)
+            seq.label(n, info(n).role)
         elif n.op == "call_function":
-            _propagate_node(n, ctx)
+            seq.label(n)  # from shapes and the inputs' labels: known before the op is decided
+            _propagate_node(n, ctx, seq)
         elif n.op == "get_attr":
             raise ShardingError(f"unexpected get_attr node {n.target} in the captured graph")
     return program
@@ -64,17 +68,26 @@ def _spec_from_val(val, placements) -> ShardSpec | None:
     return None
 
 
-def _propagate_node(n: fx.Node, ctx) -> None:
+def _propagate_node(n: fx.Node, ctx, seq: SequenceDims | None = None) -> None:
     if n.target is operator.getitem:
         parent, idx = n.args
         info(n).spec = spec_of(parent)[idx]
         return
-    in_specs = [spec_of(a) for a in tensor_args(n)]
-    res = None
-    if n.target in RULES:
-        res = RULES[n.target](n, in_specs, ctx)
-    if res is None:
-        res = _dtensor_rule(n, in_specs, ctx)
+    args = tensor_args(n)
+    in_specs = [spec_of(a) for a in args]
+    # a sequence-parallel axis (autopar/layout.py): a view that merges batch and sequence (entering a
+    # tensor-parallel region) reads its sequence-sharded input whole
+    read_as = seq.gathered(n, in_specs) if seq is not None else {}
+    in_specs = [read_as.get(a, s) for a, s in zip(args, in_specs)]
+    res = _decide(n, in_specs, ctx, read_as)
+    # ... and a Partial activation the choice above resolves to Replicate is resolved to Shard(seq)
+    # instead: the op is decided again with that input read sequence-sharded (the collectives pass
+    # then reduce-scatters it instead of all-reducing it)
+    resolved = seq.resolved(n, in_specs, res.inputs) if seq is not None else {}
+    if resolved:
+        read_as = {**read_as, **resolved}
+        in_specs = [read_as.get(a, s) for a, s in zip(args, in_specs)]
+        res = _decide(n, in_specs, ctx, read_as)
     val = n.meta.get("val")
     if isinstance(val, (tuple, list)):
         info(n).spec = tuple(
@@ -85,13 +98,24 @@ def _propagate_node(n: fx.Node, ctx) -> None:
     info(n).rule = res
 
 
-def _cache_key(n: fx.Node):
+def _decide(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResult:
+    """autopar's rule for the op if it has one that applies, else DTensor's choice; ``read_as``:
+    inputs to be seen in another layout than their producer's (node -> ShardSpec)."""
+    res = None
+    if n.target in RULES:
+        res = RULES[n.target](n, in_specs, ctx)
+    if res is None:
+        res = _dtensor_rule(n, in_specs, ctx, read_as or {})
+    return res
+
+
+def _cache_key(n: fx.Node, read_as):
     """What DTensor's choice for ``n`` depends on: the op, every argument (a tensor by its
     placements, shape, stride, dtype and whether it has other users, which _select_strategy
     weighs), nothing else. None if an argument is not hashable."""
     def key(x):
         if isinstance(x, fx.Node):
-            s, v = spec_of(x), x.meta.get("val")
+            s, v = read_as.get(x) or spec_of(x), x.meta.get("val")
             if not isinstance(v, torch.Tensor) or s is None:
                 return ("node", x.name)  # not a plain tensor: never shared
             return (tuple(s.placements), tuple(v.shape), tuple(v.stride()), v.dtype, len(x.users) > 1)
@@ -107,18 +131,19 @@ def _cache_key(n: fx.Node):
     return k
 
 
-def _dtensor_rule(n: fx.Node, in_specs, ctx) -> RuleResult:
+def _dtensor_rule(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResult:
+    read_as = read_as or {}
     cache = getattr(ctx, "strategy_cache", None)
-    k = _cache_key(n) if cache is not None else None
+    k = _cache_key(n, read_as) if cache is not None else None
     if k is not None and k in cache:
         return cache[k]
-    res = _dtensor_rule_uncached(n, in_specs, ctx)
+    res = _dtensor_rule_uncached(n, in_specs, ctx, read_as)
     if k is not None:
         cache[k] = res
     return res
 
 
-def _dtensor_rule_uncached(n: fx.Node, in_specs, ctx) -> RuleResult:
+def _dtensor_rule_uncached(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResult:
     prop = DTensor._op_dispatcher.sharding_propagator
     op = n.target
     known = (op in prop.op_strategy_funcs or op in prop.op_to_rules
@@ -138,7 +163,7 @@ def _dtensor_rule_uncached(n: fx.Node, in_specs, ctx) -> RuleResult:
         )
 
     def to_dspec(a):
-        s = spec_of(a)
+        s = (read_as or {}).get(a) or spec_of(a)
         v = a.meta["val"]
         return DTensorSpec(ctx.mesh, s.placements, TensorMeta(v.shape, v.stride(), v.dtype))
 

@@ -1,0 +1,167 @@
+"""Activation layouts: how a strategy wants the activations BETWEEN its parallel regions laid out.
+
+Each tensor-parallel strategy places parameters (autopar/plan.py); the propagation then gives
+every activation the placements its ops produce. Where a value must be resolved (a Partial sum
+that an op cannot take as is), Megatron resolves it to Replicate: an all-reduce, after which
+norms, residual adds and dropout run on the whole activation on every tensor-parallel rank.
+
+The ``sequence`` strategy (Megatron-LM's ``--sequence-parallel``, Korthikanti et al. 2022)
+places parameters as ``megatron`` but resolves such a Partial to Shard(sequence dim) instead:
+a reduce-scatter, after which the ops between the tensor-parallel regions (elementwise, norms:
+row-wise over the last dim) keep the sequence shard, and the column-parallel matmuls that need
+the whole activation all-gather it (the propagation's ordinary Shard -> Replicate want). An
+all-reduce is a reduce-scatter + an all-gather in the ring model, so the bytes stay Megatron's
+while the activations between the regions are divided by the axis size.
+
+The sequence dim is found by data flow (``seq_dim``): the program's token inputs ``[b, s, ...]``
+have it at dim 1; an op's output keeps it where a transpose / permute moves it, a view that
+merges ``b`` and ``s`` makes a flat ``[b*s, ...]`` value ("flat") that a later view splits back,
+and any other op keeps dim d when an input had it there and the output still has the batch at
+dim 0 and the sequence length at dim d.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from autopar.errors import PlanError
+from autopar.ir import ShardSpec, fmt_placements, info, tensor_args
+
+aten = torch.ops.aten
+
+# strategy name -> how it lays out activations between its parallel regions
+ACTIVATION_LAYOUT = {"sequence": "sequence"}
+FLAT = "flat"  # a value whose dim 0 is batch x sequence merged
+
+
+def sequence_axes(ctx) -> list[int]:
+    """Mesh axes (of size > 1) whose strategy shards activations over the sequence."""
+    return [i for i, ap in enumerate(ctx.plan.axes)
+            if ACTIVATION_LAYOUT.get(ap.strategy) == "sequence" and ctx.axis_sizes[i] > 1]
+
+
+class SequenceDims:
+    """Per program: the batch and sequence length of its token inputs, and each value's sequence
+    dim (``info(n).seq_dim``: an int, FLAT, or None)."""
+
+    def __init__(self, program, ctx):
+        self.axes = sequence_axes(ctx)
+        self.batch = self.seq = None
+        if not self.axes:
+            return
+        for n, role in zip((n for n in program.graph.nodes if n.op == "placeholder"), program.inputs):
+            val = n.meta.get("val")
+            if role[0] == "input" and isinstance(val, torch.Tensor) and val.ndim >= 2:
+                self.batch, self.seq = int(val.shape[0]), int(val.shape[1])
+                break
+        if self.seq is None:
+            return
+        k = ctx.prod(self.axes)
+        if self.seq % k:
+            names = ", ".join(f"'{ctx.axis_names[a]}'" for a in self.axes)
+            raise PlanError(
+                f"sequence parallelism needs the sequence length (dim 1 of the inputs: {self.seq}) to be divisible "
+                f"by the ranks of mesh axis {names} ({k})",
+                where=", ".join(f"plan[{ctx.axis_names[a]!r}] = 'sequence'" for a in self.axes),
+                fix=f"use a sequence length that is a multiple of {k}, or the 'megatron' strategy on that axis")
+
+    @property
+    def active(self) -> bool:
+        return bool(self.axes) and self.seq is not None
+
+    def label(self, n: fx.Node, role=None) -> None:
+        """Set ``info(n).seq_dim`` from n's inputs (placeholders: from their role)."""
+        if not self.active:
+            return
+        info(n).seq_dim = self._label(n, role)
+
+    def _label(self, n: fx.Node, role):
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return None
+        shape = tuple(val.shape)
+        if n.op == "placeholder":
+            ok = role is not None and role[0] == "input" and len(shape) >= 2
+            return 1 if ok and shape[:2] == (self.batch, self.seq) else None
+        if n.op != "call_function":
+            return None
+        src = n.args[0] if n.target is operator.getitem else n  # a multi-output op's outputs: from its inputs
+        labels = [info(a).seq_dim for a in tensor_args(src)]
+        if not any(lab is not None for lab in labels):
+            return None
+        x = labels[0]
+        if src is not n:
+            n = src
+        if n.target is aten.transpose.int and isinstance(x, int):
+            d0, d1 = (int(d) % len(shape) for d in n.args[1:3])
+            return d1 if x == d0 else d0 if x == d1 else x
+        if n.target is aten.permute.default and isinstance(x, int):
+            return [int(d) % len(shape) for d in n.args[1]].index(x)
+        for lab in labels:
+            if isinstance(lab, int) and len(shape) > lab and shape[0] == self.batch and shape[lab] == self.seq:
+                return lab
+        bs = self.batch * self.seq
+        if any(lab == 1 or lab == FLAT for lab in labels) and len(shape) >= 1 and shape[0] == bs:
+            return FLAT
+        if any(lab == FLAT for lab in labels) and len(shape) >= 2 and shape[:2] == (self.batch, self.seq):
+            return 1
+        return None
+
+    def gathered(self, n: fx.Node, in_specs) -> dict[fx.Node, ShardSpec]:
+        """A view that merges the batch and sequence dims (``[b, s, h] -> [b*s, h]``, what a linear
+        layer does before its matmul) enters a tensor-parallel region: its input is read whole on
+        the sequence axes (an all-gather), never carried into the matmul as a strided shard (which
+        would all-gather the weight instead and leave attention with part of the sequence)."""
+        out: dict[fx.Node, ShardSpec] = {}
+        if not self.active or info(n).seq_dim != FLAT:
+            return out
+        for a, have in zip(tensor_args(n), in_specs):
+            d = info(a).seq_dim
+            if have is None or not isinstance(d, int):
+                continue
+            pl = [Replicate() if ax in self.axes and p == Shard(d) else p for ax, p in enumerate(have.placements)]
+            if tuple(pl) != tuple(have.placements):
+                out[a] = ShardSpec(tuple(pl), have.shape, have.dtype)
+        return out
+
+    def resolved(self, n: fx.Node, in_specs, wants) -> dict[fx.Node, ShardSpec]:
+        """The inputs of ``n`` that the first choice resolves from Partial to Replicate on a sequence
+        axis and that have a sequence dim: each with the spec it is read in instead (Shard(seq) on
+        those axes). Empty when nothing is to change."""
+        out: dict[fx.Node, ShardSpec] = {}
+        if not self.active:
+            return out
+        for a, have, want in zip(tensor_args(n), in_specs, wants):
+            d = info(a).seq_dim
+            if have is None or want is None or not isinstance(d, int):
+                continue
+            pl = list(out[a].placements) if a in out else list(have.placements)
+            for ax in self.axes:
+                taken = any(isinstance(p, Shard) and p.dim == d for i, p in enumerate(pl) if i != ax)
+                if isinstance(have.placements[ax], Partial) and isinstance(want[ax], Replicate) and not taken:
+                    pl[ax] = Shard(d)
+            if tuple(pl) != tuple(have.placements):
+                out[a] = ShardSpec(tuple(pl), have.shape, have.dtype)
+        return out
+
+
+def sequence_reason(a: fx.Node, have, want, ctx) -> str | None:
+    """Why a move of ``a`` from ``have`` to ``want`` exists, when the sequence layout made it: the
+    reduce-scatter out of a tensor-parallel region, or the all-gather into one. None otherwise."""
+    d = info(a).seq_dim
+    if not isinstance(d, int):
+        return None
+    for ax in sequence_axes(ctx):
+        p, q = have[ax], want[ax]
+        name = ctx.axis_names[ax]
+        if isinstance(p, Partial) and q == Shard(d):
+            return (f"sequence parallel ({name}=sequence): partial sums leave the tensor-parallel region "
+                    f"reduce-scattered over the sequence (dim {d}), {fmt_placements(have)} -> {fmt_placements(want)}")
+        if p == Shard(d) and isinstance(q, Replicate):
+            return (f"sequence parallel ({name}=sequence): the sequence-sharded activation is all-gathered to enter "
+                    f"a tensor-parallel region, {fmt_placements(have)} -> {fmt_placements(want)}")
+    return None
