@@ -25,13 +25,15 @@ of each step (autopar/runtime/memory.py).
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from autopar.runtime.common import LossScaler, local_inputs
+from autopar.runtime import failure
+from autopar.runtime.common import LossScaler, check_indices, local_inputs
 from autopar.runtime.executor import Executor
 from autopar.runtime.measure import both, switch
 from autopar.runtime.memory import MemoryTracker, optimizer_state_bytes, tensor_bytes
@@ -54,6 +56,32 @@ class Runtime:
         self._counting = False
         self.scaler = LossScaler(ctx.loss_scale)  # fp16: dynamic loss scaling (GradScaler's constants)
         self.steps = 0
+        self._timeout = failure.DEFAULT_TIMEOUT_S
+        self.index_checks = []  # inputs holding token ids / class targets, checked per step (common.py)
+        self._guard = True
+
+    @property
+    def timeout(self) -> float:
+        """Seconds any wait of a step may block before the step fails on every rank (compile's
+        ``timeout=``; a pipeline's transfers: AUTOPAR_P2P_TIMEOUT where set)."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._timeout = float(seconds)
+        if not os.environ.get("AUTOPAR_P2P_TIMEOUT"):
+            self.executor.p2p.timeout = float(seconds)
+
+    @property
+    def guard(self) -> bool:
+        """Bounded waits, batch value checks and the failure side channel (autopar/runtime/failure.py);
+        on by default. Off: the programs' own functional collectives and unbounded waits (what
+        benchmarks/faults.py --overhead compares against)."""
+        return self._guard
+
+    @guard.setter
+    def guard(self, on: bool) -> None:
+        self._guard = self.executor.guard = bool(on)
 
     # ---------------------------------------------------------------- parameters
     def _place(self, full_name: str, p: torch.Tensor, mesh, placements) -> None:
@@ -106,9 +134,13 @@ class Runtime:
         and synchronised once. With fp16 dynamic loss scaling, a step whose gradients overflow
         leaves ``.grad`` untouched (so ``optimizer.step()`` changes nothing), halves the scale and
         counts ``skipped_steps``."""
-        with self._measuring(memory=True):
+        where = f"{type(self).__name__}.{self.where}"
+        with failure.call(self, "train_step") as call, self._measuring(memory=True):
             local = local_inputs(inputs, len(self.example_shapes), self.example_shapes, self.input_mode, self.ctx,
-                                 f"{type(self).__name__}.{self.where}")
+                                 where)
+            if self._guard:
+                check_indices(inputs, self.index_checks, where)
+            call.communicating()  # (a failure from here on breaks the program on every rank)
             m = self.executor.microbatches
             micro = [[torch.chunk(x, m, dim=0)[i] if x.ndim > 0 else x for x in local] for i in range(m)] \
                 if m > 1 else [local]

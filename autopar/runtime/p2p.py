@@ -9,25 +9,28 @@ stage (SPMD) there are no edges and nothing here runs.
 
 from __future__ import annotations
 
-import datetime
 import os
 import time
 
 import torch
 import torch.distributed as dist
 
+from autopar.runtime import failure
+
 
 class P2P:
     """One rank's side of the stage-to-stage transfers of one step (``begin`` ... ``finish``)."""
 
-    def __init__(self, specs, schedule, pp_rank: int, pp_group, device):
+    def __init__(self, specs, schedule, pp_rank: int, pp_group, device, timeout: float | None = None):
         self.schedule = schedule
         self.pp_rank = pp_rank
         self.pp_ranks = dist.get_process_group_ranks(pp_group) if pp_group is not None else [dist.get_rank()]
         self.device = device
         self.microbatches = schedule.microbatches if schedule is not None else 1
-        # seconds a receive may wait before the step fails (a peer that died must not hang the rest)
-        self.timeout = float(os.environ.get("AUTOPAR_P2P_TIMEOUT", "600"))
+        # seconds a receive may wait before the step fails (a peer that died must not hang the rest):
+        # compile's timeout=, or AUTOPAR_P2P_TIMEOUT where set
+        env = os.environ.get("AUTOPAR_P2P_TIMEOUT")
+        self.timeout = float(env) if env else float(timeout if timeout is not None else failure.DEFAULT_TIMEOUT_S)
         self._edges = {}
         for spec in specs:
             for k, src in enumerate(spec.inputs):
@@ -76,14 +79,10 @@ class P2P:
         self.post(like, stage_from, tag)
         work, buf = self.posted.pop(tag)
         t0 = time.perf_counter()
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-        except RuntimeError as e:  # a peer that failed (or never sends) must not hang this rank
-            src = self.pp_ranks[self.rank_of(stage_from)]
-            raise RuntimeError(
-                f"autopar pipeline: rank {dist.get_rank()} waited {self.timeout:g}s for a transfer from stage "
-                f"{stage_from} (rank {src}, tag {tag}) that never came: that rank probably failed; its own "
-                f"error says why (raise the limit with AUTOPAR_P2P_TIMEOUT=seconds if a step is that slow)") from e
+        # bounded, and woken by another rank's failure (a peer that failed or never sends must not
+        # hang this rank): autopar/runtime/failure.py
+        src = self.pp_ranks[self.rank_of(stage_from)]
+        failure.wait(work, f"the transfer from stage {stage_from} (rank {src}, tag {tag})", self.timeout)
         self.waited += time.perf_counter() - t0
         return buf
 
@@ -94,7 +93,7 @@ class P2P:
     def finish(self) -> None:
         """Wait for the sends still in flight (bounded: a peer that died cannot take them)."""
         for work, _ in self.pending:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+            failure.wait(work, "a send to the next / previous stage", self.timeout)
         self.pending = []
         assert not self.posted, "a posted receive was never used"
         self.mailbox = {}
