@@ -68,7 +68,9 @@ def local_inputs(inputs, n_expected: int, example_shapes, input_mode: str, ctx, 
         want = tuple(local_shape) if input_mode == "local" else shape
         if tuple(x.shape) != want or x.dtype != dtype:
             hint = ""
-            if input_mode == "global" and tuple(x.shape) == tuple(local_shape):
+            if tuple(x.shape) == want:  # (only the dtype differs)
+                pass
+            elif input_mode == "global" and tuple(x.shape) == tuple(local_shape):
                 hint = " (this looks like a per-rank batch: compile with inputs='local' if your loader shards)"
             elif input_mode == "local" and tuple(x.shape) == shape:
                 hint = " (this looks like the global batch: compile with inputs='global')"

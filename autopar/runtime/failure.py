@@ -43,6 +43,9 @@ import copy
 import ctypes
 import datetime
 import json
+import os
+import queue
+import threading
 import time
 
 import torch
@@ -81,6 +84,8 @@ class World:
         self.call: Call | None = None
         self.slice = datetime.timedelta(seconds=SLICE_S)
         self.answered = False
+        self.store_dead = False
+        self.waiter: _Waiter | None = None
         self.waiting: str | None = None  # what this rank waits in, once a wait outlasts a slice
 
     # ------------------------------------------------------------ the store
@@ -92,14 +97,19 @@ class World:
         return f"{host}:{port}"
 
     def _store_lost(self, e: BaseException, what: str) -> RankFailure:
+        self.store_dead = True
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun: the store is the agent's
+        host = "its launcher's agent" if agent else "rank 0 (the store's host under env:// / tcp:// init)"
         return RankFailure(
-            f"rank {self.rank} lost the c10d store at {self._where_store()} while {what} "
-            f"({_first_line(e)}): the process hosting it stopped responding (with torch.distributed's "
-            "default env:// setup, rank 0)", rank=None, error=_first_line(e), where=f"rank {self.rank}", fix=FIX)
+            f"{host} stopped responding: the c10d store at {self._where_store()} is gone ({_first_line(e)}), "
+            f"seen by rank {self.rank} while {what}", rank=None if agent else 0, error=_first_line(e),
+            where=f"rank {self.rank}", fix=FIX)
 
     def post(self, record: dict) -> None:
         """Append a failure record for every rank to see (best effort: the store may be gone)."""
         record = {"rank": self.rank, "time": time.time(), **record}
+        if self.store_dead:
+            return
         with contextlib.suppress(Exception):
             i = self.store.add(_COUNT, 1) - 1
             self.store.set(f"autopar/failure/{i}", json.dumps(record))
@@ -123,13 +133,17 @@ class World:
         return others[0] if others else None
 
     # ------------------------------------------------------------ waiting
-    def wait(self, work, what: str, timeout: float | None = None) -> None:
+    def wait(self, work, what: str, timeout: float | None = None, p2p: bool = False) -> None:
         """Wait for ``work`` in slices; between them, look for failure records; raise
-        ``RankFailure`` on a record, a communication error or after ``timeout`` seconds."""
-        if self._done(work, what):  # (the common case: done within the first slice)
-            return
+        ``RankFailure`` on a record, a communication error or after ``timeout`` seconds.
+        ``p2p``: a send / receive, whose gloo wait cannot be sliced (a timed-out wait closes the
+        connection): a helper thread blocks in it while this thread waits in slices."""
         if timeout is None:
             timeout = self.call.timeout if self.call is not None else DEFAULT_TIMEOUT_S
+        if p2p:
+            return self._wait_p2p(work, what, timeout)
+        if self._done(work, what):  # (the common case: done within the first slice)
+            return
         t0 = time.monotonic() - SLICE_S
         self.waiting = what
         try:
@@ -141,6 +155,25 @@ class World:
                     return
         finally:
             self.waiting = None
+
+    def _wait_p2p(self, work, what: str, timeout: float) -> None:
+        done, box = threading.Event(), []
+        if self.waiter is None:
+            self.waiter = _Waiter()
+        # the helper's own bound is later than ours: the connection closes only after this rank gave up
+        self.waiter.jobs.put((work, datetime.timedelta(seconds=timeout + 5 * SLICE_S), box, done))
+        if not done.wait(SLICE_S):
+            t0 = time.monotonic() - SLICE_S
+            self.waiting = what
+            try:
+                while not done.wait(SLICE_S):
+                    self.check(what)
+                    if time.monotonic() - t0 >= timeout:
+                        raise self.timed_out(what, timeout)
+            finally:
+                self.waiting = None
+        if box:
+            raise self.lost(what, box[0]) from None
 
     def _done(self, work, what: str) -> bool:
         try:
@@ -157,7 +190,7 @@ class World:
         try:
             records = self.read()
         except Exception as e:  # noqa: BLE001 - the store's process is gone
-            raise self._store_lost(e, what) from None
+            raise self._store_lost(e, f"waiting in {what}") from None
         if not self.answered and any(r.get("census") for r in records):
             self.answer()  # a rank lost a peer and asks who is still here
         rec = self.relevant(records)
@@ -180,7 +213,7 @@ class World:
             try:
                 rec = self.relevant(self.read())
             except Exception as se:  # noqa: BLE001
-                return self._store_lost(se, what)
+                return self._store_lost(se, f"waiting in {what}")
             if rec is not None and rec.get("root"):
                 return self.from_record(rec, what)
             if time.monotonic() > deadline:
@@ -248,8 +281,9 @@ class World:
         state = f"in {c.what} (step {c.step})" if c is not None else "outside autopar's calls"
         if self.waiting:
             state = f"waiting in {self.waiting}, " + state
-        with contextlib.suppress(Exception):
-            self.store.set(f"autopar/alive/{self.rank}", state)
+        if not self.store_dead:
+            with contextlib.suppress(Exception):
+                self.store.set(f"autopar/alive/{self.rank}", state)
 
     # ------------------------------------------------------------ after a failure
     def abandon(self, failure: RankFailure) -> None:
@@ -259,6 +293,33 @@ class World:
             for pg in list(dist.distributed_c10d._world.pg_map):
                 ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
         self.answer()
+
+
+class _Waiter:
+    """One thread that blocks in ``Work.wait()`` of sends and receives for the main thread.
+
+    Not a daemon: a daemon thread whose C++ wait returns while the interpreter finalizes is
+    killed inside it (std::terminate, SIGABRT at exit, seen). This one ends when the main thread
+    has ended and it is idle; a wait in progress then is bounded by the transfer's timeout."""
+
+    def __init__(self):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="autopar-p2p-wait", daemon=False).start()
+
+    def _run(self):
+        main = threading.main_thread()
+        while True:
+            try:
+                work, timeout, box, done = self.jobs.get(timeout=SLICE_S)
+            except queue.Empty:
+                if not main.is_alive():
+                    return
+                continue
+            try:
+                work.wait(timeout)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                box.append(e)
+            done.set()
 
 
 _world: World | None = None
@@ -279,13 +340,16 @@ def world() -> World | None:
     return _world
 
 
-def wait(work, what: str, timeout: float | None = None) -> None:
+def wait(work, what: str, timeout: float | None = None, p2p: bool = False) -> None:
     """Wait for a ``Work`` (bounded, and woken by another rank's failure): see ``World.wait``."""
     w = world()
     if w is None:
-        work.wait()
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(datetime.timedelta(seconds=timeout))
     else:
-        w.wait(work, what, timeout)
+        w.wait(work, what, timeout, p2p)
 
 
 # ---------------------------------------------------------------- one call (train_step, eval)
@@ -328,6 +392,10 @@ class Call:
                 w.post({"root": False, "fatal": True, "message": e.problem, "culprit": e.rank, "error": e.error})
             w.abandon(e)
             return False
+        if self.sending and _communication_error(e):  # a peer's connection closed under a call not waited here
+            failure = w.lost(self.what, e)
+            w.abandon(failure)
+            raise failure from e
         rec = {"root": True, "call": self.index, "where": where, "error": _first_line(e), "fatal": self.sending}
         w.post(rec)
         if not self.sending:  # the batch checks: nothing was sent, this rank's own error says it best
@@ -337,6 +405,12 @@ class Call:
         if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: posted, passed on as they are
             return False
         raise failure from e
+
+
+def _communication_error(e: BaseException) -> bool:
+    text = str(e)
+    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and (
+        "gloo" in text or "Connection closed" in text or "pair closure" in text))
 
 
 def call(runtime, what: str):

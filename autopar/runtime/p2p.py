@@ -82,7 +82,7 @@ class P2P:
         # bounded, and woken by another rank's failure (a peer that failed or never sends must not
         # hang this rank): autopar/runtime/failure.py
         src = self.pp_ranks[self.rank_of(stage_from)]
-        failure.wait(work, f"the transfer from stage {stage_from} (rank {src}, tag {tag})", self.timeout)
+        failure.wait(work, f"the transfer from stage {stage_from} (rank {src}, tag {tag})", self.timeout, p2p=True)
         self.waited += time.perf_counter() - t0
         return buf
 
@@ -93,7 +93,7 @@ class P2P:
     def finish(self) -> None:
         """Wait for the sends still in flight (bounded: a peer that died cannot take them)."""
         for work, _ in self.pending:
-            failure.wait(work, "a send to the next / previous stage", self.timeout)
+            failure.wait(work, "a send to another stage", self.timeout, p2p=True)
         self.pending = []
         assert not self.posted, "a posted receive was never used"
         self.mailbox = {}
