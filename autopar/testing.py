@@ -391,7 +391,8 @@ ATTENTION_CASES = [  # tests/test_kernels.py, benchmarks/kernels_report.py
 
 def pipeline_failure_job(fail_rank: int, timeout_s: float = 3.0):
     """A pipeline step in which ``fail_rank`` raises before its first send: the others must fail
-    with a clear error after ``timeout_s`` instead of hanging (tests/test_pipeline.py)."""
+    with the same clear error at once (its failure record), at the latest after ``timeout_s``,
+    instead of hanging (tests/test_pipeline.py)."""
     import torch.distributed as dist
 
     import autopar
@@ -522,6 +523,11 @@ def fault_job(case: str, plan_name: str, timeout: float, report) -> str:
     rank = dist.get_rank()
     axes, plan = FAULT_PLANS[plan_name]
     model, batches, loss_fn = build_model("llama")
+    if plan_name == "fsdp":  # one block compiles faster (a pipeline of 2 stages wants 2)
+        from autopar.models.llama import Llama, LlamaConfig
+
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(n_layers=1))
     x, y = batches[0]
     if case == "plan_bad":
         plan = {**plan, ("dp" if "dp" in plan else "pp"): "zero9"}
@@ -563,6 +569,47 @@ def fault_job(case: str, plan_name: str, timeout: float, report) -> str:
             return "ok: InputError on every rank, then a good step"
     pm.train_step(bad_x, y)
     return "ok"
+
+
+def recoverable_faults_job() -> list:
+    """Failures that leave the program (and a shared pool) usable: every rank's batch fails the
+    same check before anything is sent; one rank cannot compile (the others learn it before the
+    parameters are distributed). Returns every rank's (batch error, compile error, losses)."""
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.models.llama import Llama, LlamaConfig
+
+    rank = dist.get_rank()
+    _, batches, loss_fn = build_model("llama")
+    x, y = batches[0]
+    torch.manual_seed(0)
+    pm = autopar.compile(Llama(LlamaConfig(n_layers=1)), autopar.mesh(dp=2), example_inputs=(x, y),
+                         loss_fn=loss_fn, plan={"dp": "fsdp"}, capture_eval=False, timeout=10)
+    losses = [pm.train_step(x, y).item()]
+    bad = x.clone()
+    bad[0, 0] = 999
+    try:
+        pm.train_step(bad, y)
+        said_batch = "no error"
+    except autopar.AutoparError as e:
+        said_batch = f"{type(e).__name__}: {e}"
+    losses.append(pm.train_step(x, y).item())
+
+    def broken_loss(logits, targets):  # this rank's loss function fails while tracing
+        raise ValueError("injected: this rank's loss function does not trace")
+
+    try:
+        autopar.compile(Llama(LlamaConfig(n_layers=1)), autopar.mesh(dp=2), example_inputs=(x, y),
+                        loss_fn=broken_loss if rank == 1 else loss_fn, plan={"dp": "fsdp"}, capture_eval=False,
+                        timeout=10)
+        said_compile = "no error"
+    except autopar.AutoparError as e:
+        said_compile = f"{type(e).__name__}: {e}"
+    losses.append(pm.train_step(x, y).item())  # the first program still runs
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (said_batch, said_compile, losses))
+    return everyone
 
 
 def _fault_worker(rank: int, world: int, port: int, case: str, plan_name: str, timeout: float, results):

@@ -81,7 +81,7 @@ class Runtime:
 
     @guard.setter
     def guard(self, on: bool) -> None:
-        self._guard = self.executor.guard = bool(on)
+        self._guard = self.executor.guard = self.executor.p2p.guard = bool(on)
 
     # ---------------------------------------------------------------- parameters
     def _place(self, full_name: str, p: torch.Tensor, mesh, placements) -> None:

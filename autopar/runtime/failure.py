@@ -45,6 +45,7 @@ import datetime
 import json
 import os
 import queue
+import re
 import threading
 import time
 
@@ -66,7 +67,12 @@ _COUNT = "autopar/failures"
 
 def _first_line(e: BaseException | str) -> str:
     text = e if isinstance(e, str) else f"{type(e).__name__}: {e}"
-    return text.strip().splitlines()[0] if text.strip() else text
+    line = text.strip().splitlines()[0] if text.strip() else text
+    # gloo's own errors: "[/path/pair.cc:553] Connection closed by peer [ip]:port. This is typically..."
+    line = re.sub(r"\[/[^\]]*\.(cc|cpp|h):\d+\] ", "", line)
+    if "gloo" in text or "Connection closed" in line:
+        line = line.split(". ")[0]
+    return line
 
 
 class World:
@@ -84,8 +90,10 @@ class World:
         self.call: Call | None = None
         self.slice = datetime.timedelta(seconds=SLICE_S)
         self.answered = False
+        self.store_reads = 0  # times a wait looked at the store (none while every wait ends within a slice)
         self.store_dead = False
         self.waiter: _Waiter | None = None
+        self.watched: list = []  # (work, done) handed to the waiter
         self.waiting: str | None = None  # what this rank waits in, once a wait outlasts a slice
 
     # ------------------------------------------------------------ the store
@@ -116,6 +124,7 @@ class World:
 
     def read(self) -> list[dict]:
         """The failure records posted so far (one store round trip when there are no new ones)."""
+        self.store_reads += 1
         n = self.store.add(_COUNT, 0)
         for i in range(self.seen, n):
             self.records.append(json.loads(self.store.get(f"autopar/failure/{i}")))
@@ -156,12 +165,19 @@ class World:
         finally:
             self.waiting = None
 
-    def _wait_p2p(self, work, what: str, timeout: float) -> None:
+    def watch(self, work, timeout: float) -> tuple[threading.Event, list]:
+        """Hand a send / receive to the helper thread now (its wait starts; ``wait_watched``
+        collects it). The helper's own bound is later than any wait on it: the connection
+        closes (gloo closes it when a transfer's wait times out) only after this rank gave up."""
         done, box = threading.Event(), []
         if self.waiter is None:
             self.waiter = _Waiter()
-        # the helper's own bound is later than ours: the connection closes only after this rank gave up
-        self.waiter.jobs.put((work, datetime.timedelta(seconds=timeout + 5 * SLICE_S), box, done))
+        self.waiter.jobs.put((work, datetime.timedelta(seconds=2 * timeout + 5 * SLICE_S), box, done))
+        self.watched = [w for w in self.watched if not w[1].is_set()] + [(work, done)]
+        return done, box
+
+    def wait_watched(self, watched, what: str, timeout: float) -> None:
+        done, box = watched
         if not done.wait(SLICE_S):
             t0 = time.monotonic() - SLICE_S
             self.waiting = what
@@ -174,6 +190,9 @@ class World:
                 self.waiting = None
         if box:
             raise self.lost(what, box[0]) from None
+
+    def _wait_p2p(self, work, what: str, timeout: float) -> None:
+        self.wait_watched(self.watch(work, timeout), what, timeout)
 
     def _done(self, work, what: str) -> bool:
         try:
@@ -292,6 +311,12 @@ class World:
             self.broken = failure
             for pg in list(dist.distributed_c10d._world.pg_map):
                 ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
+            if self.waiter is not None:  # free the helper thread (it must not hold the process's exit):
+                self.waiter.stop = True  # a gloo transfer whose wait times out closes its connection,
+                for work, done in self.watched:  # and every wait on it returns (measured); the peer
+                    if not done.is_set():  # at the other end is told at once, too
+                        with contextlib.suppress(Exception):
+                            work.wait(datetime.timedelta(milliseconds=1))
         self.answer()
 
 
@@ -304,9 +329,10 @@ class _Waiter:
 
     def __init__(self):
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.stop = False
         threading.Thread(target=self._run, name="autopar-p2p-wait", daemon=False).start()
 
-    def _run(self):
+    def _run(self):  # (the works come in the order the main thread will wait for them)
         main = threading.main_thread()
         while True:
             try:
@@ -316,6 +342,8 @@ class _Waiter:
                     return
                 continue
             try:
+                if self.stop:
+                    raise RuntimeError("autopar: abandoned after a failure")
                 work.wait(timeout)
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 box.append(e)
@@ -340,9 +368,10 @@ def world() -> World | None:
     return _world
 
 
-def wait(work, what: str, timeout: float | None = None, p2p: bool = False) -> None:
-    """Wait for a ``Work`` (bounded, and woken by another rank's failure): see ``World.wait``."""
-    w = world()
+def wait(work, what: str, timeout: float | None = None, p2p: bool = False, guard: bool = True) -> None:
+    """Wait for a ``Work`` (bounded, and woken by another rank's failure): see ``World.wait``.
+    ``guard=False``: a plain ``Work.wait`` (with ``timeout`` if given), as before this module."""
+    w = world() if guard else None
     if w is None:
         if timeout is None:
             work.wait()

@@ -31,6 +31,7 @@ class P2P:
         # compile's timeout=, or AUTOPAR_P2P_TIMEOUT where set
         env = os.environ.get("AUTOPAR_P2P_TIMEOUT")
         self.timeout = float(env) if env else float(timeout if timeout is not None else failure.DEFAULT_TIMEOUT_S)
+        self.guard = True  # waits through autopar/runtime/failure.py (off: plain bounded Work.wait)
         self._edges = {}
         for spec in specs:
             for k, src in enumerate(spec.inputs):
@@ -70,19 +71,27 @@ class P2P:
         """Post a receive now (irecv), so the transfer runs while this rank computes."""
         if tag not in self.posted and not self.here(stage_from):
             buf = torch.empty(like.shape, dtype=like.dtype, device=self.device)
-            self.posted[tag] = (dist.irecv(buf, src=self.pp_ranks[self.rank_of(stage_from)], tag=tag), buf)
+            work = dist.irecv(buf, src=self.pp_ranks[self.rank_of(stage_from)], tag=tag)
+            # guarded: a helper thread waits for it from now on (autopar/runtime/failure.py), so
+            # collecting it costs no thread hand-off when it has arrived
+            w = failure.world() if self.guard else None
+            self.posted[tag] = (work, buf, w.watch(work, self.timeout) if w is not None else None)
 
     def collect(self, like, stage_from: int, tag: int) -> torch.Tensor:
         """The value stage ``stage_from`` delivered under ``tag`` (waiting for it, bounded)."""
         if self.here(stage_from):
             return self.mailbox.pop(tag)
         self.post(like, stage_from, tag)
-        work, buf = self.posted.pop(tag)
+        work, buf, watched = self.posted.pop(tag)
         t0 = time.perf_counter()
         # bounded, and woken by another rank's failure (a peer that failed or never sends must not
         # hang this rank): autopar/runtime/failure.py
         src = self.pp_ranks[self.rank_of(stage_from)]
-        failure.wait(work, f"the transfer from stage {stage_from} (rank {src}, tag {tag})", self.timeout, p2p=True)
+        what = f"the transfer from stage {stage_from} (rank {src}, tag {tag})"
+        if watched is not None:
+            failure.world().wait_watched(watched, what, self.timeout)
+        else:
+            failure.wait(work, what, self.timeout, p2p=True, guard=False)
         self.waited += time.perf_counter() - t0
         return buf
 
@@ -92,8 +101,13 @@ class P2P:
 
     def finish(self) -> None:
         """Wait for the sends still in flight (bounded: a peer that died cannot take them)."""
-        for work, _ in self.pending:
-            failure.wait(work, "a send to another stage", self.timeout, p2p=True)
+        w = failure.world() if self.guard else None
+        if w is not None:  # all handed to the helper at once, then collected
+            for watched in [w.watch(work, self.timeout) for work, _ in self.pending]:
+                w.wait_watched(watched, "a send to another stage", self.timeout)
+        else:
+            for work, _ in self.pending:
+                failure.wait(work, "a send to another stage", self.timeout, guard=False)
         self.pending = []
         assert not self.posted, "a posted receive was never used"
         self.mailbox = {}

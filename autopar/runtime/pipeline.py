@@ -86,7 +86,8 @@ class PipelineModule(Runtime):
         if self.pp_size > 1:
             root = self.pp_ranks[self.schedule.rank_of(len(self.specs) - 1)]
             failure.wait(dist.broadcast(loss, src=root, group=self.pp_group, async_op=True),
-                         f"the loss broadcast from the last stage (rank {root})", self.p2p_timeout)
+                         f"the loss broadcast from the last stage (rank {root})", self.p2p_timeout,
+                         guard=self.guard)
         return loss
 
     # ------------------------------------------------------------ visibility
