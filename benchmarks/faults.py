@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/faults.py [--plans fsdp,pp] [--cases token_one,...] [--timeout 5]
     .venv/bin/python benchmarks/faults.py --overhead [--steps 40]
 
-Each case runs on its own 2 fresh processes (autopar/testing.py ``run_fault_case``): the tiny
+Each case runs on its own 2 fresh processes (autopar/faults.py ``run_fault_case``): the tiny
 Llama compiled under an SPMD plan ({"dp": "fsdp"}, 1 block) or a pipeline ({"pp": "1f1b"}), one
 good step, then the fault (FAULT_CASES lists them). Seconds are counted from the fault (the
 failing rank's call, or compile for plan errors) to the error each rank raised and to its
@@ -24,7 +24,8 @@ import time
 
 import torch
 
-from autopar.testing import FAULT_CASES, FAULT_PLANS, DistPool, build_model, run_fault_case
+from autopar.faults import FAULT_CASES, FAULT_PLANS, run_fault_case
+from autopar.testing import DistPool, build_model
 
 ORDER = ["token_one", "token_all", "shape_one", "dtype_one", "loss_one", "hang_one", "kill_one", "kill_zero",
          "short_one", "compile_one", "plan_bad", "plan_batch"]

@@ -2,7 +2,7 @@
 c10d store, every rank raises the same clear error within seconds, and a killed rank is named.
 
 Each fault case runs on its own 2 fresh processes (a failure abandons the process groups, so a
-shared pool could not go on): ``run_fault_case`` in autopar/testing.py, which also drives
+shared pool could not go on): ``run_fault_case`` in autopar/faults.py, which also drives
 benchmarks/faults.py (the full table, SPMD and pipeline). Small timeouts keep each case short.
 """
 
@@ -13,7 +13,7 @@ import torch
 
 import autopar
 from autopar.runtime.common import check_indices
-from autopar.testing import run_fault_case
+from autopar.faults import run_fault_case
 
 
 def _tiny(mesh, plan, **kw):
@@ -105,7 +105,7 @@ def test_failures_before_any_collective_leave_the_program_usable(pools):
     InputError and the next step runs. One rank cannot compile: it raises its own error, the
     other a RankFailure naming it, before any collective (the parameters' distribution); the
     first program and the shared pool go on."""
-    from autopar.testing import recoverable_faults_job
+    from autopar.faults import recoverable_faults_job
 
     out = pools(2).run(recoverable_faults_job)
     for said_batch, _, losses in out:

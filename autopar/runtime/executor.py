@@ -25,7 +25,7 @@ import time
 import torch
 
 from autopar.ir import Stage
-from autopar.runtime import failure
+from autopar.runtime import guarded as guarded_programs
 
 
 class Executor:
@@ -130,7 +130,7 @@ class Executor:
         """The copy of ``gm`` whose collectives wait in bounded slices (made once per program)."""
         hit = self._guarded.get(id(gm))
         if hit is None or hit[0] is not gm:
-            hit = self._guarded[id(gm)] = (gm, failure.guarded(gm))
+            hit = self._guarded[id(gm)] = (gm, guarded_programs.guarded(gm))
         return hit[1]
 
     def _tangent(self, like) -> torch.Tensor:

@@ -5,41 +5,44 @@ interrupted by nothing but its own end (torch 2.13: ``ProcessGroup.abort()`` / `
 do not wake a blocked wait, measured; a peer's abort does not close its connections either).
 So the runtime never blocks for long in one call:
 
-- **Sliced waits.** Every collective of a per-rank program is issued through the process
-  group's own methods (``pg.allreduce`` / ``_allgather_base`` / ``_reduce_scatter_base`` /
-  ``alltoall_base``: the same ``c10d`` ops the functional collectives call, so the byte meter
-  counts them the same), which return a ``Work``; ``wait`` waits on it in slices of
-  ``SLICE_S`` (``Work.wait(timeout)`` raises on gloo when the slice ends, and the work can be
-  waited again). The per-rank graphs are not changed: the executor runs a copy of each
-  (``guarded``) whose collective and ``wait_tensor`` nodes call this module. Point-to-point
-  transfers, the fp16 overflow check and a pipeline's loss broadcast wait the same way.
+- **Sliced waits.** The executor runs guarded copies of the per-rank programs
+  (autopar/runtime/guarded.py) whose collectives return a ``Work``; ``wait`` waits on it in
+  slices of ``SLICE_S`` (a collective's ``Work.wait(timeout)`` raises on gloo when the slice
+  ends, and the work can be waited again: measured). The fp16 overflow check and a pipeline's
+  loss broadcast wait the same way. Sends and receives cannot be sliced (a timed-out gloo
+  transfer closes its connection), so a helper thread blocks in them (a receive from the
+  moment it is posted) while the main thread waits for the helper in slices.
 - **A side channel.** Between slices a blocked rank reads one counter from the c10d store of
   the default group (``_get_default_store()``, a TCPStore: no collective): the number of
   failure records. A rank whose ``train_step`` (or eval call) raises posts a record there
   (its rank, the step, its exception) before raising; a rank blocked in that step sees it
   within a slice and raises ``RankFailure`` naming the failing rank and its exception. A wait
-  that runs past ``timeout`` seconds raises too.
+  that runs past ``timeout`` seconds raises too, after a census (below).
 - **Lost peers.** A killed rank's connections close: gloo reports "Connection closed by peer"
   to the ranks waiting on it within milliseconds. If no rank posted a record, the ranks that
   noticed take a census on the store: every rank that is still inside autopar answers within a
-  slice, and the ranks that do not answer are named as the ones that stopped responding.
+  slice, and the ranks that do not answer are named as the ones that stopped responding. A
+  rank that loses the store itself names the rank that hosts it (rank 0 under env:// init).
 - **After a failure the program is unusable** (a collective may still be pending on its process
   groups, and the ranks no longer agree on which collective is next): the process groups are
   abandoned (never destroyed: destroying a gloo group joins its worker threads, which wait for
-  the pending collective, so the process would not exit), and every later call raises the
-  same ``RankFailure``. One exception: a failure before this rank's first collective of the step
-  (the per-rank batch checks) re-raises the rank's own error; if every rank failed the same
-  checks, nothing was sent and the program is still usable.
+  the pending collective, so the process would not exit), the helper's transfers are closed,
+  and every later call raises the same ``RankFailure``. One exception: a failure before this
+  rank's first collective of the step (the per-rank batch checks) re-raises the rank's own
+  error; if every rank failed the same checks, nothing was sent and the program is still usable.
+- **Compile** (``agree``): before the first collective of a new program (its parameters'
+  distribution) every rank posts whether it compiled; a rank that could not raises its own
+  error, the others a ``RankFailure`` naming it, instead of waiting for it in a broadcast.
 
-Costs when nothing is wrong: no extra collective, no store access. Per collective, one Python
-call that issues it and one that waits (``benchmarks/faults.py --overhead`` measures the step).
-Only on gloo (CPU tensors): a CUDA tensor's wait is left to NCCL's own watchdog and timeout.
+Costs when nothing is wrong: no extra collective and no store access per step; per collective
+one Python call that issues it and one that waits; per receive a hand-off to the helper thread
+(``benchmarks/faults.py --overhead`` measures the step). Only on gloo (CPU tensors) are waits
+sliced: a CUDA tensor's wait is left to NCCL's own watchdog and timeout (untested here).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import ctypes
 import datetime
 import json
@@ -49,9 +52,7 @@ import re
 import threading
 import time
 
-import torch
 import torch.distributed as dist
-from torch import fx
 
 from autopar.errors import RankFailure
 
@@ -63,6 +64,7 @@ FIX = ("this program is unusable now (its process groups may hold a pending coll
        "and restart every rank; resume from the last checkpoint (pm.save / autopar.CheckpointManager)")
 
 _COUNT = "autopar/failures"
+_pending: dict[int, tuple] = {}  # id(output) -> (output, Work): the collectives runtime/guarded.py issued
 
 
 def _first_line(e: BaseException | str) -> str:
@@ -506,98 +508,4 @@ def agree(error: BaseException | None, timeout: float, what: str = "autopar.comp
                               "timeout= if compiling is that uneven across ranks")
         if pending:
             time.sleep(0.02)
-
-
-# ---------------------------------------------------------------- guarded programs
-_pending: dict[int, tuple[torch.Tensor, object]] = {}  # id(output) -> (output, Work)
-_groups: dict[str, dist.ProcessGroup] = {}
-_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
-        "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
-
-
-def _group(name: str):
-    pg = _groups.get(name)
-    if pg is None:
-        pg = _groups[name] = torch._C._distributed_c10d._resolve_process_group(name)
-    return pg
-
-
-def _issue(out: torch.Tensor, work) -> torch.Tensor:
-    _pending[id(out)] = (out, work)
-    return out
-
-
-def all_reduce(x: torch.Tensor, op: str, group: str) -> torch.Tensor:
-    out = x.clone(memory_format=torch.contiguous_format)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = _OPS[op]
-    return _issue(out, _group(group).allreduce([out], opts))
-
-
-def all_gather_into_tensor(x: torch.Tensor, group_size: int, group: str) -> torch.Tensor:
-    x = x.contiguous()
-    out = x.new_empty((x.shape[0] * group_size, *x.shape[1:]))
-    return _issue(out, _group(group)._allgather_base(out, x))
-
-
-def reduce_scatter_tensor(x: torch.Tensor, op: str, group_size: int, group: str) -> torch.Tensor:
-    x = x.contiguous()
-    out = x.new_empty((x.shape[0] // group_size, *x.shape[1:]))
-    opts = dist.ReduceScatterOptions()
-    opts.reduceOp = _OPS[op]
-    return _issue(out, _group(group)._reduce_scatter_base(out, x, opts))
-
-
-def all_to_all_single(x: torch.Tensor, output_split_sizes, input_split_sizes, group: str) -> torch.Tensor:
-    x = x.contiguous()
-    rows = sum(output_split_sizes) if output_split_sizes else x.shape[0]
-    out = x.new_empty((rows, *x.shape[1:]))
-    return _issue(out, _group(group).alltoall_base(out, x, list(output_split_sizes or []),
-                                                    list(input_split_sizes or []), dist.AllToAllOptions()))
-
-
-def wait_tensor(t: torch.Tensor, what: str = "a collective") -> torch.Tensor:
-    entry = _pending.pop(id(t), None)
-    if entry is None or entry[0] is not t:  # not issued here: the functional op's own wait
-        return torch.ops._c10d_functional.wait_tensor(t)
-    wait(entry[1], what)
-    return t
-
-
-_c10d = torch.ops._c10d_functional
-_REPLACE = {_c10d.all_reduce.default: all_reduce, _c10d.all_gather_into_tensor.default: all_gather_into_tensor,
-            _c10d.reduce_scatter_tensor.default: reduce_scatter_tensor,
-            _c10d.all_to_all_single.default: all_to_all_single}
-
-
-def describe(node: fx.Node) -> str:
-    """What a rank waits in, for errors: the collective's kind, axis, reason and source line."""
-    from autopar.ir import info
-
-    rec = info(node).comm if isinstance(node, fx.Node) else None
-    if rec is None:
-        return f"a collective ({node})"
-    text = f"{rec.kind} on mesh axis '{rec.axis}' ({rec.reason}"
-    return text + (f"; {rec.source.split('  ')[0]})" if rec.source else ")")
-
-
-def guarded(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of a per-rank program whose CPU collectives and waits go through this module
-    (same ops on the wire, same values); the original graph is left as the compiler made it."""
-    if not any(n.op == "call_function" and n.target in _REPLACE for n in gm.graph.nodes):
-        return gm
-    graph = fx.Graph()
-    val, old = graph.graph_copy(gm.graph, {}, return_output_node=True)
-    graph._codegen = copy.deepcopy(gm.graph._codegen)
-    graph.output(val, type_expr=getattr(old, "type", None)).meta = copy.copy(old.meta)
-    for n in graph.nodes:
-        if n.op != "call_function":
-            continue
-        if n.target in _REPLACE:
-            n.target = _REPLACE[n.target]
-        elif n.target is _c10d.wait_tensor.default:
-            src = n.args[0]
-            n.target = wait_tensor
-            n.args = (src, describe(src))
-    return fx.GraphModule(gm, graph)
 
