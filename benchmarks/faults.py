@@ -94,25 +94,28 @@ def overhead_job(plan_name: str, steps: int, size: str):
     return everyone
 
 
-def overhead(steps: int) -> None:
+def overhead(steps: int, plans=("fsdp", "pp"), sizes=("tiny", "medium")) -> None:
     pool = DistPool(2)
     try:
         print(f"Overhead of the failure mechanism per train_step, 2 gloo ranks, torch {torch.__version__}, "
               f"{time.strftime('%Y-%m-%dT%H:%M:%S')}: the same processes alternate steps guarded / unguarded, "
               f"{steps} of each; medians (ms), rank 0 / rank 1.\n")
-        print("| plan | model | guarded | unguarded | difference | store round trips in the guarded steps |")
-        print("|---|---|---|---|---|---|")
-        for size in ("tiny", "medium"):
-            for plan in ("fsdp", "pp"):
+        print("| plan | model | guarded | unguarded | difference of the medians | median of paired differences "
+              "(step 2k+1 guarded - step 2k unguarded) | store round trips in the guarded steps |")
+        print("|---|---|---|---|---|---|---|")
+        for size in sizes:
+            for plan in plans:
                 out = pool.run(overhead_job, plan, steps, size)
                 on = [statistics.median(t[True]) * 1e3 for t, _, _ in out]
                 off = [statistics.median(t[False]) * 1e3 for t, _, _ in out]
                 reads = [r for _, r, _ in out]
+                paired = [statistics.median(a - b for a, b in zip(t[True], t[False])) * 1e3 for t, _, _ in out]
                 model = "Llama dim 64, 2 blocks, batch 4x16" if size == "tiny" else \
                     "Llama dim 256, 4 blocks, vocab 2048, batch 8x128"
                 print(f"| {FAULT_PLANS[plan][1]} | {model} | {on[0]:.2f} / {on[1]:.2f} | {off[0]:.2f} / {off[1]:.2f} | "
                       f"{on[0] - off[0]:+.2f} / {on[1] - off[1]:+.2f} ({(on[0] / off[0] - 1) * 100:+.1f}% / "
-                      f"{(on[1] / off[1] - 1) * 100:+.1f}%) | {reads[0]} / {reads[1]} |", flush=True)
+                      f"{(on[1] / off[1] - 1) * 100:+.1f}%) | {paired[0]:+.2f} / {paired[1]:+.2f} | "
+                      f"{reads[0]} / {reads[1]} |", flush=True)
     finally:
         pool.close()
 
@@ -124,9 +127,10 @@ def main():
     ap.add_argument("--timeout", type=float, default=5.0)
     ap.add_argument("--overhead", action="store_true")
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--sizes", default="tiny,medium", help="--overhead: models (tiny, medium)")
     args = ap.parse_args()
     if args.overhead:
-        overhead(args.steps)
+        overhead(args.steps, args.plans.split(","), args.sizes.split(","))
         return
     table(args.plans.split(","), args.cases.split(","), args.timeout)
 

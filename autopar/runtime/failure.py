@@ -167,15 +167,16 @@ class World:
         finally:
             self.waiting = None
 
-    def watch(self, work, timeout: float) -> tuple[threading.Event, list]:
-        """Hand a send / receive to the helper thread now (its wait starts; ``wait_watched``
-        collects it). The helper's own bound is later than any wait on it: the connection
-        closes (gloo closes it when a transfer's wait times out) only after this rank gave up."""
+    def watch(self, works: list, timeout: float) -> tuple[threading.Event, list]:
+        """Hand sends / receives to the helper thread now (it waits for them in order;
+        ``wait_watched`` collects them, all at once). The helper's own bound is later than any
+        wait on it: the connection closes (gloo closes it when a transfer's wait times out) only
+        after this rank gave up."""
         done, box = threading.Event(), []
         if self.waiter is None:
             self.waiter = _Waiter()
-        self.waiter.jobs.put((work, datetime.timedelta(seconds=2 * timeout + 5 * SLICE_S), box, done))
-        self.watched = [w for w in self.watched if not w[1].is_set()] + [(work, done)]
+        self.waiter.jobs.put((works, datetime.timedelta(seconds=2 * timeout + 5 * SLICE_S), box, done))
+        self.watched = [w for w in self.watched if not w[1].is_set()] + [(work, done) for work in works]
         return done, box
 
     def wait_watched(self, watched, what: str, timeout: float) -> None:
@@ -194,7 +195,7 @@ class World:
             raise self.lost(what, box[0]) from None
 
     def _wait_p2p(self, work, what: str, timeout: float) -> None:
-        self.wait_watched(self.watch(work, timeout), what, timeout)
+        self.wait_watched(self.watch([work], timeout), what, timeout)
 
     def _done(self, work, what: str) -> bool:
         try:
@@ -338,15 +339,16 @@ class _Waiter:
         main = threading.main_thread()
         while True:
             try:
-                work, timeout, box, done = self.jobs.get(timeout=SLICE_S)
+                works, timeout, box, done = self.jobs.get(timeout=SLICE_S)
             except queue.Empty:
                 if not main.is_alive():
                     return
                 continue
             try:
-                if self.stop:
-                    raise RuntimeError("autopar: abandoned after a failure")
-                work.wait(timeout)
+                for work in works:
+                    if self.stop:
+                        raise RuntimeError("autopar: abandoned after a failure")
+                    work.wait(timeout)
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 box.append(e)
             done.set()

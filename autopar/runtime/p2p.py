@@ -75,7 +75,7 @@ class P2P:
             # guarded: a helper thread waits for it from now on (autopar/runtime/failure.py), so
             # collecting it costs no thread hand-off when it has arrived
             w = failure.world() if self.guard and self.device.type == "cpu" else None  # (gloo; NCCL: its own)
-            self.posted[tag] = (work, buf, w.watch(work, self.timeout) if w is not None else None)
+            self.posted[tag] = (work, buf, w.watch([work], self.timeout) if w is not None else None)
 
     def collect(self, like, stage_from: int, tag: int) -> torch.Tensor:
         """The value stage ``stage_from`` delivered under ``tag`` (waiting for it, bounded)."""
@@ -102,9 +102,10 @@ class P2P:
     def finish(self) -> None:
         """Wait for the sends still in flight (bounded: a peer that died cannot take them)."""
         w = failure.world() if self.guard and self.device.type == "cpu" else None
-        if w is not None:  # all handed to the helper at once, then collected
-            for watched in [w.watch(work, self.timeout) for work, _ in self.pending]:
-                w.wait_watched(watched, "a send to another stage", self.timeout)
+        if w is not None:  # all handed to the helper at once (one hand-off)
+            if self.pending:
+                w.wait_watched(w.watch([work for work, _ in self.pending], self.timeout), "the sends to other stages",
+                               self.timeout)
         else:
             for work, _ in self.pending:
                 failure.wait(work, "a send to another stage", self.timeout, guard=False)
