@@ -101,7 +101,7 @@ def overhead(steps: int, plans=("fsdp", "pp"), sizes=("tiny", "medium")) -> None
               f"{time.strftime('%Y-%m-%dT%H:%M:%S')}: the same processes alternate steps guarded / unguarded, "
               f"{steps} of each; medians (ms), rank 0 / rank 1.\n")
         print("| plan | model | guarded | unguarded | difference of the medians | median of paired differences "
-              "(step 2k+1 guarded - step 2k unguarded) | store round trips in the guarded steps |")
+              "(each guarded step - the unguarded step after it) | store round trips in the guarded steps |")
         print("|---|---|---|---|---|---|---|")
         for size in sizes:
             for plan in plans:
