@@ -128,9 +128,12 @@ class World:
         """The failure records posted so far (one store round trip when there are no new ones)."""
         self.store_reads += 1
         n = self.store.add(_COUNT, 0)
-        for i in range(self.seen, n):
-            self.records.append(json.loads(self.store.get(f"autopar/failure/{i}")))
-        self.seen = max(self.seen, n)
+        while self.seen < n:
+            key = f"autopar/failure/{self.seen}"
+            if not self.store.check([key]):  # counted, not written yet (the poster is between the two)
+                break
+            self.records.append(json.loads(self.store.get(key)))
+            self.seen += 1
         return self.records
 
     def relevant(self, records: list[dict]) -> dict | None:
@@ -236,8 +239,8 @@ class World:
                 rec = self.relevant(self.read())
             except Exception as se:  # noqa: BLE001
                 return self._store_lost(se, f"waiting in {what}")
-            if rec is not None and rec.get("root"):
-                return self.from_record(rec, what)
+            if rec is not None and (rec.get("root") or time.monotonic() > deadline):
+                return self.from_record(rec, what)  # (another rank's account of the same loss, after a grace)
             if time.monotonic() > deadline:
                 break
             time.sleep(SLICE_S / 2)

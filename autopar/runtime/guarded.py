@@ -22,6 +22,7 @@ from torch import fx
 from autopar.runtime.failure import _pending, wait
 
 _groups: dict[str, dist.ProcessGroup] = {}
+_opts: dict = {}
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
         "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
 
@@ -38,11 +39,18 @@ def _issue(out: torch.Tensor, work) -> torch.Tensor:
     return out
 
 
+def _options(kind, op: str):
+    key = (kind, op)
+    opts = _opts.get(key)
+    if opts is None:
+        opts = _opts[key] = kind()
+        opts.reduceOp = _OPS[op]
+    return opts
+
+
 def all_reduce(x: torch.Tensor, op: str, group: str) -> torch.Tensor:
     out = x.clone(memory_format=torch.contiguous_format)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = _OPS[op]
-    return _issue(out, _group(group).allreduce([out], opts))
+    return _issue(out, _group(group).allreduce([out], _options(dist.AllreduceOptions, op)))
 
 
 def all_gather_into_tensor(x: torch.Tensor, group_size: int, group: str) -> torch.Tensor:
@@ -54,9 +62,7 @@ def all_gather_into_tensor(x: torch.Tensor, group_size: int, group: str) -> torc
 def reduce_scatter_tensor(x: torch.Tensor, op: str, group_size: int, group: str) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // group_size, *x.shape[1:]))
-    opts = dist.ReduceScatterOptions()
-    opts.reduceOp = _OPS[op]
-    return _issue(out, _group(group)._reduce_scatter_base(out, x, opts))
+    return _issue(out, _group(group)._reduce_scatter_base(out, x, _options(dist.ReduceScatterOptions, op)))
 
 
 def all_to_all_single(x: torch.Tensor, output_split_sizes, input_split_sizes, group: str) -> torch.Tensor:
