@@ -2,7 +2,8 @@
 
 One training step, the same for both (``train_step``):
 
-1. this rank's slice of the user's batch, checked against the compiled shapes, cut into the
+1. this rank's slice of the user's batch, checked against the compiled shapes and dtypes and its
+   token ids / class targets against their tables (before anything is sent), cut into the
    step's micro-batches (``accumulate=K``, or the pipeline's M);
 2. the executor runs this rank's action list (autopar/runtime/executor.py): an SPMD program is
    one stage whose actions are its joint forward + backward per micro-batch; a pipeline's are its
@@ -12,6 +13,9 @@ One training step, the same for both (``train_step``):
    overflowed (then ``.grad`` is left as it was);
 5. the gradients land on the parameters' ``.grad`` (DTensors in their storage placements,
    accumulating as autograd does).
+
+Every wait of a step is bounded by ``timeout`` and woken by another rank's failure; an
+exception on one rank becomes ``RankFailure`` on every rank (autopar/runtime/failure.py).
 
 Parameters are the user's module's, replaced in place by DTensors with the plan's placements,
 so an unchanged ``torch.optim`` optimizer steps them and shards its state with them.
