@@ -22,6 +22,7 @@ from autopar.errors import PlanError
 from autopar.ir import CompileState
 from autopar.pipeline_plan import PipelineSetup, is_pipeline_strategy, pipeline_setup
 from autopar.plan import Plan, parse_plan
+from autopar.runtime import failure
 
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -58,6 +59,7 @@ def compile(
     kernels: str = "auto",
     bucket_mb: float = 25,
     prefetch: int = 1,
+    timeout: float = 60.0,
 ):
     """Compile ``model`` for ``mesh`` under ``plan``; returns a ParallelModule (a PipelineModule,
     autopar/runtime/pipeline.py, when an axis's strategy is a pipeline schedule: ``{"pp": "1f1b", ...}``).
@@ -79,7 +81,11 @@ def compile(
     backward order (DDP's bucket_cap_mb; the first bucket 1 MiB); 0: one collective per gradient
     (and per gathered parameter). ``prefetch``: under ZeRO/FSDP, each block's parameters are
     gathered in one all-gather issued this many blocks ahead of their use (FSDP2's 1); 0: where
-    first used.
+    first used. ``timeout``: seconds any wait of a step (a collective, a pipeline transfer) may
+    block before the step fails on every rank with an error naming the rank that failed, stopped
+    responding or never came (autopar/runtime/failure.py); a rank that raises in a step tells
+    the others at once through the default group's c10d store, so they fail within a fraction
+    of a second, not after the timeout.
 
     As a decorator (``@autopar.compile(mesh=..., example_inputs=..., plan=...)``) on a model
     class or a model-building function, the class/function then returns ParallelModules.
@@ -88,11 +94,22 @@ def compile(
                 precision=precision, reduce_dtype=reduce_dtype, loss_scale=loss_scale, accumulate=accumulate,
                 recompute=recompute, debug=debug, skip_passes=skip_passes, progress=progress,
                 capture_eval=capture_eval, pipeline_stages=pipeline_stages, kernels=kernels,
-                bucket_mb=bucket_mb, prefetch=prefetch)
+                bucket_mb=bucket_mb, prefetch=prefetch, timeout=timeout)
     if model is None or (isinstance(model, type) or (callable(model) and not isinstance(model, nn.Module))):
         return _decorator(model, **opts)
     capture_eval = opts.pop("capture_eval")
-    return runtime_for(build(model, **opts), capture_eval=capture_eval)
+    try:
+        state = build(model, **opts)
+    except BaseException as e:
+        # every rank learns that this one cannot compile, before anyone waits for it in the
+        # first collective (distributing the parameters): autopar/runtime/failure.py
+        failure.agree(e, _wait_s(timeout))
+        raise
+    return runtime_for(state, capture_eval=capture_eval)
+
+
+def _wait_s(timeout) -> float:
+    return float(timeout) if isinstance(timeout, (int, float)) and 0 < timeout < math.inf else 60.0
 
 
 @dataclass(frozen=True)
@@ -119,6 +136,7 @@ class Options:
     # the model's parameters are meta and the batch real (``deferred_weights``): traced on meta, run on the
     # mesh's device, parameters materialized as empty local shards for pm.load_pretrained / pm.load
     deferred: bool = False
+    timeout: float = 60.0  # seconds a wait of a step may block (autopar/runtime/failure.py)
 
 
 def build(model: nn.Module, mesh: DeviceMesh, *, stop_after: str | None = None, **options) -> CompileState:
@@ -136,7 +154,8 @@ def build(model: nn.Module, mesh: DeviceMesh, *, stop_after: str | None = None, 
 
 def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, inputs="global", precision="fp32",
              reduce_dtype=None, loss_scale="dynamic", accumulate=1, recompute="none", debug=False, skip_passes=(),
-             progress=None, pipeline_stages="local", kernels="auto", bucket_mb=25, prefetch=1) -> tuple[Options, tuple]:
+             progress=None, pipeline_stages="local", kernels="auto", bucket_mb=25, prefetch=1,
+             timeout=60.0) -> tuple[Options, tuple]:
     """Every check that needs no trace: options, plan against mesh and model, batch against
     the data-parallel ranks and the pipeline's micro-batches. Returns the options and one
     micro-batch of the example inputs (what capture traces)."""
@@ -170,6 +189,10 @@ def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, input
         raise PlanError(f"prefetch must be a non-negative int (blocks ahead), got {prefetch!r}",
                         where="autopar.compile(prefetch=...)",
                         fix="use 1 (FSDP2's default), 0 for none, or 2 (NCCL) for more overlap at one more block's memory")
+    if type(timeout) is bool or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise PlanError(f"timeout must be a positive number of seconds, got {timeout!r}",
+                        where="autopar.compile(timeout=...)",
+                        fix="use 60 (the default), more if a step can legitimately wait that long")
     if prefetch > 1 and _backend(mesh) == "gloo":
         # torch 2.13's functional all_gather_into_tensor corrupts the heap on gloo when two are in
         # flight on one process group (tests/test_gather.py documents the reproduction)
@@ -205,7 +228,8 @@ def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, input
         micro = tuple(_meta_like(x) for x in micro)
     options = Options(plan or {}, parsed, loss_fn, inputs, compute_dtype, reduce,
                       loss_scale if compute_dtype == torch.float16 else None, accumulate, recompute, lower, debug,
-                      tuple(skip_passes), progress, pipeline_stages, pipeline, bucket_mb, prefetch, deferred)
+                      tuple(skip_passes), progress, pipeline_stages, pipeline, bucket_mb, prefetch, deferred,
+                      float(timeout))
     return options, micro
 
 
@@ -266,33 +290,43 @@ def _micro_batch(example_inputs: tuple, accumulate: int, parsed: Plan, mesh) -> 
 def runtime_for(state: CompileState, capture_eval: bool = True):
     """The runtime object for a compiled state: ParallelModule (one stage) or PipelineModule."""
     from autopar.passes import run_stage_passes
+    from autopar.runtime.common import index_checks
     from autopar.runtime.module import ParallelModule
     from autopar.runtime.pipeline import PipelineModule
 
     o = state.options
+    forward_builder = None
+    try:
+        checks = index_checks(state.gm, state.model)  # (before the parameters become DTensors)
+        if o.pipeline is None and capture_eval:
+            # the eval program is captured now, while the parameters are still plain tensors; its
+            # passes run on the first forward call
+            ctx = state.stages[0].ctx
+            fwd_inputs = state.example_inputs[:-1] if o.loss_fn is not None else state.example_inputs
+            if o.deferred:
+                fwd_inputs = tuple(_meta_like(x) for x in fwd_inputs)
+            if o.progress:
+                o.progress("capture (eval forward)")
+            t0 = time.perf_counter()
+            fwd_program = capture_forward(state.model, fwd_inputs, o.compute_dtype)
+            ctx.timings["capture_forward"] = time.perf_counter() - t0
+            forward_builder = functools.partial(run_stage_passes, fwd_program, ctx, debug=o.debug, label="eval ",
+                                                skip=tuple(o.skip) + ("recompute",))
+    except BaseException as e:
+        failure.agree(e, o.timeout)
+        raise
+    # every rank compiled: only now the first collective (the parameters distributed)
+    failure.agree(None, max(o.timeout, 2 * state.timings.get("total", 0.0)))
     if o.pipeline is not None:
         pl = o.pipeline
-        pm = PipelineModule(state.model, state.mesh, pl.axis, pl.stage_mesh, pl.schedule, pl.options, state.specs,
+        rt = PipelineModule(state.model, state.mesh, pl.axis, pl.stage_mesh, pl.schedule, pl.options, state.specs,
                             state.stages, state.example_inputs, o.inputs, stage_plan=pl.parsed)
-        return _materialize_buffers(pm, o)
-    stage = state.stages[0]
-    ctx = stage.ctx
-    # the eval program is captured now, while the parameters are still plain tensors; its
-    # passes run on the first forward call
-    forward_builder = None
-    if capture_eval:
-        fwd_inputs = state.example_inputs[:-1] if o.loss_fn is not None else state.example_inputs
-        if o.deferred:
-            fwd_inputs = tuple(_meta_like(x) for x in fwd_inputs)
-        if o.progress:
-            o.progress("capture (eval forward)")
-        t0 = time.perf_counter()
-        fwd_program = capture_forward(state.model, fwd_inputs, o.compute_dtype)
-        ctx.timings["capture_forward"] = time.perf_counter() - t0
-        forward_builder = functools.partial(run_stage_passes, fwd_program, ctx, debug=o.debug, label="eval ",
-                                            skip=tuple(o.skip) + ("recompute",))
-    pm = ParallelModule(state.model, stage, state.example_inputs, o.loss_fn is not None, o.inputs, forward_builder)
-    return _materialize_buffers(pm, o)
+    else:
+        rt = ParallelModule(state.model, state.stages[0], state.example_inputs, o.loss_fn is not None, o.inputs,
+                            forward_builder)
+    rt.timeout = o.timeout
+    rt.index_checks = checks
+    return _materialize_buffers(rt, o)
 
 
 def _materialize_buffers(pm, o: Options):

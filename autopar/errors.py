@@ -37,3 +37,18 @@ class CaptureError(AutoparError):
 class TrainingError(AutoparError):
     """A training call cannot proceed as things are: no gradients yet, non-finite gradients,
     weights built on meta and not loaded yet."""
+
+
+class RankFailure(AutoparError):
+    """Another rank (or this one, mid-step) failed, stopped responding or timed out: raised on
+    every rank within seconds (autopar/runtime/failure.py). ``rank``: the rank that failed
+    (None when unknown), ``error``: its exception's first line as that rank reported it,
+    ``unusable``: True once collectives were under way (the process groups are abandoned; fix
+    the cause and restart every rank, from the last checkpoint)."""
+
+    def __init__(self, problem: str, *, rank: int | None = None, error: str = "", unusable: bool = True,
+                 where: str | None = None, fix: str | None = None):
+        self.rank = rank
+        self.error = error
+        self.unusable = unusable
+        super().__init__(problem, where=where, fix=fix)

@@ -31,6 +31,8 @@ def mesh(device_type: str | None = None, **axes: int) -> DeviceMesh:
         raise PlanError("at most one mesh axis may be -1 (the ranks left over)", where="autopar.mesh(...)")
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+        _check_world(axes, int(os.environ["WORLD_SIZE"]))  # before any process group exists
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
@@ -38,7 +40,15 @@ def mesh(device_type: str | None = None, **axes: int) -> DeviceMesh:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             dist.init_process_group("gloo", rank=0, world_size=1)
-    world = dist.get_world_size()
+    axes = _check_world(axes, dist.get_world_size())
+    if device_type == "cuda":
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    return init_device_mesh(device_type, tuple(axes.values()), mesh_dim_names=tuple(axes))
+
+
+def _check_world(axes: dict, world: int) -> dict:
+    """The axis sizes (-1 resolved) if they make ``world`` ranks; else a PlanError (the same on
+    every rank, and under torchrun before any process group is made)."""
     if -1 in axes.values():
         rest = math.prod(v for v in axes.values() if v != -1)
         axes = {k: (world // rest if v == -1 else v) for k, v in axes.items()}
@@ -48,9 +58,7 @@ def mesh(device_type: str | None = None, **axes: int) -> DeviceMesh:
             f"mesh {dict(axes)} has {n} ranks but the process group has {world}",
             where="autopar.mesh(...)",
             fix=f"launch {n} processes (e.g. torchrun --nproc-per-node {n}) or change the axis sizes")
-    if device_type == "cuda":
-        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-    return init_device_mesh(device_type, tuple(axes.values()), mesh_dim_names=tuple(axes))
+    return axes
 
 
 def _free_port() -> int:

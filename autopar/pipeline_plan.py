@@ -110,14 +110,13 @@ def pipeline_setup(mesh, plan: dict, pp_axis: str, example_inputs: tuple, accumu
             raise PlanError(f"rule {glob!r} places parameters on the pipeline axis {pp_axis!r}: a stage's parameters "
                             "live on its own ranks only", where=f"plan['rules'][{glob!r}]",
                             fix=f"drop '{pp_axis}' from the rule")
-    if others:
-        stage_mesh = mesh[others] if len(others) > 1 else mesh[others[0]]
-    else:  # pipeline only: each stage is one rank
-        stage_mesh = init_device_mesh(mesh.device_type, (p, 1), mesh_dim_names=(pp_axis, "dp"))["dp"]
+    if not others:  # pipeline only: each stage is one rank (its 1-rank mesh is made below)
         stage_plan = {"dp": "ddp", **({"rules": plan["rules"]} if "rules" in plan else {})}
-    parsed = parse_plan(stage_plan, tuple(stage_mesh.mesh_dim_names))
+    stage_axes = others or ("dp",)
+    stage_shape = tuple(mesh.shape[names.index(a)] for a in others) if others else (1,)
+    parsed = parse_plan(stage_plan, stage_axes)
     dp_axes = [i for i, a in enumerate(parsed.axes) if a.data_parallel]
-    dp = math.prod(stage_mesh.shape[i] for i in dp_axes)
+    dp = math.prod(stage_shape[i] for i in dp_axes)
     batched = [x for x in example_inputs if isinstance(x, torch.Tensor) and x.ndim > 0]
     b = batched[0].shape[0] if batched else 0
     for i, x in enumerate(example_inputs):
@@ -141,4 +140,10 @@ def pipeline_setup(mesh, plan: dict, pp_axis: str, example_inputs: tuple, accumu
         validate(sched)
     except ScheduleError as e:
         raise PlanError(str(e), where=f"plan[{pp_axis!r}]") from e
+    # every check above ran before this, which may create process groups (pipeline only: the
+    # stages' 1-rank meshes), so a bad plan fails on every rank before any rank waits in one
+    if others:
+        stage_mesh = mesh[others] if len(others) > 1 else mesh[others[0]]
+    else:
+        stage_mesh = init_device_mesh(mesh.device_type, (p, 1), mesh_dim_names=(pp_axis, "dp"))["dp"]
     return PipelineSetup(pp_axis, opts, p, m, stage_mesh, stage_plan, parsed, sched)

@@ -395,7 +395,8 @@ ATTENTION_CASES = [  # tests/test_kernels.py, benchmarks/kernels_report.py
 
 def pipeline_failure_job(fail_rank: int, timeout_s: float = 3.0):
     """A pipeline step in which ``fail_rank`` raises before its first send: the others must fail
-    with a clear error after ``timeout_s`` instead of hanging (tests/test_pipeline.py)."""
+    with the same clear error at once (its failure record), at the latest after ``timeout_s``,
+    instead of hanging (tests/test_pipeline.py)."""
     import torch.distributed as dist
 
     import autopar

@@ -191,8 +191,7 @@ def _dropout(n: fx.Node, x: torch.Tensor, ctx):
         acc *= d
     src = n.meta.get("from_node") or []
     origin = src[0].name if src and getattr(src[0], "name", None) else n.name
-    ctx.dropouts = getattr(ctx, "dropouts", 0) + 1
-    return local_dropout(x, float(n.args[1]), [int(v) for v in starts], strides, node_key(0, origin))
+    return local_dropout(x, float(n.args[1]), [int(v) for v in starts], strides, node_key(origin))
 
 
 def apply_redistribute(x: torch.Tensor, src, dst, spec, ctx) -> torch.Tensor:

@@ -283,16 +283,23 @@ def test_sequential_model_splits(fake):
 
 
 def test_a_failed_rank_does_not_hang_its_peers():
-    """Rank 0 fails in its first forward; rank 1, waiting for that activation, fails after the
-    transfer timeout with an error naming the stage and rank it waited for."""
+    """Rank 0 fails in its first forward; rank 1, waiting for that activation, learns it from the
+    failure record rank 0 posts on the store (autopar/runtime/failure.py) and fails at once, long
+    before the transfer timeout, with the same error naming rank 0 and its exception."""
+    import time
+
     from autopar.testing import DistPool, pipeline_failure_job
 
     pool = DistPool(2)  # its own pool: a failed job closes it
     try:
+        t0 = time.monotonic()
         with pytest.raises(RuntimeError) as info:
-            pool.run(pipeline_failure_job, 0)
+            pool.run(pipeline_failure_job, 0, 30.0)
+        took = time.monotonic() - t0
     finally:
         pool.close(force=True)
     text = str(info.value)
-    assert "rank 0: RuntimeError: injected failure" in text
-    assert "rank 1: RuntimeError: autopar pipeline: rank 1 waited 3s for a transfer from stage 0 (rank 0" in text
+    said = "RankFailure: rank 0 failed in train_step of PipelineModule (step 0): RuntimeError: injected failure"
+    assert f"rank 0: {said}" in text and f"rank 1: {said}" in text
+    assert "rank 1 was waiting in the transfer from stage 0 (rank 0" in text
+    assert took < 25, took  # compile + the failure; the 30 s transfer timeout never ran out

@@ -2,7 +2,8 @@
 
 One training step, the same for both (``train_step``):
 
-1. this rank's slice of the user's batch, checked against the compiled shapes, cut into the
+1. this rank's slice of the user's batch, checked against the compiled shapes and dtypes and its
+   token ids / class targets against their tables (before anything is sent), cut into the
    step's micro-batches (``accumulate=K``, or the pipeline's M);
 2. the executor runs this rank's action list (autopar/runtime/executor.py): an SPMD program is
    one stage whose actions are its joint forward + backward per micro-batch; a pipeline's are its
@@ -12,6 +13,9 @@ One training step, the same for both (``train_step``):
    overflowed (then ``.grad`` is left as it was);
 5. the gradients land on the parameters' ``.grad`` (DTensors in their storage placements,
    accumulating as autograd does).
+
+Every wait of a step is bounded by ``timeout`` and woken by another rank's failure; an
+exception on one rank becomes ``RankFailure`` on every rank (autopar/runtime/failure.py).
 
 Parameters are the user's module's, replaced in place by DTensors with the plan's placements,
 so an unchanged ``torch.optim`` optimizer steps them and shards its state with them.
@@ -25,6 +29,7 @@ of each step (autopar/runtime/memory.py).
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import torch.distributed as dist
@@ -33,8 +38,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from autopar.errors import TrainingError
-from autopar.runtime import dropout
-from autopar.runtime.common import LossScaler, local_inputs
+from autopar.runtime import dropout, failure
+from autopar.runtime.common import LossScaler, check_indices, local_inputs
 from autopar.runtime.executor import Executor
 from autopar.runtime.measure import both, switch
 from autopar.runtime.memory import MemoryTracker, optimizer_state_bytes, tensor_bytes
@@ -74,6 +79,32 @@ class Runtime:
         self._tied = tied_names(module)  # {alias: name}: parameters registered under several names
         # parameters / buffers of a model built on meta, still empty (load_pretrained or load fills them)
         self._unloaded: set[str] = set()
+        self._timeout = failure.DEFAULT_TIMEOUT_S
+        self.index_checks = []  # inputs holding token ids / class targets, checked per step (common.py)
+        self._guard = True
+
+    @property
+    def timeout(self) -> float:
+        """Seconds any wait of a step may block before the step fails on every rank (compile's
+        ``timeout=``; a pipeline's transfers: AUTOPAR_P2P_TIMEOUT where set)."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._timeout = float(seconds)
+        if not os.environ.get("AUTOPAR_P2P_TIMEOUT"):
+            self.executor.p2p.timeout = float(seconds)
+
+    @property
+    def guard(self) -> bool:
+        """Bounded waits, batch value checks and the failure side channel (autopar/runtime/failure.py);
+        on by default. Off: the programs' own functional collectives and unbounded waits (what
+        benchmarks/faults.py --overhead compares against)."""
+        return self._guard
+
+    @guard.setter
+    def guard(self, on: bool) -> None:
+        self._guard = self.executor.guard = self.executor.p2p.guard = bool(on)
 
     # ---------------------------------------------------------------- parameters
     def _place(self, full_name: str, p: torch.Tensor, mesh, placements) -> None:
@@ -158,9 +189,13 @@ class Runtime:
                                 f"buffers hold no weights yet: {', '.join(sorted(self._unloaded)[:4])}"
                                 + (" ..." if len(self._unloaded) > 4 else ""), where=f"{type(self).__name__}.train_step",
                                 fix="load them first: pm.load_pretrained(hf_folder) or pm.load(checkpoint)")
-        with self._measuring(memory=True):
+        where = f"{type(self).__name__}.{self.where}"
+        with failure.call(self, "train_step") as call, self._measuring(memory=True):
             local = local_inputs(inputs, len(self.example_shapes), self.example_shapes, self.input_mode, self.ctx,
-                                 f"{type(self).__name__}.{self.where}")
+                                 where)
+            if self._guard:
+                check_indices(inputs, self.index_checks, where)
+            call.communicating()  # (a failure from here on breaks the program on every rank)
             m = self.executor.microbatches
             micro = [[torch.chunk(x, m, dim=0)[i] if x.ndim > 0 else x for x in local] for i in range(m)] \
                 if m > 1 else [local]

@@ -8,7 +8,7 @@
   ``state.<name>.exp_avg``, ``param_groups.<name>.lr``), so it reshards with the parameters and a
   pipeline rank writes and reads only its stages' entries;
 - every rank's torch RNG states (CPU, and CUDA when the program runs there), each under its rank;
-- in the ``COMPLETE`` marker (JSON): the step, the mesh, the plan, the loss scaler, the user's
+- in the ``COMPLETE`` marker (JSON): the step, the dropout seed, the mesh, the plan, the loss scaler, the user's
   ``extra`` and the size of every file written.
 
 Atomic: the shards go to ``path.tmp-<id>``; DCP's coordinator (rank 0) writes the metadata only
@@ -114,7 +114,7 @@ def _marker(pm, extra, optimizer) -> dict:
             "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)), "plan": plan, "runtime": type(pm).__name__,
             "optimizer": type(optimizer).__name__ if optimizer is not None else None,
             "loss_scaler": {"scale": s.scale, "growth_tracker": s.growth_tracker, "skipped_steps": s.skipped_steps},
-            "extra": extra, "torch": torch.__version__}
+            "dropout_seed": pm.seed, "extra": extra, "torch": torch.__version__}
 
 
 # ------------------------------------------------------------------------ save
@@ -349,6 +349,8 @@ def load(pm, path, optimizer=None) -> dict:
         pm.scaler.growth_tracker = scaler["growth_tracker"]
         pm.scaler.skipped_steps = scaler["skipped_steps"]
     pm.steps = marker["step"]
+    if marker.get("dropout_seed") is not None:  # dropout masks go on as they would have (runtime/dropout.py)
+        pm.seed = marker["dropout_seed"]
     pm._unloaded.clear()  # (a model built on meta: its weights are these)
     return marker.get("extra") or {}
 

@@ -68,9 +68,10 @@ def _mix_int(x: int) -> int:
     return z ^ (z >> 31)
 
 
-def node_key(stage: int, name: str) -> int:
-    """A dropout's identity in the program: the same on every rank (names come from one capture)."""
-    return zlib.crc32(f"{stage}:{name}".encode()) & 0x7FFFFFFF
+def node_key(name: str) -> int:
+    """A dropout's identity: its node's name in the torch-level capture, which every rank, pipeline
+    stage and plan shares."""
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF
 
 
 def call_key(seed: int, step: int, micro: int, key: int) -> int:

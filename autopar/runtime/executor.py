@@ -26,6 +26,7 @@ import torch
 
 from autopar.ir import Stage
 from autopar.runtime import dropout
+from autopar.runtime import guarded as guarded_programs
 
 
 class Executor:
@@ -39,6 +40,8 @@ class Executor:
         self.device = device
         self.p2p = p2p
         self.memory = None
+        self.guard = True  # run the programs' guarded copies: bounded waits (autopar/runtime/failure.py)
+        self._guarded: dict[int, tuple] = {}
         self.timeline: list[tuple[float, float, tuple]] = []
         self.recv_wait: list[float] = []
         self.in_flight: dict = {}
@@ -118,10 +121,19 @@ class Executor:
     def _run(self, gm, args, in_roles, out_roles):
         # the program IS the backward: autograd must not also record it (parameters are
         # requires_grad DTensors, so it would, and keep every activation a second time)
+        if self.guard:
+            gm = self.guarded(gm)
         with torch.no_grad():
             if self.memory is None:
                 return gm(*args)
             return self.memory.run(gm, args, in_roles, out_roles)
+
+    def guarded(self, gm):
+        """The copy of ``gm`` whose collectives wait in bounded slices (made once per program)."""
+        hit = self._guarded.get(id(gm))
+        if hit is None or hit[0] is not gm:
+            hit = self._guarded[id(gm)] = (gm, guarded_programs.guarded(gm))
+        return hit[1]
 
     def _tangent(self, like) -> torch.Tensor:
         """d(step loss)/d(micro-batch loss), times the fp16 loss scale: the loss is the mean."""

@@ -19,7 +19,8 @@ from autopar.errors import InputError
 from autopar.ir import CommRecord, Stage, bytes_by_collective, fmt_dtype, fmt_placements, info
 from autopar.plan import replicated_lines
 from autopar.runtime.base import Runtime
-from autopar.runtime.common import bytes_lines, local_inputs
+from autopar.runtime import failure
+from autopar.runtime.common import bytes_lines, check_indices, local_inputs
 from autopar.runtime.executor import Executor
 from autopar.runtime.measure import CommMeter, mesh_axes
 from autopar.runtime.p2p import P2P
@@ -57,15 +58,20 @@ class ParallelModule(Runtime):
             self._forward_program = self._forward_builder()
             self._fwd_gm = self._forward_program.local
         n = len(self.example_shapes) - (1 if self.has_loss else 0)
-        local = local_inputs(inputs, n, self.example_shapes, self.input_mode, self.ctx, "ParallelModule.__call__")
-        params = dict(self.module.named_parameters())
-        buffers = dict(self.module.named_buffers())
-        program = self._forward_program
-        args = [params[what].to_local() if kind == "param" else
-                buffers.get(what, program.buffers.get(what)).to(self.ctx.device) if kind == "buffer" else local[what]
-                for kind, what in program.inputs]
-        with torch.no_grad(), self._measuring(memory=False):
-            outs = self._fwd_gm(*args)
+        with failure.call(self, "forward") as call:
+            local = local_inputs(inputs, n, self.example_shapes, self.input_mode, self.ctx, "ParallelModule.__call__")
+            if self.guard:
+                check_indices(inputs, self.index_checks, "ParallelModule.__call__")
+            call.communicating()
+            params = dict(self.module.named_parameters())
+            buffers = dict(self.module.named_buffers())
+            program = self._forward_program
+            args = [params[what].to_local() if kind == "param" else
+                    buffers.get(what, program.buffers.get(what)).to(self.ctx.device) if kind == "buffer" else
+                    local[what] for kind, what in program.inputs]
+            gm = self.executor.guarded(self._fwd_gm) if self.guard else self._fwd_gm
+            with torch.no_grad(), self._measuring(memory=False):
+                outs = gm(*args)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     forward = __call__

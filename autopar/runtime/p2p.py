@@ -9,25 +9,29 @@ stage (SPMD) there are no edges and nothing here runs.
 
 from __future__ import annotations
 
-import datetime
 import os
 import time
 
 import torch
 import torch.distributed as dist
 
+from autopar.runtime import failure
+
 
 class P2P:
     """One rank's side of the stage-to-stage transfers of one step (``begin`` ... ``finish``)."""
 
-    def __init__(self, specs, schedule, pp_rank: int, pp_group, device):
+    def __init__(self, specs, schedule, pp_rank: int, pp_group, device, timeout: float | None = None):
         self.schedule = schedule
         self.pp_rank = pp_rank
         self.pp_ranks = dist.get_process_group_ranks(pp_group) if pp_group is not None else [dist.get_rank()]
         self.device = device
         self.microbatches = schedule.microbatches if schedule is not None else 1
-        # seconds a receive may wait before the step fails (a peer that died must not hang the rest)
-        self.timeout = float(os.environ.get("AUTOPAR_P2P_TIMEOUT", "600"))
+        # seconds a receive may wait before the step fails (a peer that died must not hang the rest):
+        # compile's timeout=, or AUTOPAR_P2P_TIMEOUT where set
+        env = os.environ.get("AUTOPAR_P2P_TIMEOUT")
+        self.timeout = float(env) if env else float(timeout if timeout is not None else failure.DEFAULT_TIMEOUT_S)
+        self.guard = True  # waits through autopar/runtime/failure.py (off: plain bounded Work.wait)
         self._edges = {}
         for spec in specs:
             for k, src in enumerate(spec.inputs):
@@ -67,23 +71,27 @@ class P2P:
         """Post a receive now (irecv), so the transfer runs while this rank computes."""
         if tag not in self.posted and not self.here(stage_from):
             buf = torch.empty(like.shape, dtype=like.dtype, device=self.device)
-            self.posted[tag] = (dist.irecv(buf, src=self.pp_ranks[self.rank_of(stage_from)], tag=tag), buf)
+            work = dist.irecv(buf, src=self.pp_ranks[self.rank_of(stage_from)], tag=tag)
+            # guarded: a helper thread waits for it from now on (autopar/runtime/failure.py), so
+            # collecting it costs no thread hand-off when it has arrived
+            w = failure.world() if self.guard and self.device.type == "cpu" else None  # (gloo; NCCL: its own)
+            self.posted[tag] = (work, buf, w.watch([work], self.timeout) if w is not None else None)
 
     def collect(self, like, stage_from: int, tag: int) -> torch.Tensor:
         """The value stage ``stage_from`` delivered under ``tag`` (waiting for it, bounded)."""
         if self.here(stage_from):
             return self.mailbox.pop(tag)
         self.post(like, stage_from, tag)
-        work, buf = self.posted.pop(tag)
+        work, buf, watched = self.posted.pop(tag)
         t0 = time.perf_counter()
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-        except RuntimeError as e:  # a peer that failed (or never sends) must not hang this rank
-            src = self.pp_ranks[self.rank_of(stage_from)]
-            raise RuntimeError(
-                f"autopar pipeline: rank {dist.get_rank()} waited {self.timeout:g}s for a transfer from stage "
-                f"{stage_from} (rank {src}, tag {tag}) that never came: that rank probably failed; its own "
-                f"error says why (raise the limit with AUTOPAR_P2P_TIMEOUT=seconds if a step is that slow)") from e
+        # bounded, and woken by another rank's failure (a peer that failed or never sends must not
+        # hang this rank): autopar/runtime/failure.py
+        src = self.pp_ranks[self.rank_of(stage_from)]
+        what = f"the transfer from stage {stage_from} (rank {src}, tag {tag})"
+        if watched is not None:
+            failure.world().wait_watched(watched, what, self.timeout)
+        else:
+            failure.wait(work, what, self.timeout, p2p=True, guard=False)
         self.waited += time.perf_counter() - t0
         return buf
 
@@ -93,8 +101,14 @@ class P2P:
 
     def finish(self) -> None:
         """Wait for the sends still in flight (bounded: a peer that died cannot take them)."""
-        for work, _ in self.pending:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        w = failure.world() if self.guard and self.device.type == "cpu" else None
+        if w is not None:  # all handed to the helper at once (one hand-off)
+            if self.pending:
+                w.wait_watched(w.watch([work for work, _ in self.pending], self.timeout), "the sends to other stages",
+                               self.timeout)
+        else:
+            for work, _ in self.pending:
+                failure.wait(work, "a send to another stage", self.timeout, guard=False)
         self.pending = []
         assert not self.posted, "a posted receive was never used"
         self.mailbox = {}

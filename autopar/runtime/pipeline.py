@@ -5,8 +5,6 @@ its schedule's action list, run by the same executor as SPMD programs
 
 from __future__ import annotations
 
-import datetime
-
 import torch
 import torch.distributed as dist
 
@@ -16,6 +14,7 @@ from autopar.passes.split import _val_bytes
 from autopar.plan import replicated_lines
 from autopar.runtime.base import Runtime
 from autopar.runtime.common import bytes_lines
+from autopar.runtime import failure
 from autopar.runtime.executor import Executor
 from autopar.runtime.measure import CommMeter, mesh_axes
 from autopar.runtime.p2p import P2P
@@ -111,7 +110,8 @@ class PipelineModule(Runtime):
             if self.pp_rank not in self.tied[name]:
                 continue
             g = mine[name].contiguous()
-            dist.all_reduce(g, group=group)
+            failure.wait(dist.all_reduce(g, group=group, async_op=True), f"the gradient sum of tied weight {name}",
+                         self.timeout, guard=self.guard)
             rest.append((name, g))
         return rest
 
@@ -138,8 +138,10 @@ class PipelineModule(Runtime):
         loss = (sum(losses) / m).detach().reshape(()) if losses else torch.zeros((), device=self.ctx.device)
         loss = loss.float()
         if self.pp_size > 1:
-            dist.broadcast(loss, src=self.pp_ranks[self.schedule.rank_of(len(self.specs) - 1)], group=self.pp_group,
-                           async_op=True).wait(timeout=datetime.timedelta(seconds=self.p2p_timeout))
+            root = self.pp_ranks[self.schedule.rank_of(len(self.specs) - 1)]
+            failure.wait(dist.broadcast(loss, src=root, group=self.pp_group, async_op=True),
+                         f"the loss broadcast from the last stage (rank {root})", self.p2p_timeout,
+                         guard=self.guard)
         return loss
 
     # ------------------------------------------------------------ visibility

@@ -1,0 +1,250 @@
+"""Fault cases: one rank fails, every rank must raise within seconds (tests/test_faults.py,
+benchmarks/faults.py; the mechanism: autopar/runtime/failure.py).
+
+``run_fault_case(case, plan)`` runs a case on fresh gloo processes (a failure abandons the
+process groups, so a shared pool could not run another job after it) and returns what every
+rank raised and when it exited; ``recoverable_faults_job`` runs on a shared pool the failures
+that leave the program usable.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+from autopar.testing import _free_port, build_model
+
+FAULT_PLANS = {"fsdp": ({"dp": 2}, {"dp": "fsdp"}), "pp": ({"pp": 2}, {"pp": "1f1b"})}
+
+FAULT_CASES = {  # name: what happens (on rank 1 unless said)
+    "token_one": "token id 300 >= vocab 256 in rank 1's batch only",
+    "token_all": "token id 300 >= vocab 256 on every rank (then one good step)",
+    "shape_one": "rank 1's batch has the wrong shape ([4, 8] for [4, 16])",
+    "dtype_one": "rank 1's batch has the wrong dtype (int32 for int64)",
+    "loss_one": "an exception in the loss on rank 1, mid-step",
+    "hang_one": "rank 1 stuck in the loss (sleeps) until the others time out",
+    "kill_one": "rank 1 SIGKILLed in the loss, mid-step",
+    "kill_zero": "rank 0 (the store's host) SIGKILLed in the loss, mid-step",
+    "short_one": "rank 1 runs one step fewer and exits",
+    "compile_one": "the loss function raises while tracing on rank 1 only",
+    "plan_bad": "unknown strategy in the plan (every rank)",
+    "plan_batch": "batch not divisible by the data-parallel ranks / micro-batches (every rank)",
+}
+
+
+def _fault_loss_error(loss):
+    raise RuntimeError("injected: the loss failed on this rank")
+
+
+def _fault_kill(loss):
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fault_sleep(loss):
+    time.sleep(float(os.environ.get("AUTOPAR_FAULT_SLEEP", "20")))
+    return loss
+
+
+def inject_at_loss(pm, fn) -> None:
+    """Insert a call ``fn(value)`` right after this rank's loss node (the SPMD joint program, or the
+    last pipeline stage's forward part); a pipeline rank without the loss: after the first value
+    its first stage's forward sends on."""
+    if pm.pipelined:
+        spots = []
+        for sp in pm.local.values():
+            part = sp.parts.get("F")
+            names = [o for (k, _), o in zip(sp.program.outputs, sp.out_names) if k == "loss" and o]
+            if part is not None and part.gm is not None and names:
+                spots.append((part.gm, names[0]))
+        if not spots:
+            sp = pm.local[min(pm.local)]
+            acts = [o for (k, _), o in zip(sp.program.outputs, sp.out_names) if k == "act" and o]
+            spots = [(sp.parts["F"].gm, acts[0])]
+    else:
+        out = next(n for n in pm.program.local.graph.nodes if n.op == "output")
+        nodes = [a for (k, _), a in zip(pm.program.outputs, out.args[0]) if k == "loss"]
+        spots = [(pm.program.local, nodes[0].name)] if nodes else []
+    pm.executor._guarded.clear()  # (the guarded copies are made from the programs as they are now)
+    for gm, name in spots:
+        node = next(n for n in gm.graph.nodes if n.name == name)
+        with gm.graph.inserting_after(node):
+            gm.graph.call_function(fn, (node,))
+        gm.recompile()
+
+
+def fault_job(case: str, plan_name: str, timeout: float, report) -> str:
+    """One rank's side of a fault case: compile the tiny Llama under the plan, inject the fault,
+    train; returns what happened ("ok: ..."), or raises what the rank raised."""
+    import torch.distributed as dist
+
+    import autopar
+
+    rank = dist.get_rank()
+    axes, plan = FAULT_PLANS[plan_name]
+    model, batches, loss_fn = build_model("llama")
+    if plan_name == "fsdp":  # one block compiles faster (a pipeline of 2 stages wants 2)
+        from autopar.models.llama import Llama, LlamaConfig
+
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(n_layers=1))
+    x, y = batches[0]
+    if case == "plan_bad":
+        plan = {**plan, ("dp" if "dp" in plan else "pp"): "zero9"}
+    if case == "plan_batch":
+        x, y = (x[:3], y[:3]) if plan_name == "fsdp" else (x, y)
+        plan = plan if plan_name == "fsdp" else {"pp": {"schedule": "1f1b", "microbatches": 3}}
+    if case == "compile_one" and rank == 1:
+        def loss_fn(logits, targets):  # noqa: F811 - this rank's loss fails while tracing
+            raise ValueError("injected: this rank's loss function does not trace")
+    if case in ("plan_bad", "plan_batch", "compile_one"):
+        report("fault", time.time())
+    pm = autopar.compile(model, autopar.mesh(**axes), example_inputs=(x, y), loss_fn=loss_fn, plan=plan,
+                         capture_eval=False, timeout=timeout)
+    pm.train_step(x, y)  # one good step first: every rank is running when the fault comes
+    bad_x = x
+    if case == "token_all" or (case == "token_one" and rank == 1):
+        bad_x = x.clone()
+        bad_x[1, 3] = 300
+    if case == "shape_one" and rank == 1:
+        bad_x = x[:, :8]
+    if case == "dtype_one" and rank == 1:
+        bad_x = x.int()
+    inject = {"loss_one": (1, _fault_loss_error), "hang_one": (1, _fault_sleep), "kill_one": (1, _fault_kill),
+              "kill_zero": (0, _fault_kill)}.get(case)
+    if inject is not None and inject[0] == rank:
+        inject_at_loss(pm, inject[1])
+    if case == "short_one":  # rank 1 stops one step early (its loader ran out): rank 0 waits for it
+        if rank == 1:
+            report("fault", time.time())
+            return "ok: returned one step early"
+        pm.train_step(x, y)
+        return "ok"
+    report("fault", time.time())
+    if case == "token_all":
+        try:
+            pm.train_step(bad_x, y)
+        except autopar.InputError:
+            pm.train_step(x, y)  # still usable: nothing was sent
+            return "ok: InputError on every rank, then a good step"
+    pm.train_step(bad_x, y)
+    return "ok"
+
+
+def recoverable_faults_job() -> list:
+    """Failures that leave the program (and a shared pool) usable: every rank's batch fails the
+    same check before anything is sent; one rank cannot compile (the others learn it before the
+    parameters are distributed). Returns every rank's (batch error, compile error, losses)."""
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.models.llama import Llama, LlamaConfig
+
+    rank = dist.get_rank()
+    _, batches, loss_fn = build_model("llama")
+    x, y = batches[0]
+    torch.manual_seed(0)
+    pm = autopar.compile(Llama(LlamaConfig(n_layers=1)), autopar.mesh(dp=2), example_inputs=(x, y),
+                         loss_fn=loss_fn, plan={"dp": "fsdp"}, capture_eval=False, timeout=10)
+    losses = [pm.train_step(x, y).item()]
+    bad = x.clone()
+    bad[0, 0] = 999
+    try:
+        pm.train_step(bad, y)
+        said_batch = "no error"
+    except autopar.AutoparError as e:
+        said_batch = f"{type(e).__name__}: {e}"
+    losses.append(pm.train_step(x, y).item())
+
+    def broken_loss(logits, targets):  # this rank's loss function fails while tracing
+        raise ValueError("injected: this rank's loss function does not trace")
+
+    try:
+        autopar.compile(Llama(LlamaConfig(n_layers=1)), autopar.mesh(dp=2), example_inputs=(x, y),
+                        loss_fn=broken_loss if rank == 1 else loss_fn, plan={"dp": "fsdp"}, capture_eval=False,
+                        timeout=10)
+        said_compile = "no error"
+    except autopar.AutoparError as e:
+        said_compile = f"{type(e).__name__}: {e}"
+    losses.append(pm.train_step(x, y).item())  # the first program still runs
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (said_batch, said_compile, losses))
+    return everyone
+
+
+def _fault_worker(rank: int, world: int, port: int, case: str, plan_name: str, timeout: float, results):
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+    def report(kind, value):
+        results.put((rank, kind, value))
+
+    try:
+        out = fault_job(case, plan_name, timeout, report)
+        report("result", (time.time(), out))
+    except BaseException as e:  # noqa: BLE001 - what this rank raised is the result
+        report("result", (time.time(), f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+        report("error_text", f"{type(e).__name__}: {e}")
+
+
+def run_fault_case(case: str, plan_name: str, timeout: float = 5.0, world: int = 2, limit: float = 120.0) -> dict:
+    """Run ``case`` on ``world`` fresh processes; what every rank raised (first line), and the
+    seconds from the fault to each rank's exit (None: still running at ``limit``, then killed)."""
+    from multiprocessing.connection import wait as wait_any
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_fault_worker, args=(r, world, port, case, plan_name, timeout, results), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    exited: dict[int, float] = {}
+    deadline = time.monotonic() + limit
+    msgs = []
+    while len(exited) < world and time.monotonic() < deadline:
+        alive = {p.sentinel: r for r, p in enumerate(procs) if r not in exited}
+        for s in wait_any(list(alive), timeout=0.05):
+            exited[alive[s]] = time.time()
+        while True:
+            try:
+                msgs.append(results.get_nowait())
+            except queue.Empty:
+                break
+    for r, p in enumerate(procs):
+        if r not in exited:
+            p.kill()
+            p.join(5)
+    while True:
+        try:
+            msgs.append(results.get(timeout=0.2))
+        except queue.Empty:
+            break
+    if os.environ.get("AUTOPAR_FAULT_DEBUG"):
+        print(msgs, exited)
+    faults = [v for _, k, v in msgs if k == "fault"]
+    t0 = min(faults) if faults else None
+    out = {"case": case, "plan": plan_name, "timeout": timeout, "ranks": {}}
+    for r in range(world):
+        res = [v for rr, k, v in msgs if rr == r and k == "result"]
+        text = [v for rr, k, v in msgs if rr == r and k == "error_text"]
+        out["ranks"][r] = {
+            "said": res[0][1] if res else ("(killed)" if procs[r].exitcode == -9 else f"(no result; exit code "
+                                                                                      f"{procs[r].exitcode})"),
+            "text": text[0] if text else "",
+            "raised_s": (res[0][0] - t0) if res and t0 is not None else None,
+            "exit_s": (exited[r] - t0) if r in exited and t0 is not None else None,
+            "exitcode": procs[r].exitcode,
+        }
+    return out

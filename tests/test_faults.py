@@ -1,0 +1,120 @@
+"""No hang, ever (autopar/runtime/failure.py): a rank that fails tells the others through the
+c10d store, every rank raises the same clear error within seconds, and a killed rank is named.
+
+Each fault case runs on its own 2 fresh processes (a failure abandons the process groups, so a
+shared pool could not go on): ``run_fault_case`` in autopar/faults.py, which also drives
+benchmarks/faults.py (the full table, SPMD and pipeline). Small timeouts keep each case short.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.runtime.common import check_indices
+from autopar.faults import run_fault_case
+
+
+def _tiny(mesh, plan, **kw):
+    from autopar.testing import build_model
+
+    model, batches, loss_fn = build_model("llama")
+    return autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn, plan=plan, capture_eval=False,
+                           **kw), batches
+
+
+def test_token_ids_and_targets_are_checked_before_anything_is_sent(fake):
+    with fake(dp=2) as mesh:
+        pm, batches = _tiny(mesh, {"dp": "fsdp"})
+        what = sorted((c.input, c.rows, c.ignore) for c in pm.index_checks)
+        assert what == [(0, 256, None), (1, 256, -100)]  # the embedding's ids, cross-entropy's targets
+        x, y = batches[0]
+        bad = x.clone()
+        bad[2, 5] = 256
+        with pytest.raises(autopar.InputError) as e:
+            pm.train_step(bad, y)
+        msg = str(e.value)
+        assert "input #0 holds 256 at [2, 5], outside [0, 256): it indexes embedding embed_tokens" in msg
+        assert "models/llama.py" in msg and "what to do" in msg
+    y2 = y.clone()
+    y2[0, :3] = -100  # ignored targets are fine; anything else negative is not
+    check_indices((x, y2), pm.index_checks, "here")
+    y2[1, 1] = -5
+    with pytest.raises(autopar.InputError, match=r"input #1 holds -5 at \[1, 1\], outside \[0, 256\) or -100"):
+        check_indices((x, y2), pm.index_checks, "here")
+
+
+def test_timeout_option_is_validated(fake):
+    with fake(dp=2) as mesh:
+        for bad in (0, -1, float("inf"), "60", True):
+            with pytest.raises(autopar.PlanError, match="timeout must be a positive number"):
+                _tiny(mesh, {"dp": "ddp"}, timeout=bad)
+
+
+def test_pipeline_checks_run_before_any_process_group_is_made(fake, monkeypatch):
+    """A pipeline-only plan makes the stages' 1-rank meshes (new process groups): after every
+    check of the plan and the batch, so a bad plan fails on every rank before any waits."""
+    import torch.distributed.device_mesh as dm
+
+    made = []
+    real = dm.init_device_mesh
+    monkeypatch.setattr(dm, "init_device_mesh", lambda *a, **k: made.append(a) or real(*a, **k))
+    with fake(pp=2) as mesh:
+        made.clear()  # (the mesh itself)
+        with pytest.raises(autopar.PlanError, match="does not split into 3 micro-batches"):
+            _tiny(mesh, {"pp": {"schedule": "1f1b", "microbatches": 3}})
+        assert made == []
+        with pytest.raises(autopar.PlanError, match="cannot fill a 2-stage pipeline"):
+            _tiny(mesh, {"pp": {"schedule": "1f1b", "microbatches": 1}})
+        assert made == []
+
+
+def _said(out, rank):
+    return out["ranks"][rank]["said"]
+
+
+def test_an_exception_in_the_loss_on_one_rank_is_the_same_error_on_every_rank():
+    out = run_fault_case("loss_one", "fsdp", timeout=5.0)
+    want = ("RankFailure: rank 1 failed in train_step of ParallelModule (step 1): RuntimeError: injected: the loss "
+            "failed on this rank")
+    assert _said(out, 0) == want and _said(out, 1) == want, out
+    assert "rank 0 was waiting in" in out["ranks"][0]["text"] and "restart every rank" in out["ranks"][0]["text"]
+    for r in (0, 1):  # woken through the store within a fraction of the 5 s timeout
+        assert out["ranks"][r]["raised_s"] < 2.0 and out["ranks"][r]["exit_s"] is not None, out
+
+
+def test_a_bad_batch_on_one_pipeline_rank_fails_every_rank():
+    out = run_fault_case("token_one", "pp", timeout=5.0)
+    own = "InputError: input #0 holds 300 at [1, 3], outside [0, 256): it indexes embedding embed_tokens"
+    assert _said(out, 1).startswith(own), out  # its own error, raised before it sent anything
+    assert _said(out, 0).startswith("RankFailure: rank 1 failed in train_step of PipelineModule (step 1): " + own), out
+    assert out["ranks"][0]["raised_s"] < 2.0 and all(v["exit_s"] is not None for v in out["ranks"].values()), out
+
+
+def test_a_killed_rank_is_named_by_its_peers():
+    out = run_fault_case("kill_one", "fsdp", timeout=5.0)
+    assert out["ranks"][1]["exitcode"] == -9
+    assert _said(out, 0).startswith("RankFailure: rank 1 stopped responding"), out
+    assert "rank 0's connection failed while it waited in" in _said(out, 0)  # (gloo's words follow)
+    assert out["ranks"][0]["raised_s"] < 5.0 and out["ranks"][0]["exit_s"] is not None, out
+
+
+def test_failures_before_any_collective_leave_the_program_usable(pools):
+    """Every rank's batch fails the same check before anything is sent: each raises its own
+    InputError and the next step runs. One rank cannot compile: it raises its own error, the
+    other a RankFailure naming it, before any collective (the parameters' distribution); the
+    first program and the shared pool go on."""
+    from autopar.faults import recoverable_faults_job
+
+    out = pools(2).run(recoverable_faults_job)
+    for said_batch, _, losses in out:
+        assert said_batch.startswith("InputError: input #0 holds 999 at [0, 0], outside [0, 256)"), said_batch
+        assert losses[0] == losses[1] and len(losses) == 3
+    assert out[1][1].startswith("CaptureError: ")
+    assert out[0][1].startswith("RankFailure: rank 1 failed in autopar.compile: CaptureError"), out[0][1]
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    torch.set_num_threads(1)
