@@ -167,6 +167,8 @@ def _dropout(n: fx.Node, x: torch.Tensor, ctx):
     block's elements (autopar/runtime/dropout.py): replicas draw the same mask, shards their part
     of one mask. The key names the dropout by its node in the torch-level capture, which every
     rank, stage and plan shares."""
+    from torch._prims_common import make_contiguous_strides_for
+
     from autopar.runtime.dropout import local_dropout, node_key
 
     spec = spec_of(n.args[0])
@@ -185,10 +187,7 @@ def _dropout(n: fx.Node, x: torch.Tensor, ctx):
             lo = min(ctx.coord[a] * piece, extent[p.dim])
             starts[p.dim] += lo
             extent[p.dim] = min(piece, extent[p.dim] - lo)
-    strides, acc = [], 1
-    for d in reversed(shape):
-        strides.insert(0, acc)
-        acc *= d
+    strides = list(make_contiguous_strides_for(shape))  # the element's global linear index
     src = n.meta.get("from_node") or []
     origin = src[0].name if src and getattr(src[0], "name", None) else n.name
     return local_dropout(x, float(n.args[1]), [int(v) for v in starts], strides, node_key(origin))

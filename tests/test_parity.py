@@ -86,8 +86,9 @@ def assert_memory_predicted(out):
         assert 0.95 * predicted <= measured <= 1.05 * predicted + held, (what, measured, predicted)
 
 
-@pytest.mark.parametrize("name,axes,plan", CASES, ids=[f"{c[0]}-{'x'.join(c[1])}" for c in CASES])
-def test_parity(pools, references, name, axes, plan):
+def run_and_check_parity(pools, references, name, axes, plan) -> dict:
+    """parity_job on a pool of the mesh's size, checked against one process (numbers, memory,
+    bytes); returns its output for further checks (tests/test_sequence.py)."""
     world = 1
     for v in axes.values():
         world *= v
@@ -100,3 +101,9 @@ def test_parity(pools, references, name, axes, plan):
     measured = {k: v["wire_bytes"] for k, v in out["measured"].items()}
     assert set(measured) == set(predicted)
     assert measured == pytest.approx(predicted)
+    return out
+
+
+@pytest.mark.parametrize("name,axes,plan", CASES, ids=[f"{c[0]}-{'x'.join(c[1])}" for c in CASES])
+def test_parity(pools, references, name, axes, plan):
+    run_and_check_parity(pools, references, name, axes, plan)

@@ -16,9 +16,8 @@ import torch
 import autopar
 from autopar.analysis.cost import predict_memory
 from autopar.errors import PlanError
-from autopar.ir import bytes_by_collective
-from autopar.testing import build_model, parity_job
-from test_parity import assert_memory_predicted, assert_parity
+from autopar.testing import build_model
+from test_parity import run_and_check_parity
 
 CASES = [
     ("llama", {"tp": 2}, {"tp": "sequence"}),
@@ -29,16 +28,7 @@ CASES = [
 
 @pytest.mark.parametrize("name,axes,plan", CASES, ids=[f"{c[0]}-{'x'.join(c[1])}" for c in CASES])
 def test_sequence_parity(pools, references, name, axes, plan):
-    world = 1
-    for v in axes.values():
-        world *= v
-    out = pools(world).run(parity_job, name, axes, plan)
-    assert_parity(references(name), out, name)
-    assert_memory_predicted(out)
-    predicted = {k: v * out["steps"] for k, v in bytes_by_collective(out["records"]).items()}
-    measured = {k: v["wire_bytes"] for k, v in out["measured"].items()}
-    assert set(measured) == set(predicted)
-    assert measured == pytest.approx(predicted)
+    out = run_and_check_parity(pools, references, name, axes, plan)  # numbers, memory, bytes
     tp = [r for r in out["records"] if r.axis == "tp"]
     assert {"reduce_scatter", "all_gather"} <= {r.kind for r in tp}
     assert not [r for r in tp if r.kind == "all_reduce" and r.reason.startswith("sequence parallel")]

@@ -125,7 +125,7 @@ def breadth_job(name: str, plan_name: str, debug: bool = True, **overrides) -> d
     axes, plan = {**PLANS, **MORE_PLANS}[plan_name]
     model, batches, loss_fn = build_hf(name, **overrides)
     pm = autopar.compile(model, autopar.mesh(**axes), example_inputs=batches[0], loss_fn=loss_fn, plan=plan,
-                         debug=debug, capture_eval=not _pipelined(plan))
+                         debug=debug, capture_eval="pp" not in plan)  # (no eval forward for pipelines)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
 
     def merged(local: dict) -> dict:  # a pipeline rank holds its stages' parameters only
@@ -152,9 +152,6 @@ def breadth_job(name: str, plan_name: str, debug: bool = True, **overrides) -> d
     rules = sorted({info(n).rule.name for n in pm.program.graph.nodes if info(n).rule is not None})
     return {"losses": losses, "grads": grads, "params": params, "eval": evaluated, "rules": rules}
 
-
-def _pipelined(plan: dict) -> bool:
-    return "pp" in plan
 
 
 def compare(ref: dict, out: dict) -> str | None:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch._prims_common import make_contiguous_strides_for
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -93,11 +94,7 @@ def init_empty_weights():
 
 # ------------------------------------------------------------------------ materializing
 def _global_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(stride))
+    return tuple(make_contiguous_strides_for(tuple(int(s) for s in shape)))
 
 
 def empty_dtensor(p: torch.Tensor, mesh, placements, device) -> DTensor:
