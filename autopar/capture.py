@@ -154,10 +154,18 @@ def capture_graph(model: nn.Module, example_inputs: tuple, loss_fn: Callable | N
     stay as written, also on meta (the lower pass rewrites them; ``_meta_autograd`` fixes the rest)."""
     from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
 
-    try:
+    from autopar import capture_cache as cc
+
+    wrapper = _WithLoss(model, loss_fn, compute_dtype)
+
+    def trace():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return _dynamo_graph_capture_for_export(_WithLoss(model, loss_fn, compute_dtype))(*example_inputs)
+            return _dynamo_graph_capture_for_export(wrapper)(*example_inputs)
+
+    try:
+        return cc.cached("capture", cc.module_key("capture", wrapper, example_inputs), trace,
+                         lambda gm: cc.gm_template(gm, wrapper), lambda t: cc.gm_from_template(t, wrapper))
     except Exception as e:  # noqa: BLE001 - re-raised with context
         raise CaptureError(
             f"could not trace the model into a joint forward+backward graph: {type(e).__name__}: {e}",
@@ -174,6 +182,14 @@ def joint_program(gm: fx.GraphModule, example_inputs: tuple, model: nn.Module, s
     whose outputs are activations for later stages (the loss on the last stage), whose tangents
     are their gradients, and which also returns the gradients of its floating-point inputs.
     ``device``: the device the program will run on (``_meta_autograd``)."""
+    from autopar import capture_cache as cc
+
+    keyed = cc.graph_key(gm, model, example_inputs, stage, str(device), any(p.is_meta for p in model.parameters()))
+    return cc.cached("joint", keyed, lambda: _joint_program(gm, example_inputs, model, stage, device),
+                     cc.program_template, lambda t: cc.program_copy(t, model))
+
+
+def _joint_program(gm, example_inputs, model, stage, device) -> Program:
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
     try:
@@ -308,10 +324,19 @@ def _forward_decompositions():
 
 def capture_forward(model: nn.Module, example_inputs: tuple, compute_dtype: torch.dtype | None = None) -> Program:
     """Forward-only (eval) program via torch.export; outputs are the model's tensors."""
+    from autopar import capture_cache as cc
+
+    wrapper = _WithLoss(model, None, compute_dtype)
+    return cc.cached("forward", cc.module_key("forward", wrapper, example_inputs),
+                     lambda: _capture_forward(model, wrapper, example_inputs),
+                     cc.program_template, lambda t: cc.program_copy(t, model))
+
+
+def _capture_forward(model: nn.Module, wrapper: nn.Module, example_inputs: tuple) -> Program:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ep = torch.export.export(_WithLoss(model, None, compute_dtype), tuple(example_inputs), strict=False)
+            ep = torch.export.export(wrapper, tuple(example_inputs), strict=False)
             ep = ep.run_decompositions(_forward_decompositions())  # core ATen: what DTensor and our rules know
     except Exception as e:  # noqa: BLE001
         raise CaptureError(f"could not export the model's forward: {type(e).__name__}: {e}",
