@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from autopar.errors import InputError, PlanError
+from autopar.errors import CaptureError, InputError, PlanError
 from autopar.ir import Program, info, spec_of
 
 WHERE = "ParallelModule.generate"
@@ -205,8 +205,14 @@ def build(pm, path, batch: int, prompt: int, max_len: int) -> Programs:
     with _traced_on_meta(pm.module):
         prefill = capture_forward(pm.module, (ids, pos, *cache), ctx.compute_dtype, call=step)
         decode = capture_forward(pm.module, (ids[:, :1], pos[:1], *cache), ctx.compute_dtype, call=step)
+    buffers = dict(pm.module.named_buffers())
     for prog in (prefill, decode):
         _check_updates(prog, 2 * shape.layers, path)
+        made = [name for name, t in prog.buffers.items() if name not in buffers and t.is_meta]
+        if made:  # a tensor the model's code creates, traced on meta here: its value is lost
+            raise CaptureError(f"{path.name}'s step creates tensor constant(s) {made} in forward, which generation "
+                               "traces on the meta device (the parameters are sharded by now)", where=WHERE,
+                               fix="register them as buffers of the model")
     layout = _infer_layout(decode, ctx)
     ctx.cache_layout = dict(layout)
     skip = tuple(opts.skip) + ("recompute",)
