@@ -30,7 +30,6 @@ rank (a latency plan: every rank decodes the whole batch), no pipeline, no seque
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -152,7 +151,7 @@ class Programs:
     prefill: Program
     decode: Program
     layout: tuple[tuple[Placement, ...], ...]  # per cache tensor
-    local_shape: tuple[int, ...]  # one cache tensor on this rank
+    local_shapes: tuple[tuple[int, ...], ...]  # per cache tensor, on this rank
     compile_s: float
 
 
@@ -164,7 +163,7 @@ class GenerateStats:
     prompt: int
     new_tokens: int  # generated (fewer than asked if every sequence stopped at eos)
     cache_shape: tuple[int, ...]  # one cache tensor, global
-    cache_local_shape: tuple[int, ...]  # ... on this rank
+    cache_local_shape: tuple[int, ...]  # ... on this rank (the first; ``cache_bytes`` counts them all)
     cache_placements: tuple[Placement, ...]
     cache_bytes: int  # every cache tensor this rank holds
     prefill_s: float
@@ -223,12 +222,17 @@ def build(pm, path, batch: int, prompt: int, max_len: int) -> Programs:
         ctx.cache_layout = {}
     for prog in (prefill, decode):
         _in_place(prog)
-    placements = [layout[i] for i in sorted(layout)]
-    local = list(glob)
-    for p, n in zip(placements[0], ctx.axis_sizes):
+    placements = tuple(layout[i] for i in sorted(layout))
+    return Programs(prefill, decode, placements, tuple(_local(glob, p, ctx.axis_sizes) for p in placements),
+                    time.perf_counter() - t0)
+
+
+def _local(shape, placements, sizes) -> tuple[int, ...]:
+    local = list(shape)
+    for p, n in zip(placements, sizes):
         if isinstance(p, Shard):
             local[p.dim] //= n
-    return Programs(prefill, decode, tuple(placements), tuple(local), time.perf_counter() - t0)
+    return tuple(local)
 
 
 def _param_dtype(module) -> torch.dtype:
@@ -239,7 +243,7 @@ def _param_dtype(module) -> torch.dtype:
 def _traced_on_meta(module: nn.Module):
     """The module as it was before compiling, for torch.export: each parameter (a DTensor now) and
     buffer swapped for a meta tensor of its global shape (tied ones stay one tensor), in eval mode;
-    everything restored after. The programs run on the real local shards (``pm._program_args``)."""
+    everything restored after. The programs run on the real local shards (``pm._run_program``)."""
     saved, memo = [], {}
     training = module.training
     for m in module.modules():
@@ -362,7 +366,7 @@ def generate(pm, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int
     programs = pm._generation[key]
     dev = pm.ctx.device
     dtype = pm.ctx.compute_dtype or _param_dtype(pm.module)
-    cache = [torch.zeros(programs.local_shape, dtype=dtype, device=dev) for _ in programs.layout]
+    cache = [torch.zeros(shape, dtype=dtype, device=dev) for shape in programs.local_shapes]
     ids = input_ids.to(dev)
     pad = pad_token_id if pad_token_id is not None else eos_token_id
     out = [ids]
@@ -384,10 +388,9 @@ def generate(pm, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int
             logits, = pm._run_program(programs.decode, [tok[:, None], pos, *cache])
         t2 = time.perf_counter()
     tokens = torch.cat(out, dim=1)
-    esize = torch.empty((), dtype=dtype).element_size()
     pm.generate_stats = GenerateStats(
-        b, prompt, tokens.shape[1] - prompt, (b, shape.kv_heads, max_len, shape.head_dim), programs.local_shape,
-        programs.layout[0], len(cache) * math.prod(programs.local_shape) * esize, t1 - t0, t2 - t1, compiled,
+        b, prompt, tokens.shape[1] - prompt, (b, shape.kv_heads, max_len, shape.head_dim), programs.local_shapes[0],
+        programs.layout[0], sum(t.numel() * t.element_size() for t in cache), t1 - t0, t2 - t1, compiled,
         {name: len([n for n in p.local.graph.nodes if info(n).comm is not None])
          for name, p in (("prefill", programs.prefill), ("decode", programs.decode))})
     return tokens
