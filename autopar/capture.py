@@ -11,7 +11,10 @@ torch APIs used, and why (all private in torch 2.13, so they are wrapped here an
   ``GradAOTOutput``...) so we know which gradient belongs to which parameter without
   relying on positions. It is the API meta-pytorch/autoparallel is built on.
 - ``torch.export.export`` (+ ``run_decompositions``, attention kept whole) for the forward-only
-  (eval) program: public, and it names parameters in its graph signature.
+  (eval) program and generation's prefill / decode programs: public, and it names parameters in
+  its graph signature (and the inputs a program updates in place: the KV cache).
+- ``torch.nn.utils.stateless._reparametrize_module``: ``torch.func.functional_call``'s context,
+  for a mixed-precision generation step, which calls the model otherwise than through ``forward``.
 
 Decompositions: none beyond what AOTAutograd does by default, so layer_norm-style ops,
 ``_log_softmax``, ``nll_loss_*``, SDPA and ``embedding_dense_backward`` stay single ops
@@ -21,12 +24,15 @@ that the sharding rules can see.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.export.graph_signature import OutputKind
 from torch.overrides import TorchFunctionMode
 
 from autopar.errors import CaptureError
@@ -110,18 +116,25 @@ class _WithLoss(nn.Module):
     output is cast to fp32 before the loss (as Megatron-LM computes its cross-entropy).
     """
 
-    def __init__(self, model: nn.Module, loss_fn: Callable | None, compute_dtype: torch.dtype | None = None):
+    def __init__(self, model: nn.Module, loss_fn: Callable | None, compute_dtype: torch.dtype | None = None,
+                 call: Callable | None = None):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
         self.compute_dtype = compute_dtype
+        self.call = call  # ``call(model, *inputs)`` instead of ``model(*inputs)`` (generation's steps)
 
     def _model(self, *inputs):
+        run = self.model if self.call is None else functools.partial(self.call, self.model)
         if self.compute_dtype is None:
-            return _unwrap_output(self.model(*inputs))
+            return _unwrap_output(run(*inputs))
         cast = {n: (p.to(self.compute_dtype) if p.is_floating_point() else p)
                 for n, p in self.model.named_parameters()}
-        out = _unwrap_output(torch.func.functional_call(self.model, cast, inputs))
+        if self.call is None:
+            out = _unwrap_output(torch.func.functional_call(self.model, cast, inputs))
+        else:  # functional_call calls only ``forward``: its context, around ``call``
+            with _reparametrize_module(self.model, cast):
+                out = _unwrap_output(run(*inputs))
         if self.loss_fn is not None and isinstance(out, torch.Tensor) and out.is_floating_point():
             out = out.float()
         return out
@@ -322,11 +335,15 @@ def _forward_decompositions():
     return table
 
 
-def capture_forward(model: nn.Module, example_inputs: tuple, compute_dtype: torch.dtype | None = None) -> Program:
-    """Forward-only (eval) program via torch.export; outputs are the model's tensors."""
+def capture_forward(model: nn.Module, example_inputs: tuple, compute_dtype: torch.dtype | None = None,
+                    call: Callable | None = None) -> Program:
+    """Forward-only (eval) program via torch.export; outputs are the model's tensors.
+    ``call(model, *inputs)``: what to trace instead of ``model(*inputs)`` (generation's steps).
+    An input the traced code updates in place (a KV cache, autopar/runtime/generate.py) has the
+    role ``("cache", i)`` and its new value is an output ``("cache", i)``, ahead of the others."""
     from autopar import capture_cache as cc
 
-    wrapper = _WithLoss(model, None, compute_dtype)
+    wrapper = _WithLoss(model, None, compute_dtype, call)
     return cc.cached("forward", cc.module_key("forward", wrapper, example_inputs),
                      lambda: _capture_forward(model, wrapper, example_inputs),
                      cc.program_template, lambda t: cc.program_copy(t, model))
@@ -357,6 +374,8 @@ def _capture_forward(model: nn.Module, wrapper: nn.Module, example_inputs: tuple
     buffers = {}
     user_idx = 0
     consts = ep.constants
+    mutated = set(sig.user_inputs_to_mutate.values())  # input names updated in place
+    ph = [n for n in graph.nodes if n.op == "placeholder"]
     for n in graph.nodes:
         if n.op != "placeholder":
             continue
@@ -372,9 +391,14 @@ def _capture_forward(model: nn.Module, wrapper: nn.Module, example_inputs: tuple
             inputs.append(("buffer", name))
             buffers[name] = consts[name]
         else:
-            inputs.append(("input", user_idx))
+            inputs.append(("cache" if n.name in mutated else "input", user_idx))
             user_idx += 1
         info(n).role = inputs[-1]
     out_node = next(n for n in graph.nodes if n.op == "output")
     outputs = [("output", i) for i in range(len(out_node.args[0]))]
+    if mutated:
+        index = {n.name: what for n, (_, what) in zip(ph, inputs)}
+        rest = iter(range(len(outputs)))
+        outputs = [("cache", index[spec.target]) if spec.kind == OutputKind.USER_INPUT_MUTATION
+                   else ("output", next(rest)) for spec in sig.output_specs]
     return Program(graph=graph, inputs=inputs, outputs=outputs, buffers=buffers)

@@ -325,6 +325,7 @@ def runtime_for(state: CompileState, capture_eval: bool = True):
         rt = ParallelModule(state.model, state.stages[0], state.example_inputs, o.loss_fn is not None, o.inputs,
                             forward_builder)
     rt.timeout = o.timeout
+    rt.compile_options = o  # what later compiles of this program's kind read (generation: autopar/runtime/generate.py)
     rt.index_checks = checks
     return _materialize_buffers(rt, o)
 

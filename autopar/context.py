@@ -35,6 +35,9 @@ class Context:
         # a pipeline stage's program: (per input, per output) whether dim 0 is the batch
         self.boundary: tuple[list[bool], list[bool]] | None = None
         self.lowered: dict[str, int] = {}  # what the lower pass rewrote into kernel ops, per rule
+        # generation's programs (autopar/runtime/generate.py): the KV cache inputs' placements, by
+        # input index (role ("cache", i)); a cache input or output not listed is replicated
+        self.cache_layout: dict[int, tuple[Placement, ...]] = {}
 
     # placements the program's boundary must have
     def input_placements(self, shape: tuple[int, ...]) -> tuple[Placement, ...]:
@@ -56,6 +59,8 @@ class Context:
             return self.io_placements(shape, self.boundary[0][what]) if self.boundary else self.input_placements(shape)
         if kind == "tangent" and self.boundary:
             return self.io_placements(shape, self.boundary[1][what])
+        if kind == "cache" and what in self.cache_layout:
+            return self.cache_layout[what]
         return tuple(Replicate() for _ in self.axis_sizes)
 
     def output_placements(self, role, node=None):
@@ -66,6 +71,8 @@ class Context:
             return self.io_placements(tuple(node.meta["val"].shape), self.boundary[1][what])
         if kind == "input_grad":
             return self.io_placements(tuple(node.meta["val"].shape), self.boundary[0][what])
+        if kind == "cache" and what in self.cache_layout:  # updated in place: it keeps its input's layout
+            return self.cache_layout[what]
         return tuple(Replicate() for _ in self.axis_sizes)
 
     def output_hint(self, node: fx.Node):

@@ -70,18 +70,24 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, cache=None):
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
+        mask = None
+        if cache is not None:  # generation: this step's keys / values go into the static cache at their positions
+            k_cache, v_cache, positions, mask = cache
+            k_cache.index_copy_(2, positions, k)
+            v_cache.index_copy_(2, positions, v)
+            k, v = k_cache, v_cache  # attend over the whole cache; ``mask`` hides the positions not written yet
         rep = q.shape[1] // k.shape[1]
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         o = o.transpose(1, 2).reshape(b, s, -1)
         return self.o_proj(o)
 
@@ -153,8 +159,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
 
-    def forward(self, x, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x, cos, sin, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -186,12 +192,24 @@ class Llama(nn.Module):
                 else:
                     p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=g)
 
-    def forward(self, tokens):
+    def forward(self, tokens, kv_cache=None, positions=None):
+        """Logits ``[batch, seq, vocab]``. With ``kv_cache`` (generation, autopar/runtime/generate.py):
+        ``tokens`` sit at ``positions`` (``[seq]``, the same for every sequence), ``kv_cache`` is a
+        (keys, values) pair per layer, each ``[batch, n_kv_heads, max_len, head_dim]``; this step's
+        keys and values are written into it in place, and every position attends to the cached
+        positions up to its own."""
         s = tokens.shape[1]
         x = self.embed_tokens(tokens)
-        cos, sin = self.rope_cos[:s].to(x.dtype), self.rope_sin[:s].to(x.dtype)  # bf16 under mixed precision
-        for layer in self.layers:
-            x = layer(x, cos, sin)
+        if kv_cache is None:
+            cos, sin = self.rope_cos[:s].to(x.dtype), self.rope_sin[:s].to(x.dtype)  # bf16 under mixed precision
+            for layer in self.layers:
+                x = layer(x, cos, sin)
+        else:
+            cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
+            max_len = kv_cache[0][0].shape[2]
+            mask = torch.arange(max_len, device=tokens.device) <= positions[:, None]  # [seq, max_len]
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
+                x = layer(x, cos, sin, (k_cache, v_cache, positions, mask))
         return self.lm_head(self.norm(x))
 
 

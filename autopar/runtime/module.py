@@ -40,6 +40,8 @@ class ParallelModule(Runtime):
         self.accumulate = ctx.accumulate
         self._forward_builder = forward_builder
         self._forward_program = None
+        self._generation = {}  # (batch, prompt, cache length) -> generation's programs (runtime/generate.py)
+        self.generate_stats = None
         for full_name, p in list(self.module.named_parameters()):
             self._place(full_name, p, self.mesh, ctx.placed.placements[full_name])
         actions = [("FB", stage.index, mb) for mb in range(self.accumulate)]
@@ -56,25 +58,43 @@ class ParallelModule(Runtime):
                 raise InputError("this program was compiled with capture_eval=False: it has no forward-only "
                                  "program", where="ParallelModule.__call__", fix="compile with capture_eval=True")
             self._forward_program = self._forward_builder()
-            self._fwd_gm = self._forward_program.local
         n = len(self.example_shapes) - (1 if self.has_loss else 0)
         with failure.call(self, "forward") as call:
             local = local_inputs(inputs, n, self.example_shapes, self.input_mode, self.ctx, "ParallelModule.__call__")
             if self.guard:
                 check_indices(inputs, self.index_checks, "ParallelModule.__call__")
             call.communicating()
-            params = dict(self.module.named_parameters())
-            buffers = dict(self.module.named_buffers())
-            program = self._forward_program
-            args = [params[what].to_local() if kind == "param" else
-                    buffers.get(what, program.buffers.get(what)).to(self.ctx.device) if kind == "buffer" else
-                    local[what] for kind, what in program.inputs]
-            gm = self.executor.guarded(self._fwd_gm) if self.guard else self._fwd_gm
-            with torch.no_grad(), self._measuring(memory=False):
-                outs = gm(*args)
+            outs = self._run_program(self._forward_program, local)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     forward = __call__
+
+    def _run_program(self, program, inputs):
+        """Run a forward-only per-rank program (eval, generation's steps) on this rank's parameter
+        shards, the module's buffers and ``inputs`` (this rank's, by user input index); returns its
+        outputs whose role is ``"output"``."""
+        params = dict(self.module.named_parameters())
+        buffers = dict(self.module.named_buffers())
+        args = [params[what].to_local() if kind == "param" else
+                buffers.get(what, program.buffers.get(what)).to(self.ctx.device) if kind == "buffer" else
+                inputs[what] for kind, what in program.inputs]
+        gm = self.executor.guarded(program.local) if self.guard else program.local
+        with torch.no_grad(), self._measuring(memory=False):
+            outs = gm(*args)
+        return [o for o, (kind, _) in zip(outs, program.outputs) if kind == "output"]
+
+    def generate(self, input_ids, max_new_tokens: int, *, eos_token_id: int | None = None,
+                 pad_token_id: int | None = None, attention_mask=None):
+        """Greedy decoding with a static KV cache (autopar/runtime/generate.py): ``input_ids`` [B, L]
+        (equal-length prompts, the same on every rank) -> [B, L + n] token ids, n <= max_new_tokens,
+        the same on every rank. ``eos_token_id``: a sequence that produced it is padded with
+        ``pad_token_id`` (default: eos) from then on, and the call stops once every sequence has
+        (as Hugging Face's ``generate``). Two programs (prefill, decode step) are compiled under this
+        program's plan on the first call for each (batch, prompt length, cache length);
+        ``pm.generate_stats`` says what the last call did."""
+        from autopar.runtime.generate import generate
+
+        return generate(self, input_ids, max_new_tokens, eos_token_id, pad_token_id, attention_mask)
 
     # ---------------------------------------------------------------- visibility
     def collectives(self, program=None) -> list[CommRecord]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autopar.errors import InputError
+from autopar.errors import InputError, PlanError
 from autopar.ir import Stage, info
 from autopar.passes.split import _val_bytes
 from autopar.plan import replicated_lines
@@ -131,6 +131,12 @@ class PipelineModule(Runtime):
                          fix="compile the model without the pipeline axis for evaluation, or use train_step's loss")
 
     forward = __call__
+
+    def generate(self, *args, **kwargs):
+        raise PlanError("generation (pm.generate) is not built for pipelined programs: a decode step of one token "
+                        "would idle every stage but one", where="PipelineModule.generate",
+                        fix="compile the model for generation without the pipeline axis, tensor parallel: "
+                            "autopar.mesh(tp=N) with plan={'tp': 'megatron'}")
 
     def _step_loss(self, losses) -> torch.Tensor:
         """The global-batch loss, from the last stage's rank to every rank of the pipeline."""

@@ -1,0 +1,396 @@
+"""Generation: ``pm.generate(input_ids, max_new_tokens)``, greedy decoding with a static KV cache.
+
+Two programs, captured from the user's model and compiled through the same per-stage passes
+(propagate ... overlap) under the training program's plan, mesh and Context, running on its
+placed parameters (each rank's local shards, as ``pm(x)`` does: nothing is copied):
+
+    prefill  (ids [B, L], positions [L], *cache) -> logits of the last position [B, V]
+    decode   (ids [B, 1], positions [1], *cache) -> logits [B, V]
+
+The cache is a (keys, values) pair per layer, each ``[B, kv_heads, L + max_new_tokens,
+head_dim]`` globally, allocated once per call (zeros) and written in place by both programs:
+the model's step writes its keys / values with ``index_copy_`` at ``positions`` (torch.export
+turns the in-place update of an input into an output, role ``("cache", i)``, see
+autopar/capture.py; the per-rank program writes it back in place, ``_in_place``). Every
+position attends to the cache through a mask ``cached position <= own position``.
+
+The cache's layout is the plan's, not a choice made here: propagation is run once with the
+cache replicated, and each cache input takes the placements of the keys / values written into
+it (under ``{"tp": "megatron"}``, K/V projections are column-parallel, so the heads are sharded
+and each rank holds ``kv_heads / tp`` of them: 1/tp of the cache), minus any shard of the
+positions' dimension. The logits come out replicated, so the argmax, the stop test and the
+tokens are the same on every rank.
+
+Models with a cache path: Hugging Face decoder-only models (the step passes a ``Cache`` whose
+layers write into the tensors given, an explicit 4-D mask and position ids) and the built-in
+Llama (autopar/models/llama.py, ``kv_cache=``). Plans: no data-parallel axis of more than one
+rank (a latency plan: every rank decodes the whole batch), no pipeline, no sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from autopar.errors import CaptureError, InputError, PlanError
+from autopar.ir import Program, info, spec_of
+
+WHERE = "ParallelModule.generate"
+
+
+# ---------------------------------------------------------------- models with a cache path
+@dataclass(frozen=True)
+class CacheShape:
+    """A model's KV cache: ``layers`` (keys, values) pairs of ``[B, kv_heads, max_len, head_dim]``."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    max_positions: int | None  # the longest sequence the model's positions cover (None: no limit known)
+
+
+class _Builtin:
+    """autopar.models.llama.Llama: its own ``kv_cache=`` path."""
+
+    name = "the built-in Llama"
+
+    @staticmethod
+    def shape(model) -> CacheShape:
+        c = model.cfg
+        return CacheShape(c.n_layers, c.n_kv_heads, c.dim // c.n_heads, c.max_seq_len)
+
+    @staticmethod
+    def step(model, ids, positions, *cache):
+        pairs = list(zip(cache[0::2], cache[1::2]))
+        return model(ids, kv_cache=pairs, positions=positions)[:, -1, :]
+
+
+class _HFLayer:
+    """One layer of a Hugging Face ``Cache``: keys / values written in place at ``positions``."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, keys, values, positions):
+        self.keys, self.values, self.positions = keys, values, positions
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.keys.index_copy_(2, self.positions, key_states)
+        self.values.index_copy_(2, self.positions, value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, *args, **kwargs):
+        return self.keys.shape[2], 0
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+class _HF:
+    """A Hugging Face decoder-only model (``GenerationMixin``): the step passes its own ``Cache``, a
+    4-D additive mask (so HF's mask code returns it as is) and the position ids."""
+
+    name = "a Hugging Face model"
+
+    @staticmethod
+    def shape(model) -> CacheShape:
+        c = model.config
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        kv = getattr(c, "num_key_value_heads", None) or heads
+        return CacheShape(c.num_hidden_layers, kv, head_dim, getattr(c, "max_position_embeddings", None))
+
+    @staticmethod
+    def step(model, ids, positions, *cache):
+        from transformers.cache_utils import Cache
+
+        layers = [_HFLayer(k, v, positions) for k, v in zip(cache[0::2], cache[1::2])]
+        kv = Cache(layers=layers)
+        b, s = ids.shape
+        allowed = torch.arange(cache[0].shape[2], device=ids.device) <= positions[:, None]  # [s, max_len]
+        dtype = cache[0].dtype
+        mask = torch.zeros((), dtype=dtype, device=ids.device).masked_fill(~allowed, torch.finfo(dtype).min)
+        out = model(input_ids=ids, attention_mask=mask[None, None].expand(b, 1, s, -1),
+                    position_ids=positions[None].expand(b, s), past_key_values=kv, use_cache=True)
+        return out.logits[:, -1, :]
+
+
+def cache_path(model: nn.Module):
+    """The cache path of ``model`` (``_Builtin`` / ``_HF``), or a PlanError saying there is none."""
+    from autopar.models.llama import Llama
+
+    if isinstance(model, Llama):
+        if model.cfg.n_experts:
+            raise PlanError("generation is not supported for the built-in Llama with a mixture-of-experts MLP "
+                            "(its capacity dispatch routes per sequence: one token at a time routes differently)",
+                            where=WHERE, fix="generate with a dense Llama (n_experts=0)")
+        return _Builtin
+    try:
+        from transformers import GenerationMixin, PreTrainedModel
+    except ImportError:  # no transformers: only the built-in model
+        GenerationMixin = PreTrainedModel = ()
+    if isinstance(model, PreTrainedModel) and isinstance(model, GenerationMixin) \
+            and not getattr(model.config, "is_encoder_decoder", False):
+        return _HF
+    raise PlanError(f"{type(model).__name__} has no KV-cache path autopar can drive", where=WHERE,
+                    fix="generate with a Hugging Face decoder-only model (a GenerationMixin, e.g. LlamaForCausalLM) "
+                        "or autopar.models.llama.Llama; for another model, run pm(tokens) per token (no cache)")
+
+
+# ---------------------------------------------------------------- compiling the two programs
+@dataclass
+class Programs:
+    """The prefill and decode programs for one (batch, prompt length, cache length)."""
+
+    prefill: Program
+    decode: Program
+    layout: tuple[tuple[Placement, ...], ...]  # per cache tensor
+    local_shapes: tuple[tuple[int, ...], ...]  # per cache tensor, on this rank
+    compile_s: float
+
+
+@dataclass
+class GenerateStats:
+    """What the last ``pm.generate`` call did on this rank (``pm.generate_stats``)."""
+
+    batch: int
+    prompt: int
+    new_tokens: int  # generated (fewer than asked if every sequence stopped at eos)
+    cache_shape: tuple[int, ...]  # one cache tensor, global
+    cache_local_shape: tuple[int, ...]  # ... on this rank (the first; ``cache_bytes`` counts them all)
+    cache_placements: tuple[Placement, ...]
+    cache_bytes: int  # every cache tensor this rank holds
+    prefill_s: float
+    decode_s: float  # all decode steps
+    compile_s: float  # 0 when the programs were compiled by an earlier call
+    collectives: dict = field(default_factory=dict)  # per program: collectives per call
+
+
+def check_plan(pm) -> None:
+    ctx = pm.ctx
+    dp = [(ctx.axis_names[a], ctx.axis_sizes[a]) for a in ctx.dp_axes if ctx.axis_sizes[a] > 1]
+    if dp:
+        raise PlanError(f"generation runs a latency plan (tensor parallel): this program's plan has data-parallel "
+                        f"axes {dp}", where=WHERE,
+                        fix="compile the model for generation on a mesh without a data-parallel axis, e.g. "
+                            "autopar.mesh(tp=2) with plan={'tp': 'megatron'}")
+    seq = [a.axis for a in ctx.plan.axes if a.strategy == "sequence"]
+    if seq:
+        raise PlanError(f"generation does not support sequence parallelism (axis {seq[0]!r}): decode steps have "
+                        "one token, nothing to split over the sequence", where=WHERE,
+                        fix=f"compile with plan={{{seq[0]!r}: 'megatron'}} for generation")
+
+
+def build(pm, path, batch: int, prompt: int, max_len: int) -> Programs:
+    """Capture and compile the prefill and decode programs (autopar/capture.py, passes/__init__.py)."""
+    from autopar.capture import capture_forward
+    from autopar.passes import run_stage_passes
+
+    ctx, opts = pm.ctx, pm.compile_options
+    t0 = time.perf_counter()
+    shape = path.shape(pm.module)
+    dtype = ctx.compute_dtype or _param_dtype(pm.module)
+    glob = (batch, shape.kv_heads, max_len, shape.head_dim)
+    cache = [torch.empty(glob, dtype=dtype, device="meta") for _ in range(2 * shape.layers)]
+    ids = torch.zeros((batch, prompt), dtype=torch.long, device="meta")
+    pos = torch.zeros((prompt,), dtype=torch.long, device="meta")
+    step = path.step
+    with _traced_on_meta(pm.module):
+        prefill = capture_forward(pm.module, (ids, pos, *cache), ctx.compute_dtype, call=step)
+        decode = capture_forward(pm.module, (ids[:, :1], pos[:1], *cache), ctx.compute_dtype, call=step)
+    buffers = dict(pm.module.named_buffers())
+    for prog in (prefill, decode):
+        _check_updates(prog, 2 * shape.layers, path)
+        made = [name for name, t in prog.buffers.items() if name not in buffers and t.is_meta]
+        if made:  # a tensor the model's code creates, traced on meta here: its value is lost
+            raise CaptureError(f"{path.name}'s step creates tensor constant(s) {made} in forward, which generation "
+                               "traces on the meta device (the parameters are sharded by now)", where=WHERE,
+                               fix="register them as buffers of the model")
+    layout = _infer_layout(decode, ctx)
+    ctx.cache_layout = dict(layout)
+    skip = tuple(opts.skip) + ("recompute",)
+    try:
+        prefill = run_stage_passes(prefill, ctx, debug=opts.debug, label="prefill ", skip=skip)
+        decode = run_stage_passes(decode, ctx, debug=opts.debug, label="decode ", skip=skip)
+    finally:
+        ctx.cache_layout = {}
+    for prog in (prefill, decode):
+        _in_place(prog)
+    placements = tuple(layout[i] for i in sorted(layout))
+    return Programs(prefill, decode, placements, tuple(_local(glob, p, ctx.axis_sizes) for p in placements),
+                    time.perf_counter() - t0)
+
+
+def _local(shape, placements, sizes) -> tuple[int, ...]:
+    local = list(shape)
+    for p, n in zip(placements, sizes):
+        if isinstance(p, Shard):
+            local[p.dim] //= n
+    return tuple(local)
+
+
+def _param_dtype(module) -> torch.dtype:
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+
+
+@contextlib.contextmanager
+def _traced_on_meta(module: nn.Module):
+    """The module as it was before compiling, for torch.export: each parameter (a DTensor now) and
+    buffer swapped for a meta tensor of its global shape (tied ones stay one tensor), in eval mode;
+    everything restored after. The programs run on the real local shards (``pm._run_program``)."""
+    saved, memo = [], {}
+    training = module.training
+    for m in module.modules():
+        for table in (m._parameters, m._buffers):
+            for name, t in list(table.items()):
+                if t is None:
+                    continue
+                if id(t) not in memo:
+                    meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+                    memo[id(t)] = nn.Parameter(meta, requires_grad=False) if table is m._parameters else meta
+                saved.append((table, name, t))
+                table[name] = memo[id(t)]
+    module.eval()
+    try:
+        yield
+    finally:
+        for table, name, t in saved:
+            table[name] = t
+        module.train(training)
+
+
+def _check_updates(program: Program, n: int, path) -> None:
+    updated = sorted(what for kind, what in program.outputs if kind == "cache")
+    if updated != list(range(2, 2 + n)):
+        raise PlanError(f"{path.name}'s step updated cache inputs {updated}, expected every one of the {n} cache "
+                        "tensors (inputs 2..) once", where=WHERE,
+                        fix="the model must write each layer's keys and values into the cache it is given")
+
+
+def _cache_writes(program: Program):
+    """Per cache placeholder: the index_put that writes into it (its only use), or None."""
+    for n in program.graph.nodes:
+        if n.op != "placeholder" or (info(n).role or ("",))[0] != "cache":
+            continue
+        users = list(n.users)
+        put = users[0] if len(users) == 1 and users[0].target is torch.ops.aten.index_put.default \
+            and users[0].args[0] is n else None
+        yield n, put
+
+
+def _infer_layout(program: Program, ctx) -> dict[int, tuple[Placement, ...]]:
+    """Each cache input's placements: those of the keys / values written into it under the plan
+    (propagation run once with the cache replicated: the written values do not depend on it), with
+    a shard of an indexed dimension (the positions) or a partial sum made replicated."""
+    from autopar.passes.propagate import propagate_pass
+
+    ctx.cache_layout = {}
+    propagate_pass(program, ctx)
+    rep = tuple(Replicate() for _ in ctx.axis_sizes)
+    layout = {}
+    for ph, put in _cache_writes(program):
+        what = info(ph).role[1]
+        if put is None:
+            layout[what] = rep
+            continue
+        indexed = {d for d, ix in enumerate(put.args[1]) if ix is not None}
+        layout[what] = tuple(Replicate() if isinstance(p, Partial) or (isinstance(p, Shard) and p.dim in indexed)
+                             else p for p in spec_of(put.args[2]).placements)
+    return layout
+
+
+def _in_place(program: Program) -> None:
+    """In the per-rank program, each cache write ``index_put(cache, ...)`` becomes ``index_put_``:
+    the cache input has no other reader, so a step writes its tokens' keys and values instead of
+    copying the whole cache (the output is the input tensor, updated)."""
+    gm = program.local
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for n, (kind, _) in zip(placeholders, program.inputs):
+        users = list(n.users)
+        if kind == "cache" and len(users) == 1 and users[0].target is torch.ops.aten.index_put.default \
+                and users[0].args[0] is n:
+            users[0].target = torch.ops.aten.index_put_.default
+    gm.recompile()
+
+
+# ---------------------------------------------------------------- the generation loop
+def generate(pm, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
+             pad_token_id: int | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """See ``ParallelModule.generate``."""
+    from autopar.runtime import failure
+
+    check_plan(pm)
+    path = cache_path(pm.module)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.is_floating_point() \
+            or input_ids.is_complex() or input_ids.shape[1] == 0:
+        raise InputError(f"input_ids must be an int tensor [batch, prompt length], got "
+                         f"{getattr(input_ids, 'shape', type(input_ids).__name__)}", where=WHERE)
+    if type(max_new_tokens) is not int or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}", where=WHERE)
+    if attention_mask is not None and not bool((attention_mask == 1).all()):
+        raise InputError("prompts of different lengths (an attention_mask with padding) are not supported", where=WHERE,
+                         fix="generate each group of equal-length prompts in its own call")
+    b, prompt = input_ids.shape
+    max_len = prompt + max_new_tokens
+    shape = path.shape(pm.module)
+    if shape.max_positions is not None and max_len > shape.max_positions:
+        raise InputError(f"prompt ({prompt}) + max_new_tokens ({max_new_tokens}) = {max_len} positions, beyond the "
+                         f"model's {shape.max_positions}", where=WHERE,
+                         fix=f"ask for at most {shape.max_positions - prompt} new tokens, or shorten the prompt")
+    emb = pm.module.get_input_embeddings() if hasattr(pm.module, "get_input_embeddings") \
+        else getattr(pm.module, "embed_tokens", None)
+    vocab = getattr(emb, "num_embeddings", None)
+    if vocab is not None and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+        raise InputError(f"input_ids hold ids outside [0, {vocab})", where=WHERE,
+                         fix="check the tokenizer's vocabulary against the model's")
+    if pm._unloaded:
+        raise InputError(f"the model's weights are not loaded yet ({sorted(pm._unloaded)[0]}, ...)", where=WHERE,
+                         fix="pm.load_pretrained(path) or pm.load(checkpoint) first")
+    key = (b, prompt, max_len)
+    compiled = 0.0
+    if key not in pm._generation:
+        try:
+            programs = build(pm, path, b, prompt, max_len)
+        except BaseException as e:
+            failure.agree(e, pm.timeout, "pm.generate (compiling its programs)")
+            raise
+        failure.agree(None, pm.timeout, "pm.generate (compiling its programs)")
+        pm._generation[key] = programs
+        compiled = programs.compile_s
+    programs = pm._generation[key]
+    dev = pm.ctx.device
+    dtype = pm.ctx.compute_dtype or _param_dtype(pm.module)
+    cache = [torch.zeros(shape, dtype=dtype, device=dev) for shape in programs.local_shapes]
+    ids = input_ids.to(dev)
+    pad = pad_token_id if pad_token_id is not None else eos_token_id
+    out = [ids]
+    unfinished = torch.ones(b, dtype=torch.bool, device=dev)
+    with failure.call(pm, "generate") as call:
+        call.communicating()
+        t0 = time.perf_counter()
+        logits, = pm._run_program(programs.prefill, [ids, torch.arange(prompt, device=dev), *cache])
+        t1 = time.perf_counter()
+        for i in range(max_new_tokens):
+            tok = logits.argmax(-1)
+            if eos_token_id is not None:
+                tok = torch.where(unfinished, tok, torch.full_like(tok, pad))
+                unfinished &= tok != eos_token_id
+            out.append(tok[:, None])
+            if i == max_new_tokens - 1 or not bool(unfinished.any()):
+                break
+            pos = torch.tensor([prompt + i], device=dev)
+            logits, = pm._run_program(programs.decode, [tok[:, None], pos, *cache])
+        t2 = time.perf_counter()
+    tokens = torch.cat(out, dim=1)
+    pm.generate_stats = GenerateStats(
+        b, prompt, tokens.shape[1] - prompt, (b, shape.kv_heads, max_len, shape.head_dim), programs.local_shapes[0],
+        programs.layout[0], sum(t.numel() * t.element_size() for t in cache), t1 - t0, t2 - t1, compiled,
+        {name: len([n for n in p.local.graph.nodes if info(n).comm is not None])
+         for name, p in (("prefill", programs.prefill), ("decode", programs.decode))})
+    return tokens
