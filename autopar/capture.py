@@ -161,6 +161,26 @@ def _tensor_names(module: nn.Module) -> dict[int, tuple[str, str]]:
     return names
 
 
+def _user_exception(wrapper: nn.Module, example_inputs: tuple):
+    """When dynamo reports only "Observed exception", the user's code raised: run model + loss
+    once on fake tensors (shapes only, nothing computed or allocated) to get that exception and
+    the user's frame it came from. None if it does not raise that way."""
+    import traceback
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
+            warnings.simplefilter("ignore")
+            wrapper(*example_inputs)
+    except Exception as err:  # noqa: BLE001 - what the user's code raised
+        frames = [f for f in traceback.extract_tb(err.__traceback__)
+                  if "/torch/" not in f.filename and f.filename != __file__]
+        where = f"{frames[-1].filename}:{frames[-1].lineno}  {frames[-1].line}" if frames else None
+        return err, where
+    return None
+
+
 def capture_graph(model: nn.Module, example_inputs: tuple, loss_fn: Callable | None,
                   compute_dtype: torch.dtype | None = None) -> fx.GraphModule:
     """Trace model (+ loss) with dynamo into a torch-level graph (the capture pass). SDPA calls
@@ -180,6 +200,12 @@ def capture_graph(model: nn.Module, example_inputs: tuple, loss_fn: Callable | N
         return cc.cached("capture", cc.module_key("capture", wrapper, example_inputs), trace,
                          lambda gm: cc.gm_template(gm, wrapper), lambda t: cc.gm_from_template(t, wrapper))
     except Exception as e:  # noqa: BLE001 - re-raised with context
+        own = _user_exception(wrapper, example_inputs) if "Observed exception" in str(e) else None
+        if own is not None:  # the model or loss itself raised: say what, and where, not dynamo's wrapper
+            err, where = own
+            raise CaptureError(f"the model or loss raised while being traced: {type(err).__name__}: {err}",
+                               where=where or type(model).__name__,
+                               fix="run model + loss once eagerly on the example inputs; fix what raises") from err
         raise CaptureError(
             f"could not trace the model into a joint forward+backward graph: {type(e).__name__}: {e}",
             where=type(model).__name__,

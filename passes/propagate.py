@@ -47,6 +47,7 @@ def propagate_pass(program: Program, ctx) -> Program:
         ctx.output_placements(role, o) if isinstance(o, fx.Node) else None
         for role, o in zip(program.outputs, out.args[0])]
     ctx.strategy_cache = {}  # repeated blocks ask DTensor the same question: answer it once
+    _drop_legacy_empty_cat_inputs(graph)
     seq = SequenceDims(program, ctx)  # the activation layout of a sequence-parallel axis (autopar/layout.py)
     for n in graph.nodes:
         if n.op == "placeholder":
@@ -60,6 +61,21 @@ def propagate_pass(program: Program, ctx) -> Program:
         elif n.op == "get_attr":
             raise ShardingError(f"unexpected get_attr node {n.target} in the captured graph")
     return program
+
+
+def _drop_legacy_empty_cat_inputs(graph: fx.Graph) -> None:
+    """``torch.cat`` skips a 1-D tensor of size 0 among higher-dimensional ones (Hugging Face's
+    DynamicCache starts every layer's keys as ``torch.tensor([])`` and concatenates onto it, when
+    a model is traced with ``use_cache=True``). Such an input holds nothing and has no dim to
+    shard, so it is removed from the op before placements are chosen; the result is the same."""
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target is not torch.ops.aten.cat.default:
+            continue
+        tensors = list(n.args[0])
+        vals = [t.meta.get("val") if isinstance(t, fx.Node) else None for t in tensors]
+        empty = [isinstance(v, torch.Tensor) and v.ndim == 1 and v.shape[0] == 0 for v in vals]
+        if any(empty) and not all(empty) and any(isinstance(v, torch.Tensor) and v.ndim > 1 for v in vals):
+            n.args = ([t for t, e in zip(tensors, empty) if not e],) + tuple(n.args[1:])
 
 
 def _spec_from_val(val, placements) -> ShardSpec | None:

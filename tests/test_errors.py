@@ -97,3 +97,21 @@ def test_batch_not_divisible_by_data_parallel_ranks(fake):
     with fake(dp=4) as mesh, pytest.raises(autopar.PlanError, match=r"batch size 6.*\(dp, 4 ranks\) cannot split") as e:
         autopar.compile(Llama(LlamaConfig()), mesh, example_inputs=(x, x), loss_fn=cross_entropy, plan={"dp": "ddp"})
     assert "multiple of 4" in str(e.value) and "example_inputs[0]" in str(e.value)
+
+
+def test_a_loss_that_raises_while_traced_keeps_its_own_message(fake):
+    """dynamo reports a user exception only as "Observed exception"; the error says what the
+    user's code raised and on which of its lines."""
+    def loss(out, y):
+        if out.shape[-1] != 7:
+            raise ValueError(f"expected 7 classes, got {out.shape[-1]}")
+        return cross_entropy(out, y)
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (4, 16))
+    with fake(dp=2) as mesh, pytest.raises(autopar.CaptureError) as e:
+        autopar.compile(Llama(LlamaConfig(n_layers=1)), mesh, example_inputs=(tokens, tokens), loss_fn=loss,
+                        plan={"dp": "ddp"})
+    msg = str(e.value)
+    assert "ValueError: expected 7 classes, got 256" in msg and "Observed exception" not in msg
+    assert "test_errors.py" in msg and "raise ValueError" in msg

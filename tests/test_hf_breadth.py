@@ -36,6 +36,10 @@ CASES = [  # (architecture, plan, config overrides, rules that must have decided
     ("BLOOM", "megatron", ONE_LAYER, set()),  # [B, H, ...] -> [B*H, ...]: a strided shard made from R
     # softplus_backward: elementwise, not tagged so (8 tokens: the scan unrolls once per token)
     ("Mamba", "fsdp", dict(ONE_LAYER, seq=8), {"elementwise"}),
+    # use_cache=True (Hugging Face's default): the traced forward concatenates each layer's keys
+    # and values onto DynamicCache's empty 1-D start tensor, which torch.cat skips; it has no dim
+    # to shard on tp (it failed in localize's chunk before the pass dropped it from the cat)
+    ("Llama", "megatron", dict(ONE_LAYER, use_cache=True), set()),
 ]
 
 

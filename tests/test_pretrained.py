@@ -208,3 +208,14 @@ def test_strided_placement_reads_the_parameter_whole(pools, tmp_path):
     assert out["read_whole"] == ["w"] and out["unloaded"] == set()
     assert torch.equal(out["w"], full) and torch.equal(out["v"], full)
     assert [b for b, _ in out["per_rank"]] == [8 * 4 * 2 + 8 * 2 * 4] * 2  # w whole (bf16), half of v (fp32)
+
+
+def test_missing_safetensors_is_an_error_that_says_what_to_install(monkeypatch, tmp_path):
+    import sys
+
+    from autopar.errors import InputError
+    from autopar.runtime.weights import checkpoint_files
+
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # import fails as if not installed
+    with pytest.raises(InputError, match="pip install safetensors"):
+        checkpoint_files(str(tmp_path))

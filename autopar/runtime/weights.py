@@ -180,12 +180,23 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
+def _safe_open(path: str):
+    """safetensors' reader, or an error that says how to get it (the same on every rank: each
+    rank's environment lacks it alike, and it is checked before anything is read or sent)."""
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise InputError("reading a Hugging Face checkpoint needs the safetensors package, which is not "
+                         "installed", where=f"load_pretrained({path!r})",
+                         fix="pip install safetensors (or autopar[hf])") from None
+    return safe_open
+
+
 def checkpoint_files(path: str) -> dict[str, str]:
     """{tensor name: file} of the safetensors checkpoint at ``path`` (a folder with
     ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` and their index; or one
     ``.safetensors`` file), reading headers only."""
-    from safetensors import safe_open
-
+    safe_open = _safe_open(path)
     where = f"load_pretrained({path!r})"
     if os.path.isfile(path) and path.endswith(".safetensors"):
         files = [path]
@@ -300,9 +311,8 @@ def load_pretrained(pm, path, strict: bool = True, verbose: bool = True) -> Load
     does not have, is an error naming them (on every rank); ``strict=False`` loads what matches (a
     parameter left unloaded still stops ``train_step``). Tensors are converted to the parameter's
     dtype; a shape that differs is an error naming the key and both shapes."""
-    from safetensors import safe_open
-
     path = os.fspath(path)
+    safe_open = _safe_open(path)
     where = f"{type(pm).__name__}.load_pretrained({path!r})"
     t0 = time.perf_counter()
     module = pm.module
