@@ -64,8 +64,8 @@ class StepClock:
         recent = list(self.steps)[-self.window:]
         c = statistics.median(r[1] for r in recent) * 1e3
         w = statistics.median(r[2] for r in recent) * 1e3
-        out = ["", f"step times on this rank (median of the last {len(recent)} steps): compute {c:.2f} ms, "
-               f"waiting {w:.2f} ms (pm.step_times() gathers every rank's)"]
+        out = ["", (f"step times on this rank (median of the last {len(recent)} steps): compute {c:.2f} ms, "
+                    f"waiting {w:.2f} ms (pm.step_times() gathers every rank's)")]
         if self.last_check is not None:
             chk = self.last_check
             found = ", ".join(f"rank {r} ({x:.2f}x)" for r, x in chk["stragglers"].items()) or "none"
@@ -134,7 +134,10 @@ def check(pm) -> dict:
             if rel.numel():
                 ratio[r] = float(rel.median())
     slow = {r: x for r, x in sorted(ratio.items()) if x > clock.threshold}
-    med = lambda t: [round(float(v.nanmedian()) * 1e3, 2) for v in t]  # noqa: E731
+
+    def med(t):
+        return [round(float(v.nanmedian()) * 1e3, 2) for v in t]
+
     chk = {"steps": (steps[0], steps[-1]) if steps else (0, 0), "stragglers": slow, "ratios": ratio,
            "compute_ms": med(comp), "wait_ms": med(wait)}
     clock.last_check = chk
