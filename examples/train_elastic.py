@@ -71,8 +71,9 @@ ckpts = autopar.CheckpointManager(args.ckpt, keep=2)
 extra = ckpts.load_latest(pm, opt)  # parameters, optimizer state, RNG, pm.steps; None: nothing saved yet
 start = extra["next_batch"] if extra else 0
 if rank == 0:
-    print(f"attempt {attempt}: " + (f"resumed from {ckpts.latest()} at batch {start}" if extra else "fresh start")
-          + f" (set up in {time.perf_counter() - t0:.1f}s: process group, compile, load)", flush=True)
+    print((f"resumed from {ckpts.latest()} at batch {start}" if extra else "fresh start")
+          + f" (this node's restart count {attempt}; set up in {time.perf_counter() - t0:.1f}s: process group, "
+          "compile, load)", flush=True)
 
 for i in range(start, args.steps):
     if i == kill_at and rank == 1 and extra is None:
@@ -86,5 +87,5 @@ for i in range(start, args.steps):
     if (i + 1) % args.every == 0:
         ckpts.save(pm, optimizer=opt, extra={"next_batch": i + 1})
 if rank == 0:
-    print(f"done: {args.steps} steps, attempt {attempt}", flush=True)
+    print(f"done: {args.steps} steps", flush=True)
 dist.destroy_process_group()

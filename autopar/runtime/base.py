@@ -17,6 +17,9 @@ One training step, the same for both (``train_step``):
 Every wait of a step is bounded by ``timeout`` and woken by another rank's failure; an
 exception on one rank becomes ``RankFailure`` on every rank (autopar/runtime/failure.py).
 
+Each rank times its steps, compute against waiting, and every ``straggler_window`` steps the
+ranks compare them (autopar/runtime/steptimes.py).
+
 Parameters are the user's module's, replaced in place by DTensors with the plan's placements,
 so an unchanged ``torch.optim`` optimizer steps them and shards its state with them.
 

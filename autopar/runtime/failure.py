@@ -35,7 +35,8 @@ So the runtime never blocks for long in one call:
   error, the others a ``RankFailure`` naming it, instead of waiting for it in a broadcast.
 
 Costs when nothing is wrong: no extra collective and no store access per step; per collective
-one Python call that issues it and one that waits; per receive a hand-off to the helper thread
+one Python call that issues it and one that waits (and two clock reads: ``blocked()``, the time
+spent waiting, which autopar/runtime/steptimes.py splits each step by); per receive a hand-off to the helper thread
 (``benchmarks/faults.py --overhead`` measures the step). Only on gloo (CPU tensors) are waits
 sliced: a CUDA tensor's wait is left to NCCL's own watchdog and timeout (untested here).
 """
