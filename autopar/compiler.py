@@ -22,7 +22,7 @@ from autopar.errors import PlanError
 from autopar.ir import CompileState
 from autopar.pipeline_plan import PipelineSetup, is_pipeline_strategy, pipeline_setup
 from autopar.plan import Plan, parse_plan
-from autopar.runtime import failure
+from autopar.runtime import failure, steptimes
 
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -60,6 +60,8 @@ def compile(
     bucket_mb: float = 25,
     prefetch: int = 1,
     timeout: float = 60.0,
+    straggler_threshold: float | None = 1.2,
+    straggler_window: int = 100,
 ):
     """Compile ``model`` for ``mesh`` under ``plan``; returns a ParallelModule (a PipelineModule,
     autopar/runtime/pipeline.py, when an axis's strategy is a pipeline schedule: ``{"pp": "1f1b", ...}``).
@@ -85,7 +87,11 @@ def compile(
     block before the step fails on every rank with an error naming the rank that failed, stopped
     responding or never came (autopar/runtime/failure.py); a rank that raises in a step tells
     the others at once through the default group's c10d store, so they fail within a fraction
-    of a second, not after the timeout.
+    of a second, not after the timeout. ``straggler_window`` / ``straggler_threshold``: every
+    this many steps the ranks compare their compute times (one small all-gather), and a rank
+    slower than its peers by more than this factor in the median step gets a
+    ``StragglerWarning`` naming it (None: no check); ``pm.step_times()`` gathers them on request
+    (autopar/runtime/steptimes.py).
 
     As a decorator (``@autopar.compile(mesh=..., example_inputs=..., plan=...)``) on a model
     class or a model-building function, the class/function then returns ParallelModules.
@@ -94,7 +100,8 @@ def compile(
                 precision=precision, reduce_dtype=reduce_dtype, loss_scale=loss_scale, accumulate=accumulate,
                 recompute=recompute, debug=debug, skip_passes=skip_passes, progress=progress,
                 capture_eval=capture_eval, pipeline_stages=pipeline_stages, kernels=kernels,
-                bucket_mb=bucket_mb, prefetch=prefetch, timeout=timeout)
+                bucket_mb=bucket_mb, prefetch=prefetch, timeout=timeout,
+                straggler_threshold=straggler_threshold, straggler_window=straggler_window)
     if model is None or (isinstance(model, type) or (callable(model) and not isinstance(model, nn.Module))):
         return _decorator(model, **opts)
     capture_eval = opts.pop("capture_eval")
@@ -137,6 +144,8 @@ class Options:
     # mesh's device, parameters materialized as empty local shards for pm.load_pretrained / pm.load
     deferred: bool = False
     timeout: float = 60.0  # seconds a wait of a step may block (autopar/runtime/failure.py)
+    straggler_threshold: float | None = 1.2  # autopar/runtime/steptimes.py; None: no check
+    straggler_window: int = 100  # steps between straggler checks
 
 
 def build(model: nn.Module, mesh: DeviceMesh, *, stop_after: str | None = None, **options) -> CompileState:
@@ -155,7 +164,7 @@ def build(model: nn.Module, mesh: DeviceMesh, *, stop_after: str | None = None, 
 def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, inputs="global", precision="fp32",
              reduce_dtype=None, loss_scale="dynamic", accumulate=1, recompute="none", debug=False, skip_passes=(),
              progress=None, pipeline_stages="local", kernels="auto", bucket_mb=25, prefetch=1,
-             timeout=60.0) -> tuple[Options, tuple]:
+             timeout=60.0, straggler_threshold=1.2, straggler_window=100) -> tuple[Options, tuple]:
     """Every check that needs no trace: options, plan against mesh and model, batch against
     the data-parallel ranks and the pipeline's micro-batches. Returns the options and one
     micro-batch of the example inputs (what capture traces)."""
@@ -193,6 +202,14 @@ def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, input
         raise PlanError(f"timeout must be a positive number of seconds, got {timeout!r}",
                         where="autopar.compile(timeout=...)",
                         fix="use 60 (the default), more if a step can legitimately wait that long")
+    if straggler_threshold is not None and (type(straggler_threshold) is bool or not isinstance(
+            straggler_threshold, (int, float)) or not 1 < straggler_threshold < math.inf):
+        raise PlanError(f"straggler_threshold must be a number above 1 (or None), got {straggler_threshold!r}",
+                        where="autopar.compile(straggler_threshold=...)",
+                        fix="use 1.2 (the default: a rank 20% slower than its peers), or None for no check")
+    if type(straggler_window) is not int or straggler_window < 2:
+        raise PlanError(f"straggler_window must be an int of at least 2 steps, got {straggler_window!r}",
+                        where="autopar.compile(straggler_window=...)", fix="use 100 (the default)")
     if prefetch > 1 and _backend(mesh) == "gloo":
         # torch 2.13's functional all_gather_into_tensor corrupts the heap on gloo when two are in
         # flight on one process group (tests/test_gather.py documents the reproduction)
@@ -229,7 +246,7 @@ def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, input
     options = Options(plan or {}, parsed, loss_fn, inputs, compute_dtype, reduce,
                       loss_scale if compute_dtype == torch.float16 else None, accumulate, recompute, lower, debug,
                       tuple(skip_passes), progress, pipeline_stages, pipeline, bucket_mb, prefetch, deferred,
-                      float(timeout))
+                      float(timeout), straggler_threshold and float(straggler_threshold), straggler_window)
     return options, micro
 
 
@@ -326,6 +343,7 @@ def runtime_for(state: CompileState, capture_eval: bool = True):
                             forward_builder)
     rt.timeout = o.timeout
     rt.compile_options = o  # what later compiles of this program's kind read (generation: autopar/runtime/generate.py)
+    rt.clock = steptimes.StepClock(o.straggler_threshold, o.straggler_window)
     rt.index_checks = checks
     return _materialize_buffers(rt, o)
 

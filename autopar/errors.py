@@ -52,3 +52,8 @@ class RankFailure(AutoparError):
         self.error = error
         self.unusable = unusable
         super().__init__(problem, where=where, fix=fix)
+
+
+class StragglerWarning(UserWarning):
+    """A rank computes consistently slower than the ranks running the same program, so they wait
+    for it (autopar/runtime/steptimes.py: compile's ``straggler_threshold`` / ``straggler_window``)."""

@@ -35,6 +35,7 @@ def mesh(device_type: str | None = None, **axes: int) -> DeviceMesh:
         _check_world(axes, int(os.environ["WORLD_SIZE"]))  # before any process group exists
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            _warn_shared_store()
             dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
         else:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -44,6 +45,22 @@ def mesh(device_type: str | None = None, **axes: int) -> DeviceMesh:
     if device_type == "cuda":
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     return init_device_mesh(device_type, tuple(axes.values()), mesh_dim_names=tuple(axes))
+
+
+def _warn_shared_store() -> None:
+    """torchrun with restarts and its rendezvous store shared with the workers (torch 2.13's default
+    under ``--rdzv-backend c10d``): every attempt's workers get the same TCPStore, which still holds
+    the previous attempt's keys (gloo's addresses, autopar's failure records), so restarted workers
+    fail to connect (torch issue 135712; seen here: "Gloo connectFullMesh failed ... Connect
+    timeout"). Told once, by rank 0, before anything is made."""
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+            and os.environ.get("RANK") == "0"):
+        import warnings
+
+        warnings.warn("torchrun shares its rendezvous TCPStore with the workers, and it keeps one attempt's keys for "
+                      "the next: after a restart the workers would read stale addresses and fail to connect (torch "
+                      "issue 135712). Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment "
+                      "(examples/train_elastic.py)", stacklevel=3)
 
 
 def _check_world(axes: dict, world: int) -> dict:

@@ -17,6 +17,9 @@ One training step, the same for both (``train_step``):
 Every wait of a step is bounded by ``timeout`` and woken by another rank's failure; an
 exception on one rank becomes ``RankFailure`` on every rank (autopar/runtime/failure.py).
 
+Each rank times its steps, compute against waiting, and every ``straggler_window`` steps the
+ranks compare them (autopar/runtime/steptimes.py).
+
 Parameters are the user's module's, replaced in place by DTensors with the plan's placements,
 so an unchanged ``torch.optim`` optimizer steps them and shards its state with them.
 
@@ -38,7 +41,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from autopar.errors import TrainingError
-from autopar.runtime import dropout, failure
+from autopar.runtime import dropout, failure, steptimes
 from autopar.runtime.common import LossScaler, check_indices, local_inputs
 from autopar.runtime.executor import Executor
 from autopar.runtime.measure import both, switch
@@ -82,6 +85,7 @@ class Runtime:
         self._timeout = failure.DEFAULT_TIMEOUT_S
         self.index_checks = []  # inputs holding token ids / class targets, checked per step (common.py)
         self._guard = True
+        self.clock = steptimes.StepClock()  # per step: compute / waiting on this rank (straggler_* options)
 
     @property
     def timeout(self) -> float:
@@ -190,25 +194,31 @@ class Runtime:
                                 + (" ..." if len(self._unloaded) > 4 else ""), where=f"{type(self).__name__}.train_step",
                                 fix="load them first: pm.load_pretrained(hf_folder) or pm.load(checkpoint)")
         where = f"{type(self).__name__}.{self.where}"
-        with failure.call(self, "train_step") as call, self._measuring(memory=True):
-            local = local_inputs(inputs, len(self.example_shapes), self.example_shapes, self.input_mode, self.ctx,
-                                 where)
-            if self._guard:
-                check_indices(inputs, self.index_checks, where)
-            call.communicating()  # (a failure from here on breaks the program on every rank)
-            m = self.executor.microbatches
-            micro = [[torch.chunk(x, m, dim=0)[i] if x.ndim > 0 else x for x in local] for i in range(m)] \
-                if m > 1 else [local]
-            del local
-            dropout.STATE.update(seed=self.seed, step=self.steps)
-            losses = self.executor.run(micro, self._shared_values(), self.loss_scale or 1.0)
-            del micro
-            grads = self._sync_across_stages(self.executor.sync())
-            self.steps += 1
-            if self.loss_scale is None or self.scaler.unscale([g for _, g in grads], self.ctx.device):
-                self._write_grads(grads)
-            del grads
-            return self._step_loss(losses)
+        self.clock.start()
+        with failure.call(self, "train_step") as call:
+            with self._measuring(memory=True):
+                local = local_inputs(inputs, len(self.example_shapes), self.example_shapes, self.input_mode,
+                                     self.ctx, where)
+                if self._guard:
+                    check_indices(inputs, self.index_checks, where)
+                call.communicating()  # (a failure from here on breaks the program on every rank)
+                m = self.executor.microbatches
+                micro = [[torch.chunk(x, m, dim=0)[i] if x.ndim > 0 else x for x in local] for i in range(m)] \
+                    if m > 1 else [local]
+                del local
+                dropout.STATE.update(seed=self.seed, step=self.steps)
+                losses = self.executor.run(micro, self._shared_values(), self.loss_scale or 1.0)
+                del micro
+                grads = self._sync_across_stages(self.executor.sync())
+                self.steps += 1
+                if self.loss_scale is None or self.scaler.unscale([g for _, g in grads], self.ctx.device):
+                    self._write_grads(grads)
+                del grads
+                loss = self._step_loss(losses)
+            self.clock.stop(self.steps - 1)  # (this rank's compute / waiting: nothing sent)
+            if self.clock.due(self.steps):  # every straggler_window steps: one small all-gather
+                steptimes.check(self)
+            return loss
 
     def _shared_values(self) -> dict[int, dict[str, torch.Tensor]]:
         """Per local stage: its parameters' local shards and its buffers, by placeholder name."""
@@ -245,6 +255,16 @@ class Runtime:
     skipped_steps = property(lambda self: self.scaler.skipped_steps)
     _growth_tracker = property(lambda self: self.scaler.growth_tracker,
                                lambda self, v: setattr(self.scaler, "growth_tracker", v))
+
+    # ---------------------------------------------------------------- step times, stragglers
+    def step_times(self, last: int = 100) -> dict:
+        """The last ``last`` steps of every rank: ``{"steps", "compute", "wait"}`` (seconds, per rank
+        per step; compute = the step's wall time minus the time blocked in waits). Call on every
+        rank (one all-gather). autopar/runtime/steptimes.py."""
+        return steptimes.step_times(self, last)
+
+    stragglers = property(lambda self: self.clock.last_check,
+                          doc="The last straggler check (every straggler_window steps), or None.")
 
     # what the executor recorded on the last step (autopar/runtime/executor.py)
     timeline = property(lambda self: self.executor.timeline)

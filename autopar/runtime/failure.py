@@ -35,7 +35,8 @@ So the runtime never blocks for long in one call:
   error, the others a ``RankFailure`` naming it, instead of waiting for it in a broadcast.
 
 Costs when nothing is wrong: no extra collective and no store access per step; per collective
-one Python call that issues it and one that waits; per receive a hand-off to the helper thread
+one Python call that issues it and one that waits (and two clock reads: ``blocked()``, the time
+spent waiting, which autopar/runtime/steptimes.py splits each step by); per receive a hand-off to the helper thread
 (``benchmarks/faults.py --overhead`` measures the step). Only on gloo (CPU tensors) are waits
 sliced: a CUDA tensor's wait is left to NCCL's own watchdog and timeout (untested here).
 """
@@ -65,6 +66,13 @@ FIX = ("this program is unusable now (its process groups may hold a pending coll
 
 _COUNT = "autopar/failures"
 _pending: dict[int, tuple] = {}  # id(output) -> (output, Work): the collectives runtime/guarded.py issued
+_blocked = [0.0]  # seconds this process spent in the waits below (autopar/runtime/steptimes.py reads it)
+
+
+def blocked() -> float:
+    """Seconds this process has spent so far inside the runtime's waits: collectives, pipeline
+    transfers, the loss broadcast (two clock reads per wait; nothing is sent)."""
+    return _blocked[0]
 
 
 def _first_line(e: BaseException | str) -> str:
@@ -156,11 +164,12 @@ class World:
             timeout = self.call.timeout if self.call is not None else DEFAULT_TIMEOUT_S
         if p2p:
             return self._wait_p2p(work, what, timeout)
-        if self._done(work, what):  # (the common case: done within the first slice)
-            return
-        t0 = time.monotonic() - SLICE_S
-        self.waiting = what
+        start = time.perf_counter()
         try:
+            if self._done(work, what):  # (the common case: done within the first slice)
+                return
+            t0 = time.monotonic() - SLICE_S
+            self.waiting = what
             while True:
                 self.check(what)
                 if time.monotonic() - t0 >= timeout:
@@ -169,6 +178,7 @@ class World:
                     return
         finally:
             self.waiting = None
+            _blocked[0] += time.perf_counter() - start
 
     def watch(self, works: list, timeout: float) -> tuple[threading.Event, list]:
         """Hand sends / receives to the helper thread now (it waits for them in order;
@@ -184,16 +194,18 @@ class World:
 
     def wait_watched(self, watched, what: str, timeout: float) -> None:
         done, box = watched
-        if not done.wait(SLICE_S):
-            t0 = time.monotonic() - SLICE_S
-            self.waiting = what
-            try:
+        start = time.perf_counter()
+        try:
+            if not done.wait(SLICE_S):
+                t0 = time.monotonic() - SLICE_S
+                self.waiting = what
                 while not done.wait(SLICE_S):
                     self.check(what)
                     if time.monotonic() - t0 >= timeout:
                         raise self.timed_out(what, timeout)
-            finally:
-                self.waiting = None
+        finally:
+            self.waiting = None
+            _blocked[0] += time.perf_counter() - start
         if box:
             raise self.lost(what, box[0]) from None
 
@@ -379,13 +391,16 @@ def wait(work, what: str, timeout: float | None = None, p2p: bool = False, guard
     """Wait for a ``Work`` (bounded, and woken by another rank's failure): see ``World.wait``.
     ``guard=False``: a plain ``Work.wait`` (with ``timeout`` if given), as before this module."""
     w = world() if guard else None
-    if w is None:
+    if w is not None:
+        return w.wait(work, what, timeout, p2p)
+    start = time.perf_counter()
+    try:
         if timeout is None:
             work.wait()
         else:
             work.wait(datetime.timedelta(seconds=timeout))
-    else:
-        w.wait(work, what, timeout, p2p)
+    finally:
+        _blocked[0] += time.perf_counter() - start
 
 
 # ---------------------------------------------------------------- one call (train_step, eval)

@@ -140,5 +140,6 @@ class ParallelModule(Runtime):
             lines.append(f"  note: {len(names)} parameter(s) have no dim divisible by '{axis}' and are stored whole: "
                          + ", ".join(names))
         lines += self.memory_lines(optimizer)
+        lines += self.clock.lines()
         lines.append("compile time: " + ", ".join(f"{k} {v:.2f}s" for k, v in ctx.timings.items()))
         return "\n".join(lines)

@@ -251,6 +251,7 @@ class PipelineModule(Runtime):
             lines.append(f"saved activations in flight (last step): {self.in_flight['peak_microbatches']} "
                          f"(stage, micro-batch) sets, {self.in_flight['peak_bytes']:,} B")
         lines += self.memory_lines(optimizer)
+        lines += self.clock.lines()
         return "\n".join(lines)
 
 
