@@ -100,6 +100,15 @@ def test_a_killed_rank_is_named_by_its_peers():
     assert out["ranks"][0]["raised_s"] < 5.0 and out["ranks"][0]["exit_s"] is not None, out
 
 
+def test_a_collective_between_steps_is_bounded_too():
+    """clip_grad_norm_'s all_reduce (outside train_step) waits like a step's waits: a peer that
+    does not come is named after ``timeout``, not waited for for torch's default 30 minutes."""
+    out = run_fault_case("clip_late", "fsdp", timeout=3.0)
+    assert _said(out, 0).startswith("RankFailure: "), out
+    assert "rank(s) 1 did not answer" in _said(out, 0) and "clip_grad_norm_" in _said(out, 0), out
+    assert out["ranks"][0]["raised_s"] < 10.0, out
+
+
 def test_failures_before_any_collective_leave_the_program_usable(pools):
     """Every rank's batch fails the same check before anything is sent: each raises its own
     InputError and the next step runs. One rank cannot compile: it raises its own error, the

@@ -141,7 +141,14 @@ def clip_grad_norm_(pm, max_norm: float, norm_type: float = 2.0, error_if_nonfin
     vec = torch.stack([value, torch.tensor(float(bool(bad)), dtype=acc_dtype, device=device),
                        torch.tensor(float(len(grads)), dtype=acc_dtype, device=device)])
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(vec, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM, group=_world_group(pm))
+        from autopar.runtime import failure
+
+        # bounded by pm.timeout and woken by a peer's failure record, as a step's waits are
+        # (autopar/runtime/failure.py): a peer that died between steps is named, not waited for
+        failure.wait(dist.all_reduce(vec, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM,
+                                     group=_world_group(pm), async_op=True),
+                     "clip_grad_norm_'s all_reduce of the norm", getattr(pm, "timeout", None),
+                     guard=getattr(pm, "guard", True))
     value, any_bad, count = vec[0], vec[1].item() > 0, vec[2].item()
     if any_bad:
         raise TrainingError("some gradients cannot be counted in the global norm:"
