@@ -126,3 +126,26 @@ def test_generate_errors(fake):
                              capture_eval=False)
         with pytest.raises(autopar.PlanError, match="no KV-cache path"):
             pm.generate(batches[0][0], 4)
+
+
+def test_generate_refuses_to_pass_a_sliding_window(fake):
+    """The decode step attends to every cached position: past a model's sliding window it would
+    not compute what the model computes, so that is an error, not a silently different answer."""
+    import autopar
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=8,
+                        use_cache=False)
+    model = MistralForCausalLM(cfg)
+    ids = torch.randint(0, 64, (2, 6))
+
+    def ce(logits, y):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    with fake(tp=1) as mesh:
+        pm = autopar.compile(model, mesh, example_inputs=(ids, ids), loss_fn=ce, plan={"tp": "megatron"},
+                             capture_eval=False)
+        with pytest.raises(autopar.InputError, match=r"sliding attention window \(8\)"):
+            pm.generate(ids, 4)

@@ -121,6 +121,16 @@ class _HF:
         return out.logits[:, -1, :]
 
 
+def _sliding_window(model: nn.Module) -> int | None:
+    """A Hugging Face model's sliding attention window where its layers use one (Mistral, Qwen2 with
+    ``use_sliding_window``, Gemma2's alternate layers), else None."""
+    c = getattr(model, "config", None)
+    w = getattr(c, "sliding_window", None)
+    if not isinstance(w, int) or w <= 0 or getattr(c, "use_sliding_window", True) is False:
+        return None
+    return w
+
+
 def cache_path(model: nn.Module):
     """The cache path of ``model`` (``_Builtin`` / ``_HF``), or a PlanError saying there is none."""
     from autopar.models.llama import Llama
@@ -343,6 +353,12 @@ def generate(pm, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int
         raise InputError(f"prompt ({prompt}) + max_new_tokens ({max_new_tokens}) = {max_len} positions, beyond the "
                          f"model's {shape.max_positions}", where=WHERE,
                          fix=f"ask for at most {shape.max_positions - prompt} new tokens, or shorten the prompt")
+    window = _sliding_window(pm.module)
+    if window is not None and max_len > window:
+        raise InputError(f"prompt ({prompt}) + max_new_tokens ({max_new_tokens}) = {max_len} positions, beyond the "
+                         f"model's sliding attention window ({window}): the decode step attends to every cached "
+                         "position, so it would not compute what the model computes past the window", where=WHERE,
+                         fix=f"generate at most {window} positions in all")
     emb = pm.module.get_input_embeddings() if hasattr(pm.module, "get_input_embeddings") \
         else getattr(pm.module, "embed_tokens", None)
     vocab = getattr(emb, "num_embeddings", None)
