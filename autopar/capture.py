@@ -161,6 +161,23 @@ def _tensor_names(module: nn.Module) -> dict[int, tuple[str, str]]:
     return names
 
 
+@contextlib.contextmanager
+def _no_compiled_fn_globals():
+    """dynamo installs each traced frame's compiled function as a global of the frame's module
+    (``__compiled_fn_<n>_<uuid>`` in torch._dynamo.functional_export for an export capture), and
+    that function holds the captured GraphModule with the model's parameters: every capture kept
+    its model alive for the life of the process. autopar uses the graph, never that function, so
+    the globals a capture adds are removed when it ends."""
+    import torch._dynamo.functional_export as fe
+
+    before = set(vars(fe))
+    try:
+        yield
+    finally:
+        for k in [k for k in vars(fe) if k not in before and k.startswith("__compiled_fn")]:
+            delattr(fe, k)
+
+
 def _user_exception(wrapper: nn.Module, example_inputs: tuple):
     """When dynamo reports only "Observed exception", the user's code raised: run model + loss
     once on fake tensors (shapes only, nothing computed or allocated) to get that exception and
@@ -192,7 +209,7 @@ def capture_graph(model: nn.Module, example_inputs: tuple, loss_fn: Callable | N
     wrapper = _WithLoss(model, loss_fn, compute_dtype)
 
     def trace():
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _no_compiled_fn_globals():
             warnings.simplefilter("ignore")
             return _dynamo_graph_capture_for_export(wrapper)(*example_inputs)
 
@@ -225,7 +242,7 @@ def joint_program(gm: fx.GraphModule, example_inputs: tuple, model: nn.Module, s
 
     keyed = cc.graph_key(gm, model, example_inputs, stage, str(device), any(p.is_meta for p in model.parameters()))
     return cc.cached("joint", keyed, lambda: _joint_program(gm, example_inputs, model, stage, device),
-                     cc.program_template, lambda t: cc.program_copy(t, model))
+                     lambda p: cc.program_template(p, model), lambda t: cc.program_copy(t, model))
 
 
 def _joint_program(gm, example_inputs, model, stage, device) -> Program:
@@ -372,7 +389,7 @@ def capture_forward(model: nn.Module, example_inputs: tuple, compute_dtype: torc
     wrapper = _WithLoss(model, None, compute_dtype, call)
     return cc.cached("forward", cc.module_key("forward", wrapper, example_inputs),
                      lambda: _capture_forward(model, wrapper, example_inputs),
-                     cc.program_template, lambda t: cc.program_copy(t, model))
+                     lambda p: cc.program_template(p, model), lambda t: cc.program_copy(t, model))
 
 
 def _capture_forward(model: nn.Module, wrapper: nn.Module, example_inputs: tuple) -> Program:

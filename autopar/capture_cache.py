@@ -72,7 +72,8 @@ def _lookup(kind: str, key):
     e = c.get(key)
     if e is not None:
         c.move_to_end(key)
-    STATS[f"{kind}_{'hit' if e is not None else 'miss'}"] = STATS.get(f"{kind}_{'hit' if e is not None else 'miss'}", 0) + 1
+    what = f"{kind}_{'hit' if e is not None else 'miss'}"
+    STATS[what] = STATS.get(what, 0) + 1
     return e
 
 
@@ -99,8 +100,8 @@ class _Fingerprint:
         return ("id", type(obj).__qualname__, id(obj))
 
     def tensor(self, t: torch.Tensor, values: bool) -> tuple:
+        # (by description and value, not identity: an entry keeps no tensor of the model alive)
         tie = self.tensor_ids.setdefault(id(t), len(self.tensor_ids))
-        self.refs.append(t)
         meta = (tuple(t.shape), str(t.dtype), t.device.type, t.requires_grad, tie,
                 tuple(t.stride()) if t.layout == torch.strided else str(t.layout), type(t).__name__)
         if values and t.device.type != "meta" and t.layout == torch.strided:
@@ -251,22 +252,25 @@ def _get(mod, target: str):
 
 
 def program_copy(template, model: nn.Module):
-    """A cached Program for ``model``: its own graph, buffers read from ``model`` by name
-    (constants the trace created keep their cached value)."""
+    """A cached Program for ``model``: its own graph, the model's buffers read from ``model`` by
+    name (constants the trace created keep their cached value)."""
     from autopar.ir import Program
 
     bufs = dict(model.named_buffers(remove_duplicate=False))
-    buffers = {n: bufs.get(n, v) for n, v in template.buffers.items()}
+    buffers = {n: bufs[n] if v is None else v for n, v in template.buffers.items()}
     return Program(graph=copy_graph(template.graph), inputs=list(template.inputs), outputs=list(template.outputs),
                    buffers=buffers)
 
 
-def program_template(program):
-    """What the cache keeps of a Program: a graph nobody else will rewrite."""
+def program_template(program, model: nn.Module):
+    """What the cache keeps of a Program: a graph nobody else will rewrite, and the trace's own
+    constants; the model's buffers by name only (an entry keeps no tensor of the model alive)."""
     from autopar.ir import Program
 
+    own = dict(model.named_buffers(remove_duplicate=False))
+    buffers = {n: None if n in own and v is own[n] else v for n, v in program.buffers.items()}
     return Program(graph=copy_graph(program.graph), inputs=list(program.inputs), outputs=list(program.outputs),
-                   buffers=dict(program.buffers))
+                   buffers=buffers)
 
 
 def graph_key(gm: fx.GraphModule, model: nn.Module, inputs, *extra):

@@ -152,3 +152,21 @@ def test_a_hit_trains_the_new_model(pools):
         assert out[seed]["losses"] == pytest.approx(out[seed]["ref"], rel=1e-5), seed
         assert out[seed]["param_diff"] < 1e-4 and out[seed]["eval_diff"] < 1e-4, seed
     assert out[0]["losses"][0] != pytest.approx(out[1]["losses"][0], rel=1e-3)  # the two models do differ
+
+
+def test_an_entry_keeps_no_tensor_of_the_model_alive():
+    """A cached trace holds descriptions and the trace's own constants, not the model's parameters
+    or buffers: a model the user dropped is freed even while its traces stay in the cache."""
+    import gc
+    import weakref
+
+    cc.clear()
+    batch = _batch()
+    model = _llama(0)
+    gm, joint, fwd = _traces(model, batch)
+    refs = [weakref.ref(model.embed_tokens.weight), weakref.ref(model.rope_cos)]
+    del model, gm, joint, fwd
+    gc.collect()
+    # (dynamo's compiled-function globals, which held every captured model, are removed: capture.py)
+    assert all(r() is None for r in refs)
+    assert sum(len(c) for c in cc._CACHES.values()) == 3  # the entries are still there
