@@ -214,7 +214,7 @@ def capture_graph(model: nn.Module, example_inputs: tuple, loss_fn: Callable | N
             return _dynamo_graph_capture_for_export(wrapper)(*example_inputs)
 
     try:
-        return cc.cached("capture", cc.module_key("capture", wrapper, example_inputs), trace,
+        return cc.cached("capture", lambda: cc.module_key("capture", wrapper, example_inputs), trace,
                          lambda gm: cc.gm_template(gm, wrapper), lambda t: cc.gm_from_template(t, wrapper))
     except Exception as e:  # noqa: BLE001 - re-raised with context
         own = _user_exception(wrapper, example_inputs) if "Observed exception" in str(e) else None
@@ -240,7 +240,9 @@ def joint_program(gm: fx.GraphModule, example_inputs: tuple, model: nn.Module, s
     ``device``: the device the program will run on (``_meta_autograd``)."""
     from autopar import capture_cache as cc
 
-    keyed = cc.graph_key(gm, model, example_inputs, stage, str(device), any(p.is_meta for p in model.parameters()))
+    def keyed():
+        return cc.graph_key(gm, model, example_inputs, stage, str(device), any(p.is_meta for p in model.parameters()))
+
     return cc.cached("joint", keyed, lambda: _joint_program(gm, example_inputs, model, stage, device),
                      lambda p: cc.program_template(p, model), lambda t: cc.program_copy(t, model))
 
@@ -387,7 +389,7 @@ def capture_forward(model: nn.Module, example_inputs: tuple, compute_dtype: torc
     from autopar import capture_cache as cc
 
     wrapper = _WithLoss(model, None, compute_dtype, call)
-    return cc.cached("forward", cc.module_key("forward", wrapper, example_inputs),
+    return cc.cached("forward", lambda: cc.module_key("forward", wrapper, example_inputs),
                      lambda: _capture_forward(model, wrapper, example_inputs),
                      lambda p: cc.program_template(p, model), lambda t: cc.program_copy(t, model))
 

@@ -293,11 +293,12 @@ def graph_key(gm: fx.GraphModule, model: nn.Module, inputs, *extra):
     return key, fp.refs
 
 
-def cached(kind: str, keyed, build: Callable[[], Any], template: Callable[[Any], Any],
+def cached(kind: str, keyed: Callable[[], Any], build: Callable[[], Any], template: Callable[[Any], Any],
            restore: Callable[[Any], Any]):
     """``build()`` on a miss (its result stored as ``template(result)``), ``restore(stored)`` on a
-    hit; ``keyed``: (key, refs) or None (do not cache)."""
-    if keyed is None or not enabled():
+    hit; ``keyed()``: (key, refs) or None (do not cache), computed only when the cache is on."""
+    keyed = keyed() if enabled() else None
+    if keyed is None:
         return build()
     key, refs = keyed
     e = _lookup(kind, key)
