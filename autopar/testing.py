@@ -50,6 +50,15 @@ def _worker(rank: int, world: int, port: int, jobs, results):
         except BaseException as e:  # noqa: BLE001 - reported to the caller
             results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     dist.destroy_process_group()
+    # every result has been read by the parent (it sent the stop only after): skip the
+    # interpreter's teardown, seconds per worker with torch, dynamo and transformers loaded
+    # (multiprocessing's own finalizers still run: they release the semaphores this process made)
+    import multiprocessing.util
+
+    results.close()
+    results.join_thread()
+    multiprocessing.util._exit_function()
+    os._exit(0)
 
 
 class DistPool:
@@ -233,9 +242,11 @@ def reference_run(name: str, steps: int = 3, lr: float = 1e-2, precision: str = 
     return {"losses": losses, "grads": grads, "params": params}
 
 
-def parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: float = 1e-2, **options):
+def parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: float = 1e-2, evaluate: bool = True,
+               **options):
     """Runs on every rank of a pool: compile, train ``steps`` AdamW steps, gather everything.
-    ``options`` go to autopar.compile (precision, accumulate, recompute...)."""
+    ``options`` go to autopar.compile (precision, accumulate, recompute...). ``evaluate``: also
+    run the eval program once (``pm(x)``: a second capture and pass list, seconds per case)."""
     import autopar
 
     mesh = autopar.mesh(**axes)
@@ -259,7 +270,7 @@ def parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: float = 1e
         opt.zero_grad()
     params = {n: p.detach().full_tensor() for n, p in pm.named_parameters()}
     measured = pm.counter.summary()
-    evaluated = pm(batches[0][0])
+    evaluated = pm(batches[0][0]) if evaluate else None
     records = [copy.copy(r) for r in pm.collectives()]
     from autopar.analysis.cost import predict_memory
 

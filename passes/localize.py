@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -140,6 +141,8 @@ def _run_node(n: fx.Node, env, ctx):
     if rule is None or rule.name != "dtensor" or all(
             all(isinstance(p, Replicate) for p in s.placements) for s in in_specs):
         return n.target(*args, **kwargs)  # local shards need no shape changes
+    if _FAST and _local_as_is(n, in_specs):
+        return _checked(n, n.target(*args, **kwargs), ctx)
     def wrap(a: fx.Node):
         s, v = spec_of(a), a.meta["val"]
         dspec = DTensorSpec(ctx.mesh, s.placements, TensorMeta(v.shape, v.stride(), v.dtype))
@@ -160,6 +163,58 @@ def _run_node(n: fx.Node, env, ctx):
     if isinstance(out, (tuple, list)):
         return type(out)(unwrap(o, w) for o, w in zip(out, want))
     return unwrap(out, want)
+
+
+# DTensor's own dispatch (below) costs about a millisecond an op while tracing. Most ops need
+# none of what it does: their arguments hold no sizes (no SymInt in the schema: view / expand /
+# slice / new_empty sizes are the ones DTensor rewrites to local ones), their inputs already
+# have the placements the op's strategy takes (propagate chose them, collectives inserted the
+# redistributes), and their placements are plain Shard / Replicate / Partial sums, so what
+# DTensor would run is the op itself on the local shards. Those run directly; the result's
+# local shape is checked against the placements propagate gave it. AUTOPAR_LOCALIZE_FAST=0
+# sends every op through DTensor (its placement check included).
+_FAST = os.environ.get("AUTOPAR_LOCALIZE_FAST", "1") != "0"
+_PLAIN = (Replicate, Shard, Partial)
+_DTENSOR_SPECIAL = {torch.ops.aten.native_dropout.default, torch.ops.aten.convolution.default,
+                    torch.ops.aten.convolution_backward.default, torch.ops.aten.as_strided.default,
+                    torch.ops.aten.argmin.default, torch.ops.aten.argmax.default,
+                    torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default,
+                    torch.ops.aten.is_same_size.default} | set(VIEW_OPS)
+_SIZE_FREE: dict = {}
+
+
+def _size_free(op) -> bool:
+    """No argument of the op's schema holds a size (a SymInt, alone, in a list or optional)."""
+    if op not in _SIZE_FREE:
+        schema = getattr(op, "_schema", None)
+        _SIZE_FREE[op] = schema is not None and not schema.is_mutable and op not in _DTENSOR_SPECIAL and \
+            not getattr(torch.Tag, "nondeterministic_seeded", None) in getattr(op, "tags", ()) and \
+            "SymInt" not in str(schema).split(") ->")[0]
+    return _SIZE_FREE[op]
+
+
+def _plain(spec) -> bool:
+    return all(type(p) in _PLAIN and (type(p) is not Partial or p.reduce_op in ("sum", "avg"))
+               for p in spec.placements)
+
+
+def _local_as_is(n: fx.Node, in_specs) -> bool:
+    if not isinstance(n.target, torch._ops.OpOverload) or not _size_free(n.target):
+        return False
+    out = spec_of(n)
+    outs = out if isinstance(out, (tuple, list)) else [out]
+    return all(_plain(s) for s in in_specs) and all(s is None or _plain(s) for s in outs)
+
+
+def _checked(n: fx.Node, out, ctx):
+    want = spec_of(n)
+    for o, w in zip(out, want) if isinstance(out, (tuple, list)) else [(out, want)]:
+        if isinstance(o, torch.Tensor) and w is not None and tuple(o.shape) != tuple(w.local_shape(ctx.axis_sizes)):
+            raise ShardingError(
+                f"internal: {n.name} ({n.target}) gave a local shape {tuple(o.shape)}, its placements "
+                f"{fmt_placements(w.placements)} of {tuple(w.shape)} say {tuple(w.local_shape(ctx.axis_sizes))}",
+                where=source_line(n), fix="report it; AUTOPAR_LOCALIZE_FAST=0 traces every op through DTensor")
+    return out
 
 
 def _dropout(n: fx.Node, x: torch.Tensor, ctx):
