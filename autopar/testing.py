@@ -246,13 +246,13 @@ def parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: float = 1e
                **options):
     """Runs on every rank of a pool: compile, train ``steps`` AdamW steps, gather everything.
     ``options`` go to autopar.compile (precision, accumulate, recompute...). ``evaluate``: also
-    run the eval program once (``pm(x)``: a second capture and pass list, seconds per case)."""
+    capture and run the eval program (``pm(x)``: a second capture and pass list, seconds per case)."""
     import autopar
 
     mesh = autopar.mesh(**axes)
     model, batches, loss_fn = build_model(name)
     pm = autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn, plan=plan, debug=True,
-                         **options)
+                         capture_eval=evaluate, **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=lr)
     losses, grads = [], []
     pm.counter.reset()
