@@ -128,11 +128,16 @@ def _decide(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResult:
 def _cache_key(n: fx.Node, read_as):
     """What DTensor's choice for ``n`` depends on: the op, every argument (a tensor by its
     placements, shape, stride, dtype and whether it has other users, which _select_strategy
-    weighs), nothing else. None if an argument is not hashable."""
+    weighs), nothing else (the mesh's axis sizes: the caller's). Returns (key, shareable): key
+    None if an argument is not hashable; not shareable beyond this graph if an argument is a
+    node that is not a plain tensor (named by the node: a name means nothing in another graph)."""
+    local = []
+
     def key(x):
         if isinstance(x, fx.Node):
             s, v = read_as.get(x) or spec_of(x), x.meta.get("val")
             if not isinstance(v, torch.Tensor) or s is None:
+                local.append(x)
                 return ("node", x.name)  # not a plain tensor: never shared
             return (tuple(s.placements), tuple(v.shape), tuple(v.stride()), v.dtype, len(x.users) > 1)
         if isinstance(x, (list, tuple)):
@@ -143,17 +148,31 @@ def _cache_key(n: fx.Node, read_as):
     try:
         hash(k)
     except TypeError:
-        return None
-    return k
+        return None, False
+    return k, not local
+
+
+# DTensor's answers shared by every compile in the process (the tests' pools compile the same
+# blocks under the same plans many times; so does a planner): keyed by the mesh's axis sizes
+# and _cache_key's key, which is everything the answer depends on; bounded, emptied when full
+_SHARED_STRATEGIES: dict = {}
+_SHARED_MAX = 200_000
 
 
 def _dtensor_rule(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResult:
     read_as = read_as or {}
     cache = getattr(ctx, "strategy_cache", None)
-    k = _cache_key(n, read_as) if cache is not None else None
+    k, shareable = _cache_key(n, read_as) if cache is not None else (None, False)
     if k is not None and k in cache:
         return cache[k]
-    res = _dtensor_rule_uncached(n, in_specs, ctx, read_as)
+    gk = (tuple(ctx.axis_sizes), k) if k is not None and shareable else None
+    res = _SHARED_STRATEGIES.get(gk) if gk is not None else None
+    if res is None:
+        res = _dtensor_rule_uncached(n, in_specs, ctx, read_as)
+        if gk is not None:
+            if len(_SHARED_STRATEGIES) >= _SHARED_MAX:
+                _SHARED_STRATEGIES.clear()
+            _SHARED_STRATEGIES[gk] = res
     if k is not None:
         cache[k] = res
     return res
