@@ -59,6 +59,7 @@ def compile(
     kernels: str = "auto",
     bucket_mb: float = 25,
     prefetch: int = 1,
+    reshard_after_forward: bool | None = None,
     timeout: float = 60.0,
     straggler_threshold: float | None = 1.2,
     straggler_window: int = 100,
@@ -83,7 +84,12 @@ def compile(
     backward order (DDP's bucket_cap_mb; the first bucket 1 MiB); 0: one collective per gradient
     (and per gathered parameter). ``prefetch``: under ZeRO/FSDP, each block's parameters are
     gathered in one all-gather issued this many blocks ahead of their use (FSDP2's 1); 0: where
-    first used. ``timeout``: seconds any wait of a step (a collective, a pipeline transfer) may
+    first used. ``reshard_after_forward`` (ZeRO-3 / fsdp, as FSDP2's): None (the default) frees
+    each block's gathered parameters after its forward and gathers them again for its backward,
+    but keeps the parameters outside every repeated block (embeddings, final norm, LM head)
+    gathered from forward to backward, as FSDP2 does for the root; True re-gathers every
+    parameter in backward; False none (one gather per step, the whole model's parameters held
+    from forward to backward). Pipeline stages always re-gather. ``timeout``: seconds any wait of a step (a collective, a pipeline transfer) may
     block before the step fails on every rank with an error naming the rank that failed, stopped
     responding or never came (autopar/runtime/failure.py); a rank that raises in a step tells
     the others at once through the default group's c10d store, so they fail within a fraction
@@ -100,7 +106,8 @@ def compile(
                 precision=precision, reduce_dtype=reduce_dtype, loss_scale=loss_scale, accumulate=accumulate,
                 recompute=recompute, debug=debug, skip_passes=skip_passes, progress=progress,
                 capture_eval=capture_eval, pipeline_stages=pipeline_stages, kernels=kernels,
-                bucket_mb=bucket_mb, prefetch=prefetch, timeout=timeout,
+                bucket_mb=bucket_mb, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
+                timeout=timeout,
                 straggler_threshold=straggler_threshold, straggler_window=straggler_window)
     if model is None or (isinstance(model, type) or (callable(model) and not isinstance(model, nn.Module))):
         return _decorator(model, **opts)
@@ -140,6 +147,7 @@ class Options:
     pipeline: PipelineSetup | None  # the pipeline axis, validated, with its schedule
     bucket_mb: float = 25  # MiB of gradients per bucketed collective (passes/bucket.py); 0: none
     prefetch: int = 1  # parameter gathers issued this many blocks ahead (passes/gather.py); 0: none
+    reshard_after_forward: bool | None = None  # passes/state.py: reshard_policy
     # the model's parameters are meta and the batch real (``deferred_weights``): traced on meta, run on the
     # mesh's device, parameters materialized as empty local shards for pm.load_pretrained / pm.load
     deferred: bool = False
@@ -164,7 +172,8 @@ def build(model: nn.Module, mesh: DeviceMesh, *, stop_after: str | None = None, 
 def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, inputs="global", precision="fp32",
              reduce_dtype=None, loss_scale="dynamic", accumulate=1, recompute="none", debug=False, skip_passes=(),
              progress=None, pipeline_stages="local", kernels="auto", bucket_mb=25, prefetch=1,
-             timeout=60.0, straggler_threshold=1.2, straggler_window=100) -> tuple[Options, tuple]:
+             reshard_after_forward=None, timeout=60.0, straggler_threshold=1.2,
+             straggler_window=100) -> tuple[Options, tuple]:
     """Every check that needs no trace: options, plan against mesh and model, batch against
     the data-parallel ranks and the pipeline's micro-batches. Returns the options and one
     micro-batch of the example inputs (what capture traces)."""
@@ -210,6 +219,11 @@ def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, input
     if type(straggler_window) is not int or straggler_window < 2:
         raise PlanError(f"straggler_window must be an int of at least 2 steps, got {straggler_window!r}",
                         where="autopar.compile(straggler_window=...)", fix="use 100 (the default)")
+    if reshard_after_forward not in (None, True, False):
+        raise PlanError(f"reshard_after_forward must be None, True or False, got {reshard_after_forward!r}",
+                        where="autopar.compile(reshard_after_forward=...)",
+                        fix="None (FSDP2's default: blocks re-gathered in backward, the root's parameters kept), "
+                            "True (all re-gathered) or False (none)")
     if prefetch > 1 and _backend(mesh) == "gloo":
         # torch 2.13's functional all_gather_into_tensor corrupts the heap on gloo when two are in
         # flight on one process group (tests/test_gather.py documents the reproduction)
@@ -245,8 +259,9 @@ def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, input
         micro = tuple(_meta_like(x) for x in micro)
     options = Options(plan or {}, parsed, loss_fn, inputs, compute_dtype, reduce,
                       loss_scale if compute_dtype == torch.float16 else None, accumulate, recompute, lower, debug,
-                      tuple(skip_passes), progress, pipeline_stages, pipeline, bucket_mb, prefetch, deferred,
-                      float(timeout), straggler_threshold and float(straggler_threshold), straggler_window)
+                      tuple(skip_passes), progress, pipeline_stages, pipeline, bucket_mb, prefetch,
+                      reshard_after_forward, deferred, float(timeout),
+                      straggler_threshold and float(straggler_threshold), straggler_window)
     return options, micro
 
 

@@ -113,6 +113,10 @@ def make_context(mesh: DeviceMesh, parsed: Plan, params: dict, options, accumula
     ctx.progress = options.progress
     ctx.bucket_mb = options.bucket_mb  # the overlap pass's gradient buckets (passes/bucket.py)
     ctx.prefetch = options.prefetch  # blocks ahead a parameter gather is issued (passes/gather.py)
+    # which parameters stay gathered from forward to backward (passes/state.py: reshard_policy); a
+    # pipeline stage re-gathers all: its micro-batches' forward and backward run apart
+    ctx.reshard_after_forward = True if options.pipeline is not None else options.reshard_after_forward
+    ctx.kept_gathered = []  # (name, gathered bytes) per parameter kept: the state pass fills it
     if any(p.is_meta for p in params.values()) and not options.deferred:
         ctx.device = torch.device("meta")  # planning only (no data): the program stays on meta
     # (deferred: the model was built on meta to be loaded after compiling; traced on meta, the

@@ -197,3 +197,4 @@ def _rewrite(graph: fx.Graph, bucket: list[Gather], issue_at: fx.Node, first_wai
         graph.erase_node(g.wait)
         graph.erase_node(g.coll)
     return wait
+

@@ -8,7 +8,9 @@ This pass applies the plan's STORAGE layout (``Placed.placements``; sharded on Z
 - one ``redistribute`` marker gathers it back to the compute layout: before its first use
   under ZeRO-1/2 (the gathered copy then serves forward and backward), and separately for its
   forward users and its backward users under ZeRO-3 (``recompute`` gave the backward its own
-  view/cast chain, so the forward copy is freed after the forward);
+  view/cast chain, so the forward copy is freed after the forward), except for the parameters
+  ``reshard_after_forward`` keeps gathered (``reshard_policy``; by default FSDP2's: those
+  outside every repeated block), which are gathered once for both;
 - gradients leave the program in the storage layout (``Context.output_placements``): a
   reduce-scatter on ZeRO axes, an all-reduce under DDP; with ``reduce_dtype`` equal to the
   compute dtype, the reduction runs before the cast back to fp32 (half the bytes).
@@ -18,6 +20,8 @@ When gradients are not synchronised (micro-batches before the last one under
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from autopar.passes.collectives import insert_redistribute
@@ -65,20 +69,49 @@ def _place_parameter(graph: fx.Graph, p: fx.Node, ctx) -> None:
         info(c).spec = ShardSpec(tuple(storage), cs.shape, cs.dtype)
         info(c).wants = [tuple(storage)]
     zero3 = ctx.plan.zero >= 3
+    keep = zero3 and reshard_policy(getattr(ctx, "reshard_after_forward", True))(name)
     order = _order(graph)
+    if keep:  # autograd may cast again for the backward: one cast (and one gather) serves both phases
+        casts.sort(key=order)
+        same = [c for c in casts[1:] if c.args == casts[0].args and c.kwargs == casts[0].kwargs]
+        for c in same:
+            c.replace_all_uses_with(casts[0])
+            graph.erase_node(c)
+        casts = [c for c in casts if c not in same]
     for head in [p] + casts:
         users = sorted((u for u in head.users if u not in casts), key=order)
         groups: dict[str, list[fx.Node]] = {}
         for u in users:
-            groups.setdefault(phase_of(u) if zero3 else "step", []).append(u)
+            groups.setdefault(phase_of(u) if zero3 and not keep else "step", []).append(u)
+        if keep and any(phase_of(u) == "backward" for u in users) and any(phase_of(u) != "backward" for u in users):
+            local = ShardSpec(tuple(compute), spec_of(head).shape, spec_of(head).dtype).local_shape(ctx.axis_sizes)
+            ctx.kept_gathered = [*(k for k in getattr(ctx, "kept_gathered", []) if k[0] != name),
+                                 (name, math.prod(local) * spec_of(head).dtype.itemsize)]
         for phase, us in groups.items():
             why = {"forward": "its forward use", "backward": "its backward use (gathered again)",
-                   "step": "forward and backward"}[phase]
+                   "step": "forward and backward" + (" (kept gathered after the forward: reshard_after_forward)"
+                                                     if keep else "")}[phase]
             reason = f"ZeRO-{ctx.plan.zero}: gather parameter {name} for {why}"
             r = insert_redistribute(graph, head, compute, us[0], ctx, reason,
-                                    "backward" if phase == "backward" else "forward")
+                                    "backward" if phase_of(us[0]) == "backward" else "forward")
             for u in us:
                 u.replace_input_with(head, r)
+
+
+def reshard_policy(option):
+    """``autopar.compile(reshard_after_forward=...)`` as a predicate over parameter names: which
+    ZeRO-3 parameters are gathered once for forward and backward (kept gathered in between)
+    instead of once per phase. None (the default, FSDP2's for a model wrapped per block plus the
+    root): the parameters outside every repeated block (``block_of`` is "": embeddings, final
+    norm, LM head; the backward starts with them right after the forward); True: none; False:
+    all."""
+    from autopar.passes.bucket import block_of
+
+    if option is True:
+        return lambda name: False
+    if option is False:
+        return lambda name: True
+    return lambda name: block_of(name) == ""
 
 
 def _reduce_before_upcast(graph: fx.Graph, g: fx.Node, out: fx.Node, ctx, name: str) -> None:

@@ -28,6 +28,9 @@ GATHER = c10d.all_gather_into_tensor.default
 
 
 def compile_tiny(mesh, plan, **options):
+    """(With every parameter re-gathered in backward unless the test says otherwise: the root's
+    kept gathers are test_root_stays_gathered_from_forward_to_backward's.)"""
+    options.setdefault("reshard_after_forward", True)
     loaded = zoo.load("llama-tiny", meta=False, batch=8)
     return autopar.compile(loaded.model, mesh, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
                            plan=plan, capture_eval=False, debug=True, **options)
@@ -56,6 +59,38 @@ def test_one_gather_per_block_and_phase(fake):
                           ("backward", ["layers.0"])]
         assert sum(r.payload_bytes for r in after) == sum(r.payload_bytes for r in before)
         assert sorted(n for r in after for n in param_names(r)) == sorted(n for r in before for n in param_names(r))
+
+
+def test_root_stays_gathered_from_forward_to_backward(fake):
+    """reshard_after_forward (FSDP2's): by default the parameters outside every block (final norm,
+    LM head; the embedding's backward reads no weight) are not gathered again for the backward,
+    which reads the forward's gathered value; False gathers nothing twice. Bytes drop by exactly
+    the root's backward gathers; the liveness peak does not rise for the root (the head's
+    gathered weight is used last in forward and first in backward)."""
+    from autopar.analysis.cost import predict_memory
+
+    with fake(dp=2) as mesh:
+        every = compile_tiny(mesh, {"dp": "fsdp"}, reshard_after_forward=True)
+        root = compile_tiny(mesh, {"dp": "fsdp"}, reshard_after_forward=None)
+        none = compile_tiny(mesh, {"dp": "fsdp"}, reshard_after_forward=False)
+        kept = dict(root.ctx.kept_gathered)
+        assert set(kept) == {"norm.weight", "lm_head.weight"}
+        assert every.ctx.kept_gathered == []
+        assert {block_of(n) for n, _ in none.ctx.kept_gathered} == {"", "layers.0", "layers.1"}
+
+        def sent(pm, phase):
+            return sum(r.payload_bytes for r in gathers(pm) if r.phase == phase)
+
+        assert sent(root, "forward") == sent(every, "forward") == sent(none, "forward")
+        # a gather's payload is this rank's shard; the kept values are gathered (x2 ranks)
+        assert sent(every, "backward") - sent(root, "backward") == sum(kept.values()) // 2
+        assert sent(none, "backward") == 0
+        assert [(r.phase, sorted({block_of(n) for n in param_names(r)})) for r in gathers(root)] == [
+            ("forward", [""]), ("forward", ["layers.0"]), ("forward", ["layers.1"]), ("forward", [""]),
+            ("backward", ["layers.1"]), ("backward", ["layers.0"])]
+        assert predict_memory(root)["program_peak"] <= predict_memory(every)["program_peak"]
+        with pytest.raises(autopar.PlanError, match="reshard_after_forward"):
+            compile_tiny(mesh, {"dp": "fsdp"}, reshard_after_forward="yes")
 
 
 def _between(gm, start, end, target) -> int:

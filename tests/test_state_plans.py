@@ -4,7 +4,9 @@ group (planning only; the numerics are in test_state.py).
 Communication volume per rank per step (ring, Psi parameters, N data-parallel ranks):
 DDP all-reduce 2(N-1)/N x 4Psi; ZeRO-1/2 reduce-scatter + all-gather = the same total;
 ZeRO-3 adds a second all-gather for the backward (1.5x), except for parameters the backward
-does not read (the embedding table: its gradient needs only the token ids).
+does not read (the embedding table: its gradient needs only the token ids) and, by default, the
+root's parameters, which stay gathered from forward to backward as under FSDP2
+(``reshard_after_forward``: True re-gathers them too, False gathers nothing twice).
 """
 
 from __future__ import annotations
@@ -50,21 +52,25 @@ def test_zero_communication_volume(fake, n):
         for s in ("ddp", "zero1", "zero2", "zero3"):
             pm, psi = compile_llama(mesh, {"dp": s})
             vol[s] = totals(pm)
+        for raf in (True, False):
+            vol[raf] = totals(compile_llama(mesh, {"dp": "zero3"}, reshard_after_forward=raf)[0])
         embed = 256 * 64
+        root = sum(p.numel() for name, p in pm.named_parameters() if not name.startswith("layers."))
         assert vol["ddp"] == pytest.approx({"all_reduce": 2 * ring * (4 * psi + LOSS_STATS)})
         for s in ("zero1", "zero2"):
             assert vol[s] == pytest.approx({"all_gather": ring * 4 * psi, "reduce_scatter": ring * 4 * psi,
                                             "all_reduce": 2 * ring * LOSS_STATS})
             assert sum(vol[s].values()) == pytest.approx(sum(vol["ddp"].values()))
-        assert vol["zero3"] == pytest.approx({"all_gather": ring * 4 * (2 * psi - embed),
-                                              "reduce_scatter": ring * 4 * psi,
-                                              "all_reduce": 2 * ring * LOSS_STATS})
+        rest = {"reduce_scatter": ring * 4 * psi, "all_reduce": 2 * ring * LOSS_STATS}
+        assert vol[True] == pytest.approx({"all_gather": ring * 4 * (2 * psi - embed), **rest})
+        assert vol["zero3"] == pytest.approx({"all_gather": ring * 4 * (2 * psi - root), **rest})
+        assert vol[False] == pytest.approx({"all_gather": ring * 4 * psi, **rest})
 
 
 def test_zero3_gathers_per_phase_zero2_once(fake):
     with fake(dp=4) as mesh:
         # one gather per parameter (bucket_mb=0): per-block buckets are tests/test_gather.py's
-        pm3, _ = compile_llama(mesh, {"dp": "zero3"}, bucket_mb=0)
+        pm3, _ = compile_llama(mesh, {"dp": "zero3"}, bucket_mb=0, reshard_after_forward=True)
         pm2, _ = compile_llama(mesh, {"dp": "zero2"}, bucket_mb=0)
         g3 = [r for r in pm3.collectives() if r.kind == "all_gather"]
         g2 = [r for r in pm2.collectives() if r.kind == "all_gather"]
@@ -73,6 +79,13 @@ def test_zero3_gathers_per_phase_zero2_once(fake):
         assert len([r for r in g3 if r.phase == "forward"]) == n_params
         assert len([r for r in g3 if r.phase == "backward"]) == n_params - 1  # not the embedding
         assert all("ZeRO-3: gather parameter" in r.reason for r in g3)
+        # by default (FSDP2's) the root's parameters (outside layers.N) are not gathered again
+        pm_root, _ = compile_llama(mesh, {"dp": "zero3"}, bucket_mb=0)
+        in_blocks = [n for n, _ in pm_root.named_parameters() if n.startswith("layers.")]
+        back = [r for r in pm_root.collectives() if r.kind == "all_gather" and r.phase == "backward"]
+        assert len(back) == len(in_blocks)
+        assert {n for n, _ in pm_root.ctx.kept_gathered} == {n for n, _ in pm_root.named_parameters()} - set(
+            in_blocks) - {"embed_tokens.weight"}
         # ZeRO-1 reduces at the very end of the program, ZeRO-2 as soon as each gradient is ready
         # (one reduce-scatter per gradient: bucket_mb=0; buckets are tests/test_bucket.py's)
         pm1, _ = compile_llama(mesh, {"dp": "zero1"}, bucket_mb=0)

@@ -110,6 +110,10 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch", type=int, default=1,
                    help="ZeRO/FSDP: blocks ahead each block's parameter gather is issued (default 1, FSDP2's; "
                         "0: where first used)")
+    p.add_argument("--reshard-after-forward", default="default", choices=["default", "true", "false"],
+                   help="ZeRO-3/FSDP, as FSDP2's: default keeps the root's parameters (outside every repeated "
+                        "block) gathered from forward to backward and re-gathers the blocks; true re-gathers all; "
+                        "false none")
     p.add_argument("--batch", type=int, default=None, help="global batch (built-in models)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (built-in models)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -195,7 +199,8 @@ def dump_after(args, rank: int, progress: Progress) -> str:
                       precision=args.precision, reduce_dtype=args.reduce_dtype, recompute=args.recompute,
                       accumulate=args.accumulate, progress=lambda s: progress(f"rank {rank}: {s}"),
                       pipeline_stages="all", kernels=args.kernels, bucket_mb=args.bucket_mb,
-                      prefetch=args.prefetch, stop_after=args.after)
+                      prefetch=args.prefetch, stop_after=args.after,
+                      reshard_after_forward={"default": None, "true": True, "false": False}[args.reshard_after_forward])
         return state_text(state)
 
 
@@ -225,7 +230,8 @@ def analyse(args, rank: int, progress: Progress) -> Analysis:
                                  recompute=args.recompute, accumulate=args.accumulate,
                                  progress=lambda s: progress(f"rank {rank}: {s}"), capture_eval=False,
                                  pipeline_stages="all", kernels=args.kernels, bucket_mb=args.bucket_mb,
-                                 prefetch=args.prefetch)
+                                 prefetch=args.prefetch,
+                                 reshard_after_forward={"default": None, "true": True, "false": False}[args.reshard_after_forward])
         notes = sorted({str(w.message) for w in caught if "autopar" in str(w.message)})
         t2 = time.perf_counter()
         progress(f"rank {rank}: cost model")
@@ -240,6 +246,7 @@ def analyse(args, rank: int, progress: Progress) -> Analysis:
                **({"kernels": dict(pm.ctx.lowered)} if args.kernels != "off" else {}),
                "accumulate": args.accumulate, "optimizer": args.optimizer,
                "bucket_mb": args.bucket_mb, "prefetch": args.prefetch,
+               "reshard_after_forward": args.reshard_after_forward,
                "inputs": [f"{list(x.shape)} {x.dtype}" for x in loaded.example_inputs]}
     return Analysis(args.model, axes, plan, rank, coord, options, pm, memory, est, dev, links,
                     {"build": t1 - t0, "compile": t2 - t1, "cost_model": t3 - t2, "total": t3 - t0,

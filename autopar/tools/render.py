@@ -477,6 +477,12 @@ def plan_table(results: list[Analysis]) -> str:
         lines.append(f"note: the FLOPs of {len(unknown)} op(s) could not be counted (timed by their bytes only, "
                      "so FLOPs and step time above are lower bounds):")
         lines += [f"  {u}" for u in unknown[:8]] + ([f"  ... and {len(unknown) - 8} more"] if len(unknown) > 8 else [])
+    kept = getattr(a0.pm.ctx, "kept_gathered", []) if not pipes else []
+    if kept:
+        lines.append(f"note: reshard_after_forward keeps {len(kept)} gathered parameter(s), "
+                     f"{_b(sum(b for _, b in kept))} per rank, alive from their forward use to their backward "
+                     "use instead of gathering them again: " + ", ".join(n for n, _ in kept[:6])
+                     + (" ..." if len(kept) > 6 else "") + " (in the program peak above)")
     for axis, names in (a0.pm.ctx.placed.unplaced.items() if not pipes else ()):
         lines.append(f"note: no rule matches {len(names)} parameter(s) on '{axis}'; plan['rest'] replicated them: "
                      + ", ".join(names[:6]) + (" ..." if len(names) > 6 else "") + " (autopar explain: sizes)")
