@@ -25,6 +25,9 @@ class Context:
         self.plan = plan
         self.placed = placed
         self.dp_axes = [i for i, a in enumerate(plan.axes) if a.data_parallel]
+        # context-parallel axes (plan.CONTEXT_PARALLEL) of more than one rank: the inputs' dim 1 (the
+        # sequence) sharded over them
+        self.cp_axes = [i for i, a in enumerate(plan.axes) if a.context_parallel and self.axis_sizes[i] > 1]
         self.timings: dict[str, float] = {}
         self.compute_dtype = compute_dtype  # None: fp32 throughout
         self.reduce_dtype = reduce_dtype  # dtype gradients are reduced in (None: as produced)
@@ -41,10 +44,16 @@ class Context:
 
     # placements the program's boundary must have
     def input_placements(self, shape: tuple[int, ...]) -> tuple[Placement, ...]:
-        """Batch (dim 0) sharded on every data-parallel axis, replicated elsewhere (and on 1-rank
-        axes, where sharding is the identity: a batch of 1 cannot be "sharded")."""
-        return tuple(Shard(0) if (i in self.dp_axes and len(shape) > 0 and self.axis_sizes[i] > 1) else Replicate()
-                     for i in range(len(self.axis_sizes)))
+        """Batch (dim 0) sharded on every data-parallel axis, the sequence (dim 1) on every
+        context-parallel axis, replicated elsewhere (and on 1-rank axes, where sharding is the
+        identity: a batch of 1 cannot be "sharded")."""
+        def one(i):
+            if i in self.dp_axes and len(shape) > 0 and self.axis_sizes[i] > 1:
+                return Shard(0)
+            if i in self.cp_axes and len(shape) > 1:
+                return Shard(1)
+            return Replicate()
+        return tuple(one(i) for i in range(len(self.axis_sizes)))
 
     def io_placements(self, shape, batched: bool) -> tuple[Placement, ...]:
         """A value crossing a pipeline stage boundary: batch-sharded like the inputs if its dim 0

@@ -34,7 +34,7 @@ from autopar.ir import ShardSpec, fmt_placements, info, tensor_args
 aten = torch.ops.aten
 
 # strategy name -> how it lays out activations between its parallel regions
-ACTIVATION_LAYOUT = {"sequence": "sequence"}
+ACTIVATION_LAYOUT = {"sequence": "sequence", "ulysses": "ulysses"}
 FLAT = "flat"  # a value whose dim 0 is batch x sequence merged
 
 
@@ -164,4 +164,88 @@ def sequence_reason(a: fx.Node, have, want, ctx) -> str | None:
         if p == Shard(d) and isinstance(q, Replicate):
             return (f"sequence parallel ({name}=sequence): the sequence-sharded activation is all-gathered to enter "
                     f"a tensor-parallel region, {fmt_placements(have)} -> {fmt_placements(want)}")
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# context parallelism: {"cp": "ulysses"} (DeepSpeed-Ulysses, Jacobs et al. 2023)
+#
+# The inputs' sequence dim (dim 1) is sharded over the axis (Context.input_placements), so every
+# op runs on its rank's tokens: embeddings, norms, MLPs (a view merging batch and sequence gives
+# DTensor's strided shard, which the matmuls keep), RoPE (the replicated cos/sin tables are read
+# Shard(seq): rank r takes positions r*s/cp..., a local slice) and the loss (the nll rule reduces
+# the sum and the token count over the axis: the global mean). Parameters are replicated on the
+# axis; their gradients come out Partial and are all-reduced, as under data parallelism.
+# Attention (rules._attention_rule) wants q, k, v sharded on the HEADS (dim 1) instead: the
+# collectives pass turns Shard(2) (the sequence of [b, heads, s, d]) into Shard(1) with one
+# all-to-all each, and the attention's outputs are read back as Shard(2) by the first op that is
+# not attention (``heads_to_sequence``): one more all-to-all. The backward mirrors it: the
+# gradient of the attention output is all-to-all'ed to heads, dq, dk, dv back to the sequence;
+# q, k, v and the output are saved for the backward in their heads layout (no communication).
+
+
+def ulysses_axes(ctx) -> list[int]:
+    """Mesh axes (of size > 1) whose strategy is "ulysses"."""
+    return [i for i, ap in enumerate(ctx.plan.axes)
+            if ACTIVATION_LAYOUT.get(ap.strategy) == "ulysses" and ctx.axis_sizes[i] > 1]
+
+
+def check_context_parallel(program, ctx) -> None:
+    """A PlanError (before anything runs) when the context-parallel axes do not divide the
+    sequence length of every input they shard (dim 1 of each input with two dims or more)."""
+    axes = getattr(ctx, "cp_axes", [])
+    if not axes or ctx.boundary is not None:
+        return
+    k = ctx.prod(axes)
+    for i, (n, role) in enumerate(zip((n for n in program.graph.nodes if n.op == "placeholder"), program.inputs)):
+        val = n.meta.get("val")
+        if role[0] != "input" or not isinstance(val, torch.Tensor) or val.ndim < 2 or val.shape[1] % k == 0:
+            continue
+        names = ", ".join(f"'{ctx.axis_names[a]}'" for a in axes)
+        raise PlanError(
+            f"context parallelism needs the sequence length (dim 1 of input #{role[1]}, shape {list(val.shape)}: "
+            f"{val.shape[1]}) to be divisible by the ranks of mesh axis {names} ({k})",
+            where=", ".join(f"plan[{ctx.axis_names[a]!r}] = {ctx.plan.axes[a].strategy!r}" for a in axes),
+            fix=f"use a sequence length that is a multiple of {k} (pad it), or fewer ranks on {names}")
+
+
+_ALIASES = {aten.detach.default, aten.alias.default}
+
+
+def _attention_source(a: fx.Node, attention_ops) -> bool:
+    """Whether ``a`` is an output of an attention op (through getitem / detach / alias)."""
+    while a.op == "call_function" and (a.target is operator.getitem or a.target in _ALIASES):
+        a = a.args[0]
+    return a.op == "call_function" and a.target in attention_ops
+
+
+def heads_to_sequence(n: fx.Node, in_specs, ctx, attention_ops) -> dict[fx.Node, ShardSpec]:
+    """On a "ulysses" axis: the inputs of ``n`` that come out of attention sharded on the heads
+    (dim 1), each with the spec ``n`` reads it in: sharded on the sequence (dim 2 of [b, heads, s,
+    ...]), an all-to-all. Attention ops, getitem and aliases (detach) keep the heads layout: the
+    attention backward reads the saved output and log-sum-exp as the forward produced them."""
+    axes = ulysses_axes(ctx)
+    if not axes or n.target in attention_ops or n.target is operator.getitem or n.target in _ALIASES:
+        return {}
+    out: dict[fx.Node, ShardSpec] = {}
+    for a, have in zip(tensor_args(n), in_specs):
+        if have is None or len(have.shape) < 3 or not _attention_source(a, attention_ops):
+            continue
+        pl = [Shard(2) if ax in axes and p == Shard(1) else p for ax, p in enumerate(have.placements)]
+        if tuple(pl) != tuple(have.placements):
+            out[a] = ShardSpec(tuple(pl), have.shape, have.dtype)
+    return out
+
+
+def ulysses_reason(a: fx.Node, have, want, ctx) -> str | None:
+    """Why a move of ``a`` from ``have`` to ``want`` exists, when a "ulysses" axis made it."""
+    for ax in ulysses_axes(ctx):
+        p, q = have[ax], want[ax]
+        name = ctx.axis_names[ax]
+        if p == Shard(2) and q == Shard(1):
+            return (f"ulysses ({name}=ulysses): all-to-all from sequence shards to head shards for attention, "
+                    f"{fmt_placements(have)} -> {fmt_placements(want)}")
+        if p == Shard(1) and q == Shard(2):
+            return (f"ulysses ({name}=ulysses): all-to-all from head shards back to sequence shards after "
+                    f"attention, {fmt_placements(have)} -> {fmt_placements(want)}")
     return None

@@ -67,8 +67,14 @@ DATA_PARALLEL = set(ZERO_LEVEL)
 # "sequence": Megatron's parameter placements with sequence parallelism on the same axis: between the
 # tensor-parallel regions activations are sharded over the sequence (autopar/layout.py says how the
 # propagation lays them out); reduce-scatter out of / all-gather into each region, no all-reduce
+# Context parallelism (autopar/layout.py, ``CONTEXT_PARALLEL``): the batch's sequence dim is sharded
+# over the axis everywhere; parameters replicated on it, their gradients all-reduced over it (its ranks
+# see different tokens, as data-parallel ranks see different sequences). "ulysses": an all-to-all turns
+# sequence shards into head shards for attention and back (DeepSpeed-Ulysses)
+CONTEXT_PARALLEL = {"ulysses"}
 PRESETS: dict[str, list[tuple[str, Placement]]] = {
-    **{s: [("*", R)] for s in ZERO_LEVEL}, "megatron": MEGATRON, "sequence": MEGATRON}
+    **{s: [("*", R)] for s in ZERO_LEVEL}, "megatron": MEGATRON, "sequence": MEGATRON,
+    **{s: [("*", R)] for s in CONTEXT_PARALLEL}}
 
 
 def parse_placement(p, where: str) -> Placement:
@@ -96,6 +102,11 @@ class AxisPlan:
     def zero(self) -> int:
         """ZeRO stage of a data-parallel axis (0 for ddp and for non-data-parallel axes)."""
         return ZERO_LEVEL.get(self.strategy, 0)
+
+    @property
+    def context_parallel(self) -> bool:
+        """The axis shards the inputs' sequence dim (dim 1) and replicates every parameter."""
+        return self.strategy in CONTEXT_PARALLEL
 
 
 # plan["rest"]: what happens to a parameter that no rule of an axis matches
@@ -190,7 +201,7 @@ def place_parameters(plan: Plan, params: dict[str, torch.Tensor], axis_sizes) ->
                 hit = R
             elif isinstance(hit, Shard):
                 hit = _checked_shard(hit, name, t, ap.axis, axis_sizes[i])
-            elif not ap.data_parallel:
+            elif not ap.data_parallel and not ap.context_parallel:
                 replicated.setdefault(ap.axis, []).append((name, _rule_text(ap, glob, source)))
             out[name].append(hit)
     compute = {n: tuple(p) for n, p in out.items()}

@@ -21,9 +21,11 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 
-from autopar.ir import ShardSpec
+from autopar.errors import PlanError
+from autopar.ir import ShardSpec, source_line
+from autopar.layout import ulysses_axes
 
 aten = torch.ops.aten
 R = Replicate()
@@ -84,6 +86,10 @@ def _attention_rule(q_pos: int, n_tensor_in: int, n_out: int | None):
         the dims it does not broadcast, and is replicated on the others."""
         q = in_specs[q_pos]
         want = tuple(p if isinstance(p, Shard) and p.dim in (0, 1) else R for p in q.placements)
+        cp = ulysses_axes(ctx)
+        if cp:  # {"cp": "ulysses"}: heads sharded over the axis (autopar/layout.py), whatever q holds
+            _check_heads_divide(node, in_specs[q_pos:q_pos + 3], cp, ctx)
+            want = tuple(Shard(1) if a in cp else p for a, p in enumerate(want))
         ins = [want] * n_tensor_in
         for mask in in_specs[n_tensor_in:]:  # attn_mask [B|1, H|1, S, S]: shard where not broadcast
             m = tuple(p if isinstance(p, Shard) and mask.shape[p.dim] == q.shape[p.dim] and len(mask.shape) == 4
@@ -93,6 +99,22 @@ def _attention_rule(q_pos: int, n_tensor_in: int, n_out: int | None):
         return RuleResult(ins, outs, None, "attention over batch/heads")
 
     return attention_rule
+
+
+def _check_heads_divide(node, qkv: list[ShardSpec], axes: list[int], ctx) -> None:
+    """Ulysses shards attention's heads over its axes: q's heads and k's / v's (grouped-query
+    attention's KV heads, when the model hands them to attention without repeating them) must divide."""
+    k = ctx.prod(axes)
+    names = ", ".join(f"'{ctx.axis_names[a]}'" for a in axes)
+    for what, spec in zip(("query", "key", "value"), qkv):
+        heads = spec.shape[1]
+        if heads % k:
+            raise PlanError(
+                f"Ulysses context parallelism shards attention heads over mesh axis {names} ({k} ranks), but the "
+                f"{what} has {heads} heads (shape {list(spec.shape)}), not divisible by {k}",
+                where=source_line(node) or node.name,
+                fix=f"use a context-parallel size that divides the number of heads ({heads}) and of KV heads "
+                "(a model that repeats its KV heads before attention needs only the heads to divide)")
 
 
 rule(aten._scaled_dot_product_flash_attention_for_cpu.default)(_attention_rule(0, 3, 2))
@@ -107,6 +129,10 @@ import autopar.kernels.ops  # noqa: E402,F401 - registers torch.ops.autopar.*
 autopar_ops = torch.ops.autopar
 rule(autopar_ops.flash_attention.default)(_attention_rule(0, 3, 2))
 rule(autopar_ops.flash_attention_backward.default)(_attention_rule(1, 6, 3))
+ATTENTION_OPS = {aten._scaled_dot_product_flash_attention_for_cpu.default,
+                 aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                 aten.scaled_dot_product_attention.default,
+                 autopar_ops.flash_attention.default, autopar_ops.flash_attention_backward.default}
 
 
 @rule(autopar_ops.linear_act.default)
@@ -161,8 +187,10 @@ def linear_act_backward_rule(node, in_specs, ctx):
 
 
 def _rows_or_classes(x: ShardSpec) -> tuple[Placement, ...]:
-    """Shard(class) and Shard(row) survive; Partial must be reduced first (log is not linear)."""
-    return tuple(p if isinstance(p, Shard) else R for p in x.placements)
+    """Shard(class) and Shard(row) survive, and rows strided-sharded (``[b, s, V]`` flattened with
+    its sequence sharded: context parallelism); Partial must be reduced first (log is not linear)."""
+    return tuple(p if isinstance(p, Shard) or (isinstance(p, _StridedShard) and p.dim < len(x.shape) - 1)
+                 else R for p in x.placements)
 
 
 @rule(aten._log_softmax.default)
@@ -209,6 +237,10 @@ def _nll_layout(x: ShardSpec, target: ShardSpec | None):
     for p in x.placements:
         if isinstance(p, Shard) and p.dim == 0 and len(x.shape) == 2:
             kinds.append("row"), xs.append(Shard(0)), ts.append(Shard(0))
+        elif isinstance(p, _StridedShard) and p.dim == 0 and len(x.shape) == 2:
+            # rows of a flattened [b, s, V] whose sequence is sharded (context parallelism): the
+            # targets, flattened the same way, hold the same rows
+            kinds.append("row"), xs.append(p), ts.append(p)
         elif isinstance(p, Shard) and p.dim == len(x.shape) - 1:
             kinds.append("class"), xs.append(p), ts.append(R)
         else:
@@ -249,7 +281,7 @@ def nll_loss_forward_rule(node, in_specs, ctx):
     class_axes = [a for a, k in enumerate(kinds) if k == "class"]
     ins = [xs, ts] + ([tuple(R for _ in xs)] if weight is not None else [])
     if reduction == 0:  # none: per-row loss, partial over the class axes
-        out = tuple(Shard(0) if k == "row" else PSUM if k == "class" else R for k in kinds)
+        out = tuple(t if k == "row" else PSUM if k == "class" else R for k, t in zip(kinds, ts))
     else:  # sum and mean: reduced inside (the mean needs the global count first)
         out = tuple(R for _ in kinds)
     tw_out = tuple(R for _ in kinds)
@@ -285,7 +317,7 @@ def nll_loss_backward_rule(node, in_specs, ctx):
         xs = tuple(R if k == "rep" else p for k, p in zip(kinds, xs))
     class_axes = [a for a, k in enumerate(kinds) if k == "class"]
     rep = tuple(R for _ in kinds)
-    g = tuple(Shard(0) if k == "row" else R for k in kinds) if reduction == 0 else rep
+    g = tuple(t if k == "row" else R for k, t in zip(kinds, ts)) if reduction == 0 else rep
     ins = [g, xs, ts] + ([rep] if has_weight else []) + [rep]
 
     def impl(ctx, grad_out, x, target, weight, reduction_, ignore_index_, total_weight):

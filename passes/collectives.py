@@ -16,7 +16,7 @@ import math
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
-from autopar.layout import sequence_reason
+from autopar.layout import sequence_reason, ulysses_reason
 from autopar.ir import CommRecord, Program, ShardSpec, fmt_placements, info, phase_of, redistribute, source_line, spec_of
 
 
@@ -51,7 +51,7 @@ def step_kind(p, q) -> str:
     if isinstance(p, (Shard, _StridedShard)) and isinstance(q, (Replicate, Partial)):
         return "all_gather"
     if isinstance(p, Shard) and isinstance(q, Shard):
-        return "all_gather"  # gather then take the new shard locally
+        return "all_to_all" if p.dim != q.dim else "local"  # localize: one all-to-all
     return "local"  # Replicate -> Shard or strided shard (chunk), Replicate -> Partial (mask)
 
 
@@ -129,6 +129,8 @@ def _fix(graph, a: fx.Node, want, consumer: fx.Node, ctx, cache, reason, before=
         reason = info(consumer).why  # a pass said why this consumer needs the layout
     if reason is None:  # a sequence-parallel axis's reduce-scatter out of / all-gather into a region
         reason = sequence_reason(a, have.placements, want, ctx)
+    if reason is None:  # a ulysses axis's all-to-all into / out of attention
+        reason = ulysses_reason(a, have.placements, want, ctx)
     if reason is None:
         reason = (f"{fmt_placements(have.placements)} -> {fmt_placements(want)} for "
                   f"{getattr(consumer.target, '__name__', consumer.target)} ({consumer.name})")

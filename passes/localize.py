@@ -275,6 +275,8 @@ def apply_redistribute(x: torch.Tensor, src, dst, spec, ctx) -> torch.Tensor:
             blocks = x.reshape(*shape[:d], sf, shape[d] // sf, *shape[d + 1:])
             x = torch.chunk(blocks, n, dim=d + 1)[ctx.coord[a]].reshape(*shape[:d], shape[d] // n, *shape[d + 1:])
             x = x.clone(memory_format=torch.contiguous_format)
+        elif isinstance(p, Shard) and isinstance(q, Shard) and p.dim != q.dim:
+            x = _all_to_all(x, p.dim, q.dim, n, group)
         elif isinstance(p, Shard):
             d = p.dim
             g = c10d.wait_tensor(c10d.all_gather_into_tensor(x.contiguous(), n, group))
@@ -293,6 +295,21 @@ def apply_redistribute(x: torch.Tensor, src, dst, spec, ctx) -> torch.Tensor:
         else:
             raise ShardingError(f"cannot redistribute {fmt_placements(src)} -> {fmt_placements(dst)}")
     return x
+
+
+def _all_to_all(x: torch.Tensor, gather_dim: int, split_dim: int, n: int, group: str) -> torch.Tensor:
+    """Shard(gather_dim) -> Shard(split_dim) on one mesh axis of ``n`` ranks: one all-to-all (what
+    DTensor does; Ulysses' sequence <-> heads swap). The ``n`` pieces of ``split_dim`` are stacked
+    along a new dim 0 (piece j goes to rank j); what comes back from rank j is its block of
+    ``gather_dim``, laid side by side in rank order."""
+    shape = tuple(x.shape)
+    q, p = split_dim, gather_dim
+    pieces = x.reshape(*shape[:q], n, shape[q] // n, *shape[q + 1:]).movedim(q, 0).contiguous()
+    y = c10d.wait_tensor(c10d.all_to_all_single(pieces, [1] * n, [1] * n, group))
+    out = list(shape)
+    out[q] //= n
+    out[p] *= n
+    return y.movedim(0, p).reshape(out)
 
 
 def _reduce_op(p: Partial) -> str:

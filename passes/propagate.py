@@ -27,9 +27,9 @@ from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from autopar.errors import ShardingError
-from autopar.layout import SequenceDims
+from autopar.layout import SequenceDims, check_context_parallel, heads_to_sequence
 from autopar.ir import Program, ShardSpec, fmt_placements, info, source_line, spec_of, tensor_args
-from autopar.rules import RULES, RuleResult, pointwise_rule
+from autopar.rules import ATTENTION_OPS, RULES, RuleResult, pointwise_rule
 from autopar.scoped import SharedPatch
 
 VIEW_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
@@ -49,6 +49,7 @@ def propagate_pass(program: Program, ctx) -> Program:
     ctx.strategy_cache = {}  # repeated blocks ask DTensor the same question: answer it once
     _drop_legacy_empty_cat_inputs(graph)
     seq = SequenceDims(program, ctx)  # the activation layout of a sequence-parallel axis (autopar/layout.py)
+    check_context_parallel(program, ctx)  # the sequence length divides over the context-parallel axes
     for n in graph.nodes:
         if n.op == "placeholder":
             val = n.meta["val"]
@@ -94,6 +95,8 @@ def _propagate_node(n: fx.Node, ctx, seq: SequenceDims | None = None) -> None:
     # a sequence-parallel axis (autopar/layout.py): a view that merges batch and sequence (entering a
     # tensor-parallel region) reads its sequence-sharded input whole
     read_as = seq.gathered(n, in_specs) if seq is not None else {}
+    # a "ulysses" axis: attention's head-sharded outputs are read back sequence-sharded (an all-to-all)
+    read_as.update(heads_to_sequence(n, in_specs, ctx, ATTENTION_OPS))
     in_specs = [read_as.get(a, s) for a, s in zip(args, in_specs)]
     res = _decide(n, in_specs, ctx, read_as)
     # ... and a Partial activation the choice above resolves to Replicate is resolved to Shard(seq)

@@ -25,6 +25,11 @@ CASES = [
      {"vocab-parallel embedding", "vocab-parallel log_softmax", "nll_loss over sharded rows/classes"}),
     # attention sharded over batch and heads, with an explicit mask that follows the batch shard
     ("attn_mask", {"dp": 2, "tp": 2}, {"dp": "ddp", "tp": "megatron"}, {"attention over batch/heads"}),
+    # context parallelism: rows of the flattened [b, s] strided-sharded (ignored targets on one rank
+    # only: the mean over the global token count), attention on heads with the padding mask gathered
+    ("ce_rules", {"cp": 2}, {"cp": "ulysses"},
+     {"embedding", "embedding backward", "log_softmax on local rows", "nll_loss over sharded rows/classes"}),
+    ("attn_mask", {"cp": 2}, {"cp": "ulysses"}, {"attention over batch/heads"}),
 ]
 
 

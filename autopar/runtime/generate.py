@@ -190,10 +190,11 @@ def check_plan(pm) -> None:
                         f"axes {dp}", where=WHERE,
                         fix="compile the model for generation on a mesh without a data-parallel axis, e.g. "
                             "autopar.mesh(tp=2) with plan={'tp': 'megatron'}")
-    seq = [a.axis for a in ctx.plan.axes if a.strategy == "sequence"]
+    seq = [a.axis for i, a in enumerate(ctx.plan.axes) if a.strategy == "sequence"
+           or (a.context_parallel and ctx.axis_sizes[i] > 1)]
     if seq:
-        raise PlanError(f"generation does not support sequence parallelism (axis {seq[0]!r}): decode steps have "
-                        "one token, nothing to split over the sequence", where=WHERE,
+        raise PlanError(f"generation does not support sequence or context parallelism (axis {seq[0]!r}): decode "
+                        "steps have one token, nothing to split over the sequence", where=WHERE,
                         fix=f"compile with plan={{{seq[0]!r}: 'megatron'}} for generation")
 
 

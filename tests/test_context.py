@@ -1,0 +1,86 @@
+"""{"cp": "ulysses"}: context parallelism by all-to-all (DeepSpeed-Ulysses) on a ``cp`` mesh axis.
+
+The inputs' sequence dim is sharded over cp everywhere but attention, whose q, k, v are turned
+from sequence shards into head shards by one all-to-all each, and whose output is turned back
+(autopar/layout.py); parameters are replicated on cp, their gradients all-reduced over it.
+Checked: parity against one process on gloo pools (losses, gradients, parameters after AdamW
+steps, eval forward; measured = predicted bytes and memory), the all-to-alls' count and bytes
+per layer against 4·b·s·h/cp per direction, activation memory falling with cp, and the
+PlanErrors for a sequence or a head count cp does not divide.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.errors import PlanError
+from autopar.testing import build_model
+from test_parity import run_and_check_parity
+
+CASES = [
+    ("llama", {"cp": 2}, {"cp": "ulysses"}),
+    ("hf_llama", {"cp": 2}, {"cp": "ulysses"}),
+    ("llama", {"dp": 2, "cp": 2}, {"dp": "fsdp", "cp": "ulysses"}),
+]
+
+
+@pytest.mark.parametrize("name,axes,plan", CASES, ids=[f"{c[0]}-{'x'.join(c[1])}" for c in CASES])
+def test_ulysses_parity(pools, references, name, axes, plan):
+    out = run_and_check_parity(pools, references, name, axes, plan)  # numbers, memory, bytes
+    cp = [r for r in out["records"] if r.axis == "cp"]
+    assert {r.kind for r in cp} == {"all_to_all", "all_reduce"}
+    for r in cp:  # the all-to-alls at attention; the loss rule's sums and the gradients' all-reduces
+        assert r.reason.startswith("ulysses") if r.kind == "all_to_all" else \
+            r.reason.startswith(("inside rule", "bucket of", "gradient of")), r
+
+
+def _compile(fake, name, axes, plan, batch=None):
+    model, batches, loss_fn = build_model(name)
+    with fake(**axes) as mesh:
+        return autopar.compile(model, mesh, example_inputs=batch or batches[0], loss_fn=loss_fn, plan=plan,
+                               capture_eval=False)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ulysses_bytes_per_layer(fake, cp):
+    # the built-in Llama (2 layers, h = dim = 64 = 4 heads x 16, 2 KV heads repeated to 4 before
+    # attention), batch 4, seq 16, fp32: per layer and direction 4 all-to-alls (forward: q, k, v to
+    # heads, the output back; backward: the output's gradient to heads, dq, dk, dv back), each
+    # handing the process group this rank's [b, s/cp, h] block: 4·b·s·h/cp elements per layer
+    # and direction, of which (cp-1)/cp leave the rank
+    b, s, h, layers = 4, 16, 64, 2
+    pm = _compile(fake, "llama", {"cp": cp}, {"cp": "ulysses"})
+    a2a = [r for r in pm.collectives() if r.kind == "all_to_all"]
+    assert all(r.axis == "cp" and r.group_size == cp for r in a2a)
+    for phase in ("forward", "backward"):
+        recs = [r for r in a2a if r.phase == phase]
+        assert len(recs) == 4 * layers
+        assert sum(r.payload_bytes for r in recs) == layers * 4 * b * s * h // cp * 4
+        assert sum(r.wire_bytes for r in recs) == pytest.approx(layers * 4 * b * s * h / cp * 4 * (cp - 1) / cp)
+    # nothing else moves activations on cp: the loss rule's two scalars, the gradients' all-reduce
+    others = [r for r in pm.collectives() if r.kind != "all_to_all"]
+    assert {r.kind for r in others} == {"all_reduce"}
+    assert all(r.payload_bytes == 4 or r.reason.startswith(("bucket of", "gradient of")) for r in others)
+
+
+def test_ulysses_lowers_activation_memory(fake):
+    from autopar.analysis.cost import predict_memory
+
+    x = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
+    peak = {cp: predict_memory(_compile(fake, "llama", {"cp": cp}, {"cp": "ulysses"}, batch=(x, x)))
+            for cp in (1, 2, 4)}
+    assert peak[1]["parameters"] == peak[2]["parameters"] == peak[4]["parameters"]  # replicated on cp
+    for cp in (2, 4):  # every activation is divided by cp (attention's too: heads instead of sequence)
+        ratio = peak[cp]["peak_activations"] / peak[1]["peak_activations"]
+        assert ratio == pytest.approx(1 / cp, rel=0.15), (cp, ratio)
+
+
+def test_ulysses_bad_inputs(fake):
+    x = torch.randint(0, 256, (4, 15))
+    with pytest.raises(PlanError, match=r"sequence length .*15.* divisible .*'cp' \(2\)"):
+        _compile(fake, "llama", {"cp": 2}, {"cp": "ulysses"}, batch=(x, x))
+    x = torch.randint(0, 256, (4, 16))
+    with pytest.raises(PlanError, match=r"heads over mesh axis 'cp' \(8 ranks\).* 4 heads"):
+        _compile(fake, "llama", {"cp": 8}, {"cp": "ulysses"}, batch=(x, x))
