@@ -15,7 +15,9 @@ collective (a synchronous program). This pass, in order:
 2. defers the waits of gradient reductions (below): functional collectives run asynchronously
    until their wait, so the compute in between runs while the bytes are on the wire; DDP's
    reducer and FSDP2 overlap the same way;
-3. keeps every collective's input alive until its wait.
+3. issues the other all-reduces / all-to-alls (tensor parallelism's) right after their input is
+   made, and moves their waits down to their first use;
+4. keeps every collective's input alive until its wait.
 
 After it, on the per-rank graphs: every collective still has exactly one wait and a CommRecord
 (a bucket's: its gradients' bytes summed, their names in the reason), every wait comes before
@@ -45,6 +47,8 @@ def overlap_pass(program: Program, ctx) -> Program:
         bucket_parameter_gathers(gm, program.inputs, prefetch, bucket=bool(bucket_mb))
         bucket_gradient_reductions(gm, program.outputs, bucket_mb)
         _defer_output_waits(gm)
+        _issue_early(gm)
+        _defer_waits_to_first_use(gm)
         _keep_inputs_until_wait(gm)
     return program
 
@@ -89,6 +93,53 @@ def _defer_output_waits(gm: fx.GraphModule) -> None:
     for chain, before in moves:
         for node in chain:
             before.prepend(node)
+    if moves:
+        graph.lint()
+        gm.recompile()
+
+
+def _issue_early(gm: fx.GraphModule) -> None:
+    """Each all-reduce and all-to-all (tensor parallelism's partial sums, Ulysses' swaps) is
+    issued right after the op that produces its input, not where localize put it (just before
+    the consumer that wanted the new layout): the ops in between then run while it is on the
+    wire. Only the collective moves; every rank runs the same program, so the order of
+    collectives on each process group stays the same on every rank."""
+    graph = gm.graph
+    moved = False
+    for c in list(graph.nodes):
+        if c.op != "call_function" or COLLECTIVES.get(c.target) not in ("all_reduce", "all_to_all"):
+            continue
+        x = c.args[0]
+        if not isinstance(x, fx.Node) or x.op == "placeholder" or x.next is c:
+            continue
+        x.append(c)
+        moved = True
+    if moved:
+        graph.lint()
+        gm.recompile()
+
+
+def _defer_waits_to_first_use(gm: fx.GraphModule) -> None:
+    """The remaining all-reduce and all-to-all waits (tensor parallelism's, the loss statistics',
+    Ulysses') move down to just before the first op that reads their result, so the ops in
+    between that do not need it run while it is on the wire: in a column-parallel linear's
+    backward, the weight's gradient (dY^T X) is computed while dX is all-reduced. Moving a wait
+    later never breaks an input (its only input is its collective) and costs no memory (the
+    result is allocated when the collective is issued). All-gathers and reduce-scatters keep the
+    places steps 0-2 gave them (one all-gather in flight per group on gloo: passes/gather.py)."""
+    graph = gm.graph
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    moves = []
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target is not c10d.wait_tensor.default or not n.users:
+            continue
+        if COLLECTIVES.get(getattr(n.args[0], "target", None)) not in ("all_reduce", "all_to_all"):
+            continue
+        first = min(n.users, key=pos.__getitem__)
+        if pos[first] > pos[n] + 1:
+            moves.append((n, first))
+    for wait, first in moves:
+        first.prepend(wait)
     if moves:
         graph.lint()
         gm.recompile()
