@@ -70,10 +70,12 @@ class Reduction:
     unit: str | None = None  # reduce-scatter: the block it belongs to (a bucket stays in one)
 
 
-def bucket_gradient_reductions(gm: fx.GraphModule, roles, bucket_mb: float) -> list[list[str]]:
+def bucket_gradient_reductions(gm: fx.GraphModule, roles, bucket_mb: float,
+                               recompile: bool = True) -> list[list[str]]:
     """After it: the gradient reductions of ``gm`` (a per-rank program whose outputs have
     ``roles``) are bucketed as the module docstring says; ``bucket_mb=0`` changes nothing.
-    Returns the parameter names of each rewritten bucket, in issue order."""
+    Returns the parameter names of each rewritten bucket, in issue order. ``recompile=False``:
+    the caller regenerates ``gm``'s code (and lints the graph) itself."""
     if not bucket_mb:
         return []
     reductions = gradient_reductions(gm, roles)
@@ -83,7 +85,7 @@ def bucket_gradient_reductions(gm: fx.GraphModule, roles, bucket_mb: float) -> l
         if len(b) > 1:
             _rewrite(gm.graph, b)
             done.append([r.name for r in b])
-    if done:
+    if done and recompile:
         gm.graph.lint()
         gm.recompile()
     return done

@@ -107,7 +107,7 @@ def runs(gathers: list[Gather]) -> list[list[Gather]]:
 
 
 def bucket_parameter_gathers(gm: fx.GraphModule, roles, prefetch: int = DEFAULT_PREFETCH,
-                             bucket: bool = True) -> list[list[str]]:
+                             bucket: bool = True, recompile: bool = True) -> list[list[str]]:
     """After it: ``gm``'s parameter gathers are bucketed per run (``bucket=False``: one per
     parameter, still prefetched) and issued ``prefetch`` buckets ahead. Returns the parameter
     names of each bucket, in issue order."""
@@ -149,8 +149,9 @@ def bucket_parameter_gathers(gm: fx.GraphModule, roles, prefetch: int = DEFAULT_
         wait = _rewrite(graph, b, issue_at, first_wait)
         waits.append(wait)
         last = wait.args[0]
-    graph.lint()
-    gm.recompile()
+    if recompile:  # (False: the caller regenerates the code and lints the graph itself)
+        graph.lint()
+        gm.recompile()
     return [[g.name for g in b] for b in buckets]
 
 

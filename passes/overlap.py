@@ -44,12 +44,14 @@ def overlap_pass(program: Program, ctx) -> Program:
     bucket_mb = getattr(ctx, "bucket_mb", DEFAULT_BUCKET_MB)
     prefetch = getattr(ctx, "prefetch", DEFAULT_PREFETCH)
     for gm in _local_graphs(program):
-        bucket_parameter_gathers(gm, program.inputs, prefetch, bucket=bool(bucket_mb))
-        bucket_gradient_reductions(gm, program.outputs, bucket_mb)
+        bucket_parameter_gathers(gm, program.inputs, prefetch, bucket=bool(bucket_mb), recompile=False)
+        bucket_gradient_reductions(gm, program.outputs, bucket_mb, recompile=False)
         _defer_output_waits(gm)
         _issue_early(gm)
         _defer_waits_to_first_use(gm)
         _keep_inputs_until_wait(gm)
+        gm.graph.lint()  # once for all the steps above: regenerating a large program's code costs
+        gm.recompile()  # about a second
     return program
 
 
@@ -93,9 +95,6 @@ def _defer_output_waits(gm: fx.GraphModule) -> None:
     for chain, before in moves:
         for node in chain:
             before.prepend(node)
-    if moves:
-        graph.lint()
-        gm.recompile()
 
 
 def _issue_early(gm: fx.GraphModule) -> None:
@@ -105,7 +104,6 @@ def _issue_early(gm: fx.GraphModule) -> None:
     wire. Only the collective moves; every rank runs the same program, so the order of
     collectives on each process group stays the same on every rank."""
     graph = gm.graph
-    moved = False
     for c in list(graph.nodes):
         if c.op != "call_function" or COLLECTIVES.get(c.target) not in ("all_reduce", "all_to_all"):
             continue
@@ -113,10 +111,6 @@ def _issue_early(gm: fx.GraphModule) -> None:
         if not isinstance(x, fx.Node) or x.op == "placeholder" or x.next is c:
             continue
         x.append(c)
-        moved = True
-    if moved:
-        graph.lint()
-        gm.recompile()
 
 
 def _defer_waits_to_first_use(gm: fx.GraphModule) -> None:
@@ -140,9 +134,6 @@ def _defer_waits_to_first_use(gm: fx.GraphModule) -> None:
             moves.append((n, first))
     for wait, first in moves:
         first.prepend(wait)
-    if moves:
-        graph.lint()
-        gm.recompile()
 
 
 def _after_wait(wait: fx.Node, out: fx.Node, pos) -> list[fx.Node] | None:
@@ -177,4 +168,3 @@ def _keep_inputs_until_wait(gm: fx.GraphModule) -> None:
             with graph.inserting_after(wait):
                 keep = graph.call_function(torch.ops.aten.alias.default, (n.args[0],))
             keep.meta["val"] = n.args[0].meta.get("val")
-    gm.recompile()
