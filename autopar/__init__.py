@@ -4,13 +4,13 @@
 # functions, no registrations on torch's own ops (tests/test_side_effects.py). What autopar needs
 # from torch's globals it installs for the length of a compile step and removes after.
 from autopar.compiler import compile  # noqa: A004 - the public name is compile
-from autopar.errors import (AutoparError, CaptureError, InputError, PlanError, RankFailure, ShardingError,
-                            StragglerWarning, TrainingError)
+from autopar.errors import (AutoparError, CaptureError, InputError, MemoryBudgetError, PlanError, RankFailure,
+                            ShardingError, StragglerWarning, TrainingError)
 from autopar.mesh import mesh
 from autopar.runtime.checkpoint import CheckpointManager
 from autopar.runtime.weights import init_empty_weights
 from autopar.verify import VerifyReport, verify
 
 __all__ = ["compile", "mesh", "CheckpointManager", "init_empty_weights", "verify", "VerifyReport", "AutoparError",
-           "PlanError", "ShardingError", "InputError", "CaptureError", "TrainingError", "RankFailure",
+           "PlanError", "MemoryBudgetError", "ShardingError", "InputError", "CaptureError", "TrainingError", "RankFailure",
            "StragglerWarning"]

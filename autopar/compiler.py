@@ -60,6 +60,7 @@ def compile(
     bucket_mb: float = 25,
     prefetch: int = 1,
     reshard_after_forward: bool | None = None,
+    memory_budget: int | str | None = None,
     timeout: float = 60.0,
     straggler_threshold: float | None = 1.2,
     straggler_window: int = 100,
@@ -89,7 +90,13 @@ def compile(
     but keeps the parameters outside every repeated block (embeddings, final norm, LM head)
     gathered from forward to backward, as FSDP2 does for the root; True re-gathers every
     parameter in backward; False none (one gather per step, the whole model's parameters held
-    from forward to backward). Pipeline stages always re-gather. ``timeout``: seconds any wait of a step (a collective, a pipeline transfer) may
+    from forward to backward). Pipeline stages always re-gather. ``memory_budget``: bytes per rank
+    (an int, or a string: "80GiB", "512MiB", "1.5GB"); after the passes, before the parameters are
+    distributed, a rank whose predicted step peak (the cost model's ``predict_memory``: parameters +
+    optimizer state (AdamW's) + the program's peak, gradients included) exceeds it raises
+    ``MemoryBudgetError`` (a ``PlanError``) naming the peak, its biggest parts, the budget and what
+    to do, and every other rank raises one naming that rank (autopar/analysis/budget.py).
+    ``timeout``: seconds any wait of a step (a collective, a pipeline transfer) may
     block before the step fails on every rank with an error naming the rank that failed, stopped
     responding or never came (autopar/runtime/failure.py); a rank that raises in a step tells
     the others at once through the default group's c10d store, so they fail within a fraction
@@ -107,7 +114,7 @@ def compile(
                 recompute=recompute, debug=debug, skip_passes=skip_passes, progress=progress,
                 capture_eval=capture_eval, pipeline_stages=pipeline_stages, kernels=kernels,
                 bucket_mb=bucket_mb, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
-                timeout=timeout,
+                memory_budget=memory_budget, timeout=timeout,
                 straggler_threshold=straggler_threshold, straggler_window=straggler_window)
     if model is None or (isinstance(model, type) or (callable(model) and not isinstance(model, nn.Module))):
         return _decorator(model, **opts)
@@ -148,6 +155,7 @@ class Options:
     bucket_mb: float = 25  # MiB of gradients per bucketed collective (passes/bucket.py); 0: none
     prefetch: int = 1  # parameter gathers issued this many blocks ahead (passes/gather.py); 0: none
     reshard_after_forward: bool | None = None  # passes/state.py: reshard_policy
+    memory_budget: int | None = None  # bytes per rank for the predicted step peak (analysis/budget.py)
     # the model's parameters are meta and the batch real (``deferred_weights``): traced on meta, run on the
     # mesh's device, parameters materialized as empty local shards for pm.load_pretrained / pm.load
     deferred: bool = False
@@ -172,11 +180,12 @@ def build(model: nn.Module, mesh: DeviceMesh, *, stop_after: str | None = None, 
 def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, inputs="global", precision="fp32",
              reduce_dtype=None, loss_scale="dynamic", accumulate=1, recompute="none", debug=False, skip_passes=(),
              progress=None, pipeline_stages="local", kernels="auto", bucket_mb=25, prefetch=1,
-             reshard_after_forward=None, timeout=60.0, straggler_threshold=1.2,
+             reshard_after_forward=None, memory_budget=None, timeout=60.0, straggler_threshold=1.2,
              straggler_window=100) -> tuple[Options, tuple]:
     """Every check that needs no trace: options, plan against mesh and model, batch against
     the data-parallel ranks and the pipeline's micro-batches. Returns the options and one
     micro-batch of the example inputs (what capture traces)."""
+    from autopar.analysis.budget import parse_budget
     from autopar.passes import check_names
     from autopar.passes.recompute import POLICIES
 
@@ -231,6 +240,7 @@ def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, input
                         "functional all-gather does not survive (heap corruption in torch 2.13)",
                         where="autopar.compile(prefetch=...)",
                         fix="use prefetch=1 (one gather in flight, as FSDP2) on a gloo mesh")
+    budget = parse_budget(memory_budget)
     example_inputs = tuple(example_inputs)
     lower = _kernels_option(kernels, mesh)
     already = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
@@ -260,7 +270,7 @@ def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, input
     options = Options(plan or {}, parsed, loss_fn, inputs, compute_dtype, reduce,
                       loss_scale if compute_dtype == torch.float16 else None, accumulate, recompute, lower, debug,
                       tuple(skip_passes), progress, pipeline_stages, pipeline, bucket_mb, prefetch,
-                      reshard_after_forward, deferred, float(timeout),
+                      reshard_after_forward, budget, deferred, float(timeout),
                       straggler_threshold and float(straggler_threshold), straggler_window)
     return options, micro
 
@@ -321,6 +331,7 @@ def _micro_batch(example_inputs: tuple, accumulate: int, parsed: Plan, mesh) -> 
 
 def runtime_for(state: CompileState, capture_eval: bool = True):
     """The runtime object for a compiled state: ParallelModule (one stage) or PipelineModule."""
+    from autopar.analysis.budget import check_budget
     from autopar.passes import run_stage_passes
     from autopar.runtime.common import index_checks
     from autopar.runtime.module import ParallelModule
@@ -329,6 +340,8 @@ def runtime_for(state: CompileState, capture_eval: bool = True):
     o = state.options
     forward_builder = None
     try:
+        # the predicted step peak against memory_budget: before anything is distributed or run
+        check_budget(state, o.memory_budget)
         checks = index_checks(state.gm, state.model)  # (before the parameters become DTensors)
         if o.pipeline is None and capture_eval:
             # the eval program is captured now, while the parameters are still plain tensors; its

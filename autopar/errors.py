@@ -22,6 +22,11 @@ class PlanError(AutoparError):
     """The plan, mesh or a rule in it is invalid (unknown strategy, unknown axis, bad glob)."""
 
 
+class MemoryBudgetError(PlanError):
+    """The cost model's predicted per-rank step peak exceeds ``autopar.compile(memory_budget=...)``:
+    raised at compile time, before the parameters are distributed (autopar/analysis/budget.py)."""
+
+
 class ShardingError(AutoparError):
     """A value cannot be sharded as asked (indivisible dimension, op with no rule)."""
 

@@ -55,7 +55,7 @@ import time
 
 import torch.distributed as dist
 
-from autopar.errors import RankFailure
+from autopar.errors import MemoryBudgetError, RankFailure
 
 SLICE_S = 0.1  # how long one wait blocks before it looks at the store
 CENSUS_S = 2.0  # how long a rank that lost a peer waits for the others to answer
@@ -497,7 +497,8 @@ def agree(error: BaseException | None, timeout: float, what: str = "autopar.comp
         return
     k = w.compiles
     w.compiles += 1
-    mine = {"ok": error is None, "error": _first_line(error) if error is not None else ""}
+    mine = {"ok": error is None, "error": _first_line(error) if error is not None else "",
+            "budget": isinstance(error, MemoryBudgetError)}
     with contextlib.suppress(Exception):
         w.store.set(f"autopar/compile/{k}/{w.rank}", json.dumps(mine))
     if error is not None:
@@ -515,6 +516,11 @@ def agree(error: BaseException | None, timeout: float, what: str = "autopar.comp
             if rec is None:
                 continue
             pending.discard(r)
+            if not rec["ok"] and rec.get("budget"):  # deterministic, before anything ran: the same kind here
+                raise MemoryBudgetError(f"rank {r}: {rec['error'].partition(': ')[2]}",
+                                        where=f"rank {r}'s prediction in {what}(memory_budget=...)",
+                                        fix="see rank " + str(r) + "'s error for its biggest parts; bring its "
+                                        "peak down (more ranks on cp / tp / fsdp, recompute) or raise memory_budget")
             if not rec["ok"]:
                 raise RankFailure(f"rank {r} failed in {what}: {rec['error']}", rank=r, error=rec["error"],
                                   unusable=False, where=f"rank {w.rank} (compiled fine)",
