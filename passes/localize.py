@@ -175,11 +175,10 @@ def _run_node(n: fx.Node, env, ctx):
 # sends every op through DTensor (its placement check included).
 _FAST = os.environ.get("AUTOPAR_LOCALIZE_FAST", "1") != "0"
 _PLAIN = (Replicate, Shard, Partial)
-_DTENSOR_SPECIAL = {torch.ops.aten.native_dropout.default, torch.ops.aten.convolution.default,
-                    torch.ops.aten.convolution_backward.default, torch.ops.aten.as_strided.default,
-                    torch.ops.aten.argmin.default, torch.ops.aten.argmax.default,
-                    torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default,
-                    torch.ops.aten.is_same_size.default} | set(VIEW_OPS)
+# the ops DTensor's dispatcher handles itself (random ops: its RNG offsets; custom handlers:
+# convolution, argmax, as_strided...), read from it rather than copied; views reshape local strides
+_DTENSOR_SPECIAL = (set(DTensor._op_dispatcher._random_ops) | set(DTensor._op_dispatcher._custom_op_handlers)
+                    | set(VIEW_OPS))
 _SIZE_FREE: dict = {}
 
 
