@@ -108,13 +108,20 @@ def _check_heads_divide(node, qkv: list[ShardSpec], axes: list[int], ctx) -> Non
     names = ", ".join(f"'{ctx.axis_names[a]}'" for a in axes)
     for what, spec in zip(("query", "key", "value"), qkv):
         heads = spec.shape[1]
-        if heads % k:
+        # heads other axes already shard (tensor parallelism: megatron splits the heads over tp)
+        # leave fewer for the Ulysses axes to split
+        other = [a for a, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim == 1 and a not in axes]
+        by = ctx.prod(other) if other else 1
+        if heads % (k * by):
+            also = (f" after mesh axis {', '.join(repr(ctx.axis_names[a]) for a in other)} ({by} ranks) sharded "
+                    f"them ({heads // by if heads % by == 0 else heads / by:g} per rank)" if other else "")
             raise PlanError(
                 f"Ulysses context parallelism shards attention heads over mesh axis {names} ({k} ranks), but the "
-                f"{what} has {heads} heads (shape {list(spec.shape)}), not divisible by {k}",
+                f"{what} has {heads} heads (shape {list(spec.shape)}){also}, not divisible by {k}",
                 where=source_line(node) or node.name,
                 fix=f"use a context-parallel size that divides the number of heads ({heads}) and of KV heads "
-                "(a model that repeats its KV heads before attention needs only the heads to divide)")
+                "(a model that repeats its KV heads before attention needs only the heads to divide)"
+                + (" per tensor-parallel rank: cp x tp must divide them" if other else ""))
 
 
 rule(aten._scaled_dot_product_flash_attention_for_cpu.default)(_attention_rule(0, 3, 2))

@@ -136,3 +136,27 @@ def test_long_sequence_cp2_gloo(pools):
     # a budget below cp=2's own prediction: every rank raises MemoryBudgetError, nothing distributed
     out = pools(2).run(long_cp_job, "40MiB")
     assert "exceeds memory_budget 40.00 MiB" in out["error"] and not out["distributed"]
+
+
+def uneven_budget_job(budget):
+    import autopar
+    import torch.distributed as dist
+
+    model, batches, loss_fn = build_model("llama")
+    try:
+        autopar.compile(model, autopar.mesh(pp=2), example_inputs=batches[0], loss_fn=loss_fn, plan={"pp": "1f1b"},
+                        memory_budget=budget)
+    except MemoryBudgetError as e:
+        msgs = [None] * dist.get_world_size()
+        dist.all_gather_object(msgs, str(e))  # (the group is still usable: nothing was sent)
+        return msgs
+    return None
+
+
+def test_one_rank_over_budget_every_rank_raises(pools):
+    # pp=2: the first stage's rank predicts ~945 KB, the last's ~879 KB; a budget between them
+    # stops rank 0 with its own prediction and rank 1 with the same kind of error naming rank 0
+    msgs = pools(2).run(uneven_budget_job, 910_000)
+    assert msgs is not None
+    assert msgs[0].startswith("predicted step peak") and "exceeds memory_budget" in msgs[0]
+    assert msgs[1].startswith("rank 0: predicted step peak") and "exceeds memory_budget" in msgs[1], msgs[1]

@@ -84,3 +84,37 @@ def test_ulysses_bad_inputs(fake):
     x = torch.randint(0, 256, (4, 16))
     with pytest.raises(PlanError, match=r"heads over mesh axis 'cp' \(8 ranks\).* 4 heads"):
         _compile(fake, "llama", {"cp": 8}, {"cp": "ulysses"}, batch=(x, x))
+    # tp x cp: megatron already split the 4 heads over tp=2; 2 per rank do not divide by cp=4
+    with pytest.raises(PlanError, match=r"4 heads .*after mesh axis 'tp' \(2 ranks\) sharded them \(2 per rank\), "
+                                        r"not divisible by 4"):
+        _compile(fake, "llama", {"tp": 2, "cp": 4}, {"tp": "megatron", "cp": "ulysses"}, batch=(x, x))
+
+
+# ------------------------------------------------------------------------------- compositions
+def test_ulysses_with_megatron_parity(pools, references):
+    # tp x cp on 4 ranks: megatron shards the heads over tp, ulysses the remaining heads over cp
+    # at attention (2 query heads per tp rank -> 1 per rank; 2 KV heads -> 1 per tp rank,
+    # repeated to 2 before SDPA -> 1 per rank) and the sequence over cp everywhere else
+    out = run_and_check_parity(pools, references, "llama", {"tp": 2, "cp": 2}, {"tp": "megatron", "cp": "ulysses"})
+    kinds = {(r.kind, r.axis) for r in out["records"]}
+    assert ("all_to_all", "cp") in kinds and ("all_reduce", "tp") in kinds
+    a2a = [r for r in out["records"] if r.kind == "all_to_all"]
+    # per layer and direction 4 all-to-alls of this rank's [b, s/cp, h/tp] block
+    b, s, h, layers, tp, cp = 4, 16, 64, 2, 2, 2
+    assert len(a2a) == 2 * 4 * layers
+    assert sum(r.payload_bytes for r in a2a) == 2 * layers * 4 * b * (s // cp) * (h // tp) * 4
+
+
+def test_ulysses_in_pipeline_parity(pools, references):
+    # pp x cp on 4 ranks (1f1b): each stage runs ulysses on its cp sub-mesh; the stages hand each
+    # other sequence shards (cp rank r of stage 0 -> cp rank r of stage 1)
+    from autopar.testing import pipeline_parity_job
+    from test_pipeline import assert_parity as assert_pipeline_parity
+
+    out = pools(4).run(pipeline_parity_job, "llama", {"pp": 2, "cp": 2}, {"pp": "1f1b", "cp": "ulysses"})
+    assert_pipeline_parity(references("llama"), out)
+    for measured, predicted in zip(out["measured"], out["predicted"]):
+        got = {k: v["wire_bytes"] for k, v in measured.items() if v["wire_bytes"]}
+        want = {k: v * out["steps"] for k, v in predicted.items() if v}
+        assert got == pytest.approx(want)
+        assert got.get("send@pp", 0) > 0 and got.get("all_to_all@cp", 0) > 0, got
