@@ -93,7 +93,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="built-in name (see --list-models) or package.module:factory")
     p.add_argument("--mesh", default="dp=2", help="named mesh axes, e.g. dp=8,tp=8 (default dp=2)")
     p.add_argument("--plan", default=None,
-                   help="axis=strategy pairs (ddp zero1 zero2 zero3 fsdp megatron sequence ulysses; on a pipeline axis gpipe 1f1b "
+                   help="'auto' (autopar plan only: choose the mesh and plan, see --world, --budget) or axis=strategy pairs (ddp zero1 zero2 zero3 fsdp megatron sequence ulysses; on a pipeline axis gpipe 1f1b "
                         "interleaved zb, with options as zb:microbatches=8 or interleaved:virtual=2:split=layers.4+"
                         "layers.8) or a JSON plan file (default: ddp on every axis)")
     p.add_argument("--rank", default="0", help="rank(s) to analyse: R, R1,R2 or 'all' (meshes up to 64 ranks)")
@@ -271,10 +271,24 @@ def _run(command: str, argv) -> int:
     p.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
     if command == "plan":
         p.add_argument("--json", action="store_true", help="print the analysis as JSON")
+        p.add_argument("--world", type=int, default=None,
+                       help="--plan auto: the number of ranks to plan for (the mesh is chosen; --mesh fixes it)")
+        p.add_argument("--budget", default=None, help="--plan auto: memory per rank, e.g. 80GiB (default: the "
+                                                     "device's memory)")
+        p.add_argument("--top", type=int, default=2,
+                       help="--plan auto: candidates confirmed by a compile (plus the best of each data-parallel "
+                            "strategy, unless screened 10% slower than a confirmed one); default 2")
     try:
         args = p.parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
+    given = list(sys.argv[1:] if argv is None else argv)
+    args.mesh_given = any(a == "--mesh" or a.startswith("--mesh=") for a in given)
+    args.precision_given = any(a == "--precision" or a.startswith("--precision=") for a in given)
+    if args.plan == "auto" and command != "plan":
+        print(f"autopar {command}: --plan auto is for `autopar plan` (it chooses the plan); run `autopar plan "
+              f"MODEL --plan auto --world N`, then `autopar {command}` with the plan it prints", file=sys.stderr)
+        return 2
     if args.list_models:
         print(zoo.describe_builtins())
         return 0
@@ -288,6 +302,8 @@ def _run(command: str, argv) -> int:
         print(f"autopar {command}: a MODEL is required (autopar {command} --list-models)", file=sys.stderr)
         return 2
     progress = Progress(args.quiet)
+    if command == "plan" and args.plan == "auto":
+        return _auto(args, progress)
     try:
         axes = parse_mesh(args.mesh)
         ranks = parse_ranks(args.rank, math.prod(axes.values()))
@@ -330,6 +346,49 @@ def _run(command: str, argv) -> int:
         except BrokenPipeError:  # `autopar dump ... | head`
             pass
     return 0
+
+
+def _auto(args, progress) -> int:
+    """``autopar plan MODEL --plan auto --world N [--budget 80GiB] [--device h100]``."""
+    from autopar import planner
+    from autopar.analysis import cost
+    from autopar.models import zoo
+
+    try:
+        if args.devices:
+            cost.load_devices(args.devices)
+        dev = cost.get_device(args.device)
+        mesh = parse_mesh(args.mesh) if args.mesh_given else None
+        if mesh is not None and set(mesh) - {"dp", "tp", "pp"}:
+            raise PlanError(f"--plan auto chooses among dp, tp and pp axes; --mesh names {sorted(set(mesh) - {'dp', 'tp', 'pp'})}",
+                            where="--mesh", fix="name the axes dp, tp, pp (or leave --mesh out)")
+        world = math.prod(mesh.values()) if mesh else args.world
+        if world is None:
+            raise PlanError("--plan auto needs the number of ranks", where="--world", fix="e.g. --world 64")
+        if mesh and args.world is not None and args.world != world:
+            raise PlanError(f"--world {args.world} but --mesh {args.mesh} has {world} ranks", where="--world")
+        budget = args.budget if args.budget is not None else int(dev.mem_bytes)
+        res = planner.search(args.model, world, device=args.device, budget=budget, batch=args.batch, seq=args.seq,
+                             overrides=zoo.parse_overrides(args.set), mesh=mesh,
+                             precision=args.precision if args.precision_given else "bf16",
+                             optimizer=args.optimizer, confirm_top=args.top, progress=progress)
+    except PlanError as e:
+        progress.done()
+        print(f"autopar plan: {e}", file=sys.stderr)
+        return 2
+    except AutoparError as e:
+        progress.done()
+        print(f"autopar plan: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    progress.done()
+    text = (json.dumps(planner.result_json(res), indent=1) + "\n") if args.json else planner.report(res)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0 if res.ranked else 1
 
 
 _DESCRIPTIONS = {
