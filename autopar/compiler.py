@@ -248,6 +248,8 @@ def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, input
         raise PlanError(f"the model's parameters are already DTensors ({already[0]}, ...): it was compiled "
                         "before, and autopar.compile replaces a module's parameters in place",
                         where="autopar.compile(model)", fix="build a fresh model (or deep-copy it) for each compile")
+    if isinstance(plan, str):
+        parse_plan(plan, ())  # plan="auto" and other strings: the plan parser's error
     pp_axes = [a for a, v in (plan or {}).items() if a != "rules" and is_pipeline_strategy(v)]
     if len(pp_axes) > 1:
         raise PlanError(f"more than one pipeline axis in the plan: {pp_axes}", where="plan",

@@ -167,7 +167,7 @@ def model_info(spec: str, batch: int | None, seq: int | None, overrides: dict | 
 
 
 def block_coefficients(info: ModelInfo, tp: int, tp_strategy: str | None, recompute: str, mbs: int, *,
-                       precision: str, dev, check: bool = False) -> Coefficients:
+                       precision: str, dev, check: bool = False, kernels: str = "off") -> Coefficients:
     """Compile the model at depths 1 and 2 (3 with ``check``) on a fake tp-only mesh and difference."""
     import autopar
     from autopar.models import zoo
@@ -183,7 +183,7 @@ def block_coefficients(info: ModelInfo, tp: int, tp_strategy: str | None, recomp
             warnings.simplefilter("ignore")
             pm = autopar.compile(loaded.model, mesh, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
                                  plan=plan, precision=precision, recompute=recompute, capture_eval=False,
-                                 kernels="off")
+                                 kernels=kernels)
             figs.append(figures_of(pm, dev))
     block = figs[1] - figs[0]
     linear = (figs[2] - figs[1]).close(block) if check else []

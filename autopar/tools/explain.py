@@ -272,7 +272,8 @@ def _run(command: str, argv) -> int:
     if command == "plan":
         p.add_argument("--json", action="store_true", help="print the analysis as JSON")
         p.add_argument("--world", type=int, default=None,
-                       help="--plan auto: the number of ranks to plan for (the mesh is chosen; --mesh fixes it)")
+                       help="--plan auto: the number of ranks to plan for (the mesh is chosen; --mesh fixes it, "
+                            "--recompute and --precision fix those too)")
         p.add_argument("--budget", default=None, help="--plan auto: memory per rank, e.g. 80GiB (default: the "
                                                      "device's memory)")
         p.add_argument("--top", type=int, default=2,
@@ -285,6 +286,7 @@ def _run(command: str, argv) -> int:
     given = list(sys.argv[1:] if argv is None else argv)
     args.mesh_given = any(a == "--mesh" or a.startswith("--mesh=") for a in given)
     args.precision_given = any(a == "--precision" or a.startswith("--precision=") for a in given)
+    args.recompute_given = any(a == "--recompute" or a.startswith("--recompute=") for a in given)
     if args.plan == "auto" and command != "plan":
         print(f"autopar {command}: --plan auto is for `autopar plan` (it chooses the plan); run `autopar plan "
               f"MODEL --plan auto --world N`, then `autopar {command}` with the plan it prints", file=sys.stderr)
@@ -371,7 +373,8 @@ def _auto(args, progress) -> int:
         res = planner.search(args.model, world, device=args.device, budget=budget, batch=args.batch, seq=args.seq,
                              overrides=zoo.parse_overrides(args.set), mesh=mesh,
                              precision=args.precision if args.precision_given else "bf16",
-                             optimizer=args.optimizer, confirm_top=args.top, progress=progress)
+                             optimizer=args.optimizer, confirm_top=args.top, progress=progress,
+                             recompute=(args.recompute,) if args.recompute_given else planner.RECOMPUTE)
     except PlanError as e:
         progress.done()
         print(f"autopar plan: {e}", file=sys.stderr)
