@@ -10,8 +10,10 @@ unchanged on a laptop. NCCL is used when CUDA is available, gloo otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -84,3 +86,19 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def fake_mesh(axes: dict[str, int], rank: int):
+    """A DeviceMesh of ``axes`` on a fake process group, as seen by ``rank`` (nothing is sent)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    hook = sys.excepthook  # init_process_group wraps it to prefix "[rank0]:"; once per fake mesh
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=math.prod(axes.values()))
+    try:
+        yield init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = hook

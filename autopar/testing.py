@@ -461,3 +461,50 @@ def run_linear_act_case(act: str, dtype) -> dict:
     with ops.reference():
         y_reference_path, _ = torch.ops.autopar.linear_act(x, w, b, act)
     return {"y": y, "grads": grads, "ref": ref, "ref_grads": ref_grads, "y_reference_path": y_reference_path}
+
+
+def measure_plan_job(spec: str, batch: int, seq: int, overrides: dict, axes: dict, plan: dict, steps: int = 6,
+                     warmup: int = 2, **options) -> dict:
+    """Runs on every rank: build the built-in model ``spec`` (real weights, same seed everywhere),
+    compile it under ``plan``, run ``warmup`` + ``steps`` AdamW steps timed by the wall clock
+    (barrier before each), then one more step under the allocator tracker. Returns each step's
+    time (the slowest rank's) and the largest rank's measured step peak (parameters + optimizer
+    state + the allocator's peak during the step, without gloo's buffers), or the error."""
+    import time
+
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.models import zoo
+
+    try:
+        mesh = autopar.mesh(**axes)
+        loaded = zoo.load(spec, meta=False, batch=batch, seq=seq, overrides=overrides)
+        t0 = time.perf_counter()
+        pm = autopar.compile(loaded.model, mesh, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
+                             plan=plan, capture_eval=False, **options)
+        compile_s = time.perf_counter() - t0
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+        times = []
+        for i in range(warmup + steps):
+            dist.barrier()
+            t = time.perf_counter()
+            pm.train_step(*loaded.example_inputs)
+            opt.step()
+            opt.zero_grad()
+            dist.barrier()
+            if i >= warmup:
+                times.append(time.perf_counter() - t)
+        pm.track_memory()
+        pm.train_step(*loaded.example_inputs)
+        opt.step()
+        m = pm.memory_report(opt)
+        opt.zero_grad()
+        peak = m["parameters"] + m["optimizer_state"] + (m.get("program_peak_without_backend")
+                                                         or m.get("program_peak", 0))
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (times, int(peak)))
+        return {"times": [max(ts) for ts in zip(*(e[0] for e in everyone))], "peak": max(e[1] for e in everyone),
+                "compile_s": compile_s}
+    except Exception as e:  # noqa: BLE001 - reported per plan, the sweep goes on
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}

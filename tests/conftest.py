@@ -19,7 +19,7 @@ warnings.filterwarnings("ignore")
 
 def fake_mesh(rank: int = 0, **axes):
     """A DeviceMesh over a fake process group of any size, in this process."""
-    from autopar.tools.explain import fake_mesh as mesh_of
+    from autopar.mesh import fake_mesh as mesh_of
 
     return mesh_of(axes, rank)
 

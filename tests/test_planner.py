@@ -1,4 +1,4 @@
-"""plan="auto": the search (autopar/planner.py) on fake meshes, its composition against real
+"""plan="auto": the search (autopar/planner/) on fake meshes, its composition against real
 compiles, the budget, and its errors."""
 
 import warnings
@@ -87,7 +87,7 @@ def test_auto_errors():
     with pytest.raises(PlanError, match="no plan"):
         P.search("llama-tiny", 3, batch=4, seq=16, **SMALL)  # 3 ranks: batch 4, 2 layers, 4 heads: nothing divides
     import autopar
-    from autopar.tools.explain import fake_mesh
+    from autopar.mesh import fake_mesh
 
     with fake_mesh({"dp": 2}, 0) as mesh:
         with pytest.raises(PlanError, match='plan="auto"'):

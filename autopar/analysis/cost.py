@@ -78,11 +78,11 @@ DEVICES: dict[str, Device] = {
     "h100": Device("h100", {"fp32": 67e12, "bf16": 989e12, "fp16": 989e12}, 3.35e12, 80 * 2**30,
                    450e9, 10e-6, 50e9, 20e-6, 8, 0.6,
                    "assumption: NVIDIA H100 SXM datasheet peaks, 8 GPUs/node on NVLink4, 400 Gb/s NIC per GPU, "
-                   "60% of peak achievable on large matmuls, 5 us launch per op", 5e-6),
+                   "60% of peak achievable on large matmuls, 5 us launch gap per op (asynchronous)", 5e-6),
     "a100": Device("a100", {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12}, 2.039e12, 80 * 2**30,
                    300e9, 10e-6, 25e9, 20e-6, 8, 0.6,
                    "assumption: NVIDIA A100 SXM 80GB datasheet peaks, NVLink3 600 GB/s bidirectional, "
-                   "200 Gb/s NIC per GPU, 60% of peak achievable, 5 us launch per op", 5e-6),
+                   "200 Gb/s NIC per GPU, 60% of peak achievable, 5 us launch gap per op (asynchronous)", 5e-6),
     # efficiency 1: the calibrated figures are achieved rates, not peaks
     "cpu": Device("cpu", {"fp32": 83e9, "bf16": 367e9, "fp16": 2.1e9}, 5e9, 24 * 2**30,
                   0.93e9, 169e-6, 0.93e9, 169e-6, 64, 1.0,
@@ -94,7 +94,7 @@ DEVICES: dict[str, Device] = {
 DEVICES["h200"] = replace(DEVICES["h100"], name="h200", mem_bw=4.8e12, mem_bytes=141 * 2**30,
                           source="assumption: NVIDIA H200 SXM datasheet (H100 compute and links, 4.8 TB/s HBM3e, "
                                  "141 GB), 8 GPUs/node on NVLink4, 400 Gb/s NIC per GPU, 60% of peak achievable, "
-                                 "5 us launch per op")
+                                 "5 us launch gap per op (asynchronous)")
 
 
 def load_devices(path: str) -> None:
@@ -321,7 +321,11 @@ def compute_seconds(n: fx.Node, dev: Device, flops: int, share: float = 1.0) -> 
     t = moved / dev.mem_bw
     if flops:
         t = max(flops / (dev.flops[_dtype_key(n)] * dev.efficiency), t)
-    return t * share + dev.op_overhead
+    if not dev.cores:
+        # a GPU: kernels are launched asynchronously, so the host's launch cost hides under the
+        # previous kernel; an op takes its kernel time or the launch gap, whichever is longer
+        return max(t * share, dev.op_overhead)
+    return t * share + dev.op_overhead  # a CPU: eager dispatch runs before the op, on the same core
 
 
 # ------------------------------------------------------------------------------------ comm

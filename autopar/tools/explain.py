@@ -17,7 +17,6 @@ Exit codes: 0 success; 1 the model could not be compiled under this plan (the er
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -27,6 +26,7 @@ import warnings
 
 
 from autopar.errors import AutoparError, PlanError
+from autopar.mesh import fake_mesh
 from autopar.tools.render import (Analysis, dump_dot, dump_json, dump_svg, dump_text, explain_text, plan_table,
                                   summary)
 
@@ -165,22 +165,6 @@ def parse_ranks(text: str, world: int) -> list[int]:
         if not 0 <= r < world:
             raise PlanError(f"rank {r} is outside the mesh (ranks 0..{world - 1})", where="--rank")
     return ranks
-
-
-@contextlib.contextmanager
-def fake_mesh(axes: dict[str, int], rank: int):
-    """A DeviceMesh of ``axes`` on a fake process group, as seen by ``rank`` (nothing is sent)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=math.prod(axes.values()))
-    try:
-        yield init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
-    finally:
-        dist.destroy_process_group()
 
 
 def dump_after(args, rank: int, progress: Progress) -> str:

@@ -1,0 +1,158 @@
+"""One transformer block's cost-model figures, compiled at depths 1-3 (see autopar.planner)."""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+
+from autopar.errors import PlanError
+
+DP_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+TP_STRATEGIES = ("megatron", "sequence")
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "interleaved")
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+
+# ------------------------------------------------------------------------------------ block figures
+@dataclass
+class Figures:
+    """What the cost model says about one compiled per-rank program (or a difference of two)."""
+    param_elems: int = 0  # local parameter elements
+    params: int = 0  # bytes of fp32 master parameters (local)
+    copies: int = 0  # most bytes of compute-dtype parameter copies alive at once
+    grads: int = 0  # most bytes of gradients in flight at once (the end of the backward)
+    acts: int = 0  # most bytes alive at once outside the gradients, less the parameter copies
+    fwd_s: float = 0.0  # forward: compute + exposed tensor-parallel communication
+    bwd_s: float = 0.0
+    flops: int = 0
+    tp_bytes: int = 0  # tensor-parallel wire bytes per rank
+
+    def __sub__(self, o: "Figures") -> "Figures":
+        return Figures(*(getattr(self, f) - getattr(o, f) for f in self.__dataclass_fields__))
+
+    def scaled(self, k: float) -> "Figures":
+        """The figures for ``k`` times the sequences per micro-batch: per-sequence quantities
+        scale, the parameters (and their copies and gradients) do not."""
+        if k == 1:
+            return self
+        return Figures(self.param_elems, self.params, self.copies, self.grads, int(self.acts * k), self.fwd_s * k,
+                       self.bwd_s * k, int(self.flops * k), int(self.tp_bytes * k))
+
+    def close(self, o: "Figures", rel: float = 0.02) -> list[str]:
+        bad = []
+        for f in self.__dataclass_fields__:
+            a, b = getattr(self, f), getattr(o, f)
+            if abs(a - b) > rel * max(abs(a), abs(b), 1e-12) + (1e-9 if isinstance(a, float) else 0):
+                bad.append(f"{f}: {a:.6g} vs {b:.6g}")
+        return bad
+
+
+def figures_of(pm, dev) -> Figures:
+    """One compiled (non-pipelined) ParallelModule -> Figures, through the cost model."""
+    from torch.distributed.tensor import DTensor
+
+    from autopar.analysis import cost
+
+    mem = cost.predict_memory(pm, "none")
+    prog = cost.program_memory(pm.program.local, pm.program.inputs, pm.program.outputs)
+    links = cost.axis_links(pm.ctx.axis_names, pm.ctx.axis_sizes, dev)
+    est = cost.simulate(pm.program.local, dev, links, cost.core_share(dev, math.prod(pm.ctx.axis_sizes)))
+    elems = sum((p._local_tensor if isinstance(p, DTensor) else p).numel() for p in pm.parameters())
+    comp = sum(est.by_phase.values()) or 1.0
+    fwd_share = est.by_phase.get("forward", 0.0) / comp
+    tp_bytes = sum(r.wire_bytes for r in pm.collectives())
+    copies = prog.max_by["param_copies"]
+    return Figures(elems, mem["parameters"], copies, prog.max_by["grads_in_flight"],
+                   prog.peak_without_grads - copies, est.step_s * fwd_share, est.step_s * (1 - fwd_share),
+                   est.flops, tp_bytes)
+
+
+@dataclass
+class Coefficients:
+    block: Figures
+    rest: Figures
+    linear: list[str]  # depth 3 - depth 2 against depth 2 - depth 1: what differs (empty: identical blocks)
+    compile_s: float
+
+
+    def scaled(self, k: float) -> "Coefficients":
+        return Coefficients(self.block.scaled(k), self.rest.scaled(k), self.linear, self.compile_s)
+
+
+@dataclass
+class ModelInfo:
+    spec: str
+    depth_field: str
+    layers: int
+    heads: int
+    kv_heads: int
+    hidden: int
+    vocab: int
+    batch: int
+    seq: int
+    embed_share: float  # of the non-block parameters: the part on the first pipeline stage
+    params: int
+    overrides: dict = field(default_factory=dict)
+
+
+def model_info(spec: str, batch: int | None, seq: int | None, overrides: dict | None) -> ModelInfo:
+    from autopar.models import zoo
+
+    if ":" in spec or spec not in zoo.BUILTINS:
+        raise PlanError(f"plan='auto' needs a built-in model, got {spec!r}", where="MODEL argument",
+                        fix="use a built-in name (autopar plan --list-models): the search rebuilds the model at "
+                            "depths 1-3 from its config; give a fixed --plan for a package.module:factory model")
+    family, fields, b, s, _ = zoo.BUILTINS[spec]
+    fields = {**fields, **(overrides or {})}
+    loaded = zoo.load(spec, batch=batch, seq=seq, overrides=overrides)
+    if family == "llama":
+        from autopar.models.llama import LlamaConfig
+
+        cfg = LlamaConfig(**{k: v for k, v in fields.items()})
+        depth, layers, heads, kv, hidden, vocab = "n_layers", cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.dim, \
+            cfg.vocab_size
+    else:
+        cfg = loaded.model.config
+        depth, layers, heads, hidden, vocab = ("num_hidden_layers", cfg.num_hidden_layers, cfg.num_attention_heads,
+                                               cfg.hidden_size, cfg.vocab_size)
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+    embed = other = 0
+    for name, p in loaded.model.named_parameters():
+        if ".layers." in f".{name}":
+            continue
+        if "embed" in name or "wte" in name or "wpe" in name:
+            embed += p.numel()
+        else:
+            other += p.numel()
+    tokens = loaded.example_inputs[0]
+    return ModelInfo(spec, depth, layers, heads, kv, hidden, vocab, tokens.shape[0], tokens.shape[1],
+                     embed / max(1, embed + other), sum(p.numel() for p in loaded.model.parameters()),
+                     dict(overrides or {}))
+
+
+def block_coefficients(info: ModelInfo, tp: int, tp_strategy: str | None, recompute: str, mbs: int, *,
+                       precision: str, dev, check: bool = False, kernels: str = "off") -> Coefficients:
+    """Compile the model at depths 1 and 2 (3 with ``check``) on a fake tp-only mesh and difference."""
+    import autopar
+    from autopar.models import zoo
+    from autopar.mesh import fake_mesh
+
+    t0 = time.perf_counter()
+    figs = []
+    for depth in (1, 2, 3) if check else (1, 2):
+        loaded = zoo.load(info.spec, batch=mbs, seq=info.seq, overrides={**info.overrides, info.depth_field: depth})
+        axes = {"tp": tp}
+        plan = {"tp": tp_strategy if tp > 1 else "ddp"}
+        with fake_mesh(axes, 0) as mesh, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pm = autopar.compile(loaded.model, mesh, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
+                                 plan=plan, precision=precision, recompute=recompute, capture_eval=False,
+                                 kernels=kernels)
+            figs.append(figures_of(pm, dev))
+    block = figs[1] - figs[0]
+    linear = (figs[2] - figs[1]).close(block) if check else []
+    return Coefficients(block, figs[0] - block, linear, time.perf_counter() - t0)

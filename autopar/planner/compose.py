@@ -1,0 +1,241 @@
+"""Candidates (dp x tp x pp, strategies, schedule, recompute, micro-batch) and their analytic cost
+composed from one block's figures (see autopar.planner)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autopar.planner.blocks import (DP_STRATEGIES, RECOMPUTE, SCHEDULES, TP_STRATEGIES, _DTYPE_BYTES, Coefficients,
+                                     ModelInfo)
+
+
+# ------------------------------------------------------------------------------------ candidates
+@dataclass
+class Candidate:
+    dp: int
+    tp: int
+    pp: int
+    dp_strategy: str
+    tp_strategy: str | None
+    schedule: str | None
+    virtual: int
+    recompute: str
+    mbs: int  # micro-batch size (sequences per micro-batch per data-parallel rank)
+    microbatches: int
+    # filled by ``cost``
+    step_s: float = 0.0
+    peak: int = 0
+    parts: dict = field(default_factory=dict)
+    comm_bytes: dict = field(default_factory=dict)  # wire bytes per rank per step, per axis
+    bubble: float = 0.0
+    rejected: str = ""
+    screened: tuple | None = None  # (step_s, peak) of the analytic composition, once confirmed
+    confirmed: dict | None = None  # the compiled figures extrapolated in depth (``confirm``)
+
+    def plan(self) -> dict:
+        out: dict = {}
+        if self.pp > 1:
+            sched = {"schedule": self.schedule, "microbatches": self.microbatches}
+            if self.virtual > 1:
+                sched["virtual"] = self.virtual
+            out["pp"] = sched
+        out["dp"] = self.dp_strategy
+        if self.tp > 1:
+            out["tp"] = self.tp_strategy
+        return out
+
+    def mesh(self) -> dict:
+        return {k: v for k, v in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp)) if v > 1 or k == "dp"}
+
+    def label(self) -> str:
+        parts = [f"dp={self.dp}:{self.dp_strategy}"]
+        if self.tp > 1:
+            parts.append(f"tp={self.tp}:{self.tp_strategy}")
+        if self.pp > 1:
+            parts.append(f"pp={self.pp}:{self.schedule}" + (f"(v{self.virtual})" if self.virtual > 1 else ""))
+        return " ".join(parts) + f" recompute={self.recompute} mbs={self.mbs} mb={self.microbatches}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _ring(kind: str, n: int, nbytes: float) -> float:
+    if n <= 1:
+        return 0.0
+    return (2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n) * nbytes
+
+
+def _link_seconds(kind: str, n: int, nbytes: float, link) -> float:
+    if n <= 1:
+        return 0.0
+    alpha, bw = link
+    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    return steps * alpha + _ring(kind, n, nbytes) / bw
+
+
+def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str, optimizer: str = "adamw",
+         layers: int | None = None, bucket_mb: float = 25) -> Candidate:
+    """Fill ``c``'s predicted step time, peak bytes per rank and bytes per axis from one block's figures."""
+    from autopar.analysis import schedules as S
+    from autopar.analysis.cost import OPTIMIZER_STATE, _optimizer_bytes_per_element, axis_links
+
+    L = layers or info.layers
+    b, r = co.block, co.rest
+    stages = c.pp * c.virtual
+    per_stage = L // stages
+    per_rank = L // c.pp
+    cb = _DTYPE_BYTES[precision]
+    d = c.dp
+    names, sizes = ("pp", "dp", "tp"), (c.pp, c.dp, c.tp)
+    links = axis_links(names, sizes, dev)
+    nstate = OPTIMIZER_STATE[optimizer]
+
+    # ---- time of one micro-batch per (virtual) stage; the rest's compute on the last stage
+    F = [per_stage * b.fwd_s for _ in range(stages)]
+    B = [per_stage * b.bwd_s for _ in range(stages)]
+    F[-1] += r.fwd_s
+    B[-1] += r.bwd_s
+    # FSDP: each block's parameters gathered in forward and again in backward, one block ahead
+    gather_exposed = 0.0
+    fsdp_bytes = 0.0
+    if c.dp_strategy == "fsdp" and d > 1:
+        ag_b = _link_seconds("all_gather", d, b.param_elems * cb, links["dp"])
+        fsdp_bytes = _ring("all_gather", d, (per_rank * b.param_elems + r.param_elems / max(1, c.pp)) * cb) * 2
+        exposed_f = max(0.0, ag_b - b.fwd_s)
+        exposed_b = max(0.0, ag_b - b.bwd_s)
+        # link-bound: the dp link carries two gathers per block per micro-batch; what the block's
+        # compute cannot cover is exposed whatever the order
+        bound = max(0.0, 2 * ag_b - b.fwd_s - b.bwd_s)
+        if bound > exposed_f + exposed_b:
+            exposed_f, exposed_b = bound / 2, bound / 2
+        F = [f + per_stage * exposed_f for f in F]
+        B = [x + per_stage * exposed_b for x in B]
+        F[0] += ag_b  # the first gather has nothing to hide under
+        gather_exposed = ag_b
+    m = c.microbatches
+    if c.pp > 1:
+        maker = {"1f1b": lambda: S.one_f_one_b(c.pp, m),
+                 "interleaved": lambda: S.interleaved(c.pp, m, c.virtual)}[c.schedule]
+        sched = maker()
+        hop_bytes = c.mbs * info.seq * info.hidden * cb / (c.tp if c.tp_strategy == "sequence" else 1)
+        alpha, bw = links["pp"]
+        tl = S.simulate(sched, {"F": F, "B": B}, comm=alpha + hop_bytes / bw, per_stage=True)
+        makespan, c.bubble = tl.makespan, tl.bubble
+        live = tl.peak_in_flight  # per rank: (virtual stage, micro-batch) activation sets at most
+        p2p = 2 * m * hop_bytes * (stages - 1) / c.pp  # per rank on average, both directions
+    else:
+        makespan = m * (F[0] + B[0])
+        live, p2p = [1], 0.0
+    # ---- data-parallel gradient traffic (per step) and what hides under the last backward
+    grad_elems = per_rank * b.param_elems + r.param_elems / max(1, c.pp)
+    g = grad_elems * cb
+    kind = "all_reduce" if c.dp_strategy in ("ddp", "zero1") else "reduce_scatter"
+    sync = _link_seconds(kind, d, g, links["dp"])
+    zero_gather = _link_seconds("all_gather", d, grad_elems * 4, links["dp"]) if c.dp_strategy in ("zero1", "zero2") else 0.0
+    if c.pp > 1 or m > 1:
+        # the pipeline runs its gradient sync after the schedule; under accumulation the sync
+        # program runs after the last micro-batch: neither overlaps with a backward
+        sync_exposed = sync
+    else:
+        bucket = min(1.0, bucket_mb * 2**20 / max(1.0, g))
+        sync_exposed = max(sync * bucket, sync - B[0] * (1 - 1 / max(1, L)))
+    elems_local = grad_elems / (d if c.dp_strategy in ("zero1", "zero2", "fsdp") else 1)
+    opt_s = elems_local * _optimizer_bytes_per_element(optimizer) / dev.mem_bw
+    c.step_s = makespan + sync_exposed + zero_gather + opt_s
+    # ---- memory of the worst pipeline rank: rank 0 (embeddings, most in flight) or the last (head).
+    # The program peaks either between forward and backward (activations + parameter copies) or
+    # at the end of the backward (the gradients), whichever is larger.
+    worst, parts = -1, {}
+    sharded_grads = c.dp_strategy in ("zero2", "fsdp") and d > 1
+    for rank in sorted({0, c.pp - 1}):
+        if c.pp == 1:
+            rest_share = 1.0
+        else:
+            rest_share = (info.embed_share if rank == 0 else 0.0) + ((1 - info.embed_share) if rank == c.pp - 1
+                                                                     else 0.0)
+        elems = per_rank * b.param_elems + rest_share * r.param_elems
+        # ZeRO-1/2 and FSDP keep the fp32 master parameters sharded with the optimizer state
+        params = elems * 4 / (d if c.dp_strategy != "ddp" else 1)
+        opt = elems * 4 * nstate / (d if c.dp_strategy != "ddp" else 1)
+        grads = (per_rank * b.grads + rest_share * r.grads) / (d if sharded_grads else 1)
+        inflight = live[rank] if c.pp > 1 else 1  # (virtual stage, micro-batch) sets
+        if c.dp_strategy == "fsdp" and d > 1:  # one block ahead gathered, the root kept gathered
+            copies = (2 * b.param_elems + rest_share * r.param_elems) * cb
+        else:
+            # compute-dtype casts saved for the backward: per micro-batch in flight in a pipeline
+            # (each micro-batch's forward casts its stage's parameters again)
+            copies = inflight * per_stage * b.copies + rest_share * r.copies if c.pp > 1 else \
+                per_rank * b.copies + rest_share * r.copies
+            if c.dp_strategy in ("zero1", "zero2") and d > 1:  # the gathered full parameters
+                copies = max(copies, elems * cb)
+        acts = inflight * per_stage * b.acts + rest_share * r.acts
+        acc = elems * 4 if (c.pp == 1 and m > 1) else 0.0  # accumulate=m: the unreduced fp32 gradient sums
+        program = max(acts + copies, grads)
+        total = params + opt + program + acc
+        if total > worst:
+            worst = total
+            parts = {"parameters": int(params), "optimizer_state": int(opt), "gradients": int(grads),
+                     "param_copies": int(copies), "activations": int(acts), "accumulators": int(acc),
+                     "rank": rank}
+    c.peak, c.parts = int(worst), parts
+    c.comm_bytes = {"tp": int(b.tp_bytes * per_rank * m + (r.tp_bytes * m if c.pp == 1 else 0)),
+                    "dp": int(_ring(kind, d, g) + fsdp_bytes * m + (_ring("all_gather", d, grad_elems * 4)
+                                                                    if zero_gather else 0)),
+                    "pp": int(p2p)}
+    c.parts["gather_exposed_s"] = gather_exposed
+    c.parts["sync_exposed_s"] = sync_exposed
+    c.parts["optimizer_s"] = opt_s
+    return c
+
+
+def candidates(info: ModelInfo, world: int, dev, *, mesh: dict | None = None, mbs_choices=(1, 2),
+               dp_strategies=DP_STRATEGIES, tp_strategies=TP_STRATEGIES, recompute=RECOMPUTE,
+               schedules=SCHEDULES) -> tuple[list[Candidate], list[tuple[str, str]]]:
+    """Every candidate for ``world`` ranks, and (label, reason) for the factorizations refused
+    before costing."""
+    out, refused = [], []
+    for tp in _divisors(world):
+        for pp in _divisors(world // tp):
+            dp = world // (tp * pp)
+            if mesh is not None and (mesh.get("tp", 1), mesh.get("pp", 1), mesh.get("dp", 1)) != (tp, pp, dp):
+                continue
+            lab = f"dp={dp} tp={tp} pp={pp}"
+            if tp > dev.ranks_per_node:
+                refused.append((lab, f"tp={tp} spans nodes of {dev.ranks_per_node} ranks"))
+                continue
+            if info.heads % tp or info.kv_heads % tp:
+                refused.append((lab, f"{info.heads} heads / {info.kv_heads} KV heads not divisible by tp={tp}"))
+                continue
+            if info.layers % pp:
+                refused.append((lab, f"{info.layers} layers not divisible by pp={pp}"))
+                continue
+            if info.batch % dp:
+                refused.append((lab, f"global batch {info.batch} not divisible by dp={dp}"))
+                continue
+            for mbs in mbs_choices:
+                if (info.batch // dp) % mbs:
+                    continue
+                m = info.batch // dp // mbs
+                if pp > 1 and m < pp:
+                    refused.append((lab + f" mbs={mbs}", f"{m} micro-batches cannot fill {pp} stages"))
+                    continue
+                scheds = [(None, 1)] if pp == 1 else [(s, 2 if s == "interleaved" else 1) for s in schedules]
+                for sched, v in scheds:
+                    if pp > 1 and info.layers % (pp * v):
+                        continue
+                    if sched == "interleaved" and m % pp:
+                        continue
+                    for ts in (tp_strategies if tp > 1 else (None,)):
+                        for ds in (dp_strategies if dp > 1 else ("ddp",)):
+                            for rc in recompute:
+                                out.append(Candidate(dp, tp, pp, ds, ts, sched, v, rc, mbs, m))
+    return out, refused
+
+
+def model_flops_per_step(info: ModelInfo, recompute: bool = False) -> float:
+    """Narayanan et al. (SC'21) eq. 3: 96 B s l h^2 (1 + s/6h + V/16lh), with recomputation
+    (one extra forward: 4 passes); 72 ... without (3 passes)."""
+    B, s, l, h, V = info.batch, info.seq, info.layers, info.hidden, info.vocab
+    k = 96 if recompute else 72
+    return k * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))

@@ -1,0 +1,105 @@
+"""The search's report: the table, the chosen plan's command line, the rejections; JSON."""
+
+from __future__ import annotations
+
+from autopar.planner.blocks import ModelInfo
+from autopar.planner.compose import Candidate, model_flops_per_step
+from autopar.planner.search import SearchResult
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f}"
+
+
+def _cli_plan(c: Candidate) -> str:
+    parts = []
+    for axis, strat in c.plan().items():
+        if isinstance(strat, dict):
+            strat = strat["schedule"] + "".join(f":{k}={v}" for k, v in strat.items() if k != "schedule")
+        parts.append(f"{axis}={strat}")
+    return ",".join(parts)
+
+
+def command_line(c: Candidate, info: ModelInfo, precision: str) -> str:
+    """The fixed-plan command that compiles the chosen candidate (``autopar plan`` / ``explain``)."""
+    mesh = ",".join(f"{k}={v}" for k, v in c.mesh().items())
+    return (f"autopar plan {info.spec} --mesh {mesh} --plan {_cli_plan(c)} --precision {precision} "
+            f"--recompute {c.recompute} --batch {c.mbs * c.dp * c.microbatches} --seq {info.seq}"
+            + (f" --accumulate {c.microbatches}" if c.pp == 1 and c.microbatches > 1 else ""))
+
+
+def _throughput(c: Candidate, info: ModelInfo, world: int) -> tuple[float, float]:
+    """(tokens/s, model TFLOP/s per rank: 72 B s l h^2 (...) per step, recomputation not counted)."""
+    tokens = info.batch * info.seq
+    return tokens / c.step_s, model_flops_per_step(info) / c.step_s / world / 1e12
+
+
+def result_json(res: SearchResult) -> dict:
+    world = None
+    rows = []
+    for c in res.ranked[:20] + res.over_budget[:5]:
+        world = c.dp * c.tp * c.pp
+        tok, tf = _throughput(c, res.info, world)
+        rows.append({"mesh": c.mesh(), "plan": c.plan(), "recompute": c.recompute, "micro_batch": c.mbs,
+                     "microbatches": c.microbatches, "step_s": c.step_s, "tokens_per_s": tok,
+                     "model_tflops_per_rank": tf, "peak_bytes": c.peak, "parts": c.parts, "bytes_per_axis": c.comm_bytes,
+                     "bubble": c.bubble, "confirmed": c.confirmed, "screened": c.screened, "rejected": c.rejected})
+    return {"model": res.info.spec, "world": world, "device": res.device, "budget": res.budget,
+            "considered": res.considered, "compiles": res.compiles, "seconds": res.seconds,
+            "refused": res.refused, "candidates": rows}
+
+
+def report(res: SearchResult, top: int = 8) -> str:
+    info = res.info
+    lines = []
+    world = None
+    if res.ranked:
+        c0 = res.ranked[0]
+        world = c0.dp * c0.tp * c0.pp
+    lines.append(f"autopar plan --plan auto: {info.spec} ({info.params / 1e9:.2f}B parameters, {info.layers} layers, "
+                 f"global batch {info.batch} x seq {info.seq}) on {world or '?'} ranks, device {res.device}, budget "
+                 + (f"{_gib(res.budget)} GiB per rank" if res.budget else "none"))
+    lines.append(f"searched {res.considered} candidates in {res.seconds:.1f} s ({res.compiles} compiles: "
+                 f"{res.coefficient_seconds:.1f} s for one block's figures per tp/recompute choice; blocks checked "
+                 f"identical at depths 1-3); confirmed (listed first) = compiled at 1 and 2 blocks per stage, "
+                 "extrapolated in depth; screened = the analytic composition only")
+    lines.append("")
+    head = (f"{'#':>2} {'mesh':18s} {'plan':44s} {'recomp':9s} {'mbs x mb':>8s} {'step ms':>9s} {'tok/s':>9s} "
+            f"{'TFLOP/s':>7s} {'peak GiB':>8s} {'bubble':>6s} {'dp GB':>7s} {'tp GB':>7s} {'pp GB':>6s}  how")
+    lines.append(head)
+    for i, c in enumerate(res.ranked[:top]):
+        tok, tf = _throughput(c, info, c.dp * c.tp * c.pp)
+        b = c.confirmed["bytes"] if c.confirmed else c.comm_bytes
+        mesh = "x".join(f"{k}{v}" for k, v in c.mesh().items())
+        lines.append(f"{i + 1:>2} {mesh:18s} {_cli_plan(c):44s} {c.recompute:9s} {f'{c.mbs}x{c.microbatches}':>8s} "
+                     f"{c.step_s * 1e3:9.1f} {tok:9.0f} {tf:7.1f} {_gib(c.peak):>8s} "
+                     f"{(f'{c.bubble:.1%}' if c.pp > 1 else '-'):>6s} {b.get('dp', 0) / 1e9:7.2f} "
+                     f"{b.get('tp', 0) / 1e9:7.2f} {b.get('pp', 0) / 1e9:6.2f}  "
+                     + (f"confirmed (screen {c.screened[0] * 1e3:.1f} ms, {_gib(c.screened[1])} GiB)" if c.confirmed
+                        else "screened"))
+    lines.append("")
+    if res.ranked:
+        c = res.ranked[0]
+        lines.append(f"chosen: {c.label()}")
+        lines.append(f"  {command_line(c, info, res.precision)}")
+        if len(res.ranked) > 1:
+            r = res.ranked[1]
+            lines.append(f"runner-up: {r.label()} ({r.step_s / c.step_s:.3f}x the chosen step time)")
+    else:
+        lines.append("no candidate fits the budget")
+    lines.append("")
+    lines.append("rejected:")
+    if res.over_budget:
+        closest = res.over_budget[0]
+        lines.append(f"  {len(res.over_budget)} over the budget or refused by the compiler; the closest: "
+                     f"{closest.label()}: {closest.rejected}")
+    failed = [c for c in res.over_budget if c.rejected.startswith("compile failed")]
+    for c in failed[:3]:
+        lines.append(f"  {c.label()}: {c.rejected}")
+    reasons: dict[str, int] = {}
+    for _, why in res.refused:
+        key = why.split(" by ")[0] if "divisible" in why else why
+        reasons[key] = reasons.get(key, 0) + 1
+    for why, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:6]:
+        lines.append(f"  {n} factorization(s): {why}")
+    return "\n".join(lines) + "\n"
