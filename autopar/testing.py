@@ -354,10 +354,12 @@ def pipeline_parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: f
     """``parity_job`` for a pipelined program: every rank holds only its stages, so parameters and
     gradients are gathered from all ranks; also returns the last step's measured schedule (every
     pipeline rank's action timings) and the activations each rank held in flight
-    (``track_memory``: and the allocator's figures of the last step, ``memory``)."""
+    (``track_memory``: and the allocator's figures of the last step, ``memory``, with the cost
+    model's, ``predicted_memory``)."""
     import torch.distributed as dist
 
     import autopar
+    from autopar.analysis.cost import predict_memory
 
     mesh = autopar.mesh(**axes)
     model, batches, loss_fn = build_model(name)
@@ -377,7 +379,8 @@ def pipeline_parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: f
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (params, grads, pm.counter.summary(), pm.predicted_bytes(), pm.in_flight,
                                       [s.spec.index for s in pm.stages.values()], pm.predicted_in_flight(),
-                                      pm.memory_report(opt) if track_memory else None))
+                                      pm.memory_report(opt) if track_memory else None,
+                                      predict_memory(pm) if track_memory else None))
     timeline = pm.gather_timeline()
     merged_p, merged_g = {}, [{} for _ in range(steps)]
     for p_, g_, *_ in everyone:
@@ -388,6 +391,7 @@ def pipeline_parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: f
             "measured": [e[2] for e in everyone], "predicted": [e[3] for e in everyone],
             "in_flight": [e[4] for e in everyone], "stages": [e[5] for e in everyone],
             "predicted_in_flight": [e[6] for e in everyone], "memory": [e[7] for e in everyone],
+            "predicted_memory": [e[8] for e in everyone],
             "timeline": timeline, "microbatches": pm.microbatches, "schedule": pm.schedule,
             "split": pm.describe_stages(), "report": pm.report(), "skipped": pm.skipped_steps}
 

@@ -73,8 +73,8 @@ def assert_memory_predicted(out):
     below and 5% + ``held_by_process_group`` above (tests/test_measure.py explains both).
 
     With accumulate=K the step's peak includes the gradient sums the runtime holds while the next
-    micro-batch runs (``accumulators``), and the gradient sync program's inputs for its whole run;
-    the programs' op outputs (``tensor_peak``, measured per program run) do not."""
+    micro-batch runs (``accumulators``); the programs' op outputs (``tensor_peak``, measured per
+    program run) do not."""
     pred, meas = out["predicted_memory"], out["memory"]
     for k in ("parameters", "gradients", "optimizer_state"):
         assert pred[k] == meas[k], k

@@ -135,11 +135,12 @@ class ProgramMemory:
     peak_without_grads: int = 0
 
 
-def program_memory(gm: fx.GraphModule, inputs, outputs, held_inputs: bool = False) -> ProgramMemory:
+def program_memory(gm: fx.GraphModule, inputs, outputs) -> ProgramMemory:
     """Peak bytes of the per-rank program by liveness over its nodes (parameters excluded: they
-    are persistent state). Mirrors what MemoryTracker measures when the program runs.
-    ``held_inputs``: the caller keeps the (non-parameter) inputs alive for the whole run (the
-    gradient sync program's accumulated gradients: the executor's argument list holds them)."""
+    are persistent state). Mirrors what MemoryTracker measures when the program runs. Inputs are
+    freed after their last use: the executor runs every program boxed (it takes its argument
+    list over), so nothing outside keeps them (what else holds them, e.g. a pipeline's saved
+    activations between parts, the callers add)."""
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     cats = categorize(gm, inputs, outputs)
@@ -158,8 +159,6 @@ def program_memory(gm: fx.GraphModule, inputs, outputs, held_inputs: bool = Fals
         last = max((index[u] for u in n.users), default=i)
         if n.op == "placeholder" and not n.users:
             last = i
-        if n.op == "placeholder" and held_inputs:
-            last = len(nodes) - 1
         for key, nbytes in _storages(val):
             if key in persistent or nbytes == 0:
                 continue
@@ -230,7 +229,7 @@ def predict_memory(pm, optimizer: str = "adamw") -> dict:
         return predict_pipeline_memory(pm, optimizer)
     state = persistent_memory(pm, optimizer)
     joint = program_memory(pm.program.local, pm.program.inputs, pm.program.outputs)
-    sync = (program_memory(pm.sync_program.local, pm.sync_program.inputs, pm.sync_program.outputs, held_inputs=True)
+    sync = (program_memory(pm.sync_program.local, pm.sync_program.inputs, pm.sync_program.outputs)
             if pm.sync_program is not None else ProgramMemory())
     # accumulate=K: from the second micro-batch on, the runtime holds the gradient sums (one per
     # gradient the program returns, as it returns them) while the joint program runs
@@ -461,28 +460,57 @@ def _pipeline_links(pm, dev: Device):
 
 
 def predict_pipeline_memory(pm, optimizer: str = "adamw") -> dict:
-    """A pipeline rank: its stages' persistent state, plus the activations its action list holds
-    at most (each stage's saved bytes per micro-batch, walked through the schedule: the same
-    walk the executor measures), plus the largest transient of one of its stages' programs
-    beyond that stage's own saved values (liveness over the joint per-rank program)."""
+    """A pipeline rank: its stages' persistent state, plus the most its action list holds at once,
+    walked action by action as the executor runs it: the saved activations of the micro-batches
+    in flight (each stage's saved bytes per micro-batch), the gradient sums of each stage from its
+    first backward on (the executor's accumulators), and the running action's transient beyond its
+    own saved values (liveness over the stage's joint per-rank program); then the gradient sync
+    on the sums."""
     state = persistent_memory(pm, optimizer)
     flight = pm.predicted_in_flight()
-    best, at, node, alive = 0, dict.fromkeys(CATEGORIES, 0), "", []
+    trans, acc, mem = {}, {}, {}
     for s, sp in pm.local.items():
-        m = program_memory(sp.program.local, sp.program.inputs, sp.program.outputs)
-        transient = max(0, m.peak - sp.saved_bytes)
-        if transient >= best:
-            best, at, node, alive = transient, dict(m.at_peak), f"stage {s}: {m.peak_node}", m.alive_at_peak
-    at = {k: v * best / max(1, sum(at.values())) for k, v in at.items()}
+        mem[s] = program_memory(sp.program.local, sp.program.inputs, sp.program.outputs)
+        trans[s] = max(0, mem[s].peak - sp.saved_bytes)
+        acc[s] = accumulator_bytes(sp.program)
+    held, started, peak, at_stage = 0, set(), 0, None
+    for kind, s, _ in pm.schedule.actions[pm.pp_rank]:
+        sp = pm.stages[s]
+        if kind == "F":
+            held += sp.saved_bytes
+        level = held + sum(acc[t] for t in started) + trans[s]
+        if level >= peak:
+            peak, at_stage = level, s
+        if kind == "B":
+            held -= sp.saved_bytes
+        elif kind == "I":
+            held += sp.saved_after_i - sp.saved_bytes
+        elif kind == "W":
+            held -= sp.saved_after_i
+        if kind in ("B", "W", "FB"):
+            started.add(s)
+    # the sync programs, one stage after the other, on the sums (held until each one runs)
+    total_acc = sum(acc.values())
+    sync = 0
+    for s, sp in pm.local.items():
+        if sp.sync is not None:
+            m = program_memory(sp.sync.local, sp.sync.inputs, sp.sync.outputs)
+            sync = max(sync, total_acc - acc[s] + m.peak)
+    sync = max(sync, total_acc)
+    m = mem[at_stage] if at_stage is not None else ProgramMemory()
+    best = max(0, peak - flight["peak_bytes"] - total_acc)
+    at = {k: v * trans.get(at_stage, 0) / max(1, sum(m.at_peak.values())) for k, v in m.at_peak.items()}
     at["activations"] = at.get("activations", 0) + flight["peak_bytes"]
-    peak = best + flight["peak_bytes"]
-    out = {**state, "program_peak": peak, **{f"peak_{k}": int(v) for k, v in at.items()},
+    at["grads_in_flight"] = at.get("grads_in_flight", 0) + total_acc
+    program_peak = max(peak, sync)
+    out = {**state, "program_peak": program_peak, **{f"peak_{k}": int(v) for k, v in at.items()},
            **{f"max_{k}": int(v) for k, v in at.items()}, "in_flight_bytes": flight["peak_bytes"],
-           "in_flight_microbatches": flight["peak_microbatches"], "transient_bytes": best}
+           "in_flight_microbatches": flight["peak_microbatches"], "transient_bytes": best,
+           "accumulators": total_acc}
     out["model_states_peak"] = state["parameters"] + state["optimizer_state"]
-    out["step_peak"] = state["parameters"] + state["optimizer_state"] + peak
-    out["peak_node"] = node
-    out["alive_at_peak"] = alive
+    out["step_peak"] = state["parameters"] + state["optimizer_state"] + program_peak
+    out["peak_node"] = f"stage {at_stage}: {m.peak_node}" if at_stage is not None else ""
+    out["alive_at_peak"] = m.alive_at_peak
     return out
 
 

@@ -118,21 +118,25 @@ class Executor:
         return out
 
     # ---------------------------------------------------------------- actions
-    def _run(self, gm, args, in_roles, out_roles):
+    def _run(self, gm, args: list, in_roles, out_roles):
+        """Run ``gm`` on ``args``, which it takes over: the boxed copy empties the list and drops
+        each argument after its last use, so a backward frees the saved activations it has read
+        (the caller must hold no other reference to those it wants freed)."""
         # the program IS the backward: autograd must not also record it (parameters are
         # requires_grad DTensors, so it would, and keep every activation a second time)
-        if self.guard:
-            gm = self.guarded(gm)
+        gm = self.runnable(gm)
         with torch.no_grad():
             if self.memory is None:
-                return gm(*args)
+                return call(gm, args)
             return self.memory.run(gm, args, in_roles, out_roles)
 
-    def guarded(self, gm):
-        """The copy of ``gm`` whose collectives wait in bounded slices (made once per program)."""
-        hit = self._guarded.get(id(gm))
+    def runnable(self, gm):
+        """The copy of ``gm`` this executor runs (made once per program): its collectives wait in
+        bounded slices (``guard``) and it is called boxed (a list it clears)."""
+        key = (id(gm), self.guard)
+        hit = self._guarded.get(key)
         if hit is None or hit[0] is not gm:
-            hit = self._guarded[id(gm)] = (gm, guarded_programs.guarded(gm))
+            hit = self._guarded[key] = (gm, _boxed(guarded_programs.guarded(gm) if self.guard else gm))
         return hit[1]
 
     def _tangent(self, like) -> torch.Tensor:
@@ -164,12 +168,20 @@ class Executor:
             elif kind == "grad" and o is not None:
                 acc[what] = o if what not in acc else acc[what].add_(o)
 
-    def _part(self, sp: Stage, name: str, env: dict) -> None:
+    def _part(self, sp: Stage, name: str, env: dict, later: tuple[str, ...] | None = None) -> None:
+        """Run part ``name`` of stage ``sp`` on ``env``; with ``later`` (the parts still to run on
+        this micro-batch), the saved values no later part reads leave ``env`` first, so the part
+        frees each after its last use."""
         part = sp.parts[name]
         if part.gm is None:
             return
         s = sp.index
         args = [env[a] if a in env else self._shared[s][a] for a in part.args]
+        if later is not None:
+            keep = set(self._grads[s]).union(*(sp.parts[k].args for k in later if sp.parts[k].gm is not None))
+            for a in part.args:
+                if a not in keep:
+                    env.pop(a, None)
         in_roles = out_roles = None  # (what the memory tracker categorizes by, when it runs)
         if self.memory is not None:
             in_roles = [("param", a) if a in self._params[s] else ("input", a) for a in part.args]
@@ -230,7 +242,7 @@ class Executor:
                     total = g if total is None else total + g
             env[name] = total if total is not None else torch.zeros(like.shape, dtype=like.dtype, device=self.device)
         self._ready = time.perf_counter()
-        self._part(sp, "I", env)
+        self._part(sp, "I", env, later=("W",))
         for (kind, what), o in zip(sp.program.outputs, sp.out_names):
             if kind == "input_grad" and o is not None:
                 src = sp.spec.inputs[what]
@@ -241,7 +253,7 @@ class Executor:
     def _weight_grad(self, s: int, mb: int) -> None:
         sp = self.stages[s]
         env = self._env.pop((s, mb))
-        self._part(sp, "W", env)
+        self._part(sp, "W", env, later=())
         acc = self.acc[s]
         for (kind, what), o in zip(sp.program.outputs, sp.out_names):
             if kind == "grad" and o is not None:
@@ -283,3 +295,25 @@ def _held_bytes(envs, exclude=()) -> int:
                     seen.add(key)
                     total += t.untyped_storage().nbytes()
     return total
+
+
+def call(gm, args: list):
+    """Run a program as ``Executor.runnable`` made it (boxed: it takes ``args`` over)."""
+    return gm(args) if getattr(gm, "_boxed_call", False) else gm(*args)
+
+
+def _boxed(gm):
+    """A copy of ``gm`` called as ``gm(args)`` with a list it empties on entry (fx's boxed
+    calling convention, as aot_autograd's compiled functions use): its generated code drops each
+    argument after its last use, which the caller's argument tuple would otherwise keep alive.
+    Programs with their own calling convention (a pytree codegen) are left as they are."""
+    import torch.fx as fx
+
+    if type(gm.graph._codegen) is not fx.graph.CodeGen:
+        return gm
+    graph = fx.Graph()
+    val, old = graph.graph_copy(gm.graph, {}, return_output_node=True)
+    graph.output(val, type_expr=getattr(old, "type", None)).meta = old.meta
+    graph.set_codegen(fx.graph._BoxedCodeGen())
+    out = fx.GraphModule(gm, graph)
+    return out

@@ -45,6 +45,7 @@ from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.ir import tensor_args
+from autopar.runtime.executor import call
 from autopar.runtime.measure import AllocatorPeak, optimizer_state_bytes, tensor_bytes  # noqa: F401 (re-exported)
 
 aten = torch.ops.aten
@@ -227,7 +228,7 @@ class MemoryTracker:
         ``ProgramMeter``; ``in_roles`` / ``out_roles``: (kind, name) per argument / output."""
         meter = ProgramMeter(args, in_roles)
         with meter:
-            out = gm(*args)
+            out = call(gm, args)
         m = meter.close(out, out_roles)
         self.flops += m["flops"]
         if m["peak"] > self.tensor_peak:

@@ -21,7 +21,7 @@ from autopar.plan import replicated_lines
 from autopar.runtime.base import Runtime
 from autopar.runtime import failure
 from autopar.runtime.common import bytes_lines, check_indices, local_inputs
-from autopar.runtime.executor import Executor
+from autopar.runtime.executor import Executor, call
 from autopar.runtime.measure import CommMeter, mesh_axes
 from autopar.runtime.p2p import P2P
 
@@ -78,9 +78,9 @@ class ParallelModule(Runtime):
         args = [params[what].to_local() if kind == "param" else
                 buffers.get(what, program.buffers.get(what)).to(self.ctx.device) if kind == "buffer" else
                 inputs[what] for kind, what in program.inputs]
-        gm = self.executor.guarded(program.local) if self.guard else program.local
+        gm = self.executor.runnable(program.local)
         with torch.no_grad(), self._measuring(memory=False):
-            outs = gm(*args)
+            outs = call(gm, args)
         return [o for o, (kind, _) in zip(outs, program.outputs) if kind == "output"]
 
     def generate(self, input_ids, max_new_tokens: int, *, eos_token_id: int | None = None,
