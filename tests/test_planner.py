@@ -79,6 +79,9 @@ def test_candidates_respect_layers_heads_batch_and_nodes():
         assert c.microbatches >= c.pp
     reasons = " ".join(why for _, why in refused)
     assert "not divisible by tp=4" in reasons and "not divisible by pp=4" in reasons
+    # --mesh tp=2 with --world 8: tp fixed, dp and pp searched
+    fixed, _ = P.candidates(info, 8, dev, mesh={"tp": 2})
+    assert fixed and {c.tp for c in fixed} == {2} and {(c.dp, c.pp) for c in fixed} == {(4, 1), (2, 2)}
 
 
 def test_auto_errors():
@@ -102,6 +105,8 @@ def test_cli(capsys):
     assert explain_main(["llama-tiny", "--plan", "auto", "-q"]) == 2
     assert "autopar plan MODEL --plan auto" in capsys.readouterr().err
     assert plan_main(["llama-tiny", "--plan", "auto", "--mesh", "dp=2,xx=2", "-q"]) == 2
+    assert plan_main(["llama-tiny", "--plan", "auto", "--world", "4", "--mesh", "tp=3", "-q"]) == 2
+    assert "not a multiple" in capsys.readouterr().err
     assert plan_main(["llama-tiny", "--plan", "auto", "--world", "2", "--batch", "4", "--top", "1", "-q", "--recompute", "none",
                       "--json"]) == 0
     import json

@@ -144,8 +144,8 @@ def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str
     opt_s = elems_local * _optimizer_bytes_per_element(optimizer) / dev.mem_bw
     c.step_s = makespan + sync_exposed + zero_gather + opt_s
     # ---- memory of the worst pipeline rank: rank 0 (embeddings, most in flight) or the last (head).
-    # The program peaks either between forward and backward (activations + parameter copies) or
-    # at the end of the backward (the gradients), whichever is larger.
+    # Without a pipeline the program peaks either between forward and backward (activations +
+    # parameter copies) or at the end of the backward (the gradients), whichever is larger.
     worst, parts = -1, {}
     sharded_grads = c.dp_strategy in ("zero2", "fsdp") and d > 1
     for rank in sorted({0, c.pp - 1}):
@@ -170,9 +170,16 @@ def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str
             if c.dp_strategy in ("zero1", "zero2") and d > 1:  # the gathered full parameters
                 copies = max(copies, elems * cb)
         acts = inflight * per_stage * b.acts + rest_share * r.acts
-        acc = elems * 4 if (c.pp == 1 and m > 1) else 0.0  # accumulate=m: the unreduced fp32 gradient sums
-        program = max(acts + copies, grads)
-        total = params + opt + program + acc
+        if c.pp > 1:
+            # the executor sums each stage's gradients (unreduced: the sync program reduces them
+            # after the schedule) from the stage's first backward on, while later micro-batches'
+            # activations are still in flight: the peak holds both
+            acc = per_rank * b.grads + rest_share * r.grads
+            program = acts + copies + acc
+        else:
+            acc = elems * 4 if m > 1 else 0.0  # accumulate=m: the unreduced fp32 gradient sums
+            program = max(acts + copies, grads) + acc
+        total = params + opt + program
         if total > worst:
             worst = total
             parts = {"parameters": int(params), "optimizer_state": int(opt), "gradients": int(grads),
@@ -198,8 +205,8 @@ def candidates(info: ModelInfo, world: int, dev, *, mesh: dict | None = None, mb
     for tp in _divisors(world):
         for pp in _divisors(world // tp):
             dp = world // (tp * pp)
-            if mesh is not None and (mesh.get("tp", 1), mesh.get("pp", 1), mesh.get("dp", 1)) != (tp, pp, dp):
-                continue
+            if mesh is not None and any(mesh.get(k, v) != v for k, v in (("tp", tp), ("pp", pp), ("dp", dp))):
+                continue  # ``mesh`` fixes the axes it names; the others stay free
             lab = f"dp={dp} tp={tp} pp={pp}"
             if tp > dev.ranks_per_node:
                 refused.append((lab, f"tp={tp} spans nodes of {dev.ranks_per_node} ranks"))

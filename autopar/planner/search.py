@@ -86,7 +86,7 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
     done: list[Candidate] = []
     tries = 0
     order = fits[:confirm_top]
-    for ds in DP_STRATEGIES:
+    for ds in DP_STRATEGIES if confirm_top > 0 else ():  # (confirm_top=0: the screen alone)
         best = next((c for c in fits if c.dp_strategy == ds), None)
         if best is not None and all(best is not o for o in order):
             order.append(best)

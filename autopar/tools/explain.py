@@ -262,7 +262,8 @@ def _run(command: str, argv) -> int:
                                                      "device's memory)")
         p.add_argument("--top", type=int, default=2,
                        help="--plan auto: candidates confirmed by a compile (plus the best of each data-parallel "
-                            "strategy, unless screened 10% slower than a confirmed one); default 2")
+                            "strategy, unless screened 10% slower than a confirmed one); 0: the analytic screen "
+                            "alone; default 2")
     try:
         args = p.parse_args(argv)
     except SystemExit as e:
@@ -348,11 +349,14 @@ def _auto(args, progress) -> int:
         if mesh is not None and set(mesh) - {"dp", "tp", "pp"}:
             raise PlanError(f"--plan auto chooses among dp, tp and pp axes; --mesh names {sorted(set(mesh) - {'dp', 'tp', 'pp'})}",
                             where="--mesh", fix="name the axes dp, tp, pp (or leave --mesh out)")
-        world = math.prod(mesh.values()) if mesh else args.world
+        # --mesh fixes the axes it names; with --world the others are searched, without it the
+        # mesh is the whole world
+        world = args.world if args.world is not None else (math.prod(mesh.values()) if mesh else None)
         if world is None:
             raise PlanError("--plan auto needs the number of ranks", where="--world", fix="e.g. --world 64")
-        if mesh and args.world is not None and args.world != world:
-            raise PlanError(f"--world {args.world} but --mesh {args.mesh} has {world} ranks", where="--world")
+        if mesh and world % math.prod(mesh.values()):
+            raise PlanError(f"--world {world} is not a multiple of the {math.prod(mesh.values())} ranks --mesh "
+                            f"{args.mesh} fixes", where="--mesh", fix="fix fewer axes, or choose --world to match")
         budget = args.budget if args.budget is not None else int(dev.mem_bytes)
         res = planner.search(args.model, world, device=args.device, budget=budget, batch=args.batch, seq=args.seq,
                              overrides=zoo.parse_overrides(args.set), mesh=mesh,
