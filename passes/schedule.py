@@ -22,7 +22,7 @@ from torch import fx
 
 from autopar.ir import CompileState, Stage
 from autopar.passes.overlap import overlap_pass
-from autopar.passes.split import _saved_bytes, partition
+from autopar.passes.split import _prologue_bytes, _saved_bytes, partition
 from autopar.passes.state import grad_sync_program
 
 
@@ -53,6 +53,8 @@ def _names(st: Stage) -> None:
 
 def _cut(st: Stage) -> None:
     gm, program = st.program.local, st.program
-    st.parts = partition(gm, program.outputs)
+    st.parts = partition(gm, program.outputs, program.inputs)
     st.saved_bytes = _saved_bytes(gm, program.inputs, st.parts)
     st.saved_after_i = _saved_bytes(gm, program.inputs, st.parts, after="I")
+    st.prologue = st.parts.pop("P", None)
+    st.prologue_bytes = _prologue_bytes(gm, program.inputs, st.prologue)

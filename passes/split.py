@@ -421,10 +421,16 @@ class Part:
     nodes: int = 0
 
 
-def partition(gm: fx.GraphModule, roles: list[tuple]) -> dict[str, Part]:
+def partition(gm: fx.GraphModule, roles: list[tuple], in_roles: list[tuple] | None = None) -> dict[str, Part]:
     """Split a stage's per-rank joint program into F (everything its activations / loss need),
     I (what its input gradients need beyond F) and W (what its weight gradients need beyond
-    both). Collectives go with the values they produce; recomputed values land in I/W."""
+    both). Collectives go with the values they produce; recomputed values land in I/W.
+
+    With ``in_roles`` (the program's input roles) also P, the prologue, run once per step: the
+    values made from parameters and buffers alone by local ops (no collective, nothing random)
+    that one part hands to another, e.g. the compute-dtype casts of the weights under mixed
+    precision, which the backward reads; with their parameter-only ancestors. Per micro-batch
+    they would be made again by every forward and held by every micro-batch in flight."""
     nodes = list(gm.graph.nodes)
     out = nodes[-1]
     outs = list(out.args[0])
@@ -446,7 +452,9 @@ def partition(gm: fx.GraphModule, roles: list[tuple]) -> dict[str, Part]:
     f = ancestors(targets(("act", "loss")), set())
     i = ancestors(targets(("input_grad",)), f)
     w = ancestors(targets(("grad",)), f | i)
-    groups = [("F", f), ("I", i), ("W", w)]
+    p = _prologue(nodes, in_roles, [f, i, w]) if in_roles is not None else set()
+    f, i, w = f - p, i - p, w - p
+    groups = [("P", p), ("F", f), ("I", i), ("W", w)] if p else [("F", f), ("I", i), ("W", w)]
     needed_by_later: list[set[fx.Node]] = []
     for k, (_, g) in enumerate(groups):
         later = set()
@@ -479,6 +487,50 @@ def partition(gm: fx.GraphModule, roles: list[tuple]) -> dict[str, Part]:
     return parts
 
 
+def _prologue(nodes: list[fx.Node], in_roles: list[tuple], groups: list[set]) -> set[fx.Node]:
+    """The nodes ``partition`` runs once per step (see there)."""
+    state = {n for n, r in zip((n for n in nodes if n.op == "placeholder"), in_roles) if r[0] in ("param", "buffer")}
+    only: set[fx.Node] = set()  # made from parameters / buffers alone, locally, deterministically
+    for n in nodes:
+        if n.op == "get_attr":
+            only.add(n)
+        elif (n.op == "call_function" and n.all_input_nodes and "c10d" not in str(n.target)
+              and torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ())
+              and all(a in only or a in state for a in n.all_input_nodes)):
+            only.add(n)
+    group_of = {n: k for k, g in enumerate(groups) for n in g}
+    crossing = {n for n in only if n in group_of and any(group_of.get(u, group_of[n]) != group_of[n] for u in n.users)}
+    out: set[fx.Node] = set()
+    stack = list(crossing)
+    while stack:  # with their parameter-only ancestors
+        n = stack.pop()
+        if n in out or n not in only or n.op == "get_attr":
+            continue
+        out.add(n)
+        stack.extend(n.all_input_nodes)
+    return out
+
+
+def _prologue_bytes(gm: fx.GraphModule, roles, part: Part | None) -> int:
+    """Bytes of the distinct storages the prologue's outputs hold (views of parameters and
+    buffers do not count): held from the step's start to its end."""
+    from autopar.analysis.cost import _storages
+
+    if part is None or part.gm is None:
+        return 0
+    nodes = {n.name: n for n in gm.graph.nodes}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    seen = {sid for n, (kind, _) in zip(placeholders, roles) if kind in ("param", "buffer")
+            for sid, _ in _storages(n.meta.get("val"))}
+    total = 0
+    for name in part.outs:
+        for sid, nbytes in _storages(nodes[name].meta.get("val")):
+            if sid not in seen:
+                seen.add(sid)
+                total += nbytes
+    return total
+
+
 def _saved_bytes(gm: fx.GraphModule, roles, parts: dict[str, Part], after: str = "F") -> int:
     """Bytes of the distinct storages a micro-batch holds between its parts, from the trace's fake
     tensors: ``after="F"``: what F leaves for I and W (the stage's activations in flight);
@@ -491,6 +543,7 @@ def _saved_bytes(gm: fx.GraphModule, roles, parts: dict[str, Part], after: str =
     state = {sid for n, (kind, _) in zip(placeholders, roles) if kind in ("param", "buffer")
              for sid, _ in _storages(n.meta.get("val"))}
     skip = {n.name for n, (kind, _) in zip(placeholders, roles) if kind in ("param", "buffer")}
+    skip |= set(parts["P"].outs) if "P" in parts else set()  # the prologue's: once per step, not per micro-batch
     if after == "F":
         skip |= {n.name for n, (kind, _) in zip(placeholders, roles) if kind == "tangent"} | set(parts["I"].outs)
         names = set(parts["I"].args) | set(parts["W"].args)

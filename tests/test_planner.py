@@ -79,6 +79,13 @@ def test_candidates_respect_layers_heads_batch_and_nodes():
         assert c.microbatches >= c.pp
     reasons = " ".join(why for _, why in refused)
     assert "not divisible by tp=4" in reasons and "not divisible by pp=4" in reasons
+    # tp must divide a node and the vocabulary (the 145.6B row of benchmarks/megatron_table.py: 96
+    # heads allow tp=3, its 51,200-token embedding does not)
+    wide = P.ModelInfo("x", "n_layers", 8, 96, 96, 12288, 51200, 24, 16, 0.5, 10**9)
+    _, why = P.candidates(wide, 24, dev)
+    assert any("does not divide a node" in w for _, w in why)
+    odd = P.ModelInfo("x", "n_layers", 8, 96, 96, 12288, 51201, 24, 16, 0.5, 10**9)
+    assert all(c.tp == 1 for c in P.candidates(odd, 8, dev)[0])
     # --mesh tp=2 with --world 8: tp fixed, dp and pp searched
     fixed, _ = P.candidates(info, 8, dev, mesh={"tp": 2})
     assert fixed and {c.tp for c in fixed} == {2} and {(c.dp, c.pp) for c in fixed} == {(4, 1), (2, 2)}

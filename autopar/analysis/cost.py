@@ -135,18 +135,20 @@ class ProgramMemory:
     peak_without_grads: int = 0
 
 
-def program_memory(gm: fx.GraphModule, inputs, outputs) -> ProgramMemory:
+def program_memory(gm: fx.GraphModule, inputs, outputs, held: frozenset = frozenset()) -> ProgramMemory:
     """Peak bytes of the per-rank program by liveness over its nodes (parameters excluded: they
     are persistent state). Mirrors what MemoryTracker measures when the program runs. Inputs are
     freed after their last use: the executor runs every program boxed (it takes its argument
     list over), so nothing outside keeps them (what else holds them, e.g. a pipeline's saved
-    activations between parts, the callers add)."""
+    activations between parts, the callers add). ``held``: names of nodes whose storages are
+    held outside the program, counted by the caller as parameters are (a pipeline's prologue)."""
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     cats = categorize(gm, inputs, outputs)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     params = {n for n, (kind, _) in zip(placeholders, inputs) if kind == "param"}
     persistent = {k for n in params for k, _ in _storages(n.meta.get("val"))}
+    persistent |= {k for n in nodes if n.name in held for k, _ in _storages(n.meta.get("val"))}
     # storage -> [first index, last index, bytes, category, defining node]
     live: dict[int, list] = {}
     for n in nodes:
@@ -470,15 +472,18 @@ def predict_pipeline_memory(pm, optimizer: str = "adamw") -> dict:
     flight = pm.predicted_in_flight()
     trans, acc, mem = {}, {}, {}
     for s, sp in pm.local.items():
-        mem[s] = program_memory(sp.program.local, sp.program.inputs, sp.program.outputs)
+        # the prologue's outputs held outside (counted once, below), as the executor holds them
+        mem[s] = program_memory(sp.program.local, sp.program.inputs, sp.program.outputs,
+                                frozenset(sp.prologue.outs) if sp.prologue is not None else frozenset())
         trans[s] = max(0, mem[s].peak - sp.saved_bytes)
         acc[s] = accumulator_bytes(sp.program)
+    once = sum(sp.prologue_bytes for sp in pm.local.values())  # the prologues' outputs: the whole schedule
     held, started, peak, at_stage = 0, set(), 0, None
     for kind, s, _ in pm.schedule.actions[pm.pp_rank]:
         sp = pm.stages[s]
         if kind == "F":
             held += sp.saved_bytes
-        level = held + sum(acc[t] for t in started) + trans[s]
+        level = once + held + sum(acc[t] for t in started) + trans[s]
         if level >= peak:
             peak, at_stage = level, s
         if kind == "B":
@@ -498,15 +503,16 @@ def predict_pipeline_memory(pm, optimizer: str = "adamw") -> dict:
             sync = max(sync, total_acc - acc[s] + m.peak)
     sync = max(sync, total_acc)
     m = mem[at_stage] if at_stage is not None else ProgramMemory()
-    best = max(0, peak - flight["peak_bytes"] - total_acc)
+    best = max(0, peak - flight["peak_bytes"] - total_acc - once)
     at = {k: v * trans.get(at_stage, 0) / max(1, sum(m.at_peak.values())) for k, v in m.at_peak.items()}
     at["activations"] = at.get("activations", 0) + flight["peak_bytes"]
     at["grads_in_flight"] = at.get("grads_in_flight", 0) + total_acc
+    at["param_copies"] = at.get("param_copies", 0) + once
     program_peak = max(peak, sync)
     out = {**state, "program_peak": program_peak, **{f"peak_{k}": int(v) for k, v in at.items()},
            **{f"max_{k}": int(v) for k, v in at.items()}, "in_flight_bytes": flight["peak_bytes"],
            "in_flight_microbatches": flight["peak_microbatches"], "transient_bytes": best,
-           "accumulators": total_acc}
+           "accumulators": total_acc, "prologue_bytes": once}
     out["model_states_peak"] = state["parameters"] + state["optimizer_state"]
     out["step_peak"] = state["parameters"] + state["optimizer_state"] + program_peak
     out["peak_node"] = f"stage {at_stage}: {m.peak_node}" if at_stage is not None else ""
@@ -552,6 +558,14 @@ def predict_pipeline_time(pm, dev: Device, optimizer: str = "adamw") -> TimeEsti
             if kind == "act" and o is not None:
                 alpha, bw = links[pm.pp_axis]
                 hop = max(hop, alpha + _val_bytes(graph[o].meta.get("val")) / bw)
+    prologue = 0.0
+    for sp in pm.local.values():  # each stage's prologue, once per step before the schedule
+        if sp.prologue is not None and sp.prologue.gm is not None:
+            e = simulate(sp.prologue.gm, dev, links, share)
+            prologue += e.step_s
+            total.compute_s += e.compute_s
+            total.flops += e.flops
+            total.by_phase["P"] = total.by_phase.get("P", 0.0) + e.step_s
     for kind, vals in per.items():
         known = [v for v in vals if v is not None]
         mean = sum(known) / len(known) if known else 0.0
@@ -570,7 +584,7 @@ def predict_pipeline_time(pm, dev: Device, optimizer: str = "adamw") -> TimeEsti
 
     elems = sum((p._local_tensor if isinstance(p, DTensor) else p).numel() for p in pm.parameters())
     total.optimizer_s = elems * _optimizer_bytes_per_element(optimizer) / dev.mem_bw * share
-    total.step_s = tl.makespan + sync + total.optimizer_s
+    total.step_s = prologue + tl.makespan + sync + total.optimizer_s
     total.bubble = tl.bubble
     total.stage_seconds = {k: list(v) for k, v in per.items()}
     return total

@@ -211,6 +211,12 @@ def candidates(info: ModelInfo, world: int, dev, *, mesh: dict | None = None, mb
             if tp > dev.ranks_per_node:
                 refused.append((lab, f"tp={tp} spans nodes of {dev.ranks_per_node} ranks"))
                 continue
+            if dev.ranks_per_node % tp:
+                refused.append((lab, f"tp={tp} does not divide a node's {dev.ranks_per_node} ranks"))
+                continue
+            if info.vocab % tp:
+                refused.append((lab, f"vocabulary {info.vocab} not divisible by tp={tp} (embedding and LM head)"))
+                continue
             if info.heads % tp or info.kv_heads % tp:
                 refused.append((lab, f"{info.heads} heads / {info.kv_heads} KV heads not divisible by tp={tp}"))
                 continue

@@ -60,14 +60,24 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
     for i, key in enumerate(keys):
         tp, ts, rc, mbs = key
         progress(f"block figures {i + 1}/{len(keys)}: tp={tp} {ts or ''} recompute={rc} mbs={mbs}")
-        co = block_coefficients(info, tp, ts, rc, mbs, precision=precision, dev=dev, check=(i == 0))
-        if i == 0 and co.linear:
+        try:
+            co = block_coefficients(info, tp, ts, rc, mbs, precision=precision, dev=dev, check=not coeffs)
+        except PlanError as e:  # the compiler refuses this tp / recompute choice: its candidates go
+            why = str(e).splitlines()[0][:160]
+            refused += [(c.label(), f"the block does not compile: {why}") for c in cands
+                        if (c.tp, c.tp_strategy, c.recompute) == key[:3]]
+            cands = [c for c in cands if (c.tp, c.tp_strategy, c.recompute) != key[:3]]
+            continue
+        if not coeffs and co.linear:
             raise PlanError(f"{spec}: its blocks are not identical (depth 3 - depth 2 differs from depth 2 - depth 1: "
                             + "; ".join(co.linear) + ")", where="plan='auto'",
                             fix="give a fixed plan (the search extrapolates one block to the model's depth)")
-        linear = linear or (["identical"] if i == 0 else [])
+        linear = linear or ["identical"]
         coeffs[key] = co
     tcoef = time.perf_counter() - tc
+    if not cands:
+        why = "; ".join(f"{a}: {b}" for a, b in refused[-3:])
+        raise PlanError(f"no plan for {spec} on {world} ranks", where="plan='auto'", fix=f"refused: {why}")
     progress(f"costing {len(cands)} candidates")
     fits, over = [], []
     for c in cands:
@@ -79,7 +89,7 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
         else:
             fits.append(c)
     fits.sort(key=lambda c: (c.step_s, c.peak))
-    n_compiles = sum(3 if i == 0 else 2 for i in range(len(keys)))
+    n_compiles = sum(3 if i == 0 else 2 for i in range(len(coeffs)))
     # confirm the best screened candidates by compiling them (two depths each) and re-rank those:
     # the top ``confirm_top``, and the best of each data-parallel strategy (the screen's error is
     # largest between strategies: their extra ops and collective latencies are not in one block)

@@ -56,12 +56,19 @@ class Executor:
         """Run the action list on ``micro`` (per micro-batch, this rank's inputs); ``shared``:
         per stage, its parameter and buffer values by placeholder name; ``scale``: the fp16 loss
         scale (1 without). Returns the losses this rank computed, one per micro-batch."""
-        self._shared, self._scale, self._micro = shared, scale, micro
+        self._shared, self._scale, self._micro = dict(shared), scale, micro
+        for s, sp in self.stages.items():  # each stage's prologue: once per step, held to its end
+            part = sp.prologue
+            if part is not None and part.gm is not None:
+                roles = [("param", a) for a in part.args]
+                outs = self._run(part.gm, [shared[s][a] for a in part.args], roles,
+                                 [("value", o) for o in part.outs] if self.memory is not None else None)
+                self._shared[s] = {**shared[s], **dict(zip(part.outs, outs))}
         self._env: dict[tuple, dict] = {}
         self._losses: list[torch.Tensor] = []
         self.acc: dict[int, dict[str, torch.Tensor]] = {s: {} for s in self.stages}
         self.p2p.begin()
-        state = {t.untyped_storage().data_ptr() for vals in shared.values() for t in vals.values()
+        state = {t.untyped_storage().data_ptr() for vals in self._shared.values() for t in vals.values()
                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
         events, waits = [], []
         live = peak = peak_bytes = 0
@@ -183,8 +190,9 @@ class Executor:
                 if a not in keep:
                     env.pop(a, None)
         in_roles = out_roles = None  # (what the memory tracker categorizes by, when it runs)
-        if self.memory is not None:
-            in_roles = [("param", a) if a in self._params[s] else ("input", a) for a in part.args]
+        if self.memory is not None:  # (the prologue's outputs: parameter copies, held for the step)
+            made_once = set(sp.prologue.outs) if sp.prologue is not None else set()
+            in_roles = [("param", a) if a in self._params[s] or a in made_once else ("input", a) for a in part.args]
             out_roles = [("grad", o) if o in self._grads[s] else ("value", o) for o in part.outs]
         env.update(zip(part.outs, self._run(part.gm, args, in_roles, out_roles)))
 
