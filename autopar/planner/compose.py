@@ -163,10 +163,9 @@ def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str
         if c.dp_strategy == "fsdp" and d > 1:  # one block ahead gathered, the root kept gathered
             copies = (2 * b.param_elems + rest_share * r.param_elems) * cb
         else:
-            # compute-dtype casts saved for the backward: per micro-batch in flight in a pipeline
-            # (each micro-batch's forward casts its stage's parameters again)
-            copies = inflight * per_stage * b.copies + rest_share * r.copies if c.pp > 1 else \
-                per_rank * b.copies + rest_share * r.copies
+            # compute-dtype casts saved for the backward: one set of the rank's blocks (in a
+            # pipeline the stage's prologue makes them once per step for every micro-batch)
+            copies = per_rank * b.copies + rest_share * r.copies
             if c.dp_strategy in ("zero1", "zero2") and d > 1:  # the gathered full parameters
                 copies = max(copies, elems * cb)
         acts = inflight * per_stage * b.acts + rest_share * r.acts
