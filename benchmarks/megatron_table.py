@@ -108,16 +108,17 @@ def main(argv=None) -> int:
     lines.append(f"largest |error|: {max(errs):.1%}; mean |error|: {sum(errs) / len(errs):.1%}")
     if a.auto:
         lines += ["", "plan='auto' on the same models and GPU counts (80 GiB budget, a100):", "",
-                  "| params | GPUs | chosen | predicted step s | peak GiB | TFLOP/s (paper's count) | search s |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| params | GPUs | chosen | predicted step s | peak GiB | TFLOP/s (paper's count) | TFLOP/s "
+                  "(model FLOPs, 72 B s l h^2 ...) | published TFLOP/s | search s |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for i in rows:
             r = auto(i, "a100", a.top)
             if "step_s" not in r:
-                lines.append(f"| {PAPER[i][0]} | {PAPER[i][6]} | none fits | | | | {r['seconds']:.0f} |")
+                lines.append(f"| {PAPER[i][0]} | {PAPER[i][6]} | none fits | | | | | {PAPER[i][8]} | {r['seconds']:.0f} |")
                 continue
             lines.append(f"| {r['name']} | {PAPER[i][6]} | {r['chosen']}{' (confirmed)' if r['confirmed'] else ''} | "
                          f"{r['step_s']:.2f} | {r['peak'] / 2**30:.1f} | {r['tflops_paper_count']:.0f} | "
-                         f"{r['seconds']:.0f} |")
+                         f"{r['tflops_useful']:.0f} | {PAPER[i][8]} | {r['seconds']:.0f} |")
             print(lines[-1], file=sys.stderr)
     text = "\n".join(lines) + "\n"
     if a.output:

@@ -74,10 +74,29 @@ def _link_seconds(kind: str, n: int, nbytes: float, link) -> float:
     return steps * alpha + _ring(kind, n, nbytes) / bw
 
 
+_SIMULATED: dict = {}
+
+
+def _simulated(schedule: str, pp: int, m: int, virtual: int, F: tuple, B: tuple, comm: float):
+    """(makespan, bubble, peak in flight per rank) of a schedule simulated with per-stage costs;
+    remembered (candidates that differ only in what the pipeline does not see share it: ddp,
+    zero1 and zero2 over the same stages, for one)."""
+    from autopar.analysis import schedules as S
+
+    key = (schedule, pp, m, virtual, F, B, comm)
+    hit = _SIMULATED.get(key)
+    if hit is None:
+        sched = S.one_f_one_b(pp, m) if schedule == "1f1b" else S.interleaved(pp, m, virtual)
+        tl = S.simulate(sched, {"F": list(F), "B": list(B)}, comm=comm, per_stage=True)
+        if len(_SIMULATED) > 4096:
+            _SIMULATED.clear()
+        hit = _SIMULATED[key] = (tl.makespan, tl.bubble, tl.peak_in_flight)
+    return hit
+
+
 def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str, optimizer: str = "adamw",
          layers: int | None = None, bucket_mb: float = 25) -> Candidate:
     """Fill ``c``'s predicted step time, peak bytes per rank and bytes per axis from one block's figures."""
-    from autopar.analysis import schedules as S
     from autopar.analysis.cost import OPTIMIZER_STATE, _optimizer_bytes_per_element, axis_links
 
     L = layers or info.layers
@@ -115,14 +134,10 @@ def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str
         gather_exposed = ag_b
     m = c.microbatches
     if c.pp > 1:
-        maker = {"1f1b": lambda: S.one_f_one_b(c.pp, m),
-                 "interleaved": lambda: S.interleaved(c.pp, m, c.virtual)}[c.schedule]
-        sched = maker()
         hop_bytes = c.mbs * info.seq * info.hidden * cb / (c.tp if c.tp_strategy == "sequence" else 1)
         alpha, bw = links["pp"]
-        tl = S.simulate(sched, {"F": F, "B": B}, comm=alpha + hop_bytes / bw, per_stage=True)
-        makespan, c.bubble = tl.makespan, tl.bubble
-        live = tl.peak_in_flight  # per rank: (virtual stage, micro-batch) activation sets at most
+        makespan, c.bubble, live = _simulated(c.schedule, c.pp, m, c.virtual, tuple(F), tuple(B), alpha + hop_bytes / bw)
+        # live: per rank, the (virtual stage, micro-batch) activation sets it holds at most
         p2p = 2 * m * hop_bytes * (stages - 1) / c.pp  # per rank on average, both directions
     else:
         makespan = m * (F[0] + B[0])
