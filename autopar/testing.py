@@ -346,6 +346,7 @@ PIPELINE_CASES = [  # (model, mesh, plan, compile options): tests/test_pipeline.
     ("llama6", {"pp": 4}, {"pp": {"schedule": "interleaved", "virtual": 2}}, {}),
     ("llama_tied", {"pp": 2, "dp": 2}, {"pp": "1f1b", "dp": "fsdp"}, {"recompute": "full"}),
     ("llama", {"pp": 2, "tp": 2}, {"pp": "zb", "tp": "megatron"}, {}),
+    ("llama", {"pp": 2, "dp": 2}, {"pp": "1f1b", "dp": "zero2"}, {}),  # gathers in the prologue: once per step
 ]
 
 

@@ -53,7 +53,7 @@ def _names(st: Stage) -> None:
 
 def _cut(st: Stage) -> None:
     gm, program = st.program.local, st.program
-    st.parts = partition(gm, program.outputs, program.inputs)
+    st.parts = partition(gm, program.outputs, program.inputs, gathers_once=st.ctx.plan.zero in (1, 2))
     st.saved_bytes = _saved_bytes(gm, program.inputs, st.parts)
     st.saved_after_i = _saved_bytes(gm, program.inputs, st.parts, after="I")
     st.prologue = st.parts.pop("P", None)

@@ -419,9 +419,11 @@ class Part:
     args: list[str]
     outs: list[str]
     nodes: int = 0
+    members: frozenset = frozenset()  # the names of the joint program's nodes it runs
 
 
-def partition(gm: fx.GraphModule, roles: list[tuple], in_roles: list[tuple] | None = None) -> dict[str, Part]:
+def partition(gm: fx.GraphModule, roles: list[tuple], in_roles: list[tuple] | None = None,
+              gathers_once: bool = False) -> dict[str, Part]:
     """Split a stage's per-rank joint program into F (everything its activations / loss need),
     I (what its input gradients need beyond F) and W (what its weight gradients need beyond
     both). Collectives go with the values they produce; recomputed values land in I/W.
@@ -430,7 +432,9 @@ def partition(gm: fx.GraphModule, roles: list[tuple], in_roles: list[tuple] | No
     values made from parameters and buffers alone by local ops (no collective, nothing random)
     that one part hands to another, e.g. the compute-dtype casts of the weights under mixed
     precision, which the backward reads; with their parameter-only ancestors. Per micro-batch
-    they would be made again by every forward and held by every micro-batch in flight."""
+    they would be made again by every forward and held by every micro-batch in flight.
+    ``gathers_once`` (ZeRO-1/2, whose parameters are gathered once per step): their all-gathers
+    and waits join the prologue too."""
     nodes = list(gm.graph.nodes)
     out = nodes[-1]
     outs = list(out.args[0])
@@ -452,7 +456,7 @@ def partition(gm: fx.GraphModule, roles: list[tuple], in_roles: list[tuple] | No
     f = ancestors(targets(("act", "loss")), set())
     i = ancestors(targets(("input_grad",)), f)
     w = ancestors(targets(("grad",)), f | i)
-    p = _prologue(nodes, in_roles, [f, i, w]) if in_roles is not None else set()
+    p = _prologue(nodes, in_roles, [f, i, w], gathers_once) if in_roles is not None else set()
     f, i, w = f - p, i - p, w - p
     groups = [("P", p), ("F", f), ("I", i), ("W", w)] if p else [("F", f), ("I", i), ("W", w)]
     needed_by_later: list[set[fx.Node]] = []
@@ -483,18 +487,22 @@ def partition(gm: fx.GraphModule, roles: list[tuple], in_roles: list[tuple] | No
             env[n] = graph.node_copy(n, env.__getitem__)
         keep = [n for n in nodes if n in later]
         graph.output(tuple(env[n] for n in keep))
-        parts[name] = Part(name, fx.GraphModule(gm, graph), args, [n.name for n in keep], len(g))
+        parts[name] = Part(name, fx.GraphModule(gm, graph), args, [n.name for n in keep], len(g),
+                           frozenset(n.name for n in g))
     return parts
 
 
-def _prologue(nodes: list[fx.Node], in_roles: list[tuple], groups: list[set]) -> set[fx.Node]:
+def _prologue(nodes: list[fx.Node], in_roles: list[tuple], groups: list[set], gathers_once: bool) -> set[fx.Node]:
     """The nodes ``partition`` runs once per step (see there)."""
     state = {n for n, r in zip((n for n in nodes if n.op == "placeholder"), in_roles) if r[0] in ("param", "buffer")}
     only: set[fx.Node] = set()  # made from parameters / buffers alone, locally, deterministically
     for n in nodes:
+        target = str(n.target)
+        comm_ok = "c10d" not in target or (gathers_once and ("all_gather_into_tensor" in target
+                                                              or "wait_tensor" in target))
         if n.op == "get_attr":
             only.add(n)
-        elif (n.op == "call_function" and n.all_input_nodes and "c10d" not in str(n.target)
+        elif (n.op == "call_function" and n.all_input_nodes and comm_ok
               and torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ())
               and all(a in only or a in state for a in n.all_input_nodes)):
             only.add(n)

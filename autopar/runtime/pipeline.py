@@ -276,9 +276,10 @@ class StageView:
         return (p for _, p in self.named_parameters())
 
     def part_of(self) -> dict[str, str]:
-        """Node name of the joint per-rank program -> "F" | "I" | "W" (the part that runs it)."""
+        """Node name of the joint per-rank program -> "P" | "F" | "I" | "W" (the part that runs it)."""
         out = {}
-        for name, part in self.stage.parts.items():
+        parts = dict(self.stage.parts, **({"P": self.stage.prologue} if self.stage.prologue is not None else {}))
+        for name, part in parts.items():
             if part.gm is not None:
                 for n in part.gm.graph.nodes:
                     if n.op == "call_function":
@@ -286,7 +287,9 @@ class StageView:
         return out
 
     def collectives(self):
-        per_mb = [info(n).comm for n in self.program.local.graph.nodes if info(n).comm is not None]
-        return per_mb * self.accumulate + [info(n).comm for n in self.sync_program.local.graph.nodes
-                                           if info(n).comm is not None]
+        # per micro-batch, except what the stage's prologue runs once per step (ZeRO-1/2 gathers)
+        once = self.stage.prologue.members if self.stage.prologue is not None else frozenset()
+        recs = [(info(n).comm, n.name in once) for n in self.program.local.graph.nodes if info(n).comm is not None]
+        return ([c for c, o in recs if not o] * self.accumulate + [c for c, o in recs if o]
+                + [info(n).comm for n in self.sync_program.local.graph.nodes if info(n).comm is not None])
 
