@@ -189,7 +189,8 @@ def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str
             # after the schedule) from the stage's first backward on, while later micro-batches'
             # activations are still in flight: the peak holds both
             acc = per_rank * b.grads + rest_share * r.grads
-            program = acts + copies + acc
+            # ... and a backward part returns its stage's gradients whole before they are added in
+            program = acts + copies + acc + per_stage * b.grads + rest_share * r.grads
         else:
             acc = elems * 4 if m > 1 else 0.0  # accumulate=m: the unreduced fp32 gradient sums
             program = max(acts + copies, grads) + acc
