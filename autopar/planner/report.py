@@ -82,8 +82,14 @@ def report(res: SearchResult, top: int = 8) -> str:
         c = res.ranked[0]
         lines.append(f"chosen: {c.label()}")
         lines.append(f"  {command_line(c, info, res.precision)}")
-        if len(res.ranked) > 1:
-            r = res.ranked[1]
+        # plans the cost model cannot tell apart from the chosen one (zero1 and zero2 in a
+        # pipeline: the same traffic and peak) are named, the runner-up is the next different one
+        same = [r for r in res.ranked[1:] if (r.step_s, r.peak) == (c.step_s, c.peak)]
+        if same:
+            lines.append("  the same predicted step and peak: " + "; ".join(r.label() for r in same[:3]))
+        rest = [r for r in res.ranked[1:] if all(r is not s for s in same)]
+        if rest:
+            r = rest[0]
             lines.append(f"runner-up: {r.label()} ({r.step_s / c.step_s:.3f}x the chosen step time)")
     else:
         lines.append("no candidate fits the budget")
