@@ -1,0 +1,88 @@
+"""{"cp": "context"}: ring attention on a ``cp`` mesh axis (autopar/ring.py, autopar/layout.py).
+
+The sequence is sharded over cp in the load-balanced causal layout (2·cp chunks, rank i holds
+chunks i and 2·cp-1-i) everywhere, attention included: K/V blocks go round the ring while each
+rank computes its queries' partial attention, merged by log-sum-exp; the backward ring carries
+dK/dV with them. Checked: parity against one process on gloo pools (losses, gradients,
+parameters after AdamW steps, eval forward; measured = predicted bytes and memory), the shifts'
+count and bytes per layer against the formula, the layout helpers, and the PlanError for a
+sequence 2·cp does not divide.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.errors import PlanError
+from autopar.layout import zigzag_index, zigzag_order, zigzag_take, zigzag_unorder
+from autopar.testing import build_model
+from test_parity import run_and_check_parity
+
+CASES = [
+    ("llama", {"cp": 2}, {"cp": "context"}),
+    ("hf_llama", {"cp": 2}, {"cp": "context"}),  # HF's explicit causal mask, cut per block
+    ("llama", {"dp": 2, "cp": 2}, {"dp": "fsdp", "cp": "context"}),
+]
+
+
+@pytest.mark.parametrize("name,axes,plan", CASES, ids=[f"{c[0]}-{'x'.join(c[1])}" for c in CASES])
+def test_ring_parity(pools, references, name, axes, plan):
+    out = run_and_check_parity(pools, references, name, axes, plan)  # numbers, memory, bytes
+    cp = [r for r in out["records"] if r.axis == "cp"]
+    assert {r.kind for r in cp} == {"shift", "all_reduce"}
+    for r in cp:  # the ring's shifts; the loss rule's sums and the gradients' all-reduces
+        assert r.reason.startswith("inside rule: ring attention") if r.kind == "shift" else \
+            r.reason.startswith(("inside rule", "bucket of", "gradient of")), r
+
+
+def _compile(fake, name, axes, plan, batch=None):
+    model, batches, loss_fn = build_model(name)
+    with fake(**axes) as mesh:
+        return autopar.compile(model, mesh, example_inputs=batch or batches[0], loss_fn=loss_fn, plan=plan,
+                               capture_eval=False)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_bytes_per_layer(fake, cp):
+    # the built-in Llama (2 layers, 4 heads x 16, 2 KV heads repeated to 4 before attention: the
+    # ring carries what attention is handed, h_kv = 4 x 16 = 64), batch 4, seq 16, fp32. A block
+    # (K or V of one rank) is b·(s/cp)·h_kv elements. Per layer, forward: cp-1 shifts of K+V,
+    # 2·b·s·h_kv·(cp-1)/cp elements leave each rank; backward: cp-1 shifts of K+V and cp of
+    # dK+dV, 2·b·s·h_kv·(2·cp-1)/cp
+    b, s, h_kv, layers = 4, 16, 64, 2
+    pm = _compile(fake, "llama", {"cp": cp}, {"cp": "context"})
+    shifts = [r for r in pm.collectives() if r.kind == "shift"]
+    assert all(r.axis == "cp" and r.group_size == cp for r in shifts)
+    block = b * (s // cp) * h_kv * 4
+    fwd = [r for r in shifts if r.phase == "forward"]
+    bwd = [r for r in shifts if r.phase == "backward"]
+    assert len(fwd) == layers * (cp - 1) and len(bwd) == layers * (2 * cp - 1)
+    assert sum(r.wire_bytes for r in fwd) == layers * 2 * b * s * h_kv * (cp - 1) // cp * 4 == layers * 2 * (cp - 1) * block
+    assert sum(r.wire_bytes for r in bwd) == layers * 2 * b * s * h_kv * (2 * cp - 1) // cp * 4
+    # nothing else moves activations on cp (the RoPE tables are sliced locally, in the layout):
+    # the loss rule's two scalars, the gradients' all-reduce
+    others = [r for r in pm.collectives() if r.kind != "shift"]
+    assert {r.kind for r in others} == {"all_reduce"}
+    assert all(r.payload_bytes == 4 or r.reason.startswith(("bucket of", "gradient of")) for r in others)
+
+
+def test_ring_bad_inputs(fake):
+    # 2·cp chunks: a sequence of 6 divides by cp=2 (ulysses runs it) but not by 4
+    x = torch.randint(0, 256, (4, 6))
+    with pytest.raises(PlanError, match=r"sequence length .*: 6\) to be divisible by 2 x the ranks of mesh axis "
+                                        r"'cp' \(4: .*2·cp chunks"):
+        _compile(fake, "llama", {"cp": 2}, {"cp": "context"}, batch=(x, x))
+    x = torch.randint(0, 256, (4, 12))
+    with pytest.raises(PlanError, match=r"divisible by 2 x the ranks of mesh axis 'cp' \(8"):
+        _compile(fake, "llama", {"cp": 4}, {"cp": "context"}, batch=(x, x))
+
+
+def test_zigzag_layout():
+    x = torch.arange(16).view(1, 16)
+    parts = [zigzag_take(x, 1, 4, r) for r in range(4)]
+    assert parts[0].tolist() == [[0, 1, 14, 15]] and parts[3].tolist() == [[6, 7, 8, 9]]
+    assert [zigzag_index(16, 4, r) for r in range(4)] == [p[0].tolist() for p in parts]
+    assert torch.equal(zigzag_order(torch.cat(parts, 1), 1, 4), x)
+    assert torch.equal(zigzag_unorder(x, 1, 4), torch.cat(parts, 1))
