@@ -121,19 +121,58 @@ def _cut(x, part: str, c: int):
     return x if part == "all" else x[:, :, :c] if part == "first" else x[:, :, c:]
 
 
+# ---------------------------------------------------------------- grouped-query attention
+# A model that repeats its KV heads before attention (Llama's repeat_kv: unsqueeze, expand, clone,
+# view) hands the ring ``rep`` identical copies of each KV head: the ring ships one per group
+# (h_kv heads, not h) and repeats them on arrival; the backward's dK/dV accumulators hold the
+# group sums, handed back spread evenly over the copies (the copies' gradients only ever reach a
+# parameter through their sum: the repeat's backward).
+def _one_per_group(x, rep: int):
+    return x if rep == 1 else x[:, ::rep].contiguous()
+
+
+def _repeat(x, rep: int):
+    return x if rep == 1 else x.repeat_interleave(rep, dim=1)
+
+
+def _group_sum(x, rep: int):
+    return x if rep == 1 else x.unflatten(1, (x.shape[1] // rep, rep)).sum(2)
+
+
+def kv_repeat(node) -> int:
+    """How many copies of each KV head the attention node's key and value are (1: not repeated)."""
+    names = [a.name for a in node.target._schema.arguments]
+    args = {**dict(zip(names, node.args)), **node.kwargs}
+    reps = []
+    for what in ("key", "value"):
+        a = args.get(what)
+        chain = []
+        for _ in range(3):
+            if not hasattr(a, "target") or a.op != "call_function" or not a.args:
+                break
+            chain.append(a)
+            a = a.args[0]
+        ok = (len(chain) == 3 and str(chain[0].target) in ("aten.view.default", "aten._unsafe_view.default")
+              and str(chain[1].target) == "aten.clone.default" and str(chain[2].target) == "aten.expand.default"
+              and hasattr(a, "target") and str(a.target) == "aten.unsqueeze.default" and a.args[1] == 2)
+        reps.append(int(chain[2].args[1][2]) if ok else 1)
+    return reps[0] if reps[0] == reps[1] else 1
+
+
 # ---------------------------------------------------------------- forward / backward
-def ring_forward(ctx, axis: int, q, k, v, causal: bool, mask, scale):
+def ring_forward(ctx, axis: int, q, k, v, causal: bool, mask, scale, rep: int = 1):
     """(out, lse) of this rank's queries over the whole sequence."""
     n, r = ctx.axis_sizes[axis], ctx.coord[axis]
     c = q.shape[2] // 2
-    kv = (k, v)
+    kv = (_one_per_group(k, rep), _one_per_group(v, rep))
     out = lse = None
     for t in range(n):
         buf = _issue(ctx, axis, kv) if t < n - 1 else None  # the next block travels while this one computes
         j = (r - t) % n
         m = _mask(mask, n, r, j, q.dtype) if mask is not None else None
         rows, cols, cz = _plan(n, r, t, causal, m is not None)
-        bo, bl = _block(_cut(q, rows, c), _cut(kv[0], cols, c), _cut(kv[1], cols, c), cz, m, scale)
+        bk, bv = (k, v) if t == 0 else (_repeat(kv[0], rep), _repeat(kv[1], rep))
+        bo, bl = _block(_cut(q, rows, c), _cut(bk, cols, c), _cut(bv, cols, c), cz, m, scale)
         if out is None:
             out, lse = bo.float(), bl
         elif rows == "all":
@@ -147,28 +186,30 @@ def ring_forward(ctx, axis: int, q, k, v, causal: bool, mask, scale):
     return out.to(q.dtype), lse  # (the output traced last: the per-rank program's check reads it as the op's)
 
 
-def ring_backward(ctx, axis: int, do, q, k, v, out, lse, causal: bool, mask, scale):
+def ring_backward(ctx, axis: int, do, q, k, v, out, lse, causal: bool, mask, scale, rep: int = 1):
     """(dq, dk, dv) of this rank's q, k, v."""
     n, r = ctx.axis_sizes[axis], ctx.coord[axis]
     c = q.shape[2] // 2
-    kv = (k, v)
+    kv = (_one_per_group(k, rep), _one_per_group(v, rep))
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    acc = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-           torch.zeros(v.shape, dtype=torch.float32, device=v.device))
+    acc = tuple(torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in kv)
     for t in range(n):
         buf = _issue(ctx, axis, kv) if t < n - 1 else None  # K/V travel while this block computes
         j = (r - t) % n
         m = _mask(mask, n, r, j, q.dtype) if mask is not None else None
         rows, cols, cz = _plan(n, r, t, causal, m is not None)
-        g = _block_backward(_cut(do, rows, c), _cut(q, rows, c), _cut(kv[0], cols, c), _cut(kv[1], cols, c),
+        bk, bv = (k, v) if t == 0 else (_repeat(kv[0], rep), _repeat(kv[1], rep))
+        g = _block_backward(_cut(do, rows, c), _cut(q, rows, c), _cut(bk, cols, c), _cut(bv, cols, c),
                             _cut(out, rows, c), _cut(lse, rows, c), cz, m, scale)
         dq = dq + g[0].float() if rows == "all" else torch.cat([dq[:, :, :c], dq[:, :, c:] + g[0].float()], 2)
-        acc = tuple(a + d.float() if cols == "all" else torch.cat([a[:, :, :c] + d.float(), a[:, :, c:]], 2)
-                    for a, d in zip(acc, g[1:]))
+        dkv = [_group_sum(d.float(), rep) for d in g[1:]]
+        acc = tuple(a + d if cols == "all" else torch.cat([a[:, :, :c] + d, a[:, :, c:]], 2)
+                    for a, d in zip(acc, dkv))
         acc = _take(_issue(ctx, axis, acc), acc)  # the accumulators follow their block (the last: home)
         if buf is not None:
             kv = _take(buf, kv)
-    return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype)
+    dk, dv = (_repeat(a / rep, rep) if rep > 1 else a for a in acc)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 # ---------------------------------------------------------------- the rules' implementations
@@ -184,16 +225,17 @@ def _bind(op, args, kwargs) -> dict:
     return out
 
 
-def ring_impl(op, axis: int):
+def ring_impl(op, axis: int, rep: int = 1):
     """The local implementation of attention op ``op`` (SDPA forward, its CPU flash forward or
-    backward) on ring axis ``axis``: impl(ctx, *args, **kwargs) like the op's outputs."""
+    backward) on ring axis ``axis``, whose key and value are ``rep`` copies of each KV head
+    (``kv_repeat``): impl(ctx, *args, **kwargs) like the op's outputs."""
     def impl(ctx, *args, **kwargs):
         a = _bind(op, args, kwargs)
         causal, mask, scale = bool(a.get("is_causal")), a.get("attn_mask"), a.get("scale")
         if "grad_out" in a:
             return ring_backward(ctx, axis, a["grad_out"], a["query"], a["key"], a["value"], a["out"],
-                                 a["logsumexp"], causal, mask, scale)
-        out, lse = ring_forward(ctx, axis, a["query"], a["key"], a["value"], causal, mask, scale)
+                                 a["logsumexp"], causal, mask, scale, rep)
+        out, lse = ring_forward(ctx, axis, a["query"], a["key"], a["value"], causal, mask, scale, rep)
         return out if len(op._schema.returns) == 1 else (out, lse)  # SDPA itself (eval): the output only
 
     return impl

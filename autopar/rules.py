@@ -26,7 +26,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from autopar.errors import PlanError
 from autopar.ir import ShardSpec, source_line
 from autopar.layout import ring_axes, ulysses_axes
-from autopar.ring import ring_impl
+from autopar.ring import kv_repeat, ring_impl
 
 aten = torch.ops.aten
 R = Replicate()
@@ -103,7 +103,8 @@ def _attention_rule(q_pos: int, n_tensor_in: int, n_out: int | None):
         outs = want if n_out is None else tuple(want for _ in range(n_out))
         if ring:
             name = ctx.axis_names[ring[0]]
-            return RuleResult(ins, outs, ring_impl(node.target, ring[0]), f"ring attention ({name}=context)")
+            return RuleResult(ins, outs, ring_impl(node.target, ring[0], kv_repeat(node)),
+                              f"ring attention ({name}=context)")
         return RuleResult(ins, outs, None, "attention over batch/heads")
 
     return attention_rule

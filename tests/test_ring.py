@@ -24,6 +24,7 @@ CASES = [
     ("llama", {"cp": 2}, {"cp": "context"}),
     ("hf_llama", {"cp": 2}, {"cp": "context"}),  # HF's explicit causal mask, cut per block
     ("llama", {"dp": 2, "cp": 2}, {"dp": "fsdp", "cp": "context"}),
+    ("llama", {"cp": 4}, {"cp": "context"}),  # blocks from ranks before and after: both halves of the plan
 ]
 
 
@@ -47,11 +48,11 @@ def _compile(fake, name, axes, plan, batch=None):
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_bytes_per_layer(fake, cp):
     # the built-in Llama (2 layers, 4 heads x 16, 2 KV heads repeated to 4 before attention: the
-    # ring carries what attention is handed, h_kv = 4 x 16 = 64), batch 4, seq 16, fp32. A block
+    # ring carries one copy of each, h_kv = 2 x 16 = 32), batch 4, seq 16, fp32. A block
     # (K or V of one rank) is b·(s/cp)·h_kv elements. Per layer, forward: cp-1 shifts of K+V,
     # 2·b·s·h_kv·(cp-1)/cp elements leave each rank; backward: cp-1 shifts of K+V and cp of
     # dK+dV, 2·b·s·h_kv·(2·cp-1)/cp
-    b, s, h_kv, layers = 4, 16, 64, 2
+    b, s, h_kv, layers = 4, 16, 32, 2
     pm = _compile(fake, "llama", {"cp": cp}, {"cp": "context"})
     shifts = [r for r in pm.collectives() if r.kind == "shift"]
     assert all(r.axis == "cp" and r.group_size == cp for r in shifts)
