@@ -55,9 +55,12 @@ def _take(buf: torch.Tensor, like) -> tuple:
 
 
 # ---------------------------------------------------------------- one block
+FUSED = {"cpu"}  # device types whose blocks run the fused op (torch's CPU flash attention); else math
+
+
 def _block(q, k, v, causal: bool, mask, scale):
     """(out, lse) of q attending to k, v; lse in fp32, [b, h, s]."""
-    if q.device.type == "cpu":
+    if q.device.type in FUSED:
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
                                                                     scale=scale)
         return out, lse
@@ -81,7 +84,7 @@ def _scale(q, scale):
 
 def _block_backward(do, q, k, v, out, lse, causal: bool, mask, scale):
     """(dq, dk, dv) of one block, given the MERGED output and log-sum-exp of the rows."""
-    if q.device.type == "cpu":
+    if q.device.type in FUSED:
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, out, lse, 0.0, causal,
                                                                          attn_mask=mask, scale=scale)
     p = torch.exp(_scores(q, k, causal, mask, scale) - lse.unsqueeze(-1))

@@ -4,7 +4,8 @@ The sequence is sharded over cp in the load-balanced causal layout (2·cp chunks
 chunks i and 2·cp-1-i) everywhere, attention included: K/V blocks go round the ring while each
 rank computes its queries' partial attention, merged by log-sum-exp; the backward ring carries
 dK/dV with them. Checked: parity against one process on gloo pools (losses, gradients,
-parameters after AdamW steps, eval forward; measured = predicted bytes and memory), the shifts'
+parameters after AdamW steps, eval forward; measured = predicted bytes and memory) on cp=2, cp=4,
+fsdp x cp, megatron x cp and 1f1b x cp, and with the math formulation of the blocks; the shifts'
 count and bytes per layer against the formula, the layout helpers, and the PlanError for a
 sequence 2·cp does not divide.
 """
@@ -17,25 +18,77 @@ import torch
 import autopar
 from autopar.errors import PlanError
 from autopar.layout import zigzag_index, zigzag_order, zigzag_take, zigzag_unorder
-from autopar.testing import build_model
-from test_parity import run_and_check_parity
+from autopar.ir import bytes_by_collective
+from autopar.testing import build_model, parity_job
+from test_parity import assert_memory_predicted, assert_parity
 
+# (name, axes, plan, also the eval program: its logits gathered back into sequence order)
 CASES = [
-    ("llama", {"cp": 2}, {"cp": "context"}),
-    ("hf_llama", {"cp": 2}, {"cp": "context"}),  # HF's explicit causal mask, cut per block
-    ("llama", {"dp": 2, "cp": 2}, {"dp": "fsdp", "cp": "context"}),
-    ("llama", {"cp": 4}, {"cp": "context"}),  # blocks from ranks before and after: both halves of the plan
+    ("llama", {"cp": 2}, {"cp": "context"}, True),
+    ("hf_llama", {"cp": 2}, {"cp": "context"}, True),  # HF's explicit causal mask, cut per block
+    ("llama", {"cp": 4}, {"cp": "context"}, False),  # blocks from ranks before and after: both halves of the plan
+    ("llama", {"dp": 2, "cp": 2}, {"dp": "fsdp", "cp": "context"}, False),
+    ("llama", {"tp": 2, "cp": 2}, {"tp": "megatron", "cp": "context"}, False),  # the ring on each tp rank's heads
 ]
 
 
-@pytest.mark.parametrize("name,axes,plan", CASES, ids=[f"{c[0]}-{'x'.join(c[1])}" for c in CASES])
-def test_ring_parity(pools, references, name, axes, plan):
-    out = run_and_check_parity(pools, references, name, axes, plan)  # numbers, memory, bytes
+def _parity(pools, references, name, axes, plan, evaluate) -> dict:
+    """test_parity.run_and_check_parity, the eval program only where asked (seconds per case)."""
+    world = 1
+    for v in axes.values():
+        world *= v
+    out = pools(world).run(parity_job, name, axes, plan, evaluate=evaluate)
+    assert_parity(references(name), out, name)
+    assert_memory_predicted(out)
+    predicted = {k: v * out["steps"] for k, v in bytes_by_collective(out["records"]).items()}
+    measured = {k: v["wire_bytes"] for k, v in out["measured"].items()}
+    assert set(measured) == set(predicted)
+    assert measured == pytest.approx(predicted)
+    return out
+
+
+@pytest.mark.parametrize("name,axes,plan,evaluate", CASES,
+                         ids=[f"{c[0]}-{'x'.join(f'{k}{v}' for k, v in c[1].items())}" for c in CASES])
+def test_ring_parity(pools, references, name, axes, plan, evaluate):
+    out = _parity(pools, references, name, axes, plan, evaluate)  # numbers, memory, bytes
     cp = [r for r in out["records"] if r.axis == "cp"]
     assert {r.kind for r in cp} == {"shift", "all_reduce"}
     for r in cp:  # the ring's shifts; the loss rule's sums and the gradients' all-reduces
         assert r.reason.startswith("inside rule: ring attention") if r.kind == "shift" else \
             r.reason.startswith(("inside rule", "bucket of", "gradient of")), r
+
+
+def _math_parity_job(name, axes, plan):
+    """parity_job with the ring's blocks in the math formulation (what devices without a fused op
+    that returns the log-sum-exp run), on CPU."""
+    import autopar.ring
+    from autopar.testing import parity_job
+
+    fused, autopar.ring.FUSED = autopar.ring.FUSED, set()
+    try:
+        return parity_job(name, axes, plan, evaluate=False)
+    finally:
+        autopar.ring.FUSED = fused
+
+
+def test_ring_math_blocks_parity(pools, references):
+    out = pools(2).run(_math_parity_job, "hf_llama", {"cp": 2}, {"cp": "context"})
+    assert_parity(references("hf_llama"), out, "hf_llama")
+
+
+def test_ring_in_pipeline_parity(pools, references):
+    # pp x cp on 4 ranks (1f1b): each stage runs the ring on its cp sub-mesh; the stages hand each
+    # other sequence shards in the load-balanced layout (cp rank r of stage 0 -> cp rank r of stage 1)
+    from autopar.testing import pipeline_parity_job
+    from test_pipeline import assert_parity as assert_pipeline_parity
+
+    out = pools(4).run(pipeline_parity_job, "llama", {"pp": 2, "cp": 2}, {"pp": "1f1b", "cp": "context"})
+    assert_pipeline_parity(references("llama"), out)
+    for measured, predicted in zip(out["measured"], out["predicted"]):
+        got = {k: v["wire_bytes"] for k, v in measured.items() if v["wire_bytes"]}
+        want = {k: v * out["steps"] for k, v in predicted.items() if v}
+        assert got == pytest.approx(want)
+        assert got.get("send@pp", 0) > 0 and got.get("shift@cp", 0) > 0, got
 
 
 def _compile(fake, name, axes, plan, batch=None):
