@@ -87,12 +87,37 @@ def _block_backward(do, q, k, v, out, lse, causal: bool, mask, scale):
     if q.device.type in FUSED:
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, out, lse, 0.0, causal,
                                                                          attn_mask=mask, scale=scale)
+    return _math_block_backward(do, q, k, v, out, lse, causal, mask, scale)
+
+
+def _math_block_backward(do, q, k, v, out, lse, causal: bool, mask, scale):
     p = torch.exp(_scores(q, k, causal, mask, scale) - lse.unsqueeze(-1))
     do32 = do.float()
     dv = p.transpose(-2, -1) @ do32
     dp = do32 @ v.float().transpose(-2, -1)
     ds = p * (dp - (do32 * out.float()).sum(-1, keepdim=True)) * _scale(q, scale)
     return (ds @ k.float()).to(q.dtype), (ds.transpose(-2, -1) @ q.float()).to(k.dtype), dv.to(v.dtype)
+
+
+def _kernel_block(q, k, v, causal: bool, mask, scale):
+    """(out, lse) by autopar's Triton attention kernel (``autopar::flash_attention``: KV heads read
+    once per group, lse fp32)."""
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    return torch.ops.autopar.flash_attention(q, k, v, mask, causal, float(_scale(q, scale)))
+
+
+def _kernel_block_backward(do, q, k, v, out, lse, causal: bool, mask, scale):
+    """Its backward given the merged output and lse; the kernels' PyTorch reference backward
+    recomputes the block's own softmax (no lse), so under ``AUTOPAR_KERNELS=reference`` the math
+    formulation runs instead, on KV heads repeated to the query heads."""
+    from autopar.kernels.ops import _REFERENCE
+
+    if not _REFERENCE[0]:  # (contiguous: the Triton backward corrupts memory on a sliced q or k)
+        do, q, k, v, out, lse = (t.contiguous() for t in (do, q, k, v, out, lse))
+        return torch.ops.autopar.flash_attention_backward(do, q, k, v, out, lse, mask, causal, float(_scale(q, scale)))
+    rep = q.shape[1] // k.shape[1]
+    dq, dk, dv = _math_block_backward(do, q, _repeat(k, rep), _repeat(v, rep), out, lse, causal, mask, scale)
+    return dq, _group_sum(dk.float(), rep).to(k.dtype), _group_sum(dv.float(), rep).to(v.dtype)
 
 
 def _merge(out, lse, bo, bl):
@@ -163,8 +188,10 @@ def kv_repeat(node) -> int:
 
 
 # ---------------------------------------------------------------- forward / backward
-def ring_forward(ctx, axis: int, q, k, v, causal: bool, mask, scale, rep: int = 1):
-    """(out, lse) of this rank's queries over the whole sequence."""
+def ring_forward(ctx, axis: int, q, k, v, causal: bool, mask, scale, rep: int = 1, kernel: bool = False):
+    """(out, lse) of this rank's queries over the whole sequence (``kernel``: blocks by autopar's
+    Triton kernel, else torch's fused CPU op / the math formulation)."""
+    block = _kernel_block if kernel else _block
     n, r = ctx.axis_sizes[axis], ctx.coord[axis]
     c = q.shape[2] // 2
     kv = (_one_per_group(k, rep), _one_per_group(v, rep))
@@ -175,7 +202,7 @@ def ring_forward(ctx, axis: int, q, k, v, causal: bool, mask, scale, rep: int = 
         m = _mask(mask, n, r, j, q.dtype) if mask is not None else None
         rows, cols, cz = _plan(n, r, t, causal, m is not None)
         bk, bv = (k, v) if t == 0 else (_repeat(kv[0], rep), _repeat(kv[1], rep))
-        bo, bl = _block(_cut(q, rows, c), _cut(bk, cols, c), _cut(bv, cols, c), cz, m, scale)
+        bo, bl = block(_cut(q, rows, c), _cut(bk, cols, c), _cut(bv, cols, c), cz, m, scale)
         if out is None:
             out, lse = bo.float(), bl
         elif rows == "all":
@@ -189,8 +216,10 @@ def ring_forward(ctx, axis: int, q, k, v, causal: bool, mask, scale, rep: int = 
     return out.to(q.dtype), lse  # (the output traced last: the per-rank program's check reads it as the op's)
 
 
-def ring_backward(ctx, axis: int, do, q, k, v, out, lse, causal: bool, mask, scale, rep: int = 1):
+def ring_backward(ctx, axis: int, do, q, k, v, out, lse, causal: bool, mask, scale, rep: int = 1,
+                  kernel: bool = False):
     """(dq, dk, dv) of this rank's q, k, v."""
+    block_backward = _kernel_block_backward if kernel else _block_backward
     n, r = ctx.axis_sizes[axis], ctx.coord[axis]
     c = q.shape[2] // 2
     kv = (_one_per_group(k, rep), _one_per_group(v, rep))
@@ -202,7 +231,7 @@ def ring_backward(ctx, axis: int, do, q, k, v, out, lse, causal: bool, mask, sca
         m = _mask(mask, n, r, j, q.dtype) if mask is not None else None
         rows, cols, cz = _plan(n, r, t, causal, m is not None)
         bk, bv = (k, v) if t == 0 else (_repeat(kv[0], rep), _repeat(kv[1], rep))
-        g = _block_backward(_cut(do, rows, c), _cut(q, rows, c), _cut(bk, cols, c), _cut(bv, cols, c),
+        g = block_backward(_cut(do, rows, c), _cut(q, rows, c), _cut(bk, cols, c), _cut(bv, cols, c),
                             _cut(out, rows, c), _cut(lse, rows, c), cz, m, scale)
         dq = dq + g[0].float() if rows == "all" else torch.cat([dq[:, :, :c], dq[:, :, c:] + g[0].float()], 2)
         dkv = [_group_sum(d.float(), rep) for d in g[1:]]
@@ -232,13 +261,19 @@ def ring_impl(op, axis: int, rep: int = 1):
     """The local implementation of attention op ``op`` (SDPA forward, its CPU flash forward or
     backward) on ring axis ``axis``, whose key and value are ``rep`` copies of each KV head
     (``kv_repeat``): impl(ctx, *args, **kwargs) like the op's outputs."""
+    kernel = op.namespace == "autopar"  # autopar::flash_attention(q, k, v, bias, causal, scale) and its backward
+
     def impl(ctx, *args, **kwargs):
         a = _bind(op, args, kwargs)
+        if kernel:
+            a = {"grad_out": a.get("do"), "query": a["q"], "key": a["k"], "value": a["v"], "out": a.get("out"),
+                 "logsumexp": a.get("lse"), "attn_mask": a["bias"], "is_causal": a["causal"], "scale": a["scale"]}
+            a = {k: v for k, v in a.items() if v is not None or k in ("attn_mask", "scale")}
         causal, mask, scale = bool(a.get("is_causal")), a.get("attn_mask"), a.get("scale")
         if "grad_out" in a:
             return ring_backward(ctx, axis, a["grad_out"], a["query"], a["key"], a["value"], a["out"],
-                                 a["logsumexp"], causal, mask, scale, rep)
-        out, lse = ring_forward(ctx, axis, a["query"], a["key"], a["value"], causal, mask, scale, rep)
+                                 a["logsumexp"], causal, mask, scale, rep, kernel)
+        out, lse = ring_forward(ctx, axis, a["query"], a["key"], a["value"], causal, mask, scale, rep, kernel)
         return out if len(op._schema.returns) == 1 else (out, lse)  # SDPA itself (eval): the output only
 
     return impl

@@ -76,6 +76,29 @@ def test_ring_math_blocks_parity(pools, references):
     assert_parity(references("hf_llama"), out, "hf_llama")
 
 
+def _kernels_parity_job(name, axes, plan):
+    """parity_job with autopar's attention kernel lowered into the graph (``kernels="on"``), run
+    by its PyTorch reference (Triton's interpreter takes about a minute here: checked by hand,
+    README); the ring's blocks call ``autopar::flash_attention``, KV heads not repeated."""
+    from autopar.kernels.ops import reference
+    from autopar.testing import parity_job
+
+    with reference():
+        return parity_job(name, axes, plan, evaluate=False, kernels="on")
+
+
+@pytest.mark.parametrize("name", ["llama", "hf_llama"])
+def test_ring_kernel_ops_parity(pools, references, name):
+    out = pools(2).run(_kernels_parity_job, name, {"cp": 2}, {"cp": "context"})
+    assert "ring attention (cp=context)" in out["rules"]
+    assert_parity(references(name), out, name)
+    # the kernel reads KV heads once per group: the ring ships h_kv heads (as it does for the
+    # repeated heads of the default path)
+    b, s, h_kv, layers, steps = 4, 16, 32, 2, out["steps"]
+    shift = out["measured"]["shift@cp"]["wire_bytes"]
+    assert shift == steps * layers * (2 * b * s * h_kv // 2 + 2 * b * s * h_kv * 3 // 2) * 4
+
+
 def test_ring_in_pipeline_parity(pools, references):
     # pp x cp on 4 ranks (1f1b): each stage runs the ring on its cp sub-mesh; the stages hand each
     # other sequence shards in the load-balanced layout (cp rank r of stage 0 -> cp rank r of stage 1)
