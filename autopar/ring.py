@@ -16,7 +16,9 @@ block computed with it.
 Backward: the K/V blocks go round again, each with the gradient accumulators dK, dV of its
 owner; each step adds this rank's contribution (the fused backward given the merged output and
 log-sum-exp, which makes a block's gradient exact); after n steps one more shift hands each
-accumulator back to its owner. Per rank and layer: forward 2·(n-1) K/V block shifts, backward
+accumulator back to its owner. The next K/V block and the previous step's accumulators are in
+flight while a step's block computes (forward likewise: the next block while this one computes);
+the overlap pass keeps that order (each wait just before its first user). Per rank and layer: forward 2·(n-1) K/V block shifts, backward
 2·(n-1) K/V and 2·n dK/dV block shifts; a block is b·(s/n)·h_kv·d elements.
 
 A shift is one ``all_to_all_single`` whose input goes to one peer only (``_c10d_functional``:
@@ -225,6 +227,7 @@ def ring_backward(ctx, axis: int, do, q, k, v, out, lse, causal: bool, mask, sca
     kv = (_one_per_group(k, rep), _one_per_group(v, rep))
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     acc = tuple(torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in kv)
+    sent = None  # the accumulators of the previous step, in flight while this step's block computes
     for t in range(n):
         buf = _issue(ctx, axis, kv) if t < n - 1 else None  # K/V travel while this block computes
         j = (r - t) % n
@@ -235,11 +238,14 @@ def ring_backward(ctx, axis: int, do, q, k, v, out, lse, causal: bool, mask, sca
                             _cut(out, rows, c), _cut(lse, rows, c), cz, m, scale)
         dq = dq + g[0].float() if rows == "all" else torch.cat([dq[:, :, :c], dq[:, :, c:] + g[0].float()], 2)
         dkv = [_group_sum(d.float(), rep) for d in g[1:]]
+        if sent is not None:
+            acc = _take(sent, acc)
         acc = tuple(a + d if cols == "all" else torch.cat([a[:, :, :c] + d, a[:, :, c:]], 2)
                     for a, d in zip(acc, dkv))
-        acc = _take(_issue(ctx, axis, acc), acc)  # the accumulators follow their block (the last: home)
+        sent = _issue(ctx, axis, acc)  # the accumulators follow their block (after the last step: home)
         if buf is not None:
             kv = _take(buf, kv)
+    acc = _take(sent, acc)
     dk, dv = (_repeat(a / rep, rep) if rep > 1 else a for a in acc)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
