@@ -12,6 +12,8 @@ sequence 2·cp does not divide.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -76,20 +78,22 @@ def test_ring_math_blocks_parity(pools, references):
     assert_parity(references("hf_llama"), out, "hf_llama")
 
 
-def _kernels_parity_job(name, axes, plan):
+def _kernels_parity_job(name, axes, plan, triton: bool):
     """parity_job with autopar's attention kernel lowered into the graph (``kernels="on"``), run
-    by its PyTorch reference (Triton's interpreter takes about a minute here: checked by hand,
-    README); the ring's blocks call ``autopar::flash_attention``, KV heads not repeated."""
+    by its PyTorch reference, or with ``triton`` by the Triton kernels (Triton's interpreter on
+    CPU: 20 to 60 s a case here, so only with AUTOPAR_TEST_TRITON=1); the ring's blocks call
+    ``autopar::flash_attention``, KV heads not repeated."""
     from autopar.kernels.ops import reference
     from autopar.testing import parity_job
 
-    with reference():
-        return parity_job(name, axes, plan, evaluate=False, kernels="on")
+    with reference(not triton):
+        return parity_job(name, axes, plan, evaluate=triton, kernels="on")
 
 
 @pytest.mark.parametrize("name", ["llama", "hf_llama"])
 def test_ring_kernel_ops_parity(pools, references, name):
-    out = pools(2).run(_kernels_parity_job, name, {"cp": 2}, {"cp": "context"})
+    triton = os.environ.get("AUTOPAR_TEST_TRITON") == "1"
+    out = pools(2).run(_kernels_parity_job, name, {"cp": 2}, {"cp": "context"}, triton)
     assert "ring attention (cp=context)" in out["rules"]
     assert_parity(references(name), out, name)
     # the kernel reads KV heads once per group: the ring ships h_kv heads (as it does for the
