@@ -149,6 +149,18 @@ def test_ring_bytes_per_layer(fake, cp):
     assert all(r.payload_bytes == 4 or r.reason.startswith(("bucket of", "gradient of")) for r in others)
 
 
+def test_ring_lowers_activation_memory(fake):
+    from autopar.analysis.cost import predict_memory
+
+    x = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
+    peak = {cp: predict_memory(_compile(fake, "llama", {"cp": cp}, {"cp": "context"}, batch=(x, x)))
+            for cp in (1, 2, 4)}
+    assert peak[1]["parameters"] == peak[2]["parameters"] == peak[4]["parameters"]  # replicated on cp
+    for cp in (2, 4):  # every activation is divided by cp (attention's: this rank's queries, one K/V block)
+        ratio = peak[cp]["peak_activations"] / peak[1]["peak_activations"]
+        assert ratio == pytest.approx(1 / cp, rel=0.15), (cp, ratio)
+
+
 def test_ring_bad_inputs(fake):
     # 2·cp chunks: a sequence of 6 divides by cp=2 (ulysses runs it) but not by 4
     x = torch.randint(0, 256, (4, 6))
