@@ -65,7 +65,7 @@ def fmt_placements(ps) -> str:
 class CommRecord:
     """One collective the program performs, with why it is there."""
 
-    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | send (pipeline P2P) | local (no comm)
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | shift (ring) | send (pipeline P2P) | local
     axis: str  # mesh axis name
     group_size: int
     payload_bytes: int  # size of the tensor handed to the collective on this rank
@@ -95,7 +95,8 @@ def ring_bytes(kind: str, payload_bytes: int, n: int) -> float:
         return (n - 1) / n * payload_bytes
     if kind == "all_gather":
         return (n - 1) * payload_bytes
-    if kind in ("send", "broadcast"):  # point to point between pipeline stages; a root's broadcast
+    if kind in ("send", "broadcast", "shift"):  # point to point between pipeline stages; a root's broadcast;
+        # a ring shift (an all_to_all whose input goes to one peer: ring attention's K/V blocks)
         return float(payload_bytes)
     return 0.0
 

@@ -34,7 +34,7 @@ from autopar.ir import ShardSpec, fmt_placements, info, tensor_args
 aten = torch.ops.aten
 
 # strategy name -> how it lays out activations between its parallel regions
-ACTIVATION_LAYOUT = {"sequence": "sequence", "ulysses": "ulysses"}
+ACTIVATION_LAYOUT = {"sequence": "sequence", "ulysses": "ulysses", "context": "ring"}
 FLAT = "flat"  # a value whose dim 0 is batch x sequence merged
 
 
@@ -196,15 +196,22 @@ def check_context_parallel(program, ctx) -> None:
     axes = getattr(ctx, "cp_axes", [])
     if not axes or ctx.boundary is not None:
         return
-    k = ctx.prod(axes)
+    ring = ring_axes(ctx)
+    if len(ring) > 1:
+        raise PlanError("ring attention ({\"cp\": \"context\"}) runs on one mesh axis, the plan names "
+                        f"{len(ring)}: {', '.join(repr(ctx.axis_names[a]) for a in ring)}",
+                        where="plan", fix="merge them into one context-parallel axis")
+    k = ctx.prod(axes) * (2 if ring else 1)  # the ring's load-balanced layout: 2·cp chunks
     for i, (n, role) in enumerate(zip((n for n in program.graph.nodes if n.op == "placeholder"), program.inputs)):
         val = n.meta.get("val")
         if role[0] != "input" or not isinstance(val, torch.Tensor) or val.ndim < 2 or val.shape[1] % k == 0:
             continue
         names = ", ".join(f"'{ctx.axis_names[a]}'" for a in axes)
+        chunks = f"2 x the ranks of mesh axis {names} ({k}: the ring's load-balanced layout cuts the sequence " \
+                 f"into 2·cp chunks)" if ring else f"the ranks of mesh axis {names} ({k})"
         raise PlanError(
             f"context parallelism needs the sequence length (dim 1 of input #{role[1]}, shape {list(val.shape)}: "
-            f"{val.shape[1]}) to be divisible by the ranks of mesh axis {names} ({k})",
+            f"{val.shape[1]}) to be divisible by {chunks}",
             where=", ".join(f"plan[{ctx.axis_names[a]!r}] = {ctx.plan.axes[a].strategy!r}" for a in axes),
             fix=f"use a sequence length that is a multiple of {k} (pad it), or fewer ranks on {names}")
 
@@ -249,3 +256,48 @@ def ulysses_reason(a: fx.Node, have, want, ctx) -> str | None:
             return (f"ulysses ({name}=ulysses): all-to-all from head shards back to sequence shards after "
                     f"attention, {fmt_placements(have)} -> {fmt_placements(want)}")
     return None
+
+
+# ---------------------------------------------------------------------------------------
+# ring attention: {"cp": "context"} (Liu et al. 2023; the load-balanced causal layout of
+# Brandon et al. 2023 / zigzag ring attention)
+#
+# The sequence is cut into 2·cp chunks; rank r of the axis holds chunks r and 2·cp-1-r, in that
+# order, so that under a causal mask every rank has the same attention work. A Shard(d) on a ring
+# axis MEANS this layout everywhere (not torch.chunk's contiguous one): the inputs are sliced so
+# (runtime/common.py local_inputs), a replicated value read sharded takes the same two chunks (the
+# RoPE tables, in-graph position ids: positions follow the layout), an all-gather puts the chunks
+# back in order (eval logits), a reduce-scatter hands each rank its two chunks. Ops that keep the
+# sequence position-wise (embeddings, norms, MLP, RoPE, the loss's sums) need nothing else;
+# attention runs the ring (autopar/ring.py).
+
+
+def ring_axes(ctx) -> list[int]:
+    """Mesh axes (of size > 1) whose strategy is "context" (ring attention)."""
+    return [i for i, ap in enumerate(ctx.plan.axes)
+            if ACTIVATION_LAYOUT.get(ap.strategy) == "ring" and ctx.axis_sizes[i] > 1]
+
+
+def zigzag_index(length: int, n: int, r: int) -> list[int]:
+    """The positions rank ``r`` of ``n`` holds of a dim of ``length``: chunks r and 2n-1-r of 2n."""
+    c = length // (2 * n)
+    return list(range(r * c, (r + 1) * c)) + list(range((2 * n - 1 - r) * c, (2 * n - r) * c))
+
+
+def zigzag_take(x: torch.Tensor, dim: int, n: int, r: int) -> torch.Tensor:
+    """Rank ``r``'s part of ``x`` along ``dim`` (a copy): chunks r and 2n-1-r of 2n."""
+    pieces = torch.chunk(x, 2 * n, dim=dim)
+    return torch.cat([pieces[r], pieces[2 * n - 1 - r]], dim=dim)
+
+
+def zigzag_order(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """``x`` whose ``dim`` holds the ranks' parts side by side in rank order (an all-gather's
+    result), put back in sequence order."""
+    pieces = torch.chunk(x, 2 * n, dim=dim)  # rank r's: pieces 2r (chunk r), 2r+1 (chunk 2n-1-r)
+    return torch.cat([pieces[2 * i] for i in range(n)] + [pieces[2 * i + 1] for i in reversed(range(n))], dim=dim)
+
+
+def zigzag_unorder(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """The inverse of ``zigzag_order``: a whole ``dim`` laid out as the ranks' parts in rank order
+    (what a reduce-scatter hands out in pieces)."""
+    return torch.cat([zigzag_take(x, dim, n, r) for r in range(n)], dim=dim)

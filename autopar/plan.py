@@ -70,8 +70,10 @@ DATA_PARALLEL = set(ZERO_LEVEL)
 # Context parallelism (autopar/layout.py, ``CONTEXT_PARALLEL``): the batch's sequence dim is sharded
 # over the axis everywhere; parameters replicated on it, their gradients all-reduced over it (its ranks
 # see different tokens, as data-parallel ranks see different sequences). "ulysses": an all-to-all turns
-# sequence shards into head shards for attention and back (DeepSpeed-Ulysses)
-CONTEXT_PARALLEL = {"ulysses"}
+# sequence shards into head shards for attention and back (DeepSpeed-Ulysses). "context": ring attention,
+# the sequence in a load-balanced layout (2·cp chunks, rank i holds i and 2·cp-1-i), K/V passed around
+# the ring at attention (autopar/ring.py)
+CONTEXT_PARALLEL = {"ulysses", "context"}
 PRESETS: dict[str, list[tuple[str, Placement]]] = {
     **{s: [("*", R)] for s in ZERO_LEVEL}, "megatron": MEGATRON, "sequence": MEGATRON,
     **{s: [("*", R)] for s in CONTEXT_PARALLEL}}

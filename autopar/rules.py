@@ -25,7 +25,8 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from autopar.errors import PlanError
 from autopar.ir import ShardSpec, source_line
-from autopar.layout import ulysses_axes
+from autopar.layout import ring_axes, ulysses_axes
+from autopar.ring import kv_repeat, ring_impl
 
 aten = torch.ops.aten
 R = Replicate()
@@ -90,15 +91,33 @@ def _attention_rule(q_pos: int, n_tensor_in: int, n_out: int | None):
         if cp:  # {"cp": "ulysses"}: heads sharded over the axis (autopar/layout.py), whatever q holds
             _check_heads_divide(node, in_specs[q_pos:q_pos + 3], cp, ctx)
             want = tuple(Shard(1) if a in cp else p for a, p in enumerate(want))
+        ring = ring_axes(ctx)
+        if ring:  # {"cp": "context"}: the sequence stays sharded, the ring runs inside (autopar/ring.py)
+            _check_ring(node, ctx)
+            want = tuple(Shard(2) if a in ring else p for a, p in enumerate(want))
         ins = [want] * n_tensor_in
         for mask in in_specs[n_tensor_in:]:  # attn_mask [B|1, H|1, S, S]: shard where not broadcast
             m = tuple(p if isinstance(p, Shard) and mask.shape[p.dim] == q.shape[p.dim] and len(mask.shape) == 4
-                      else R for p in want)
+                      and a not in ring else R for a, p in enumerate(want))
             ins.append(m)
         outs = want if n_out is None else tuple(want for _ in range(n_out))
+        if ring:
+            name = ctx.axis_names[ring[0]]
+            return RuleResult(ins, outs, ring_impl(node.target, ring[0], kv_repeat(node)),
+                              f"ring attention ({name}=context)")
         return RuleResult(ins, outs, None, "attention over batch/heads")
 
     return attention_rule
+
+
+def _check_ring(node, ctx) -> None:
+    """Ring attention takes what the fused CPU op takes, without dropout."""
+    names = [a.name for a in node.target._schema.arguments]
+    args = {**dict(zip(names, node.args)), **node.kwargs}
+    if args.get("dropout_p", 0.0) or args.get("enable_gqa", False):
+        what = "attention dropout" if args.get("dropout_p", 0.0) else "enable_gqa"
+        raise PlanError(f"ring attention ({{'cp': 'context'}}) does not run {what}", where=source_line(node) or node.name,
+                        fix="set the attention dropout to 0 / repeat the KV heads, or use {'cp': 'ulysses'}")
 
 
 def _check_heads_divide(node, qkv: list[ShardSpec], axes: list[int], ctx) -> None:

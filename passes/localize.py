@@ -32,6 +32,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, 
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.errors import ShardingError
+from autopar.layout import ring_axes, zigzag_order, zigzag_take, zigzag_unorder
 from autopar.ir import (
     CommRecord,
     Program,
@@ -249,9 +250,13 @@ def _dropout(n: fx.Node, x: torch.Tensor, ctx):
 
 def apply_redistribute(x: torch.Tensor, src, dst, spec, ctx) -> torch.Tensor:
     """Carry out collectives.plan_steps with explicit functional collectives."""
+    ring = ring_axes(ctx)
     for a, p, q in plan_steps(src, dst):
         n, group = ctx.axis_sizes[a], ctx.group_name(a)
         if n == 1:  # one rank on this axis: every placement change is the identity
+            continue
+        if a in ring:  # a ring axis's shards are the load-balanced layout (autopar/layout.py)
+            x = _ring_redistribute(x, p, q, n, a, group, ctx)
             continue
         if isinstance(p, Partial) and isinstance(q, Replicate):
             x = c10d.wait_tensor(c10d.all_reduce(x, _reduce_op(p), group))
@@ -296,6 +301,46 @@ def apply_redistribute(x: torch.Tensor, src, dst, spec, ctx) -> torch.Tensor:
     return x
 
 
+def _ring_redistribute(x: torch.Tensor, p, q, n: int, a: int, group: str, ctx) -> torch.Tensor:
+    """One step on a ring axis, whose Shard(d) is rank r's chunks r and 2n-1-r of 2n along d (a
+    strided shard: of each of its split_factor blocks of d)."""
+    r = ctx.coord[a]
+
+    def blocks(t, d, sf):  # t's dim d as [sf, length/sf] (sf = 1: plain Shard)
+        shape = tuple(t.shape)
+        return t.reshape(*shape[:d], sf, shape[d] // sf, *shape[d + 1:])
+
+    def sf_of(pl):
+        return pl.split_factor if isinstance(pl, _StridedShard) else 1
+
+    if isinstance(p, Replicate) and isinstance(q, (Shard, _StridedShard)):
+        shape = list(x.shape)
+        shape[q.dim] //= n
+        return zigzag_take(blocks(x, q.dim, sf_of(q)), q.dim + 1, n, r).reshape(shape).contiguous()
+    if isinstance(p, Partial) and isinstance(q, Shard):  # the chunks in rank order, then a plain reduce-scatter
+        d = q.dim
+        x = zigzag_unorder(x, d, n)
+        if d != 0:  # the n pieces along d, stacked along dim 0
+            shape = tuple(x.shape)
+            x = x.reshape(*shape[:d], n, shape[d] // n, *shape[d + 1:]).movedim(d, 0).reshape(
+                n * shape[0], *shape[1:d], shape[d] // n, *shape[d + 1:])
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(x.contiguous(), _reduce_op(p), n, group))
+    if isinstance(p, (Shard, _StridedShard)) and isinstance(q, (Replicate, Partial)):
+        d, sf, local = p.dim, sf_of(p), tuple(x.shape)
+        g = c10d.wait_tensor(c10d.all_gather_into_tensor(x.contiguous(), n, group))
+        # [n, ..., sf, block/n, ...] -> [..., sf, n·block/n, ...] with the ranks' parts in rank order
+        g = g.view(n, *local[:d], sf, local[d] // sf, *local[d + 1:]).movedim(0, d + 1)
+        g = g.reshape(*local[:d], sf, n * local[d] // sf, *local[d + 1:])
+        out = zigzag_order(g, d + 1, n).reshape(*local[:d], n * local[d], *local[d + 1:])
+        return out if isinstance(q, Replicate) or r == 0 else torch.zeros_like(out)
+    if isinstance(p, Replicate) and isinstance(q, Partial):
+        return x if r == 0 else torch.zeros_like(x)
+    if isinstance(p, Partial) and isinstance(q, Replicate):  # a sum: the layout does not matter
+        return c10d.wait_tensor(c10d.all_reduce(x, _reduce_op(p), group))
+    raise ShardingError(f"cannot move {p} -> {q} on mesh axis '{ctx.axis_names[a]}' (ring attention's "
+                        "load-balanced layout)", fix="report it; meanwhile use {'cp': 'ulysses'} on that axis")
+
+
 def _all_to_all(x: torch.Tensor, gather_dim: int, split_dim: int, n: int, group: str) -> torch.Tensor:
     """Shard(gather_dim) -> Shard(split_dim) on one mesh axis of ``n`` ranks: one all-to-all (what
     DTensor does; Ulysses' sequence <-> heads swap). The ``n`` pieces of ``split_dim`` are stacked
@@ -322,6 +367,8 @@ def _annotate_collectives(graph: fx.Graph, origins, ctx) -> None:
         if n.op != "call_function" or n.target not in COLLECTIVES:
             continue
         kind = COLLECTIVES[n.target]
+        if kind == "all_to_all" and len(set(n.args[2] or [])) > 1:  # input to one peer: a ring shift
+            kind = "shift"
         group = n.args[-1]
         a = ctx.axis_of_group(group)
         inp = n.args[0].meta["val"]

@@ -348,7 +348,8 @@ def comm_seconds(r: CommRecord, links) -> float:
     if r.group_size <= 1:
         return 0.0
     alpha, bw = links[r.axis]
-    steps = 2 * (r.group_size - 1) if r.kind == "all_reduce" else r.group_size - 1
+    # a ring shift (ring attention) is one hop: one latency
+    steps = 2 * (r.group_size - 1) if r.kind == "all_reduce" else 1 if r.kind == "shift" else r.group_size - 1
     return steps * alpha + r.wire_bytes / bw
 
 

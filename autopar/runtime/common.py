@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.tensor.placement_types import Shard
 
 from autopar.errors import InputError
+from autopar.layout import ring_axes, zigzag_take
 
 
 class LossScaler:
@@ -80,8 +81,11 @@ def local_inputs(inputs, n_expected: int, example_shapes, input_mode: str, ctx, 
                 where=f"input #{i}", fix="pass batches of the compiled shape, or compile again for this one")
         x = x.to(ctx.device)
         if input_mode == "global":
+            ring = ring_axes(ctx)
             for a, p in enumerate(pl):
-                if isinstance(p, Shard):
+                if isinstance(p, Shard) and a in ring:  # the ring's load-balanced layout (autopar/layout.py)
+                    x = zigzag_take(x, p.dim, ctx.axis_sizes[a], ctx.coord[a])
+                elif isinstance(p, Shard):
                     x = torch.chunk(x, ctx.axis_sizes[a], dim=p.dim)[ctx.coord[a]]
         out.append(x.contiguous())
     return out

@@ -165,6 +165,10 @@ class CommMeter(TorchDispatchMode):
         group = dist.ProcessGroup.unbox(named["process_group"])
         n = group.size()
         nbytes = sum(t.numel() * t.element_size() for t in _tensors(named[payload_arg]))
+        if kind == "all_to_all" and len(set(named.get("input_split_sizes") or [])) > 1:
+            kind = "shift"  # uneven splits: what leaves the rank is its input less its own split
+            rows = max(_tensors(named[payload_arg])[0].shape[0], 1)
+            nbytes = nbytes * (rows - list(named["input_split_sizes"])[group.rank()]) // rows
         if kind in ("send", "recv") and self.p2p_axis is not None:
             axis = self.p2p_axis
         else:
