@@ -273,8 +273,12 @@ def ulysses_reason(a: fx.Node, have, want, ctx) -> str | None:
 
 
 def ring_axes(ctx) -> list[int]:
-    """Mesh axes (of size > 1) whose strategy is "context" (ring attention)."""
-    return [i for i, ap in enumerate(ctx.plan.axes)
+    """Mesh axes (of size > 1) whose strategy is "context" (ring attention); none for a context
+    without a plan (a lone redistribution)."""
+    plan = getattr(ctx, "plan", None)
+    if plan is None:
+        return []
+    return [i for i, ap in enumerate(plan.axes)
             if ACTIVATION_LAYOUT.get(ap.strategy) == "ring" and ctx.axis_sizes[i] > 1]
 
 
