@@ -243,9 +243,10 @@ def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, input
     budget = parse_budget(memory_budget)
     example_inputs = tuple(example_inputs)
     lower = _kernels_option(kernels, mesh)
-    already = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    already = [n for n, p in model.named_parameters()
+               if isinstance(p, DTensor) or getattr(p, "_autopar_placed", False)]
     if already:
-        raise PlanError(f"the model's parameters are already DTensors ({already[0]}, ...): it was compiled "
+        raise PlanError(f"the model's parameters were already placed by autopar ({already[0]}, ...): it was compiled "
                         "before, and autopar.compile replaces a module's parameters in place",
                         where="autopar.compile(model)", fix="build a fresh model (or deep-copy it) for each compile")
     if isinstance(plan, str):

@@ -19,6 +19,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 from autopar.ir import info
+from autopar.runtime.common import full_tensor
 
 _TIMEOUT_S = float(os.environ.get("AUTOPAR_POOL_TIMEOUT", "600"))
 
@@ -262,13 +263,13 @@ def parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: float = 1e
             pm.track_memory()
         loss = pm.train_step(*batches[i % len(batches)])
         losses.append(loss.item())
-        grads.append({n: p.grad.full_tensor().detach() if p.grad is not None else None
+        grads.append({n: full_tensor(p.grad).detach() if p.grad is not None else None
                       for n, p in pm.named_parameters()})
         opt.step()
         if i == steps - 1:
             memory = pm.memory_report(opt)
         opt.zero_grad()
-    params = {n: p.detach().full_tensor() for n, p in pm.named_parameters()}
+    params = {n: full_tensor(p.detach()) for n, p in pm.named_parameters()}
     measured = pm.counter.summary()
     evaluated = pm(batches[0][0]) if evaluate else None
     records = [copy.copy(r) for r in pm.collectives()]
@@ -277,7 +278,7 @@ def parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: float = 1e
     predicted = {k: v for k, v in predict_memory(pm).items() if k != "alive_at_peak"}
     return {"predicted_memory": predicted, "losses": losses, "grads": grads, "params": params, "records": records,
             "measured": measured, "steps": steps, "eval": evaluated, "memory": memory,
-            "placements": {n: str(p.placements) for n, p in pm.named_parameters()},
+            "placements": {n: str(pm.ctx.placed.placements[n]) for n, _ in pm.named_parameters()},
             "skipped": pm.skipped_steps, "accumulate": pm.accumulate,
             "rules": sorted({info(n).rule.name for n in pm.program.graph.nodes if info(n).rule is not None}),
             }
@@ -318,10 +319,12 @@ def api_job():
         except autopar.InputError as e:
             errors[mode] = str(e)
     out["errors"] = errors
-    # AdamW over DTensor parameters: state lives with the shard
+    # ddp replicates every parameter: plain nn.Parameters (a sharded plan's are DTensors, their
+    # optimizer state sharded with them); AdamW's state is plain tensors too
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     opt.step()
     out["param_types"] = sorted({type(p).__name__ for p in pm.parameters()})
+    out["state_types"] = sorted({type(v).__name__ for st in opt.state.values() for v in st.values()})
     return out
 
 
@@ -373,10 +376,10 @@ def pipeline_parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: f
         if track_memory and i == steps - 1:
             pm.track_memory()
         losses.append(pm.train_step(*batches[i % len(batches)]).item())
-        grads.append({n: p.grad.full_tensor().detach() for n, p in pm.named_parameters()})
+        grads.append({n: full_tensor(p.grad).detach() for n, p in pm.named_parameters()})
         opt.step()
         opt.zero_grad()
-    params = {n: p.detach().full_tensor() for n, p in pm.named_parameters()}
+    params = {n: full_tensor(p.detach()) for n, p in pm.named_parameters()}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (params, grads, pm.counter.summary(), pm.predicted_bytes(), pm.in_flight,
                                       [s.spec.index for s in pm.stages.values()], pm.predicted_in_flight(),

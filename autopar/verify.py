@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from autopar.runtime.common import full_tensor
+
 
 @dataclass
 class VerifyReport:
@@ -80,7 +82,7 @@ def verify(model, mesh, *, example_inputs, loss_fn=None, plan=None, batches=None
         step_max = 0.0
         for n, p in pm.named_parameters():
             ref = eager.get_parameter(n).grad / scale
-            d = (p.grad.full_tensor().detach() - ref).abs().max().item()
+            d = (full_tensor(p.grad).detach() - ref).abs().max().item()
             step_max = max(step_max, d)
             if d > worst[1]:
                 worst = (n, d)
@@ -92,7 +94,7 @@ def verify(model, mesh, *, example_inputs, loss_fn=None, plan=None, batches=None
         eager_opt.step()
         eager_opt.zero_grad()
     eager_params = dict(eager.named_parameters())
-    param_diff = max((p.detach().full_tensor() - eager_params[n].detach()).abs().max().item()
+    param_diff = max((full_tensor(p.detach()) - eager_params[n].detach()).abs().max().item()
                      for n, p in pm.named_parameters())
     return VerifyReport(ref_losses, losses, max(abs(a - b) for a, b in zip(ref_losses, losses)), grad_diffs,
                         param_diff, worst[0], tol)

@@ -39,6 +39,7 @@ def load_job(path: str, a, axes: dict, plan: dict) -> list:
     from transformers import LlamaForCausalLM
 
     import autopar
+    from autopar.runtime.common import local_tensor
     from autopar.testing import _ce
 
     with autopar.init_empty_weights():
@@ -49,7 +50,7 @@ def load_job(path: str, a, axes: dict, plan: dict) -> list:
                          capture_eval=False)
     compile_s = time.perf_counter() - t0
     rep = pm.load_pretrained(path, verbose=False)
-    shards = sum(p.to_local().numel() * p.element_size() for p in pm.parameters())
+    shards = sum(local_tensor(p).numel() * p.element_size() for p in pm.parameters())
     row = (dist.get_rank(), rep.bytes_read, shards, rep.rss_peak - rep.rss_before, rep.rss_after - rep.rss_before,
            rep.seconds, compile_s, rep.model_bytes)
     everyone = [None] * dist.get_world_size()

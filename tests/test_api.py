@@ -1,4 +1,4 @@
-"""The user contract: decorator form, global vs local batches, state_dict, AdamW on DTensors."""
+"""The user contract: decorator form, global vs local batches, state_dict, AdamW on the parameters."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ def test_user_contract_on_two_ranks(pools):
     out = pools(2).run(api_job)
     assert out["decorated_type"] == "ParallelModule"
     assert "embed_tokens.weight" in out["state_dict_keys"]
-    assert out["param_types"] == ["DTensor"]
+    assert out["param_types"] == ["Parameter"]  # ddp: every parameter replicated, stored plain
+    assert out["state_types"] == ["Tensor"]
     # a local batch on a program compiled for local batches gives the same loss as the global one
     assert abs(out["loss_global"] - out["loss_local"]) < 1e-6
     # and the wrong kind of batch is a clear error that says which flag to use

@@ -21,6 +21,7 @@ from autopar.errors import PlanError
 from autopar.ir import CommRecord, info
 from autopar.models import zoo
 from autopar.passes.bucket import Reduction, assign_buckets, block_of, bucket_gradient_reductions
+from autopar.runtime.common import full_tensor
 
 c10d = torch.ops._c10d_functional
 REDUCTIONS = (c10d.all_reduce.default, c10d.reduce_scatter_tensor.default)
@@ -209,7 +210,7 @@ def bucket_numerics_job(strategy: str, options: dict):
         pm = autopar.compile(model, autopar.mesh(dp=2), example_inputs=batches[0], loss_fn=loss_fn,
                              plan={"dp": strategy}, capture_eval=False, bucket_mb=mb, **options)
         pm.train_step(*batches[0])
-        grads = {n: p.grad.full_tensor() for n, p in pm.named_parameters()}
+        grads = {n: full_tensor(p.grad) for n, p in pm.named_parameters()}
         out[mb] = (grads, len([r for r in pm.collectives() if is_grad(r)]))
     return out
 

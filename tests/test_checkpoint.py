@@ -18,6 +18,7 @@ import torch
 import autopar
 from autopar.runtime.checkpoint import MARKER, CheckpointManager, read_marker
 from autopar.testing import build_model
+from autopar.runtime.common import full_tensor
 
 STEPS = 5
 LR = 1e-2
@@ -41,7 +42,7 @@ def _step(pm, opt, batches) -> float:
 
 
 def _full(pm) -> dict[str, torch.Tensor]:
-    return {n: p.detach().full_tensor().clone() for n, p in pm.named_parameters()}  # (Replicate: no copy)
+    return {n: full_tensor(p.detach()).clone() for n, p in pm.named_parameters()}  # (Replicate: no copy)
 
 
 def fsdp_job(root: str) -> dict:

@@ -15,6 +15,8 @@ import torch
 
 import autopar
 from autopar.testing import FP16_TEST_SCALE, build_model
+from autopar.runtime.common import full_tensor, local_tensor
+from torch.distributed.tensor import DTensor
 
 LR = 1e-2
 STEPS = 2
@@ -87,17 +89,18 @@ def clip_job(name: str, axes: dict, plan: dict, max_norms: list[float], **option
         out["before_step"] = str(e)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
     mine = dict(pm.named_parameters())
+    placements = {n: p.placements if isinstance(p, DTensor) else pm.ctx.placed.placements[n] for n, p in mine.items()}
     for i in range(STEPS):
         out["losses"].append(pm.train_step(*batches[i]).item())
         if i == 0:
-            out["raw"] = _gather({n: p.grad.full_tensor() for n, p in mine.items()})
+            out["raw"] = _gather({n: full_tensor(p.grad) for n, p in mine.items()})
             out["inf"] = pm.clip_grad_norm_(1e9, norm_type=math.inf).item()  # (scales by 1: nothing changes)
             out["p3"] = pm.clip_grad_norm_(1e9, norm_type=3).item()
             # only the gradients replicated on some axis: each must count once, not once per replica
-            locals_ = {n: p.grad.to_local() for n, p in mine.items()}
+            locals_ = {n: local_tensor(p.grad) for n, p in mine.items()}
             saved = {n: t.clone() for n, t in locals_.items()}
             out["replicated"] = sorted(_gather({n: None for n, p in mine.items()
-                                                if any(isinstance(pl, Replicate) for pl in p.placements)}))
+                                                if any(isinstance(pl, Replicate) for pl in placements[n])}))
             for n, t in locals_.items():
                 if n not in out["replicated"]:
                     t.zero_()
@@ -108,14 +111,14 @@ def clip_job(name: str, axes: dict, plan: dict, max_norms: list[float], **option
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (total.item(), str(total.dtype), total.shape, type(total).__name__))
         out["totals"].append(everyone)
-        out["grads"].append(_gather({n: p.grad.full_tensor() for n, p in mine.items()}))
+        out["grads"].append(_gather({n: full_tensor(p.grad) for n, p in mine.items()}))
         opt.step()
         opt.zero_grad()
-    out["params"] = _gather({n: p.detach().full_tensor() for n, p in mine.items()})
+    out["params"] = _gather({n: full_tensor(p.detach()) for n, p in mine.items()})
     # a non-finite gradient on rank 0 only: every rank must raise (none may wait in a collective)
     pm.train_step(*batches[0])
     if dist.get_rank() == 0:
-        next(iter(mine.values())).grad.to_local().view(-1)[0] = float("inf")
+        local_tensor(next(iter(mine.values())).grad).view(-1)[0] = float("inf")
     try:
         pm.clip_grad_norm_(1.0, error_if_nonfinite=True)
         raised = None

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from autopar.runtime.dropout import call_key, eager_dropout, keep_mask
+from autopar.runtime.common import full_tensor
 
 P = 0.1
 
@@ -73,7 +74,7 @@ def dropout_job(name: str, axes: dict, plan: dict, steps: int = 3) -> dict:
     losses, grads = [], []
     for x, y in batches:
         losses.append(pm.train_step(x, y).item())
-        grads.append({n: p.grad.full_tensor().clone() for n, p in pm.named_parameters()})
+        grads.append({n: full_tensor(p.grad).clone() for n, p in pm.named_parameters()})
         opt.step()
         opt.zero_grad()
     masks = sum(1 for n in pm.program.local.graph.nodes if n.target is torch.ops.autopar.dropout_mask.default)

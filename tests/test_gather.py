@@ -23,6 +23,7 @@ from autopar.errors import PlanError
 from autopar.models import zoo
 from autopar.passes.bucket import block_of
 from autopar.passes.localize import c10d
+from autopar.runtime.common import full_tensor
 
 GATHER = c10d.all_gather_into_tensor.default
 
@@ -214,10 +215,10 @@ def gather_numerics_job(strategy: str, options: dict, steps: int):
         for i in range(steps):
             losses.append(float(pm.train_step(*batches[i % len(batches)])))
             if i == 0:
-                grads = {n: p.grad.full_tensor() for n, p in pm.named_parameters()}
+                grads = {n: full_tensor(p.grad) for n, p in pm.named_parameters()}
             opt.step()
             opt.zero_grad()
-        params = {n: p.full_tensor() for n, p in pm.named_parameters()}
+        params = {n: full_tensor(p) for n, p in pm.named_parameters()}
         calls = len(gathers(pm))
         out[name] = (losses, grads, params, calls)
     return out

@@ -15,6 +15,7 @@ import torch
 
 from autopar.kernels import ops  # noqa: F401 - registers torch.ops.autopar.*
 from autopar.testing import ATTENTION_CASES, run_attention_case, run_linear_act_case
+from autopar.runtime.common import full_tensor
 
 TOL = {torch.float32: 5e-6, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -90,7 +91,7 @@ def _train(name, kernels, steps=2):
         losses, grads = [], []
         for i in range(steps):
             losses.append(pm.train_step(*batches[i]).item())
-            grads.append({n: p.grad.full_tensor().clone() for n, p in pm.named_parameters()})
+            grads.append({n: full_tensor(p.grad).clone() for n, p in pm.named_parameters()})
             opt.step()
             opt.zero_grad()
         ops_in_graph = sorted({str(n.target) for n in pm.program.graph.nodes if "autopar." in str(n.target)})

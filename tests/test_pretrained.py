@@ -16,6 +16,7 @@ import torch
 
 import autopar
 from autopar.testing import _ce
+from autopar.runtime.common import full_tensor
 
 BATCH = 4
 SEQ = 16
@@ -112,7 +113,7 @@ def pretrained_job(path: str, axes: dict, plan: dict, tied: bool, build: str, ba
     out["report"] = {"per_rank": report.per_rank, "model_bytes": report.model_bytes, "line": report.line(),
                      "read_whole": report.read_whole, "tensors": report.tensors}
     out["loss"] = pm.train_step(x, y).item()
-    grads = {n: p.grad.full_tensor() for n, p in pm.named_parameters()}
+    grads = {n: full_tensor(p.grad) for n, p in pm.named_parameters()}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (grads, out.get("bad"), out.get("before_load"), report.tensors))
     out["grads"] = {k: v for g, *_ in everyone for k, v in g.items()}

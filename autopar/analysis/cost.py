@@ -41,6 +41,7 @@ import torch
 from torch import fx
 
 from autopar.ir import CommRecord, info, source_line
+from autopar.runtime.guarded import reduces_in_place
 from autopar.runtime.memory import CATEGORIES, categorize, flop_formula
 
 aten = torch.ops.aten
@@ -176,6 +177,15 @@ def program_memory(gm: fx.GraphModule, inputs, outputs, held: frozenset = frozen
         if n.op == "call_function" and "wait_tensor" in str(n.target):
             src = n.args[0]
             ks = [k for k, _ in _storages(src.meta.get("val"))]
+            kd = [k for k, _ in _storages(n.meta.get("val"))]
+            if ks and kd and ks[0] != kd[0] and ks[0] in live and kd[0] in live:
+                a, b = live[ks[0]], live.pop(kd[0])
+                a[1] = max(a[1], b[1])
+    # a gradient bucket (an all-reduce of a cat nothing else reads) is reduced in place by the
+    # guarded program that runs by default (runtime/guarded.py): one storage, not two
+    for n in nodes:
+        if n.op == "call_function" and reduces_in_place(n):
+            ks = [k for k, _ in _storages(n.args[0].meta.get("val"))]
             kd = [k for k, _ in _storages(n.meta.get("val"))]
             if ks and kd and ks[0] != kd[0] and ks[0] in live and kd[0] in live:
                 a, b = live[ks[0]], live.pop(kd[0])

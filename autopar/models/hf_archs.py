@@ -19,6 +19,8 @@ import copy
 
 import torch
 
+from autopar.runtime.common import full_tensor
+
 BATCH, SEQ, VOCAB, STEPS, LR = 4, 16, 128, 2, 1e-2
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, head_dim=16, use_cache=False,
@@ -136,12 +138,12 @@ def breadth_job(name: str, plan_name: str, debug: bool = True, **overrides) -> d
         return {k: v for d in everyone for k, v in d.items()}
 
     def gathered():  # a copy: full_tensor() of a replicated parameter is the parameter's own storage
-        return merged({n: p.detach().full_tensor().clone() for n, p in pm.named_parameters()})
+        return merged({n: full_tensor(p.detach()).clone() for n, p in pm.named_parameters()})
 
     losses, grads, params = [], [], [gathered()]
     for x, y in batches:
         losses.append(pm.train_step(x, y).item())
-        grads.append(merged({n: p.grad.full_tensor().clone() for n, p in pm.named_parameters()
+        grads.append(merged({n: full_tensor(p.grad).clone() for n, p in pm.named_parameters()
                              if p.grad is not None}))
         opt.step()
         opt.zero_grad()

@@ -11,8 +11,8 @@ One training step, the same for both (``train_step``):
 3. each stage's gradient sync program reduces the gradients summed over the micro-batches;
 4. fp16: the loss scaler unscales them and decides over the whole world whether the step
    overflowed (then ``.grad`` is left as it was);
-5. the gradients land on the parameters' ``.grad`` (DTensors in their storage placements,
-   accumulating as autograd does).
+5. the gradients land on the parameters' ``.grad`` (DTensors in their storage placements, or
+   plain tensors on plain parameters; accumulating as autograd does).
 
 Every wait of a step is bounded by ``timeout`` and woken by another rank's failure; an
 exception on one rank becomes ``RankFailure`` on every rank (autopar/runtime/failure.py).
@@ -21,7 +21,10 @@ Each rank times its steps, compute against waiting, and every ``straggler_window
 ranks compare them (autopar/runtime/steptimes.py).
 
 Parameters are the user's module's, replaced in place by DTensors with the plan's placements,
-so an unchanged ``torch.optim`` optimizer steps them and shards its state with them.
+so an unchanged ``torch.optim`` optimizer steps them and shards its state with them; where the
+plan replicates every parameter on every mesh axis (``ddp``), by plain ``nn.Parameter``s holding
+the whole tensor, as DistributedDataParallel's are (``common.plain_parameters``: the optimizer's
+ops then run at plain-tensor speed).
 
 Measuring is opt-in (it costs Python time on every op): ``measure()`` counts what the process
 hands to the process group (autopar/runtime/measure.py, at the ``c10d`` ops, independent of the
@@ -42,7 +45,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from autopar.errors import TrainingError
 from autopar.runtime import dropout, failure, steptimes
-from autopar.runtime.common import LossScaler, check_indices, local_inputs
+from autopar.runtime.common import LossScaler, check_indices, local_inputs, local_tensor
 from autopar.runtime.executor import Executor
 from autopar.runtime.measure import both, switch
 from autopar.runtime.memory import MemoryTracker, optimizer_state_bytes, tensor_bytes
@@ -111,17 +114,20 @@ class Runtime:
         self._guard = self.executor.guard = self.executor.p2p.guard = bool(on)
 
     # ---------------------------------------------------------------- parameters
-    def _place(self, full_name: str, p: torch.Tensor, mesh, placements) -> None:
+    def _place(self, full_name: str, p: torch.Tensor, mesh, placements, plain: bool = False) -> None:
         """Replace parameter ``full_name`` of the user's module by a DTensor (``mesh`` None: a
-        meta tensor, a parameter this rank does not hold)."""
+        meta tensor, a parameter this rank does not hold; ``plain``: a parameter replicated on
+        every axis, as a plain tensor holding the whole value, rank 0's as distribute_tensor's)."""
         if mesh is None:
             new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
         elif p.is_meta:  # a model built on meta: this rank's shard, empty until load_pretrained / load
-            new = nn.Parameter(empty_dtensor(p, mesh, placements, self.ctx.device), requires_grad=p.requires_grad)
+            value = empty_dtensor(p, mesh, placements, self.ctx.device)
+            new = nn.Parameter(value.to_local() if plain else value, requires_grad=p.requires_grad)
             self._unloaded.add(full_name)
         else:
-            new = nn.Parameter(distribute_tensor(p.detach().to(self.ctx.device), mesh, placements),
-                               requires_grad=p.requires_grad)
+            value = distribute_tensor(p.detach().to(self.ctx.device), mesh, placements)  # (broadcasts rank 0's)
+            new = nn.Parameter(value.to_local() if plain else value, requires_grad=p.requires_grad)
+        new._autopar_placed = True  # (autopar.compile refuses a module compiled before)
         # tied weights (an LM head reading the embedding's weight): every module attribute that
         # holds this parameter gets the same new one, so the tie survives and named_parameters()
         # still lists it once, under its first name (the name the program uses)
@@ -229,7 +235,7 @@ class Runtime:
             vals = {}
             for (kind, what), name in zip(sp.program.inputs, sp.ph_names):
                 if kind == "param":
-                    vals[name] = params[what].to_local()
+                    vals[name] = local_tensor(params[what])
                 elif kind == "buffer":
                     vals[name] = buffers.get(what, sp.program.buffers.get(what)).to(self.ctx.device)
             out[s] = vals
@@ -243,8 +249,9 @@ class Runtime:
         params = dict(self.module.named_parameters())
         for name, g in grads:
             p = params[name]
-            d = DTensor(g.detach(), DTensorSpec(p.device_mesh, p.placements, TensorMeta(p.shape, p.stride(), p.dtype)),
-                        requires_grad=False)
+            d = g.detach() if not isinstance(p, DTensor) else DTensor(
+                g.detach(), DTensorSpec(p.device_mesh, p.placements, TensorMeta(p.shape, p.stride(), p.dtype)),
+                requires_grad=False)
             p.grad = d if p.grad is None else p.grad + d
 
     def _step_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:

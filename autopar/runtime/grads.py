@@ -5,7 +5,8 @@ whose gradients are spread over ranks.
 After ``train_step`` each parameter's ``.grad`` is a DTensor in the parameter's storage placements:
 per mesh axis ``Shard`` (or ``_StridedShard``: the ranks along it hold different parts) or
 ``Replicate`` (they hold the same values); ``Partial`` (not yet reduced) never reaches ``.grad``
-and is refused. A pipeline rank holds only its stages' parameters (the others are meta tensors
+and is refused. A program whose parameters are all replicated (``ddp``) has plain parameters and
+plain gradients (runtime/common.py ``plain_parameters``): each is held whole by every rank of the mesh. A pipeline rank holds only its stages' parameters (the others are meta tensors
 with no gradient), on its stage's sub-mesh.
 
 The norm of the whole gradient is computed with ONE all-reduce of three numbers over the world:
@@ -20,7 +21,7 @@ The norm of the whole gradient is computed with ONE all-reduce of three numbers 
 - ``p = inf`` / ``-inf``: the maximum (minimum) of ``|g|`` over the local shards, reduced with MAX
   (replicas do not matter for a maximum);
 - with them: whether any rank found a gradient it cannot count (a ``Partial`` placement, a plain
-  tensor) and how many gradients there are (none anywhere: the norm is 0, as in torch).
+  tensor on a DTensor parameter) and how many gradients there are (none anywhere: the norm is 0, as in torch).
 
 Then every gradient is multiplied in place by ``clamp(max_norm / (total + 1e-6), max=1)``, exactly
 as torch does (also when nothing is clipped: no host synchronisation on the device's value).
@@ -39,6 +40,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate
 from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
 
 from autopar.errors import PlanError, TrainingError
+from autopar.runtime.common import local_tensor
 
 
 def _world_group(pm):
@@ -110,21 +112,29 @@ def clip_grad_norm_(pm, max_norm: float, norm_type: float = 2.0, error_if_nonfin
         g = param.grad
         if g is None:
             continue
-        if not isinstance(g, DTensor):
+        if not isinstance(param, DTensor):  # replicated on every axis: each rank of the mesh holds it whole
+            if isinstance(g, DTensor):
+                bad.append(f"{name}: .grad is a DTensor on a plain (replicated) parameter")
+                continue
+            replicas = pm.mesh.size()
+            local = g
+        elif not isinstance(g, DTensor):
             bad.append(f"{name}: .grad is a plain {type(g).__name__}, not a DTensor in the parameter's placements")
             continue
-        partial = [i for i, pl in enumerate(g.placements) if isinstance(pl, Partial)]
-        if partial:
-            axes = [g.device_mesh.mesh_dim_names[i] if g.device_mesh.mesh_dim_names else str(i) for i in partial]
-            bad.append(f"{name}: its gradient is Partial (not reduced) on mesh axis {', '.join(axes)}")
-            continue
-        local = g.to_local()
+        else:
+            partial = [i for i, pl in enumerate(g.placements) if isinstance(pl, Partial)]
+            if partial:
+                axes = [g.device_mesh.mesh_dim_names[i] if g.device_mesh.mesh_dim_names else str(i) for i in partial]
+                bad.append(f"{name}: its gradient is Partial (not reduced) on mesh axis {', '.join(axes)}")
+                continue
+            replicas = _replicas(g)
+            local = g.to_local()
         out_dtype = out_dtype or local.dtype
         grads.append(local)
         # a pipeline's tied weight (embedding / LM head) has a copy on each pp rank holding it,
         # with the same summed gradient: counted once too
         copies = len(getattr(pm, "tied", {}).get(name, ())) or 1
-        weighted.setdefault(_replicas(g) * copies, []).append(local)
+        weighted.setdefault(replicas * copies, []).append(local)
     infinite = math.isinf(p)
     if infinite:  # max |g| (min |g| for -inf, as -max(-|g|)), reduced with MAX
         sign = 1.0 if p > 0 else -1.0
@@ -153,15 +163,15 @@ def clip_grad_norm_(pm, max_norm: float, norm_type: float = 2.0, error_if_nonfin
     if any_bad:
         raise TrainingError("some gradients cannot be counted in the global norm:"
                             + "".join(f"\n  - {b}" for b in _everyone(bad, pm)), where=where,
-                            fix="clip the gradients train_step wrote (DTensors in the parameters' placements); "
+                            fix="clip the gradients train_step wrote (in the parameters' placements); "
                                 "do not replace .grad by hand")
     out_dtype = out_dtype or torch.float32
     if count == 0:
         return torch.zeros((), dtype=out_dtype, device=device)
     total = (sign * value if infinite else value.pow(1.0 / p)).to(out_dtype)
     if error_if_nonfinite and not torch.isfinite(total).item():
-        names = [n for n, q in pm.named_parameters() if q.grad is not None and isinstance(q.grad, DTensor)
-                 and not torch.isfinite(q.grad.to_local()).all()]
+        names = [n for n, q in pm.named_parameters() if q.grad is not None
+                 and not torch.isfinite(local_tensor(q.grad)).all()]
         holders = _everyone([f"{n} (rank {dist.get_rank() if dist.is_initialized() else 0})" for n in names], pm)
         raise TrainingError(f"the total norm of order {p:g} of the gradients is {total.item()}: non-finite gradients "
                             f"in {', '.join(holders[:6]) or '?'}" + (f" ... ({len(holders) - 6} more)"

@@ -9,15 +9,20 @@ here (``pg.allreduce`` / ``_allgather_base`` / ``_reduce_scatter_base`` / ``allt
 the byte meter counts them the same; outputs allocated from the input as the functional ops do,
 so the memory meter files them in the same categories) and whose waits call ``wait_tensor``
 here, which waits on the ``Work`` through ``failure.wait``. The original graphs are untouched.
+One difference on purpose: a gradient bucket (an all-reduce of a ``cat`` nothing else reads) is
+reduced in place, where the functional op would copy it first (``reduces_in_place``), in a
+buffer kept from step to step while nothing else holds it (``_bucket_cat``).
 """
 
 from __future__ import annotations
 
 import copy
+import sys
 
 import torch
 import torch.distributed as dist
 from torch import fx
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from autopar.runtime.failure import _pending, wait
 
@@ -51,6 +56,53 @@ def _options(kind, op: str):
 def all_reduce(x: torch.Tensor, op: str, group: str) -> torch.Tensor:
     out = x.clone(memory_format=torch.contiguous_format)
     return _issue(out, _group(group).allreduce([out], _options(dist.AllreduceOptions, op)))
+
+
+def all_reduce_in_place(x: torch.Tensor, op: str, group: str) -> torch.Tensor:
+    """``all_reduce`` of a buffer nothing else reads (``reduces_in_place``): reduced where it is,
+    without the functional op's copy (a gradient bucket: one fresh buffer per step, not two)."""
+    out = x if x.is_contiguous() else x.contiguous()
+    return _issue(out, _group(group).allreduce([out], _options(dist.AllreduceOptions, op)))
+
+
+def _bucket_cat():
+    """A gradient bucket's ``cat`` that refills last step's buffer when nothing else holds it any
+    more (the gradients viewing it were dropped: ``zero_grad()``), as DDP's reducer keeps its
+    buckets: a fresh 15 MB buffer per step costs its page faults again (glibc maps a block that
+    large anew for each allocation), about as long as the copy itself. Otherwise (the last
+    step's gradients are still on ``.grad``: kept or accumulated into; a dispatch mode such as
+    the memory meter is watching) a fresh buffer, as the functional op would make."""
+    box: list[torch.Tensor | None] = [None]
+
+    def bucket_cat(xs, dim=0):
+        buf = box[0]
+        if (buf is not None and _get_current_dispatch_mode() is None and buf.dtype == xs[0].dtype
+                and buf.device == xs[0].device and buf.shape == _cat_shape(xs, dim) and buf.is_contiguous()
+                and sys.getrefcount(buf) <= 3  # (box, buf, getrefcount's argument)
+                and torch._C._storage_Use_Count(buf.untyped_storage()._cdata) <= 2):  # (buf, the storage object)
+            return torch.cat(xs, dim, out=buf)
+        box[0] = buf = None
+        box[0] = torch.cat(xs, dim)
+        return box[0]
+
+    return bucket_cat
+
+
+def _cat_shape(xs, dim: int) -> tuple[int, ...]:
+    shape = list(xs[0].shape)
+    dim = dim % len(shape) if shape else 0
+    if shape:
+        shape[dim] = sum(x.shape[dim] for x in xs)
+    return tuple(shape)
+
+
+def reduces_in_place(n: fx.Node) -> bool:
+    """An all-reduce whose input is a ``cat`` (a fresh buffer: a gradient bucket) that nothing
+    else uses: the guarded program reduces it in place (``all_reduce_in_place``); the memory
+    model (analysis/cost.py) folds the two storages the same way."""
+    src = n.args[0] if n.args else None
+    return (n.op == "call_function" and n.target is _c10d.all_reduce.default and isinstance(src, fx.Node)
+            and src.op == "call_function" and src.target is torch.ops.aten.cat.default and len(src.users) == 1)
 
 
 def all_gather_into_tensor(x: torch.Tensor, group_size: int, group: str) -> torch.Tensor:
@@ -111,7 +163,11 @@ def guarded(gm: fx.GraphModule) -> fx.GraphModule:
         if n.op != "call_function":
             continue
         if n.target in _REPLACE:
-            n.target = _REPLACE[n.target]
+            if reduces_in_place(n):
+                n.target = all_reduce_in_place
+                n.args[0].target = _bucket_cat()
+            else:
+                n.target = _REPLACE[n.target]
         elif n.target is _c10d.wait_tensor.default:
             src = n.args[0]
             n.target = wait_tensor

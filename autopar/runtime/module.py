@@ -3,7 +3,8 @@ executor (autopar/runtime/executor.py) as its joint forward + backward per micro
 
 The user's module keeps its structure; its parameters are replaced by DTensors with the
 plan's placements (so an unchanged torch.optim.AdamW works on them and its state is sharded
-with them). ``train_step`` (autopar/runtime/base.py, shared with pipelines) slices the global
+with them), or, where the plan replicates every parameter on every mesh axis (``ddp``), by plain
+``nn.Parameter``s holding the whole tensor (runtime/common.py ``plain_parameters``). ``train_step`` (autopar/runtime/base.py, shared with pipelines) slices the global
 batch, runs the per-rank joint graph and writes gradients to ``param.grad`` (accumulating, as
 autograd does). ``pm(x)`` runs the forward-only program.
 """
@@ -20,14 +21,15 @@ from autopar.ir import CommRecord, Stage, bytes_by_collective, fmt_dtype, fmt_pl
 from autopar.plan import replicated_lines
 from autopar.runtime.base import Runtime
 from autopar.runtime import failure
-from autopar.runtime.common import bytes_lines, check_indices, local_inputs
+from autopar.runtime.common import bytes_lines, check_indices, local_inputs, local_tensor, plain_parameters
 from autopar.runtime.executor import Executor, call
 from autopar.runtime.measure import CommMeter, mesh_axes
 from autopar.runtime.p2p import P2P
 
 
 class ParallelModule(Runtime):
-    """The compiled SPMD program. ``parameters()`` are DTensors; ``train_step`` runs fwd+bwd."""
+    """The compiled SPMD program. ``parameters()`` are DTensors (plain tensors where every parameter
+    is replicated: ``plain``); ``train_step`` runs fwd+bwd."""
 
     def __init__(self, module: nn.Module, stage: Stage, example_inputs, has_loss, inputs, forward_builder):
         ctx = stage.ctx
@@ -42,8 +44,9 @@ class ParallelModule(Runtime):
         self._forward_program = None
         self._generation = {}  # (batch, prompt, cache length) -> generation's programs (runtime/generate.py)
         self.generate_stats = None
+        self.plain = plain_parameters(ctx.placed.placements)  # every parameter replicated: plain tensors
         for full_name, p in list(self.module.named_parameters()):
-            self._place(full_name, p, self.mesh, ctx.placed.placements[full_name])
+            self._place(full_name, p, self.mesh, ctx.placed.placements[full_name], plain=self.plain)
         actions = [("FB", stage.index, mb) for mb in range(self.accumulate)]
         self.executor = Executor({stage.index: stage}, actions, self.accumulate, ctx.device,
                                  P2P([], None, 0, None, ctx.device))
@@ -75,7 +78,7 @@ class ParallelModule(Runtime):
         outputs whose role is ``"output"``."""
         params = dict(self.module.named_parameters())
         buffers = dict(self.module.named_buffers())
-        args = [params[what].to_local() if kind == "param" else
+        args = [local_tensor(params[what]) if kind == "param" else
                 buffers.get(what, program.buffers.get(what)).to(self.ctx.device) if kind == "buffer" else
                 inputs[what] for kind, what in program.inputs]
         gm = self.executor.runnable(program.local)
@@ -123,9 +126,9 @@ class ParallelModule(Runtime):
         lines = [f"autopar program on mesh {dict(zip(ctx.axis_names, ctx.axis_sizes))}, rank coord {ctx.coord}",
                  f"plan: {ctx.plan.describe()}; " + ", ".join(opts), "", "parameters (as stored):"]
         for name, p in self.module.named_parameters():
-            local = p.to_local().shape if isinstance(p, DTensor) else p.shape
-            lines.append(f"  {name:48s} {list(p.shape)!s:>14s} {fmt_placements(p.placements):>12s}"
-                         f" local {list(local)}")
+            local = local_tensor(p).shape
+            lines.append(f"  {name:48s} {list(p.shape)!s:>14s} {fmt_placements(ctx.placed.placements[name]):>12s}"
+                         f" local {list(local)}" + ("" if isinstance(p, DTensor) else " (plain tensor)"))
         lines += replicated_lines(ctx.placed, dict(self.module.named_parameters()))
         recs = self.collectives()
         lines += ["", f"collectives per step ({len(recs)}):"]

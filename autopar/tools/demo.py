@@ -14,6 +14,8 @@ from collections import defaultdict
 
 import torch
 
+from autopar.runtime.common import local_tensor
+
 
 def demo_job(axes: dict, steps: int, dp_plan: str = "fsdp") -> str:
     import autopar
@@ -52,7 +54,8 @@ def demo_job(axes: dict, steps: int, dp_plan: str = "fsdp") -> str:
     out = [f"compiled {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters) "
            f"for mesh {axes} with plan {plan} in {compile_s:.1f}s", "", "parameter placements (rank 0):"]
     for name, p in pm.named_parameters():
-        out.append(f"  {name:44s} {str(list(p.shape)):>12s} -> {str(p.placements):40s} local {list(p.to_local().shape)}")
+        out.append(f"  {name:44s} {str(list(p.shape)):>12s} -> {str(pm.ctx.placed.placements[name]):40s} "
+                   f"local {list(local_tensor(p).shape)}")
     groups: dict[tuple, list] = defaultdict(list)
     for r in pm.collectives():
         why = ("gradient sync" if r.reason.startswith("gradient of") else
