@@ -40,9 +40,9 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from torch import fx
 
+from autopar.analysis.liveness import ProgramMemory, _storages, program_memory  # noqa: F401 (re-exported)
 from autopar.ir import CommRecord, info, source_line
-from autopar.runtime.guarded import reduces_in_place
-from autopar.runtime.memory import CATEGORIES, categorize, flop_formula
+from autopar.runtime.memory import flop_formula
 
 aten = torch.ops.aten
 
@@ -116,102 +116,6 @@ def get_device(name: str) -> Device:
 
 
 # ------------------------------------------------------------------------------------ memory
-def _storages(val):
-    for t in val if isinstance(val, (list, tuple)) else (val,):
-        if isinstance(t, torch.Tensor):
-            s = t.untyped_storage()
-            yield s._cdata, s.nbytes()
-
-
-@dataclass
-class ProgramMemory:
-    peak: int = 0
-    at_peak: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
-    max_by: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
-    peak_node: str = ""
-    alive_at_peak: list[tuple[int, str, str]] = field(default_factory=list)  # (bytes, node, category)
-    curve: dict[str, int] = field(default_factory=dict)  # node -> bytes alive while it runs
-    # the most bytes alive at once outside the gradients (activations + parameter copies): the
-    # forward-to-backward peak, whatever the gradients do at the end
-    peak_without_grads: int = 0
-
-
-def program_memory(gm: fx.GraphModule, inputs, outputs, held: frozenset = frozenset()) -> ProgramMemory:
-    """Peak bytes of the per-rank program by liveness over its nodes (parameters excluded: they
-    are persistent state). Mirrors what MemoryTracker measures when the program runs. Inputs are
-    freed after their last use: the executor runs every program boxed (it takes its argument
-    list over), so nothing outside keeps them (what else holds them, e.g. a pipeline's saved
-    activations between parts, the callers add). ``held``: names of nodes whose storages are
-    held outside the program, counted by the caller as parameters are (a pipeline's prologue)."""
-    nodes = list(gm.graph.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
-    cats = categorize(gm, inputs, outputs)
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    params = {n for n, (kind, _) in zip(placeholders, inputs) if kind == "param"}
-    persistent = {k for n in params for k, _ in _storages(n.meta.get("val"))}
-    persistent |= {k for n in nodes if n.name in held for k, _ in _storages(n.meta.get("val"))}
-    # storage -> [first index, last index, bytes, category, defining node]
-    live: dict[int, list] = {}
-    for n in nodes:
-        if n.op == "output" or n in params:
-            continue
-        val = n.meta.get("val")
-        if val is None:
-            continue
-        i = index[n]
-        last = max((index[u] for u in n.users), default=i)
-        if n.op == "placeholder" and not n.users:
-            last = i
-        for key, nbytes in _storages(val):
-            if key in persistent or nbytes == 0:
-                continue
-            if key not in live:
-                live[key] = [i, last, nbytes, cats.get(n.name, "activations"), n.name]
-            else:
-                rec = live[key]
-                rec[1] = max(rec[1], last)
-                rec[2] = max(rec[2], nbytes)
-    # a collective's output is waited for by wait_tensor, whose fake value is a new storage that
-    # at runtime is the same tensor: fold the two
-    for n in nodes:
-        if n.op == "call_function" and "wait_tensor" in str(n.target):
-            src = n.args[0]
-            ks = [k for k, _ in _storages(src.meta.get("val"))]
-            kd = [k for k, _ in _storages(n.meta.get("val"))]
-            if ks and kd and ks[0] != kd[0] and ks[0] in live and kd[0] in live:
-                a, b = live[ks[0]], live.pop(kd[0])
-                a[1] = max(a[1], b[1])
-    # a gradient bucket (an all-reduce of a cat nothing else reads) is reduced in place by the
-    # guarded program that runs by default (runtime/guarded.py): one storage, not two
-    for n in nodes:
-        if n.op == "call_function" and reduces_in_place(n):
-            ks = [k for k, _ in _storages(n.args[0].meta.get("val"))]
-            kd = [k for k, _ in _storages(n.meta.get("val"))]
-            if ks and kd and ks[0] != kd[0] and ks[0] in live and kd[0] in live:
-                a, b = live[ks[0]], live.pop(kd[0])
-                a[1] = max(a[1], b[1])
-    delta = [dict.fromkeys(CATEGORIES, 0) for _ in range(len(nodes) + 1)]
-    for first, last, nbytes, cat, _ in live.values():
-        delta[first][cat] += nbytes
-        delta[last + 1][cat] -= nbytes
-    out = ProgramMemory()
-    cur = dict.fromkeys(CATEGORIES, 0)
-    for i in range(len(nodes)):
-        for c in CATEGORIES:
-            cur[c] += delta[i][c]
-            out.max_by[c] = max(out.max_by[c], cur[c])
-        total = sum(cur.values())
-        out.curve[nodes[i].name] = total
-        out.peak_without_grads = max(out.peak_without_grads, total - cur["grads_in_flight"])
-        if total > out.peak:
-            out.peak, out.at_peak, out.peak_node = total, dict(cur), nodes[i].name
-    if out.peak_node:
-        p = index[next(n for n in nodes if n.name == out.peak_node)]
-        out.alive_at_peak = sorted(((b, name, c) for f, last, b, c, name in live.values() if f <= p <= last),
-                                   reverse=True)
-    return out
-
-
 OPTIMIZER_STATE = {"adamw": 2, "adam": 2, "sgd": 0, "momentum": 1, "none": 0}  # fp32 tensors per parameter
 
 
