@@ -16,7 +16,8 @@ collective (a synchronous program). This pass, in order:
    until their wait, so the compute in between runs while the bytes are on the wire; DDP's
    reducer and FSDP2 overlap the same way;
 3. issues the other all-reduces / all-to-alls (tensor parallelism's) right after their input is
-   made, and moves their waits down to their first use;
+   made, a small all-reduce of the batch alone (the loss's token count) at the program's start,
+   and moves their waits down to their first use;
 4. keeps every collective's input alive until its wait.
 
 After it, on the per-rank graphs: every collective still has exactly one wait and a CommRecord
@@ -48,6 +49,7 @@ def overlap_pass(program: Program, ctx) -> Program:
         bucket_gradient_reductions(gm, program.outputs, bucket_mb, recompile=False)
         _defer_output_waits(gm)
         _issue_early(gm)
+        _issue_batch_statistics_first(gm, program.inputs)
         _defer_waits_to_first_use(gm)
         _keep_inputs_until_wait(gm)
         gm.graph.lint()  # once for all the steps above: regenerating a large program's code costs
@@ -111,6 +113,45 @@ def _issue_early(gm: fx.GraphModule) -> None:
         if not isinstance(x, fx.Node) or x.op == "placeholder" or x.next is c:
             continue
         x.append(c)
+
+
+def _issue_batch_statistics_first(gm: fx.GraphModule, inputs) -> None:
+    """A small all-reduce computed from the batch alone (the loss's count of target tokens: a
+    mean over the global batch divides by it, and the backward's first op needs it) is issued at
+    the start of the program, its ops with it, instead of between the forward and the backward:
+    there every rank would wait for the slowest to finish its forward before any could start its
+    backward (a synchronisation DDP's local mean does not have). Its wait stays at the first use.
+    Only ops of the batch's placeholders and constants, deterministic, no collective among them;
+    every rank runs the same program, so the order of collectives stays the same on every rank."""
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if not placeholders or inputs is None:
+        return
+    data = {n for n, (kind, _) in zip(placeholders, inputs) if kind == "input"}
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    anchor = placeholders[-1]
+    for c in list(graph.nodes):
+        if c.op != "call_function" or COLLECTIVES.get(c.target) != "all_reduce":
+            continue
+        val = c.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.numel() > 64 or not isinstance(c.args[0], fx.Node):
+            continue
+        chain, todo, ok = set(), [c.args[0]], True
+        while todo and ok:
+            n = todo.pop()
+            if n in chain or n in data:
+                continue
+            target = n.target
+            ok = (n.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target not in COLLECTIVES
+                  and target is not c10d.wait_tensor.default and not target._schema.is_mutable
+                  and torch.Tag.nondeterministic_seeded not in target.tags)
+            chain.add(n)
+            todo += [a for a in n.all_input_nodes]
+        if not ok or not chain:
+            continue
+        for n in sorted(chain, key=pos.__getitem__) + [c]:
+            anchor.append(n)
+            anchor = n
 
 
 def _defer_waits_to_first_use(gm: fx.GraphModule) -> None:

@@ -393,7 +393,7 @@ def main(argv=None):
     ap.add_argument("--prefetch", type=int, default=1, help="autopar.compile(prefetch=...) (0: gathers where used)")
     ap.add_argument("--foreach", action="store_true",
                     help="AdamW(foreach=True) on both sides (CUDA's default; on CPU torch loops over parameters, "
-                         "which costs DTensor parameters (autopar, FSDP2, DTensor TP) a dispatch per op)")
+                         "which costs DTensor parameters (autopar where it shards them, FSDP2, DTensor TP) a dispatch per op)")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--out", default="benchmarks/results", help="directory for the JSON, markdown and PNGs")
     ap.add_argument("--planning", action="store_true",
