@@ -223,23 +223,17 @@ def candidates(info: ModelInfo, world: int, dev, *, mesh: dict | None = None, mb
             if mesh is not None and any(mesh.get(k, v) != v for k, v in (("tp", tp), ("pp", pp), ("dp", dp))):
                 continue  # ``mesh`` fixes the axes it names; the others stay free
             lab = f"dp={dp} tp={tp} pp={pp}"
-            if tp > dev.ranks_per_node:
-                refused.append((lab, f"tp={tp} spans nodes of {dev.ranks_per_node} ranks"))
-                continue
-            if dev.ranks_per_node % tp:
-                refused.append((lab, f"tp={tp} does not divide a node's {dev.ranks_per_node} ranks"))
-                continue
-            if info.vocab % tp:
-                refused.append((lab, f"vocabulary {info.vocab} not divisible by tp={tp} (embedding and LM head)"))
-                continue
-            if info.heads % tp or info.kv_heads % tp:
-                refused.append((lab, f"{info.heads} heads / {info.kv_heads} KV heads not divisible by tp={tp}"))
-                continue
-            if info.layers % pp:
-                refused.append((lab, f"{info.layers} layers not divisible by pp={pp}"))
-                continue
-            if info.batch % dp:
-                refused.append((lab, f"global batch {info.batch} not divisible by dp={dp}"))
+            why = next((reason for bad, reason in (
+                (tp > dev.ranks_per_node, f"tp={tp} spans nodes of {dev.ranks_per_node} ranks"),
+                (dev.ranks_per_node % tp, f"tp={tp} does not divide a node's {dev.ranks_per_node} ranks"),
+                (info.vocab % tp, f"vocabulary {info.vocab} not divisible by tp={tp} (embedding and LM head)"),
+                (info.heads % tp or info.kv_heads % tp,
+                 f"{info.heads} heads / {info.kv_heads} KV heads not divisible by tp={tp}"),
+                (info.layers % pp, f"{info.layers} layers not divisible by pp={pp}"),
+                (info.batch % dp, f"global batch {info.batch} not divisible by dp={dp}"),
+            ) if bad), None)
+            if why is not None:
+                refused.append((lab, why))
                 continue
             for mbs in mbs_choices:
                 if (info.batch // dp) % mbs:
