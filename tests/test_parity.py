@@ -88,13 +88,14 @@ def assert_memory_predicted(out):
         assert 0.95 * predicted <= measured <= 1.05 * predicted + held, (what, measured, predicted)
 
 
-def run_and_check_parity(pools, references, name, axes, plan) -> dict:
+def run_and_check_parity(pools, references, name, axes, plan, evaluate: bool = True) -> dict:
     """parity_job on a pool of the mesh's size, checked against one process (numbers, memory,
-    bytes); returns its output for further checks (tests/test_sequence.py)."""
+    bytes); returns its output for further checks (tests/test_sequence.py, tests/test_ring.py).
+    ``evaluate=False``: the eval program is neither captured nor checked (seconds per case)."""
     world = 1
     for v in axes.values():
         world *= v
-    out = pools(world).run(parity_job, name, axes, plan)
+    out = pools(world).run(parity_job, name, axes, plan, evaluate=evaluate)
     assert_parity(references(name), out, name)
     assert_memory_predicted(out)
     # the bytes the runtime counted are the bytes the compiler predicted, step for step

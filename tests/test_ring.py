@@ -17,12 +17,11 @@ import os
 import pytest
 import torch
 
-import autopar
 from autopar.errors import PlanError
 from autopar.layout import zigzag_index, zigzag_order, zigzag_take, zigzag_unorder
-from autopar.ir import bytes_by_collective
-from autopar.testing import build_model, parity_job
-from test_parity import assert_memory_predicted, assert_parity
+from autopar.testing import parity_job
+from test_context import _compile
+from test_parity import assert_parity, run_and_check_parity
 
 # (name, axes, plan, also the eval program: its logits gathered back into sequence order)
 CASES = [
@@ -34,25 +33,10 @@ CASES = [
 ]
 
 
-def _parity(pools, references, name, axes, plan, evaluate) -> dict:
-    """test_parity.run_and_check_parity, the eval program only where asked (seconds per case)."""
-    world = 1
-    for v in axes.values():
-        world *= v
-    out = pools(world).run(parity_job, name, axes, plan, evaluate=evaluate)
-    assert_parity(references(name), out, name)
-    assert_memory_predicted(out)
-    predicted = {k: v * out["steps"] for k, v in bytes_by_collective(out["records"]).items()}
-    measured = {k: v["wire_bytes"] for k, v in out["measured"].items()}
-    assert set(measured) == set(predicted)
-    assert measured == pytest.approx(predicted)
-    return out
-
-
 @pytest.mark.parametrize("name,axes,plan,evaluate", CASES,
                          ids=[f"{c[0]}-{'x'.join(f'{k}{v}' for k, v in c[1].items())}" for c in CASES])
 def test_ring_parity(pools, references, name, axes, plan, evaluate):
-    out = _parity(pools, references, name, axes, plan, evaluate)  # numbers, memory, bytes
+    out = run_and_check_parity(pools, references, name, axes, plan, evaluate)  # numbers, memory, bytes
     cp = [r for r in out["records"] if r.axis == "cp"]
     assert {r.kind for r in cp} == {"shift", "all_reduce"}
     for r in cp:  # the ring's shifts; the loss rule's sums and the gradients' all-reduces
@@ -64,7 +48,6 @@ def _math_parity_job(name, axes, plan):
     """parity_job with the ring's blocks in the math formulation (what devices without a fused op
     that returns the log-sum-exp run), on CPU."""
     import autopar.ring
-    from autopar.testing import parity_job
 
     fused, autopar.ring.FUSED = autopar.ring.FUSED, set()
     try:
@@ -84,7 +67,6 @@ def _kernels_parity_job(name, axes, plan, triton: bool):
     CPU: 20 to 60 s a case here, so only with AUTOPAR_TEST_TRITON=1); the ring's blocks call
     ``autopar::flash_attention``, KV heads not repeated."""
     from autopar.kernels.ops import reference
-    from autopar.testing import parity_job
 
     with reference(not triton):
         return parity_job(name, axes, plan, evaluate=triton, kernels="on")
@@ -116,13 +98,6 @@ def test_ring_in_pipeline_parity(pools, references):
         want = {k: v * out["steps"] for k, v in predicted.items() if v}
         assert got == pytest.approx(want)
         assert got.get("send@pp", 0) > 0 and got.get("shift@cp", 0) > 0, got
-
-
-def _compile(fake, name, axes, plan, batch=None):
-    model, batches, loss_fn = build_model(name)
-    with fake(**axes) as mesh:
-        return autopar.compile(model, mesh, example_inputs=batch or batches[0], loss_fn=loss_fn, plan=plan,
-                               capture_eval=False)
 
 
 @pytest.mark.parametrize("cp", [2, 4])
