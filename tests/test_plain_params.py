@@ -8,8 +8,6 @@ kept from step to step while nothing else holds it (runtime/guarded.py ``_bucket
   step's buffer (no new 15 MB block per step) and equal a fresh program's;
 - gradients kept across ``train_step`` (no ``zero_grad``: accumulation, as autograd does) are not
   overwritten by the next step's bucket: ``.grad`` is the sum of the two steps' gradients;
-- under the memory meter (a dispatch mode) the buffer is not reused: it measures what the
-  memory model predicts;
 - a module compiled once is refused by a second compile, plain parameters or not.
 """
 
@@ -56,11 +54,9 @@ def plain_job() -> dict:
     out["state_types"] = sorted({type(v).__name__ for s in opt.state.values() for v in s.values()})
     opt.zero_grad()
     pm.train_step(*batches[0])
-    kept = _bucket(params)  # the buffer the next step would refill (held by the program meanwhile)
     opt.zero_grad()
     with pm.track_memory():  # under the memory meter: a fresh buffer (what the memory model predicts)
         pm.train_step(*batches[0])
-    out["metered_fresh"] = _bucket(params) != kept
     out["norm"] = pm.clip_grad_norm_(1e9).item()
     out["norm_ref"] = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in
                                                             params.values()])).item()
@@ -76,7 +72,9 @@ def test_ddp_parameters_are_plain_and_buckets_are_reused(pools):
     assert out["reused"], "the later steps' gradients should sit in the first step's bucket buffer"
     assert out["reused_equal"]  # a refilled buffer gives the same gradients bit for bit
     assert out["accumulated"] < 1e-6  # kept gradients were not overwritten by the next bucket
-    assert out["metered_fresh"]
+    # (whether the metered step's bucket was fresh cannot be read from its address: the kept
+    # buffer is dropped first and the allocator may hand the same block back (CI saw it); the
+    # memory tests (test_measure, test_parity) check what it is for: measured = predicted)
     # plain gradients counted once per distinct element, as torch's norm of the whole gradient
     assert out["norm"] == pytest.approx(out["norm_ref"], rel=1e-5)
     assert len(set(out["rank_norms"])) == 1
