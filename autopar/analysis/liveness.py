@@ -27,6 +27,7 @@ class ProgramMemory:
     peak_node: str = ""
     alive_at_peak: list[tuple[int, str, str]] = field(default_factory=list)  # (bytes, node, category)
     curve: dict[str, int] = field(default_factory=dict)  # node -> bytes alive while it runs
+    by_node: list[dict[str, int]] = field(default_factory=list)  # per node, in order: bytes alive by category
     # the most bytes alive at once outside the gradients (activations + parameter copies): the
     # forward-to-backward peak, whatever the gradients do at the end
     peak_without_grads: int = 0
@@ -98,6 +99,7 @@ def program_memory(gm: fx.GraphModule, inputs, outputs, held: frozenset = frozen
             out.max_by[c] = max(out.max_by[c], cur[c])
         total = sum(cur.values())
         out.curve[nodes[i].name] = total
+        out.by_node.append(dict(cur))
         out.peak_without_grads = max(out.peak_without_grads, total - cur["grads_in_flight"])
         if total > out.peak:
             out.peak, out.at_peak, out.peak_node = total, dict(cur), nodes[i].name

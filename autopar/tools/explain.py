@@ -264,6 +264,9 @@ def _run(command: str, argv) -> int:
                        help="--plan auto: candidates confirmed by a compile (plus the best of each data-parallel "
                             "strategy, unless screened 10% slower than a confirmed one); 0: the analytic screen "
                             "alone; default 2")
+        p.add_argument("--full-depth", action="store_true",
+                       help="compile every block of a built-in model (default: compile it at depths 3-5, check "
+                            "that each block adds the same figures and extrapolate to its depth)")
     try:
         args = p.parse_args(argv)
     except SystemExit as e:
@@ -303,6 +306,10 @@ def _run(command: str, argv) -> int:
 
             check_names([args.after], "--after")
             text = dump_after(args, ranks[0], progress)
+        elif command == "plan" and not args.full_depth:
+            from autopar.tools.extrapolate import plan_analysis
+
+            results = [plan_analysis(args, r, progress, analyse) for r in ranks]
         else:
             results = [analyse(args, r, progress) for r in ranks]
     except PlanError as e:

@@ -3,6 +3,7 @@ views of the per-rank program, the ``plan`` table and the ``explain`` text."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ class Analysis:
     seconds: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     n_params: int = 0
+    extrapolated: dict | None = None  # the summary carried from depths 3-5 to the model's (tools/extrapolate.py)
 
 
 def _b(n: float) -> str:
@@ -374,6 +376,8 @@ def dump_svg(a: Analysis) -> str:
 def summary(a: Analysis) -> dict:
     from autopar.ir import bytes_by_collective
 
+    if a.extrapolated is not None:
+        return copy.deepcopy(a.extrapolated)
     recs = a.pm.collectives()
     calls: dict[str, int] = {}
     for r in recs:
@@ -467,6 +471,9 @@ def plan_table(results: list[Analysis]) -> str:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)))
     lines += ["", f"analysis time (rank {a0.rank}): " + ", ".join(
         f"{k} {v:.1f}s" for k, v in a0.seconds.items() if k in ("build", "compile", "cost_model", "total"))
+        + (f"; figures extrapolated from the model compiled at {ex['field']} = "
+           f"{', '.join(map(str, ex['depths']))} to {ex['layers']} (every block's increment checked equal; "
+           "--full-depth compiles every block)" if (ex := sums[0].get("extrapolated")) else "")
         + (f"; {world} ranks: each stage's ranks run the same program on their own shards (SPMD), stages "
            "exchange activations point to point" if pipes else
            f"; {world} ranks, every rank runs the same program on its own shards (SPMD)")]

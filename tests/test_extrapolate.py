@@ -1,0 +1,69 @@
+"""``autopar plan`` extrapolated in depth (autopar/tools/extrapolate.py) against every block compiled.
+
+- fsdp x megatron on an 8-block Llama: bytes, calls, FLOPs, parameters and every memory figure
+  equal the full compile's exactly, times within 1%;
+- the identity check fails on blocks that are not identical, naming the figure;
+- a pipeline plan and a shallow model are compiled whole (no extrapolation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from autopar.tools.explain import plan_main
+from autopar.tools.extrapolate import extrapolate
+
+
+def _plan_json(*argv: str) -> dict:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert plan_main(["-q", "--json", *argv]) == 0
+    return json.loads(out.getvalue())[0]
+
+
+def _close(got, want, rel: float, path: str = ""):
+    if isinstance(want, dict):
+        assert got.keys() == want.keys(), path
+        for k in want:
+            _close(got[k], want[k], rel, f"{path}.{k}")
+    elif isinstance(want, (int, float)) and not isinstance(want, bool):
+        assert got == pytest.approx(want, rel=rel, abs=1e-9), path
+    else:
+        assert got == want, path
+
+
+def test_extrapolated_plan_equals_every_block_compiled():
+    argv = ["llama-tiny", "--mesh", "dp=2,tp=2", "--plan", "dp=fsdp,tp=megatron", "--set", "n_layers=8",
+            "--batch", "4", "--seq", "32"]
+    fast, full = _plan_json(*argv), _plan_json(*argv, "--full-depth")
+    assert fast["extrapolated"] == {"depths": [3, 4, 5], "layers": 8, "field": "n_layers"}
+    assert "extrapolated" not in full
+    for key in ("parameters", "comm_bytes", "comm_calls", "flops"):
+        assert fast[key] == full[key], key
+    full["memory"].pop("peak_node")
+    assert fast["memory"] == full["memory"]
+    _close({k: v for k, v in fast["time"].items() if k != "stage_seconds"},
+           {k: v for k, v in full["time"].items() if k != "stage_seconds"}, 1e-2, "time")
+
+
+def test_blocks_that_differ_are_not_extrapolated():
+    same = [{"bytes": 10 + 5 * d, "time": {"step_s": 1.0 + 0.5 * d}} for d in (3, 4, 5)]
+    out, bad = extrapolate(same, 10)
+    assert bad == [] and out == {"bytes": 60, "time": {"step_s": 6.0}}
+    grown = [dict(s) for s in same]
+    grown[2] = {"bytes": 36, "time": {"step_s": 3.5}}  # the fifth block adds 6 bytes, the fourth 5
+    out, bad = extrapolate(grown, 10)
+    assert bad == ["bytes: increments 5 then 6"]
+    extra = [dict(s) for s in same]
+    extra[2] = {**extra[2], "all_gather@dp": 1}
+    assert "appear at some depths only" in extrapolate(extra, 10)[1][0]
+
+
+def test_pipelines_and_shallow_models_compile_every_block():
+    pipe = _plan_json("llama-tiny", "--mesh", "pp=2", "--plan", "pp=1f1b", "--set", "n_layers=8")
+    shallow = _plan_json("llama-tiny", "--mesh", "dp=2", "--plan", "dp=ddp")
+    assert "extrapolated" not in pipe and "extrapolated" not in shallow
