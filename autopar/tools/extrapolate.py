@@ -203,9 +203,12 @@ def analyse_by_depth(args, rank: int, progress, analyse) -> Analysis | None:
     None when the model or plan does not qualify or the blocks are not identical (the caller then
     compiles every block; the reason is in ``args.depth_note``)."""
     from autopar.models import zoo
+    from autopar.pipeline_plan import is_pipeline_strategy
+    from autopar.tools.explain import parse_plan_arg
 
     found = depth_field(args.model, zoo.parse_overrides(args.set))
-    if found is None or found[1] <= DEPTHS[-1]:
+    plan = parse_plan_arg(args.plan) if args.plan else {}
+    if found is None or found[1] <= DEPTHS[-1] or any(is_pipeline_strategy(v) for v in plan.values()):
         return None
     name, layers = found
     runs: list[Analysis] = []
