@@ -67,3 +67,20 @@ def test_pipelines_and_shallow_models_compile_every_block():
     pipe = _plan_json("llama-tiny", "--mesh", "pp=2", "--plan", "pp=1f1b", "--set", "n_layers=6")
     shallow = _plan_json("llama-tiny", "--mesh", "dp=2", "--plan", "dp=ddp")
     assert "extrapolated" not in pipe and "extrapolated" not in shallow
+
+
+def test_the_peak_moves_to_the_point_that_grows_fastest():
+    """liveness.peak_in_depth: at 3-5 blocks the gradients' end of the program holds the peak, at
+    32 the forward's end does (it grows 10x faster per block): each point on its own line."""
+    from autopar.analysis.liveness import ProgramMemory, peak_in_depth
+
+    def mem(d):
+        fwd = {"activations": 100 + 130 * d, "param_copies": 8, "grads_in_flight": 0}
+        bwd = {"activations": 4, "param_copies": 0, "grads_in_flight": 2000 + 13 * d}
+        return ProgramMemory(peak=2004 + 13 * d, at_peak=bwd, max_by={k: max(fwd[k], bwd[k]) for k in fwd},
+                             branches={"peak": bwd, "activations": fwd, "gradients": bwd})
+
+    got = peak_in_depth([mem(3), mem(4), mem(5)], (3, 4, 5), 32)
+    assert got["at_peak"] == {"activations": 100 + 130 * 32, "param_copies": 8, "grads_in_flight": 0}
+    assert got["max_by"]["grads_in_flight"] == 2000 + 13 * 32
+    # a single line through the peaks would have said 2004 + 13 * 32 = 2420 bytes, not 4268

@@ -12,13 +12,13 @@ equal the fourth's (exactly for parameters, bytes, calls and FLOPs; for times, w
 move the extrapolated figure by 1%: a list-scheduled overlap simulation rounds differently by a
 few microseconds).
 
-The memory peak is not one line but the largest of many (the end of the forward grows by one
+The memory peak is not one line but the largest of several (the end of the forward grows by one
 block's saved activations per block, the end of the backward by one block's gradients), and which
-is largest can change with the depth: it is rebuilt node by node (``peak_at_depth``).
+is largest can change with the depth: each of those points is carried along its own line, checked
+the same way, and the largest taken (``autopar.analysis.liveness.peak_in_depth``).
 
 Any figure that fails its check, or that a depth adds or drops (a collective kind that appears
-only from some depth on), makes ``plan`` compile every block instead, and say why (e.g. gradient
-buckets that span blocks under bf16: the nodes around them are not the same from block to block).
+only from some depth on), makes ``plan`` compile every block instead, and say why.
 
 Where it applies: built-in models (their config names the depth: ``n_layers`` /
 ``num_hidden_layers``) deeper than 5 blocks, under plans without a pipeline axis (a pipeline's
@@ -90,109 +90,34 @@ def extrapolate(sums: list[dict], layers: int, path: tuple[str, ...] = ()) -> tu
 _PEAK_KEYS = ("program_peak", "tensor_peak", "step_peak")
 
 
-def _program(pm):
-    """(nodes, their bytes alive by category, the peak, the index of the first backward node) of
-    the joint program, placeholders left out."""
-    from autopar.analysis.liveness import program_memory
-
-    prog = pm.program
-    mem = program_memory(prog.local, prog.inputs, prog.outputs)
-    # the placeholders (one per parameter: their number grows with the depth) hold no peak
-    kept = [(n, by) for n, by in zip(prog.local.graph.nodes, mem.by_node) if n.op != "placeholder"]
-    nodes, by_node = [n for n, _ in kept], [by for _, by in kept]
-    start = next((i for i, n in enumerate(nodes) if n.meta.get("partitioner_tag") == "is_backward"), len(nodes))
-    return nodes, by_node, mem.peak, start
-
-
-def peak_at_depth(runs: list[Analysis], layers: int) -> tuple[dict | None, str]:
-    """The joint program's peak at ``layers`` blocks, by category, from node windows.
-
-    A peak is not one linear figure: it is the largest of many (the end of the forward grows by
-    one block's saved activations per block, the end of the backward by one block's gradients),
-    and which one is largest can change with the depth. Each node's bytes are linear in the depth
-    once its role is fixed, and inside a run of identical blocks they are linear in the block's
-    index too, so the most bytes of a run are at one of its ends. The windows hold those ends: the
-    program's first block (with what precedes it), the last forward block and the first backward
-    one (around the loss), and the last backward block (with what follows it), each node matched
-    by its distance from its window's anchor across the three depths, checked to run the same op,
-    and extrapolated alone; the peak at ``layers`` is the largest of them. At the deepest compile
-    the windows must hold the program's true peak (else a peak inside the runs: not extrapolated).
-    Returns ({"at_peak": bytes by category at the peak, "max_by": each category's most}, "") or
-    (None, why)."""
-    data = [_program(r.pm) for r in runs]
-    n = [len(d[0]) for d in data]
-    f = [d[3] for d in data]
-    if n[2] - n[1] != n[1] - n[0] or f[2] - f[1] != f[1] - f[0]:
-        return None, f"program lengths {n} (backward from {f}) do not grow by the same nodes per block"
-    wf, wb = f[1] - f[0], (n[1] - f[1]) - (n[0] - f[0])
-    hf = wf + max(f[0] - DEPTHS[0] * wf, 0)  # one forward block and what is not in a block
-    hb = wb + max((n[0] - f[0]) - DEPTHS[0] * wb, 0)
-
-    def index(d: int, key: tuple[str, int]) -> int:
-        where, k = key
-        return k if where == "start" else (f[d] + k if where == "loss" else n[d] - 1 - k)
-
-    keys = ([("start", k) for k in range(hf)] + [("loss", k) for k in range(-hf, hb)]
-            + [("end", k) for k in range(hb)])
-    deepest, best, best_at = len(data) - 1, -1, None
-    seen_deepest, most = 0, {}
-    for key in keys:
-        idx = [index(d, key) for d in range(len(data))]
-        if any(not 0 <= i < n[d] for d, i in enumerate(idx)):
-            continue
-        ops = {str(data[d][0][i].target) for d, i in enumerate(idx)}
-        if len(ops) > 1:
-            return None, f"the node {key[1]} from the {key[0]} runs {sorted(ops)} at depths {DEPTHS}"
-        vals = [data[d][1][i] for d, i in enumerate(idx)]
-        seen_deepest = max(seen_deepest, sum(vals[deepest].values()))
-        cats = {}
-        for c in vals[0]:
-            a, b, z = (v[c] for v in vals)
-            if z - b != b - a:
-                return None, (f"bytes alive at node {key[1]} from the {key[0]} ({c}): increments {b - a} then "
-                              f"{z - b}")
-            cats[c] = a + (layers - DEPTHS[0]) * (b - a)
-            most[c] = max(most.get(c, 0), cats[c])
-        if sum(cats.values()) > best:
-            best, best_at = sum(cats.values()), cats
-    if seen_deepest != data[deepest][2]:
-        return None, (f"the peak at depth {DEPTHS[-1]} ({data[deepest][2]} B) is inside a run of blocks, "
-                      f"not at its ends ({seen_deepest} B)")
-    return {"at_peak": best_at, "max_by": most}, ""
-
-
 def _memory(runs: list[Analysis], out: dict, layers: int) -> str:
-    """Replace the peak figures of ``out['memory']`` (extrapolated as lines) by the peak from the
-    node windows (``peak_at_depth``), composed as ``cost.predict_memory`` composes them; the
-    reason when that cannot be done, else ""."""
-    from autopar.analysis.liveness import program_memory
+    """Replace the peak figures of ``out['memory']`` by the peak carried to ``layers`` blocks
+    point by point (``liveness.peak_in_depth``), composed as ``cost.predict_memory`` composes
+    them; the reason when a point's bytes do not grow by the same amount per block, else ""."""
+    from autopar.analysis.liveness import peak_in_depth, program_memory
 
-    got, why = peak_at_depth(runs, layers)
-    if got is None:
-        return why
-    cats = got["at_peak"]
     m = out["memory"]
-    sync = [r.pm.sync_program for r in runs]
-    if all(p is None for p in sync):
-        sync_peak, sync_at, sync_max = 0, {}, {}
-    else:
-        mems = [program_memory(p.local, p.inputs, p.outputs) for p in sync]
-        peaks = [x.peak for x in mems]
-        if peaks[2] - peaks[1] != peaks[1] - peaks[0]:
-            return f"the gradient synchronisation program's peak: increments {peaks[1] - peaks[0]} then {peaks[2] - peaks[1]}"
-        sync_peak = peaks[0] + (layers - DEPTHS[0]) * (peaks[1] - peaks[0])
-        sync_at = {c: mems[0].at_peak[c] + (layers - DEPTHS[0]) * (mems[1].at_peak[c] - mems[0].at_peak[c])
-                   for c in mems[0].at_peak}
-        sync_max = {c: mems[0].max_by[c] + (layers - DEPTHS[0]) * (mems[1].max_by[c] - mems[0].max_by[c])
-                    for c in mems[0].max_by}
-    joint = sum(cats.values())
+    got = {}
+    for what, progs in (("joint", [r.pm.program for r in runs]), ("sync", [r.pm.sync_program for r in runs])):
+        if any(p is None for p in progs):
+            continue
+        mems = [program_memory(p.local, p.inputs, p.outputs) for p in progs]
+        for point in mems[0].branches:
+            for c, a in mems[0].branches[point].items():
+                b, z = (x.branches[point][c] for x in mems[1:])
+                if z - b != b - a:
+                    return (f"the {what} program's {c} at its {point} point: increments {b - a} then {z - b} "
+                            "bytes per block")
+        got[what] = peak_in_depth(mems, DEPTHS, layers)
+    joint = sum(got["joint"]["at_peak"].values())
+    sync = sum(got["sync"]["at_peak"].values()) if "sync" in got else 0
     acc = m.get("accumulators", 0)
-    m["program_peak"] = max(joint + acc, sync_peak)
-    m["tensor_peak"] = max(joint, sync_peak)
-    wins = joint + acc >= sync_peak
-    for c, v in (cats if wins else sync_at).items():
+    m["program_peak"] = max(joint + acc, sync)
+    m["tensor_peak"] = max(joint, sync)
+    wins = got["joint"] if joint + acc >= sync else got["sync"]
+    for c, v in wins["at_peak"].items():
         m[f"peak_{c}"] = v
-    for c, v in (got["max_by"] if wins else sync_max).items():
+    for c, v in wins["max_by"].items():
         m[f"max_{c}"] = v
     m["step_peak"] = m["parameters"] + m["optimizer_state"] + m["program_peak"]
     return ""
