@@ -34,6 +34,9 @@ P_out·(2h+1) + P_in·(h+1).
 
 from __future__ import annotations
 
+import contextlib
+import types
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -256,6 +259,11 @@ EXPERT_STRATEGY = "expert"
 MOE_OPS = (torch.ops.autopar.moe_experts.default, torch.ops.autopar.moe_experts_backward.default)
 
 
+def expert_plan(plan) -> bool:
+    """Whether a plan (as the user wrote it) names the expert strategy on some axis."""
+    return isinstance(plan, dict) and any(isinstance(s, str) and s == EXPERT_STRATEGY for s in plan.values())
+
+
 def expert_axes(ctx) -> list[int]:
     """Mesh axes (of size > 1) whose strategy is "expert"."""
     return [i for i, ap in enumerate(ctx.plan.axes) if ap.strategy == EXPERT_STRATEGY and ctx.axis_sizes[i] > 1]
@@ -288,3 +296,43 @@ def check_expert_parallel(program, ctx) -> None:
             where=sharded[0],
             fix="build the built-in MoE with LlamaConfig(moe_dispatch='dropless'); a Hugging Face MoE block "
             "(Mixtral, Qwen2-MoE) is swapped to it by autopar's capture; or use another strategy on that axis")
+
+
+# ---------------------------------------------------------------- Hugging Face experts, while autopar captures
+# transformers 5.x stacks a MoE block's experts in one module (MixtralExperts: gate_up_proj [E, 2f, h],
+# down_proj [E, h, f], called as experts(hidden [T, h], top_k_index [T, k], top_k_weights [T, k])) whose
+# forward is a data-dependent loop or grouped_mm over the hit experts. Under an expert-parallel plan the
+# capture traces them as autopar::moe_experts instead (the same arithmetic: act(x W_gate^T) * x W_up^T,
+# then W_down^T, weighted and summed per token), by an instance attribute on each such module, set on
+# entry and removed on exit, also when the capture raises; nothing else sees it.
+HF_EXPERTS = ("MixtralExperts", "Qwen2MoeExperts", "Qwen3MoeExperts")
+
+
+def _hf_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    f = self.gate_up_proj.shape[1] // 2
+    w_gate = self.gate_up_proj[:, :f].transpose(1, 2)
+    w_up = self.gate_up_proj[:, f:].transpose(1, 2)
+    return torch.ops.autopar.moe_experts(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype),
+                                         w_gate, w_up, self.down_proj.transpose(1, 2))
+
+
+def _swappable(m) -> bool:
+    gu, down = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
+    return (type(m).__name__ in HF_EXPERTS and isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor)
+            and gu.ndim == 3 and down.ndim == 3 and gu.shape[1] == 2 * down.shape[2] and gu.shape[2] == down.shape[1]
+            and not getattr(m, "has_bias", False) and not getattr(m, "is_transposed", False)
+            and getattr(m, "has_gate", True) and type(getattr(m, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation"))
+
+
+@contextlib.contextmanager
+def dropless_experts(model: torch.nn.Module, on: bool = True):
+    """Inside the block (``on``), every Hugging Face experts module of ``model`` that autopar knows
+    (``HF_EXPERTS``, SiLU-gated, no biases) computes through autopar::moe_experts."""
+    swapped = [m for m in model.modules() if _swappable(m)] if on else []
+    try:
+        for m in swapped:
+            m.forward = types.MethodType(_hf_experts_forward, m)
+        yield len(swapped)
+    finally:
+        for m in swapped:
+            m.__dict__.pop("forward", None)

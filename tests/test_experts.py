@@ -140,3 +140,15 @@ def test_expert_parallel_bad_inputs(fake):
         _compile(fake, "llama", {"ep": 2}, {"ep": "expert"})
     with pytest.raises(PlanError, match=r"does not compute its experts with the dropless expert op"):
         _compile(fake, "moe", {"ep": 2}, {"ep": "expert"})
+
+
+@pytest.mark.parametrize("name", ["Mixtral", "Qwen2-MoE"])
+def test_hf_expert_parallel_parity(pools, name):
+    # transformers' MixtralExperts / Qwen2MoeExperts (stacked gate_up_proj [E, 2f, h], down_proj
+    # [E, h, f]) traced as autopar::moe_experts under the expert plan; every step's loss, gradients
+    # and parameters, and the eval forward, against eager transformers on one process
+    from autopar.models.hf_archs import breadth_job, breadth_reference, compare
+
+    out = pools(2).run(breadth_job, name, "ep")
+    assert compare(breadth_reference(name), out) is None
+    assert "expert parallel (ep=expert)" in out["rules"]

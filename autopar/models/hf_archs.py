@@ -73,7 +73,9 @@ PLANS = {"fsdp": ({"dp": 2}, {"dp": "fsdp"}),
          "megatron": ({"tp": 2}, {"tp": "megatron", "rest": "replicate"})}
 # beyond the sweep's two (tests/test_hf_breadth.py: tied embeddings under each)
 MORE_PLANS = {"fsdp+megatron": ({"dp": 2, "tp": 2}, {"dp": "fsdp", "tp": "megatron", "rest": "replicate"}),
-              "pp": ({"pp": 2}, {"pp": "1f1b"})}
+              "pp": ({"pp": 2}, {"pp": "1f1b"}),
+              "ep": ({"ep": 2}, {"ep": "expert"}),  # MoE families whose experts autopar swaps (autopar/experts.py)
+              "fsdp+ep": ({"dp": 2, "ep": 2}, {"dp": "fsdp", "ep": "expert"})}
 
 
 def _ce(logits, targets):
