@@ -142,13 +142,21 @@ def test_expert_parallel_bad_inputs(fake):
         _compile(fake, "moe", {"ep": 2}, {"ep": "expert"})
 
 
-@pytest.mark.parametrize("name", ["Mixtral", "Qwen2-MoE"])
-def test_hf_expert_parallel_parity(pools, name):
+HF_CASES = [("Mixtral", "ep", 0.0), ("Qwen2-MoE", "ep", 0.0), ("Mixtral", "ep", 0.5), ("Mixtral", "fsdp+ep", 0.5)]
+
+
+@pytest.mark.parametrize("name,plan,aux", HF_CASES, ids=[f"{n}-{p}" + ("-aux" if a else "") for n, p, a in HF_CASES])
+def test_hf_expert_parallel_parity(pools, name, plan, aux):
     # transformers' MixtralExperts / Qwen2MoeExperts (stacked gate_up_proj [E, 2f, h], down_proj
     # [E, h, f]) traced as autopar::moe_experts under the expert plan; every step's loss, gradients
-    # and parameters, and the eval forward, against eager transformers on one process
-    from autopar.models.hf_archs import breadth_job, breadth_reference, compare
+    # and parameters, and the eval forward, against eager transformers on one process. ``aux``: the
+    # loss adds aux x Mixtral's load-balancing loss (its router's top-k and histc over the batch:
+    # sums over ep-sharded tokens, all-reduced, as on one device)
+    from autopar.models.hf_archs import MORE_PLANS, breadth_job, breadth_reference, compare
 
-    out = pools(2).run(breadth_job, name, "ep")
-    assert compare(breadth_reference(name), out) is None
+    world = 1
+    for v in MORE_PLANS[plan][0].values():
+        world *= v
+    out = pools(world).run(breadth_job, name, plan, router_aux=aux)
+    assert compare(breadth_reference(name, router_aux=aux), out) is None
     assert "expert parallel (ep=expert)" in out["rules"]
