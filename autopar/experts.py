@@ -123,6 +123,11 @@ class _Exchange:
         self.sizes = mine.sum(0).tolist()
 
     def _a2a(self, t: Tensor, out_splits, in_splits) -> Tensor:
+        if t.device.type == "cpu":  # gloo: waited in bounded slices that a peer's failure wakes, as the
+            from autopar.runtime import guarded  # per-rank programs' own collectives (runtime/guarded.py)
+
+            out = guarded.all_to_all_single(t, out_splits, in_splits, self.group)
+            return guarded.wait_tensor(out, f"expert parallelism's all-to-all (group {self.group})")
         return c10d.wait_tensor(c10d.all_to_all_single(t.contiguous(), out_splits, in_splits, self.group))
 
     def there(self, rows: Tensor) -> Tensor:
@@ -220,6 +225,22 @@ def _(g, x, idx, w, w_gate, w_up, w_down, counts, group, rank, size):
     return _grads_like(x, w, w_gate, w_up, w_down)
 
 
+def _register_flops():
+    """FLOPs for the cost model: every pair through its expert's three matmuls (2·h·f each, per
+    multiply-add 2); the backward recomputes them and runs six more. Under expert parallelism
+    the rank's own tokens are counted (balanced routing: what it computes for others evens out)."""
+    from torch.utils.flop_counter import register_flop_formula
+
+    @register_flop_formula([torch.ops.autopar.moe_experts, torch.ops.autopar.moe_experts_ep])
+    def _forward_flops(x, idx, w, w_gate, *args, out_shape=None, **kwargs):
+        return 6 * x[0] * idx[1] * x[1] * w_gate[2]
+
+    @register_flop_formula([torch.ops.autopar.moe_experts_backward, torch.ops.autopar.moe_experts_ep_backward])
+    def _backward_flops(g, x, idx, w, w_gate, *args, out_shape=None, **kwargs):
+        return 18 * x[0] * idx[1] * x[1] * w_gate[2]
+
+
+_register_flops()
 EP_OPS = ("moe_experts_ep", "moe_experts_ep_backward")  # the ops whose all-to-alls run inside (the meter)
 
 

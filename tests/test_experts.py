@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.errors import PlanError
-from autopar.ir import bytes_by_collective
+from autopar.ir import bytes_by_collective, info
 from autopar.testing import build_model, parity_job
 from test_parity import LR, assert_memory_predicted, assert_parity
 
@@ -129,6 +129,26 @@ def _compile(fake, name, axes, plan, batch=None):
     with fake(**axes) as mesh:
         return autopar.compile(model, mesh, example_inputs=batch or batches[0], loss_fn=loss_fn, plan=plan,
                                capture_eval=False)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_parallel_predicted_bytes(fake, ep):
+    # the built-in MoE (2 layers, 4 experts, top-2, h = 64), batch 4 x 16, fp32: per layer one
+    # all-gather of the [E] pair counts per direction, and the token exchange's balanced-routing
+    # estimate: T = 64/ep local tokens, T·k·(ep-1)/ep of its pairs leave the rank, as many come
+    # back: forward 2·h per pair, backward (2h+1) + (h+1) elements per pair
+    t, k, h, e, layers = 64 // ep, 2, 64, 4, 2
+    pm = _compile(fake, "moe_dropless", {"ep": ep}, {"ep": "expert"})
+    recs = [r for r in pm.collectives() if r.axis == "ep"]
+    off = t * k * (ep - 1) // ep
+    for phase, per_pair in (("forward", 2 * h), ("backward", 3 * h + 2)):
+        v = [r for r in recs if r.kind == "all_to_all_v" and r.phase == phase]
+        assert len(v) == layers and all(r.payload_bytes == off * per_pair * 4 for r in v)
+        g = [r for r in recs if r.kind == "all_gather" and r.phase == phase]
+        assert len(g) == layers and all(r.payload_bytes == e * 8 for r in g)
+    assert pm.predicted_bytes()["all_to_all_v@ep"] == layers * off * (5 * h + 2) * 4
+    rules = {info(n).rule.name for n in pm.program.graph.nodes if info(n).rule is not None}
+    assert "expert parallel (ep=expert)" in rules
 
 
 def test_expert_parallel_bad_inputs(fake):
