@@ -219,7 +219,10 @@ def capture_graph(model: nn.Module, example_inputs: tuple, loss_fn: Callable | N
         return cc.cached("capture", lambda: cc.module_key("capture", wrapper, example_inputs, dropless), trace,
                          lambda gm: cc.gm_template(gm, wrapper), lambda t: cc.gm_from_template(t, wrapper))
     except Exception as e:  # noqa: BLE001 - re-raised with context
-        own = _user_exception(wrapper, example_inputs) if "Observed exception" in str(e) else None
+        own = None
+        if "Observed exception" in str(e):
+            with dropless_experts(model, dropless):  # run as traced
+                own = _user_exception(wrapper, example_inputs)
         if own is not None:  # the model or loss itself raised: say what, and where, not dynamo's wrapper
             err, where = own
             raise CaptureError(f"the model or loss raised while being traced: {type(err).__name__}: {err}",

@@ -196,3 +196,33 @@ def test_expert_parallel_in_pipeline_parity(pools, references):
         assert got.pop(EP_KEY) > 0 and want.pop(EP_KEY) > 0  # the token exchange: data-dependent
         assert got == pytest.approx(want)
         assert got.get("send@pp", 0) > 0, got
+
+
+def test_hf_experts_swap_is_undone(fake):
+    # the swap of transformers' experts forward lives only inside autopar's capture: after a
+    # compile, and after a capture that raises, every experts module is as transformers made it
+    from autopar.errors import CaptureError
+    from autopar.models.hf_archs import build_hf
+
+    def experts_of(model):
+        found = [m for m in model.modules() if type(m).__name__ == "MixtralExperts"]
+        assert len(found) == 2
+        return found
+
+    model, batches, loss_fn = build_hf("Mixtral")
+    with fake(ep=2) as mesh:
+        autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn, plan={"ep": "expert"})
+    assert not any("forward" in m.__dict__ for m in experts_of(model))
+
+    model, batches, _ = build_hf("Mixtral")
+    experts = experts_of(model)
+    swapped = []
+
+    def failing_loss(logits, targets):
+        swapped.append(all("forward" in m.__dict__ for m in experts))
+        raise ValueError("a loss that raises")
+
+    with fake(ep=2) as mesh, pytest.raises(CaptureError, match="a loss that raises"):
+        autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=failing_loss, plan={"ep": "expert"})
+    assert swapped and all(swapped)  # swapped while tracing
+    assert not any("forward" in m.__dict__ for m in experts)
