@@ -23,10 +23,15 @@ tokens on dim 0 (the batch is split over the axis as under ddp). Per rank, the o
    routing weight of each pair ([P, 2h+1]) and gets back dx and the routing weight's gradient
    ([P, h+1]); the expert weights' gradients stay on their owner (Shard(0), complete).
 
-The two uneven all-to-alls run inside the op, at run time (their sizes are data): the process
-group's meter counts them as kind ``all_to_all_v`` (bytes that leave the rank) while an
-expert-parallel op runs (autopar/runtime/measure.py); the compiler's record for them
-(``ep_record``) is the balanced-routing estimate, (n-1)/n of the pairs leave the rank.
+The two uneven all-to-alls run inside the op, at run time: their sizes are data, which the
+per-rank program (traced with fake tensors of static shapes) cannot hold. So they are not graph
+nodes of their own, but the op's node carries their CommRecord (passes/localize.py ``_annotate_ep``:
+kind ``all_to_all_v``, the balanced-routing estimate ``ep_record_bytes``, (n-1)/n of the pairs
+leave the rank), so dump / explain / the cost model see and blame them; what they cannot do is
+move them (no overlap with compute). The process group's meter counts them as kind
+``all_to_all_v`` (bytes that leave the rank) while an expert-parallel op runs
+(autopar/runtime/measure.py); on gloo they are waited through autopar/runtime/guarded.py like
+the programs' own collectives (a peer's failure wakes the wait).
 Bytes per rank and layer that leave the rank, with P_out its pairs routed off-rank and P_in the
 pairs other ranks route to its experts: forward P_out·h + P_in·h elements, backward
 P_out·(2h+1) + P_in·(h+1).

@@ -10,7 +10,10 @@ Neither reads autopar's graphs, so a prediction compared with them can fail.
   ``c10d::allreduce_``. A Python dispatch mode is taken off the mode stack while it handles an
   op, so it sees a functional collective but not the ``c10d`` op inside it; the meter runs the
   functional op's own kernel with itself entered again and counts only at the ``c10d`` op:
-  each transfer once, as the process group receives it.
+  each transfer once, as the process group receives it. Expert parallelism's ops
+  (``autopar::moe_experts_ep`` and its backward, autopar/experts.py) issue their uneven
+  all-to-alls inside, at run time: the meter runs them the same way, and counts those
+  all-to-alls as kind ``all_to_all_v``, the bytes that leave the rank.
 - ``AllocatorPeak`` / ``allocator_peak``: the most the allocator held above its level when the
   measurement started. CUDA: ``torch.cuda.max_memory_allocated`` (peak statistics reset at the
   start). CPU, which keeps no statistics: the CPU allocator's own allocation and free events,
