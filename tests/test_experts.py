@@ -226,3 +226,17 @@ def test_hf_experts_swap_is_undone(fake):
         autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=failing_loss, plan={"ep": "expert"})
     assert swapped and all(swapped)  # swapped while tracing
     assert not any("forward" in m.__dict__ for m in experts)
+
+
+def test_expert_parallel_bf16_parity(pools, references):
+    # bf16 compute, fp32 master weights (the reference casts as autopar's front end does): the
+    # mixed-precision tolerances of tests/test_state.py; every collective but the token exchange
+    # measured = predicted
+    from test_state import assert_close_mixed
+
+    out = pools(2).run(parity_job, "moe_dropless", {"ep": 2}, {"ep": "expert"}, evaluate=False, precision="bf16")
+    assert_close_mixed(references("moe_dropless", "bf16"), out)
+    predicted = {k: v * out["steps"] for k, v in bytes_by_collective(out["records"]).items()}
+    measured = {k: v["wire_bytes"] for k, v in out["measured"].items()}
+    assert measured.pop(EP_KEY) > 0 and predicted.pop(EP_KEY) > 0
+    assert measured == pytest.approx(predicted)
