@@ -199,25 +199,30 @@ def _user_exception(wrapper: nn.Module, example_inputs: tuple):
 
 
 def capture_graph(model: nn.Module, example_inputs: tuple, loss_fn: Callable | None,
-                  compute_dtype: torch.dtype | None = None) -> fx.GraphModule:
+                  compute_dtype: torch.dtype | None = None, dropless: bool = False) -> fx.GraphModule:
     """Trace model (+ loss) with dynamo into a torch-level graph (the capture pass). SDPA calls
-    stay as written, also on meta (the lower pass rewrites them; ``_meta_autograd`` fixes the rest)."""
+    stay as written, also on meta (the lower pass rewrites them; ``_meta_autograd`` fixes the rest).
+    ``dropless``: Hugging Face experts modules traced as autopar::moe_experts (autopar/experts.py)."""
     from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
 
     from autopar import capture_cache as cc
+    from autopar.experts import dropless_experts
 
     wrapper = _WithLoss(model, loss_fn, compute_dtype)
 
     def trace():
-        with warnings.catch_warnings(), _no_compiled_fn_globals():
+        with warnings.catch_warnings(), _no_compiled_fn_globals(), dropless_experts(model, dropless):
             warnings.simplefilter("ignore")
             return _dynamo_graph_capture_for_export(wrapper)(*example_inputs)
 
     try:
-        return cc.cached("capture", lambda: cc.module_key("capture", wrapper, example_inputs), trace,
+        return cc.cached("capture", lambda: cc.module_key("capture", wrapper, example_inputs, dropless), trace,
                          lambda gm: cc.gm_template(gm, wrapper), lambda t: cc.gm_from_template(t, wrapper))
     except Exception as e:  # noqa: BLE001 - re-raised with context
-        own = _user_exception(wrapper, example_inputs) if "Observed exception" in str(e) else None
+        own = None
+        if "Observed exception" in str(e):
+            with dropless_experts(model, dropless):  # run as traced
+                own = _user_exception(wrapper, example_inputs)
         if own is not None:  # the model or loss itself raised: say what, and where, not dynamo's wrapper
             err, where = own
             raise CaptureError(f"the model or loss raised while being traced: {type(err).__name__}: {err}",
@@ -381,16 +386,22 @@ def _forward_decompositions():
 
 
 def capture_forward(model: nn.Module, example_inputs: tuple, compute_dtype: torch.dtype | None = None,
-                    call: Callable | None = None) -> Program:
+                    call: Callable | None = None, dropless: bool = False) -> Program:
     """Forward-only (eval) program via torch.export; outputs are the model's tensors.
     ``call(model, *inputs)``: what to trace instead of ``model(*inputs)`` (generation's steps).
     An input the traced code updates in place (a KV cache, autopar/runtime/generate.py) has the
     role ``("cache", i)`` and its new value is an output ``("cache", i)``, ahead of the others."""
     from autopar import capture_cache as cc
 
+    from autopar.experts import dropless_experts
+
     wrapper = _WithLoss(model, None, compute_dtype, call)
-    return cc.cached("forward", lambda: cc.module_key("forward", wrapper, example_inputs),
-                     lambda: _capture_forward(model, wrapper, example_inputs),
+
+    def export():
+        with dropless_experts(model, dropless):
+            return _capture_forward(model, wrapper, example_inputs)
+
+    return cc.cached("forward", lambda: cc.module_key("forward", wrapper, example_inputs, dropless), export,
                      lambda p: cc.program_template(p, model), lambda t: cc.program_copy(t, model))
 
 

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar.capture import capture_forward
+from autopar.experts import expert_plan
 from autopar.errors import PlanError
 from autopar.ir import CompileState
 from autopar.pipeline_plan import PipelineSetup, is_pipeline_strategy, pipeline_setup
@@ -356,7 +357,7 @@ def runtime_for(state: CompileState, capture_eval: bool = True):
             if o.progress:
                 o.progress("capture (eval forward)")
             t0 = time.perf_counter()
-            fwd_program = capture_forward(state.model, fwd_inputs, o.compute_dtype)
+            fwd_program = capture_forward(state.model, fwd_inputs, o.compute_dtype, dropless=expert_plan(o.plan))
             ctx.timings["capture_forward"] = time.perf_counter() - t0
             forward_builder = functools.partial(run_stage_passes, fwd_program, ctx, debug=o.debug, label="eval ",
                                                 skip=tuple(o.skip) + ("recompute",))

@@ -95,8 +95,9 @@ def ring_bytes(kind: str, payload_bytes: int, n: int) -> float:
         return (n - 1) / n * payload_bytes
     if kind == "all_gather":
         return (n - 1) * payload_bytes
-    if kind in ("send", "broadcast", "shift"):  # point to point between pipeline stages; a root's broadcast;
-        # a ring shift (an all_to_all whose input goes to one peer: ring attention's K/V blocks)
+    if kind in ("send", "broadcast", "shift", "all_to_all_v"):  # point to point between pipeline stages; a
+        # root's broadcast; a ring shift (an all_to_all whose input goes to one peer: ring attention's K/V
+        # blocks); expert parallelism's uneven all-to-alls (payload: what leaves the rank)
         return float(payload_bytes)
     return 0.0
 

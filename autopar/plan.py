@@ -74,9 +74,16 @@ DATA_PARALLEL = set(ZERO_LEVEL)
 # the sequence in a load-balanced layout (2·cp chunks, rank i holds i and 2·cp-1-i), K/V passed around
 # the ring at attention (autopar/ring.py)
 CONTEXT_PARALLEL = {"ulysses", "context"}
+# Expert parallelism (autopar/experts.py): the stacked expert weights [E, ...] sharded on dim 0 (each rank
+# holds E/ep experts), every other parameter replicated; the batch split over the axis as under ddp (dense
+# gradients all-reduced over it); tokens go to their experts' ranks and back by all-to-alls
+EXPERT = ([(f"*mlp.{w}", Shard(0)) for w in ("w_gate", "w_up", "w_down")]  # the built-in MoE
+          + [(f"*experts.{w}", Shard(0)) for w in ("gate_up_proj", "down_proj")]  # HF Mixtral / Qwen2-MoE
+          + [("*", R)])
+EXPERT_PARALLEL = {"expert"}
 PRESETS: dict[str, list[tuple[str, Placement]]] = {
     **{s: [("*", R)] for s in ZERO_LEVEL}, "megatron": MEGATRON, "sequence": MEGATRON,
-    **{s: [("*", R)] for s in CONTEXT_PARALLEL}}
+    **{s: [("*", R)] for s in CONTEXT_PARALLEL}, "expert": EXPERT}
 
 
 def parse_placement(p, where: str) -> Placement:
@@ -165,7 +172,8 @@ def parse_plan(plan, axis_names: tuple[str, ...]) -> Plan:
                 raise PlanError(f"unknown strategy {s!r} for mesh axis {axis!r}", where=f"plan[{axis!r}]",
                                 fix=f"known strategies: {sorted(PRESETS)}; on a pipeline axis a schedule: "
                                 "gpipe, 1f1b, interleaved, zb")
-            axes.append(AxisPlan(axis, s, PRESETS[s], s in DATA_PARALLEL))
+            # an expert-parallel axis splits the batch as a data-parallel one does
+            axes.append(AxisPlan(axis, s, PRESETS[s], s in DATA_PARALLEL or s in EXPERT_PARALLEL))
         elif isinstance(s, (list, tuple)):
             rules = [(g, parse_placement(p, f"plan[{axis!r}][{g!r}]")) for g, p in s]
             axes.append(AxisPlan(axis, "rules", rules, False))
@@ -207,11 +215,12 @@ def place_parameters(plan: Plan, params: dict[str, torch.Tensor], axis_sizes) ->
             if axis_sizes[i] == 1:  # one rank on this axis: every placement is the whole tensor
                 hit = R
             elif isinstance(hit, Shard):
-                hit = _checked_shard(hit, name, t, ap.axis, axis_sizes[i])
+                hit = _checked_shard(hit, name, t, ap.axis, axis_sizes[i], ap.strategy)
             elif not ap.data_parallel and not ap.context_parallel:
                 replicated.setdefault(ap.axis, []).append((name, _rule_text(ap, glob, source)))
             out[name].append(hit)
     compute = {n: tuple(p) for n, p in out.items()}
+    _check_experts(plan, params, compute, axis_sizes)
     storage, unsharded = _shard_state(plan, params, compute, axis_sizes)
     return Placed(storage, unplaced, compute, unsharded, replicated)
 
@@ -260,8 +269,25 @@ def _rule_text(ap: AxisPlan, glob: str, source: str) -> str:
     return f"plan[{ap.axis!r}] rule {glob!r}"
 
 
-def _checked_shard(p: Shard, name: str, t: torch.Tensor, axis: str, size: int) -> Shard:
+def _check_experts(plan: Plan, params, compute, axis_sizes) -> None:
+    """An expert-parallel axis of more than one rank must find expert weights to shard."""
+    for i, ap in enumerate(plan.axes):
+        if ap.strategy in EXPERT_PARALLEL and axis_sizes[i] > 1 and \
+                not any(isinstance(p[i], Shard) for p in compute.values()):
+            raise PlanError(f"mesh axis '{ap.axis}' is expert-parallel but the model has no expert weights to "
+                            f"shard over it (no parameter matches {[g for g, p in ap.rules if isinstance(p, Shard)]})",
+                            where=f"plan[{ap.axis!r}]",
+                            fix=f"use a mixture-of-experts model, shard its stacked expert weights with plan['rules'] "
+                            f"(e.g. {{'*my_experts.w1': {{'{ap.axis}': 'S(0)'}}}}), or use 'ddp' on that axis")
+
+
+def _checked_shard(p: Shard, name: str, t: torch.Tensor, axis: str, size: int, strategy: str = "") -> Shard:
     d = p.dim % t.ndim if t.ndim else None
+    if d == 0 and strategy in EXPERT_PARALLEL and t.shape[0] % size:
+        raise PlanError(f"parameter {name!r} of shape {list(t.shape)} stacks {t.shape[0]} experts, which expert "
+                        f"parallelism cannot split over mesh axis '{axis}' of size {size}: {t.shape[0]} is not "
+                        f"divisible by {size}", where=f"parameter {name}",
+                        fix=f"use an '{axis}' size that divides the number of experts ({t.shape[0]})")
     if d is None or t.shape[d] % size:
         raise PlanError(
             f"parameter {name!r} of shape {list(t.shape)} cannot be sharded on dim {p.dim} "

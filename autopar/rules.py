@@ -25,6 +25,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from autopar.errors import PlanError
 from autopar.ir import ShardSpec, source_line
+from autopar.experts import MOE_OPS, ep_impl, expert_axes
 from autopar.layout import ring_axes, ulysses_axes
 from autopar.ring import kv_repeat, ring_impl
 
@@ -479,3 +480,35 @@ def copy_rule(node, in_specs, ctx):
     """copy(dst, src): the functional form of ``dst.copy_(src)`` (src broadcast to dst's shape and
     dtype; dst's values are not read): elementwise in src, with dst following its layout."""
     return _elementwise(node, in_specs, ctx, in_specs[0].shape, "copy (elementwise)", first=1)
+
+
+@rule(*MOE_OPS)
+def moe_rule(node, in_specs, ctx):
+    """autopar::moe_experts(x, idx, w, w_gate, w_up, w_down) and its backward (g first; outputs
+    dx, dw, and the three expert weights' gradients). Per mesh axis: on an "expert" axis every
+    input is Shard(0) (tokens: this rank's batch; weights: its experts) and so is every output,
+    the weights' gradients complete (the tokens came to their expert's owner; autopar/experts.py
+    runs the all-to-alls); on an axis where the tokens are Shard(0) (data parallel) the weights
+    are replicated, their gradients Partial sums; elsewhere everything is replicated (the tokens'
+    Partial is reduced first: the experts are not linear)."""
+    backward = node.target is MOE_OPS[1]
+    n_tok = 4 if backward else 3  # (g), x, idx, w: one row per token
+    ep = expert_axes(ctx)
+    ins: list[list] = [[] for _ in in_specs]
+    outs: list[list] = [[] for _ in range(5 if backward else 1)]
+    for a, p in enumerate(in_specs[0].placements):
+        if a in ep:
+            tok, weight, grad = Shard(0), Shard(0), Shard(0)
+        elif isinstance(p, Shard) and p.dim == 0:
+            tok, weight, grad = Shard(0), R, PSUM
+        else:
+            tok, weight, grad = R, R, R
+        for i, s in enumerate(ins):
+            s.append(tok if i < n_tok else weight)
+        for i, s in enumerate(outs):
+            s.append(tok if i < (2 if backward else 1) else grad)
+    outputs = tuple(tuple(o) for o in outs) if backward else tuple(outs[0])
+    if ep:
+        return RuleResult([tuple(i) for i in ins], outputs, ep_impl(ep[0], backward),
+                          f"expert parallel ({ctx.axis_names[ep[0]]}=expert)")
+    return RuleResult([tuple(i) for i in ins], outputs, None, "experts over tokens")

@@ -184,6 +184,10 @@ def build_model(name: str, seed: int = 0):
         from autopar.models.llama import Llama, LlamaConfig, cross_entropy
 
         model, loss_fn = Llama(LlamaConfig(n_experts=4, top_k=2)), cross_entropy
+    elif name == "moe_dropless":  # the same, every token-expert pair computed (expert parallelism's MoE)
+        from autopar.models.llama import Llama, LlamaConfig, cross_entropy
+
+        model, loss_fn = Llama(LlamaConfig(n_experts=4, top_k=2, moe_dispatch="dropless")), cross_entropy
     elif name in ("hf_llama", "hf_llama_eager"):  # eager: HF's softmax(QK^T s + mask) V attention
         from transformers import LlamaConfig as HFConfig
         from transformers import LlamaForCausalLM

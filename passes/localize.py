@@ -32,6 +32,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, 
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.errors import ShardingError
+from autopar.experts import EP_KIND, ep_record_bytes
 from autopar.layout import ring_axes, zigzag_order, zigzag_take, zigzag_unorder
 from autopar.ir import (
     CommRecord,
@@ -364,6 +365,8 @@ def _reduce_op(p: Partial) -> str:
 def _annotate_collectives(graph: fx.Graph, origins, ctx) -> None:
     """Attach a CommRecord to every collective node of the per-rank graph."""
     for n in graph.nodes:
+        if n.op == "call_function" and n.target in EP_OPS:
+            _annotate_ep(n, origins, ctx)
         if n.op != "call_function" or n.target not in COLLECTIVES:
             continue
         kind = COLLECTIVES[n.target]
@@ -386,3 +389,26 @@ def _annotate_collectives(graph: fx.Graph, origins, ctx) -> None:
             src, phase = source_line(origin), phase_of(origin)
         info(n).comm = CommRecord(kind, ctx.axis_names[a], ctx.axis_sizes[a], payload,
                                             reason, src, phase, n.name, producer)
+
+
+EP_OPS = {torch.ops.autopar.moe_experts_ep.default: False, torch.ops.autopar.moe_experts_ep_backward.default: True}
+
+
+def _annotate_ep(n: fx.Node, origins, ctx) -> None:
+    """The uneven all-to-alls inside an expert-parallel op (autopar/experts.py) as one CommRecord
+    of kind ``all_to_all_v``: what they send off-rank under balanced routing (their real size is
+    the data's; the meter counts what ran)."""
+    backward = EP_OPS[n.target]
+    x, idx = (n.args[1], n.args[2]) if backward else (n.args[0], n.args[1])
+    xv, iv = x.meta["val"], idx.meta["val"]
+    size = n.args[-1]
+    payload = ep_record_bytes((tuple(xv.shape), iv.shape[1]), size, backward, xv.dtype.itemsize)
+    origin = origins.get((n.meta.get("custom") or {}).get("autopar_origin", ""))
+    axis = ctx.axis_of_group(n.args[-3])
+    why = "backward: x, output gradient, weight out; dx, weight gradient back" if backward else \
+        "forward: tokens to their experts' ranks and results back"
+    info(n).comm = CommRecord(EP_KIND, ctx.axis_names[axis], size, payload,
+                              f"expert parallel ({ctx.axis_names[axis]}=expert), {why} (balanced-routing estimate)",
+                              source_line(origin) if origin is not None else "",
+                              phase_of(origin) if origin is not None else ("backward" if backward else "forward"),
+                              n.name)

@@ -27,6 +27,7 @@ from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from autopar.errors import ShardingError
+from autopar.experts import check_expert_parallel
 from autopar.layout import SequenceDims, check_context_parallel, heads_to_sequence
 from autopar.ir import Program, ShardSpec, fmt_placements, info, source_line, spec_of, tensor_args
 from autopar.rules import ATTENTION_OPS, RULES, RuleResult, pointwise_rule
@@ -50,6 +51,7 @@ def propagate_pass(program: Program, ctx) -> Program:
     _drop_legacy_empty_cat_inputs(graph)
     seq = SequenceDims(program, ctx)  # the activation layout of a sequence-parallel axis (autopar/layout.py)
     check_context_parallel(program, ctx)  # the sequence length divides over the context-parallel axes
+    check_expert_parallel(program, ctx)  # expert weights sharded over ep are computed by the expert op
     for n in graph.nodes:
         if n.op == "placeholder":
             val = n.meta["val"]

@@ -73,8 +73,15 @@ def held_by_process_group(records) -> int:
     (that release needs the GIL, which the step's Python holds), so a gathered parameter can
     outlive its last use by a few ops. Bounded here by two of the largest all-gather outputs
     (seen on the ZeRO-3 / fsdp cases: up to 1.7 of them over repeated steps; none under ddp,
-    zero1/2 or megatron, whose collectives' outputs live on anyway)."""
-    return 2 * max([r.payload_bytes * r.group_size for r in records if r.kind == "all_gather"], default=0)
+    zero1/2 or megatron, whose collectives' outputs live on anyway). Likewise an expert-parallel
+    op's all-to-all buffers (autopar/experts.py: its send and receive buffers, each about the
+    pairs' rows, of which the CommRecord's balanced estimate counts the (n-1)/n that leave the
+    rank): bounded by two calls' worth, 2 x 2·n/(n-1) x the largest record (seen: 86 KB over the
+    prediction on the built-in MoE at ep=2, whose bound is 99 KB per call)."""
+    gathers = 2 * max([r.payload_bytes * r.group_size for r in records if r.kind == "all_gather"], default=0)
+    exchanges = 2 * max([2 * r.payload_bytes * r.group_size // max(r.group_size - 1, 1) for r in records
+                         if r.kind == "all_to_all_v"], default=0)
+    return gathers + exchanges
 
 
 def assert_memory_predicted(out):

@@ -303,6 +303,14 @@ def simulate(gm: fx.GraphModule, dev: Device, links, share: float = 1.0) -> Time
     done: dict[fx.Node, tuple[float, str]] = {}
     for n in gm.graph.nodes:
         rec = info(n).comm
+        if rec is not None and "_c10d_functional" not in str(n.target):  # an op that communicates inside
+            dur = comm_seconds(rec, links)  # (expert parallelism's): its transfers stall the compute stream
+            est.comm_s += dur
+            est.comm_by_axis[rec.axis] = est.comm_by_axis.get(rec.axis, 0.0) + dur
+            est.exposed_comm_s += dur
+            est.exposed_by_axis[rec.axis] = est.exposed_by_axis.get(rec.axis, 0.0) + dur
+            t_compute += dur
+            rec = None
         if rec is not None:
             dur = comm_seconds(rec, links)
             start = max(t_compute, t_link.get(rec.axis, 0.0))

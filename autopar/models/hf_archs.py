@@ -73,16 +73,19 @@ PLANS = {"fsdp": ({"dp": 2}, {"dp": "fsdp"}),
          "megatron": ({"tp": 2}, {"tp": "megatron", "rest": "replicate"})}
 # beyond the sweep's two (tests/test_hf_breadth.py: tied embeddings under each)
 MORE_PLANS = {"fsdp+megatron": ({"dp": 2, "tp": 2}, {"dp": "fsdp", "tp": "megatron", "rest": "replicate"}),
-              "pp": ({"pp": 2}, {"pp": "1f1b"})}
+              "pp": ({"pp": 2}, {"pp": "1f1b"}),
+              "ep": ({"ep": 2}, {"ep": "expert"}),  # MoE families whose experts autopar swaps (autopar/experts.py)
+              "fsdp+ep": ({"dp": 2, "ep": 2}, {"dp": "fsdp", "ep": "expert"})}
 
 
 def _ce(logits, targets):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
 
 
-def build_hf(name: str, seed: int = 0, seq: int = SEQ, **overrides):
+def build_hf(name: str, seed: int = 0, seq: int = SEQ, router_aux: float = 0.0, **overrides):
     """(model, batches, loss_fn) for ``ARCHS[name]`` (``overrides``: config fields on top);
-    batches are GLOBAL (tokens, targets) of ``seq`` tokens."""
+    batches are GLOBAL (tokens, targets) of ``seq`` tokens. ``router_aux``: a MoE model is wrapped
+    in ``RouterAux`` and the loss adds ``router_aux`` x its load-balancing loss."""
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -99,13 +102,44 @@ def build_hf(name: str, seed: int = 0, seq: int = SEQ, **overrides):
     g = torch.Generator().manual_seed(seed + 1)
     batches = [(torch.randint(3, VOCAB, (BATCH, seq), generator=g),
                 torch.randint(0, VOCAB, (BATCH, seq), generator=g)) for _ in range(STEPS)]
+    if router_aux:
+        # transformers installs the hooks that collect router logits on the model's first call, under
+        # a threading lock dynamo cannot trace: that call happens here, eagerly
+        with torch.no_grad():
+            model(batches[0][0][:1, :2], output_router_logits=True)
+        return RouterAux(model), batches, _ce_with_aux(router_aux)
     return model, batches, _ce
+
+
+class RouterAux(torch.nn.Module):
+    """A Hugging Face MoE causal LM returning (logits, its load-balancing loss) (``build_hf(router_aux=...)``)."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, tokens):
+        out = self.lm(tokens, output_router_logits=True)
+        return out.logits, out.aux_loss
+
+
+def _ce_with_aux(coef: float):
+    def loss(out, targets):
+        logits, aux = out
+        return _ce(logits, targets) + coef * aux
+    return loss
 
 
 def _logits(out):
     from autopar.capture import _unwrap_output
 
     return _unwrap_output(out)
+
+
+def _eval_logits(out):
+    """The logits of an eval forward (``RouterAux``'s first output)."""
+    out = _logits(out)
+    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 def breadth_reference(name: str, **overrides) -> dict:
@@ -150,7 +184,7 @@ def breadth_job(name: str, plan_name: str, debug: bool = True, **overrides) -> d
         params.append(gathered())
     if pm.pipelined:  # (no eval forward for pipelines yet)
         return {"losses": losses, "grads": grads, "params": params, "eval": None, "rules": []}
-    evaluated = pm(batches[0][0])
+    evaluated = _eval_logits(pm(batches[0][0]))
     rules = sorted({info(n).rule.name for n in pm.program.graph.nodes if info(n).rule is not None})
     return {"losses": losses, "grads": grads, "params": params, "eval": evaluated, "rules": rules}
 
@@ -211,6 +245,6 @@ def compare(ref: dict, out: dict) -> str | None:
     with torch.no_grad():
         for k, p in model.named_parameters():
             p.copy_(out["params"][-1][k])
-        expected = _logits(model(batches[0][0]))
+        expected = _eval_logits(model(batches[0][0]))
     d = (out["eval"] - expected).abs().max().item()
     return f"eval forward off by {d:.1e}" if d > 1e-4 else None

@@ -33,6 +33,7 @@ class LlamaConfig:
     n_experts: int = 0  # > 0: a mixture-of-experts MLP in every block (top_k routing, per-sequence capacity)
     top_k: int = 2
     capacity_factor: float = 1.25
+    moe_dispatch: str = "capacity"  # or "dropless": every token-expert pair computed (autopar/experts.py)
 
 
 class RMSNorm(nn.Module):
@@ -119,17 +120,25 @@ class MoE(nn.Module):
     choice) order and the first ``capacity = ceil(seq * top_k / n_experts * capacity_factor)``
     are kept (the rest pass through the residual only). Experts are stacked SwiGLU weights
     ``[E, dim, ffn]``, applied with batched matmuls (einsum).
+
+    ``moe_dispatch="dropless"``: every token-expert pair is computed, by ``autopar::moe_experts``
+    (autopar/experts.py: data-dependent sizes inside one op), which expert parallelism shards.
     """
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.top_k, self.n_experts, self.capacity_factor = cfg.top_k, cfg.n_experts, cfg.capacity_factor
+        if cfg.moe_dispatch not in ("capacity", "dropless"):
+            raise ValueError(f"LlamaConfig.moe_dispatch must be 'capacity' or 'dropless', got {cfg.moe_dispatch!r}")
+        self.dropless = cfg.moe_dispatch == "dropless"
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.w_gate = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim, cfg.ffn_dim))
         self.w_up = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim, cfg.ffn_dim))
         self.w_down = nn.Parameter(torch.empty(cfg.n_experts, cfg.ffn_dim, cfg.dim))
 
     def forward(self, x):
+        if self.dropless:
+            return self._dropless(x)
         b, s, _ = x.shape
         e, k = self.n_experts, self.top_k
         cap = math.ceil(s * k / e * self.capacity_factor)
@@ -149,6 +158,15 @@ class MoE(nn.Module):
         h = F.silu(torch.einsum("becd,edf->becf", xe, self.w_gate)) * torch.einsum("becd,edf->becf", xe, self.w_up)
         ye = torch.einsum("becf,efd->becd", h, self.w_down)
         return torch.einsum("bsec,becd->bsd", combine, ye)
+
+    def _dropless(self, x):
+        from autopar.experts import moe_experts
+
+        flat = x.reshape(-1, x.shape[-1])
+        probs = F.softmax(self.router(flat), dim=-1, dtype=torch.float32)
+        weights, idx = probs.topk(self.top_k, dim=-1)  # [b*s, k]
+        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        return moe_experts(flat, idx, weights, self.w_gate, self.w_up, self.w_down).view(x.shape)
 
 
 class Block(nn.Module):

@@ -47,6 +47,8 @@ BUILTINS: dict[str, tuple[str, dict, int, int, str]] = {
     "gpt-tiny": (_LLAMA, dict(n_kv_heads=4, ffn_dim=256, mlp="gelu"), 4, 16,
                  "GPT-style block (GELU MLP with biases, MHA)"),
     "moe-tiny": (_LLAMA, dict(n_experts=4, top_k=2), 4, 16, "Llama with a top-2 of 4 experts MoE MLP"),
+    "moe-tiny-dropless": (_LLAMA, dict(n_experts=4, top_k=2, moe_dispatch="dropless"), 4, 16,
+                          "moe-tiny computing every token-expert pair (no capacity): expert parallelism's MoE"),
     "llama3-8b": (_LLAMA, dict(_LLAMA3, dim=4096, n_layers=32, n_heads=32, ffn_dim=14336), 8, 2048,
                   "Llama-3 8B shapes"),
     "llama3-70b": (_LLAMA, dict(_LLAMA3, dim=8192, n_layers=80, n_heads=64, ffn_dim=28672), 8, 2048,

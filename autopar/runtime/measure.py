@@ -10,7 +10,10 @@ Neither reads autopar's graphs, so a prediction compared with them can fail.
   ``c10d::allreduce_``. A Python dispatch mode is taken off the mode stack while it handles an
   op, so it sees a functional collective but not the ``c10d`` op inside it; the meter runs the
   functional op's own kernel with itself entered again and counts only at the ``c10d`` op:
-  each transfer once, as the process group receives it.
+  each transfer once, as the process group receives it. Expert parallelism's ops
+  (``autopar::moe_experts_ep`` and its backward, autopar/experts.py) issue their uneven
+  all-to-alls inside, at run time: the meter runs them the same way, and counts those
+  all-to-alls as kind ``all_to_all_v``, the bytes that leave the rank.
 - ``AllocatorPeak`` / ``allocator_peak``: the most the allocator held above its level when the
   measurement started. CUDA: ``torch.cuda.max_memory_allocated`` (peak statistics reset at the
   start). CPU, which keeps no statistics: the CPU allocator's own allocation and free events,
@@ -36,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autopar.experts import EP_KIND, EP_OPS
 from autopar.ir import ring_bytes
 
 _DK = torch._C.DispatchKey
@@ -104,6 +108,7 @@ class CommMeter(TorchDispatchMode):
         self.p2p_axis = p2p_axis
         self.table: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0, 0.0])
         self._depth = 0
+        self._in_ep = 0  # inside an expert-parallel op (autopar/experts.py)
 
     def __enter__(self):
         # entered again while active (``with pm.counter:`` around a measured step): one mode on
@@ -148,12 +153,15 @@ class CommMeter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         ns = func.namespace
-        if ns in _FUNCTIONAL and torch._C._dispatch_has_kernel_for_dispatch_key(
+        ep = ns == "autopar" and func._opname in EP_OPS  # expert parallelism's op: its all-to-alls are inside
+        if (ep or ns in _FUNCTIONAL) and torch._C._dispatch_has_kernel_for_dispatch_key(
                 func.name(), _DK.CompositeExplicitAutograd):
             TorchDispatchMode.__enter__(self)  # back on the stack: see the c10d op the kernel calls
+            self._in_ep += ep
             try:
                 return func._op_dk(_DK.CompositeExplicitAutograd, *args, **kwargs)
             finally:
+                self._in_ep -= ep
                 TorchDispatchMode.__exit__(self, None, None, None)
         if ns == "c10d" and func._opname in C10D_OPS:
             self._count(func, args, kwargs)
@@ -165,7 +173,12 @@ class CommMeter(TorchDispatchMode):
         group = dist.ProcessGroup.unbox(named["process_group"])
         n = group.size()
         nbytes = sum(t.numel() * t.element_size() for t in _tensors(named[payload_arg]))
-        if kind == "all_to_all" and len(set(named.get("input_split_sizes") or [])) > 1:
+        if kind == "all_to_all" and self._in_ep:  # expert parallelism's token exchange: what leaves the rank
+            kind = EP_KIND
+            splits = list(named["input_split_sizes"])
+            rows = max(sum(splits), 1)
+            nbytes = nbytes * (rows - splits[group.rank()]) // rows
+        elif kind == "all_to_all" and len(set(named.get("input_split_sizes") or [])) > 1:
             kind = "shift"  # uneven splits: what leaves the rank is its input less its own split
             rows = max(_tensors(named[payload_arg])[0].shape[0], 1)
             nbytes = nbytes * (rows - list(named["input_split_sizes"])[group.rank()]) // rows

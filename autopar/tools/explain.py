@@ -93,7 +93,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="built-in name (see --list-models) or package.module:factory")
     p.add_argument("--mesh", default="dp=2", help="named mesh axes, e.g. dp=8,tp=8 (default dp=2)")
     p.add_argument("--plan", default=None,
-                   help="'auto' (autopar plan only: choose the mesh and plan, see --world, --budget) or axis=strategy pairs (ddp zero1 zero2 zero3 fsdp megatron sequence ulysses context; on a pipeline axis gpipe 1f1b "
+                   help="'auto' (autopar plan only: choose the mesh and plan, see --world, --budget) or axis=strategy pairs (ddp zero1 zero2 zero3 fsdp megatron sequence ulysses context expert; on a pipeline axis gpipe 1f1b "
                         "interleaved zb, with options as zb:microbatches=8 or interleaved:virtual=2:split=layers.4+"
                         "layers.8) or a JSON plan file (default: ddp on every axis)")
     p.add_argument("--rank", default="0", help="rank(s) to analyse: R, R1,R2 or 'all' (meshes up to 64 ranks)")
