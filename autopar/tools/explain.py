@@ -309,7 +309,8 @@ def _run(command: str, argv) -> int:
         elif command == "plan" and not args.full_depth:
             from autopar.tools.extrapolate import plan_analysis
 
-            results = [plan_analysis(args, r, progress, analyse) for r in ranks]
+            plan = parse_plan_arg(args.plan) if args.plan else {}
+            results = [plan_analysis(args, plan, r, progress, analyse) for r in ranks]
         else:
             results = [analyse(args, r, progress) for r in ranks]
     except PlanError as e:

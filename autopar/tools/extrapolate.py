@@ -123,16 +123,14 @@ def _memory(runs: list[Analysis], out: dict, layers: int) -> str:
     return ""
 
 
-def analyse_by_depth(args, rank: int, progress, analyse) -> Analysis | None:
-    """``analyse(args, rank)`` at depths 3-5 and the summary extrapolated to the model's depth;
+def analyse_by_depth(args, plan: dict, rank: int, progress, analyse) -> Analysis | None:
+    """``analyse(args, rank)`` (``plan``: the parsed ``--plan``) at depths 3-5 and the summary extrapolated to the model's depth;
     None when the model or plan does not qualify or the blocks are not identical (the caller then
     compiles every block; the reason is in ``args.depth_note``)."""
     from autopar.models import zoo
     from autopar.pipeline_plan import is_pipeline_strategy
-    from autopar.tools.explain import parse_plan_arg
 
     found = depth_field(args.model, zoo.parse_overrides(args.set))
-    plan = parse_plan_arg(args.plan) if args.plan else {}
     if found is None or found[1] <= DEPTHS[-1] or any(is_pipeline_strategy(v) for v in plan.values()):
         return None
     name, layers = found
@@ -170,11 +168,11 @@ def analyse_by_depth(args, rank: int, progress, analyse) -> Analysis | None:
 
 
 
-def plan_analysis(args, rank: int, progress, analyse) -> Analysis:
+def plan_analysis(args, plan: dict, rank: int, progress, analyse) -> Analysis:
     """What ``autopar plan`` reports for ``rank``: extrapolated in depth where that applies, else
     every block compiled (with the reason when the blocks turned out not identical)."""
     args.depth_note = None
-    a = analyse_by_depth(args, rank, progress, analyse)
+    a = analyse_by_depth(args, plan, rank, progress, analyse)
     if a is None:
         a = analyse(args, rank, progress)
         if args.depth_note:
