@@ -221,7 +221,10 @@ def capture_graph(model: nn.Module, example_inputs: tuple, loss_fn: Callable | N
     except Exception as e:  # noqa: BLE001 - re-raised with context
         own = None
         if "Observed exception" in str(e):
-            with dropless_experts(model, dropless):  # run as traced
+            # the experts as autopar's op in the re-run, whatever the plan: transformers' own
+            # experts path picks grouped_mm on fake CPU tensors, whose fake kernel wants bf16, and
+            # would report that instead of the user's exception (Mixtral fp32 under fsdp did)
+            with dropless_experts(model, True):
                 own = _user_exception(wrapper, example_inputs)
         if own is not None:  # the model or loss itself raised: say what, and where, not dynamo's wrapper
             err, where = own

@@ -226,6 +226,11 @@ def test_hf_experts_swap_is_undone(fake):
         autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=failing_loss, plan={"ep": "expert"})
     assert swapped and all(swapped)  # swapped while tracing
     assert not any("forward" in m.__dict__ for m in experts)
+    # under another plan too, the user's exception is what the error says (transformers' experts
+    # path on fake fp32 CPU tensors said "Expected inputs of BF16 type" instead)
+    with fake(dp=2) as mesh, pytest.raises(CaptureError, match="a loss that raises"):
+        autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=failing_loss, plan={"dp": "fsdp"})
+    assert not any("forward" in m.__dict__ for m in experts)
 
 
 def test_expert_parallel_bf16_parity(pools, references):
