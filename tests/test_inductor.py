@@ -76,3 +76,22 @@ def test_segments_keep_the_schedule(fake):
     deep, _ = _compile(fake, 4)
     assert deep.inductor.segments > segments
     assert deep.inductor.distinct <= pm.inductor.distinct + 2, (deep.inductor, pm.inductor)
+
+
+def test_a_segment_inductor_fails_on_runs_uncompiled(fake, monkeypatch):
+    from autopar.runtime import inductor
+
+    pm, _ = _compile(fake, 2)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(inductor, "_compile", fail)
+    stats = inductor.InductorStats()
+    with pytest.warns(UserWarning, match="runs uncompiled: Inductor failed on it"):
+        gm = inductor.compile_program(pm.program.local, torch.device("cpu"), stats)
+    assert stats.segments == 0 and sum(stats.skipped.values()) >= 4, stats
+    assert "no C++ compiler" in stats.line()
+    # op by op: the same nodes as the program, in the same order
+    ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert ops == [str(n.target) for n in pm.program.local.graph.nodes if n.op == "call_function"]

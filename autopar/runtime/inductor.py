@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import operator
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -52,7 +53,8 @@ class InductorStats:
     """What compiling the programs did: ``segments`` compiled (calls of compiled code per run of
     the programs), ``distinct`` of them compiled by Inductor (the rest shared a compiled
     function), ``eager`` nodes left as Python calls (collectives, waits, random and custom ops,
-    views between them), ``seconds`` spent compiling, and why segments were left uncompiled."""
+    views between them), ``seconds`` spent compiling, and why segments were left uncompiled
+    (``skipped``: reason -> count; a segment Inductor fails on runs op by op, with a warning)."""
 
     programs: int = 0
     segments: int = 0
@@ -190,16 +192,23 @@ def compile_program(gm: fx.GraphModule, device, stats: InductorStats) -> fx.Grap
             why = "a value crossing its boundary is not a tensor"
             stats.skipped[why] = stats.skipped.get(why, 0) + 1
             continue
-        runs.append((run, inputs, outputs))
-    first = {run[0]: (run, inputs, outputs) for run, inputs, outputs in runs}
-    compiled = {n for run, _, _ in runs for n in run}
+        try:
+            fn = _compile(_segment_module(run, inputs, outputs), inputs, device, stats)
+        except Exception as e:  # noqa: BLE001 - Inductor could not compile it: it runs op by op, said so
+            why = f"Inductor failed on it ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+            stats.skipped[why] = stats.skipped.get(why, 0) + 1
+            warnings.warn(f"autopar inductor=True: a segment of {len(run)} ops ({run[0].target} ... {run[-1].target}) "
+                          f"runs uncompiled: {why}", stacklevel=2)
+            continue
+        runs.append((run, inputs, outputs, fn))
+    first = {r[0][0]: r for r in runs}
+    compiled = {n for r in runs for n in r[0]}
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     out_node = None
     for n in gm.graph.nodes:
         if n in first:
-            run, inputs, outputs = first[n]
-            fn = _compile(_segment_module(run, inputs, outputs), inputs, device, stats)
+            run, inputs, outputs, fn = first[n]
             seg = _Segment(fn, stats.segments)
             stats.segments += 1
             pack = g.call_function(_pack, tuple(env[a] for a in inputs))
