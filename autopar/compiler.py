@@ -65,6 +65,7 @@ def compile(
     timeout: float = 60.0,
     straggler_threshold: float | None = 1.2,
     straggler_window: int = 100,
+    inductor: bool = False,
 ):
     """Compile ``model`` for ``mesh`` under ``plan``; returns a ParallelModule (a PipelineModule,
     autopar/runtime/pipeline.py, when an axis's strategy is a pipeline schedule: ``{"pp": "1f1b", ...}``).
@@ -105,7 +106,11 @@ def compile(
     this many steps the ranks compare their compute times (one small all-gather), and a rank
     slower than its peers by more than this factor in the median step gets a
     ``StragglerWarning`` naming it (None: no check); ``pm.step_times()`` gathers them on request
-    (autopar/runtime/steptimes.py).
+    (autopar/runtime/steptimes.py). ``inductor=True``: each per-rank program's compute is
+    compiled with Inductor (C++ on CPU) when the program is built, between its collectives and
+    waits, which stay where the overlap pass put them (autopar/runtime/inductor.py); random and
+    custom ops stay uncompiled. The compile seconds are ``pm.ctx.timings["inductor"]``, apart from
+    the step's; ``pm.inductor`` says what was compiled.
 
     As a decorator (``@autopar.compile(mesh=..., example_inputs=..., plan=...)``) on a model
     class or a model-building function, the class/function then returns ParallelModules.
@@ -116,7 +121,7 @@ def compile(
                 capture_eval=capture_eval, pipeline_stages=pipeline_stages, kernels=kernels,
                 bucket_mb=bucket_mb, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
                 memory_budget=memory_budget, timeout=timeout,
-                straggler_threshold=straggler_threshold, straggler_window=straggler_window)
+                straggler_threshold=straggler_threshold, straggler_window=straggler_window, inductor=inductor)
     if model is None or (isinstance(model, type) or (callable(model) and not isinstance(model, nn.Module))):
         return _decorator(model, **opts)
     capture_eval = opts.pop("capture_eval")
@@ -163,6 +168,7 @@ class Options:
     timeout: float = 60.0  # seconds a wait of a step may block (autopar/runtime/failure.py)
     straggler_threshold: float | None = 1.2  # autopar/runtime/steptimes.py; None: no check
     straggler_window: int = 100  # steps between straggler checks
+    inductor: bool = False  # compile each per-rank program's compute (autopar/runtime/inductor.py)
 
 
 def build(model: nn.Module, mesh: DeviceMesh, *, stop_after: str | None = None, **options) -> CompileState:
@@ -182,7 +188,7 @@ def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, input
              reduce_dtype=None, loss_scale="dynamic", accumulate=1, recompute="none", debug=False, skip_passes=(),
              progress=None, pipeline_stages="local", kernels="auto", bucket_mb=25, prefetch=1,
              reshard_after_forward=None, memory_budget=None, timeout=60.0, straggler_threshold=1.2,
-             straggler_window=100) -> tuple[Options, tuple]:
+             straggler_window=100, inductor=False) -> tuple[Options, tuple]:
     """Every check that needs no trace: options, plan against mesh and model, batch against
     the data-parallel ranks and the pipeline's micro-batches. Returns the options and one
     micro-batch of the example inputs (what capture traces)."""
@@ -241,6 +247,9 @@ def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, input
                         "functional all-gather does not survive (heap corruption in torch 2.13)",
                         where="autopar.compile(prefetch=...)",
                         fix="use prefetch=1 (one gather in flight, as FSDP2) on a gloo mesh")
+    if type(inductor) is not bool:
+        raise PlanError(f"inductor must be True or False, got {inductor!r}", where="autopar.compile(inductor=...)",
+                        fix="inductor=True compiles each per-rank program's compute with Inductor; False runs it op by op")
     budget = parse_budget(memory_budget)
     example_inputs = tuple(example_inputs)
     lower = _kernels_option(kernels, mesh)
@@ -275,7 +284,7 @@ def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, input
                       loss_scale if compute_dtype == torch.float16 else None, accumulate, recompute, lower, debug,
                       tuple(skip_passes), progress, pipeline_stages, pipeline, bucket_mb, prefetch,
                       reshard_after_forward, budget, deferred, float(timeout),
-                      straggler_threshold and float(straggler_threshold), straggler_window)
+                      straggler_threshold and float(straggler_threshold), straggler_window, inductor)
     return options, micro
 
 
@@ -377,7 +386,25 @@ def runtime_for(state: CompileState, capture_eval: bool = True):
     rt.compile_options = o  # what later compiles of this program's kind read (generation: autopar/runtime/generate.py)
     rt.clock = steptimes.StepClock(o.straggler_threshold, o.straggler_window)
     rt.index_checks = checks
+    if o.inductor:
+        _compile_programs(rt)
     return _materialize_buffers(rt, o)
+
+
+def _compile_programs(rt) -> None:
+    """Every per-rank program of the step compiled with Inductor now, not in the first step, so
+    the compile time is the compile's (``ctx.timings["inductor"]``); the eval program is
+    compiled when it is built (its first call). A program on meta (planning) is not compiled."""
+    from autopar.runtime.inductor import InductorStats
+
+    ex = rt.executor
+    ex.inductor = InductorStats()
+    if rt.ctx.device.type == "meta":
+        return
+    t0 = time.perf_counter()
+    for gm in ex.programs():
+        ex.compiled(gm)
+    rt.ctx.timings["inductor"] = time.perf_counter() - t0
 
 
 def _materialize_buffers(pm, o: Options):

@@ -300,6 +300,7 @@ def parity_job(name: str, axes: dict, plan: dict, steps: int = 3, lr: float = 1e
             "placements": {n: str(pm.ctx.placed.placements[n]) for n, _ in pm.named_parameters()},
             "skipped": pm.skipped_steps, "accumulate": pm.accumulate,
             "rules": sorted({info(n).rule.name for n in pm.program.graph.nodes if info(n).rule is not None}),
+            "inductor": pm.inductor, "timings": dict(pm.ctx.timings),
             }
 
 

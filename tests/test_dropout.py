@@ -56,7 +56,7 @@ def _model(name: str):
     return cls(cfg)
 
 
-def dropout_job(name: str, axes: dict, plan: dict, steps: int = 3) -> dict:
+def dropout_job(name: str, axes: dict, plan: dict, steps: int = 3, **options) -> dict:
     import torch.distributed as dist
 
     import autopar
@@ -68,7 +68,7 @@ def dropout_job(name: str, axes: dict, plan: dict, steps: int = 3) -> dict:
                for _ in range(steps)]
     torch.manual_seed(100 + dist.get_rank())  # ranks' generators differ: the masks must not care
     pm = autopar.compile(model, autopar.mesh(**axes), example_inputs=batches[0], loss_fn=_ce, plan=plan,
-                         capture_eval=False)
+                         capture_eval=False, **options)
     pm.seed = 42
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     losses, grads = [], []

@@ -84,7 +84,7 @@ def held_by_process_group(records) -> int:
     return gathers + exchanges
 
 
-def assert_memory_predicted(out):
+def assert_memory_predicted(out, compiled: bool = False):
     """The cost model's per-rank memory (liveness over the per-rank program, persistent state from
     the storage placements) against the run's instruments, which do not read the graph:
     persistent state exactly; the step's peak, from the allocator over the real step (without
@@ -93,7 +93,11 @@ def assert_memory_predicted(out):
 
     With accumulate=K the step's peak includes the gradient sums the runtime holds while the next
     micro-batch runs (``accumulators``); the programs' op outputs (``tensor_peak``, measured per
-    program run) do not."""
+    program run) do not.
+
+    ``compiled`` (``inductor=True``): the prediction is the uncompiled program's liveness, and
+    the op-by-op meter sees only the ops left outside the compiled segments, so the step's
+    figures are held to the upper bound alone: fusion may hold less than op by op, never more."""
     pred, meas = out["predicted_memory"], out["memory"]
     for k in ("parameters", "gradients", "optimizer_state"):
         assert pred[k] == meas[k], k
@@ -104,19 +108,20 @@ def assert_memory_predicted(out):
              "step peak (allocator)": (persistent + allocator, pred["step_peak"]),
              "program peak (op outputs)": (meas["tensor_peak"], pred["tensor_peak"])}
     for what, (measured, predicted) in pairs.items():
-        assert 0.95 * predicted <= measured <= 1.05 * predicted + held, (what, measured, predicted)
+        assert 0.95 * predicted * (not compiled) <= measured <= 1.05 * predicted + held, (what, measured, predicted)
 
 
-def run_and_check_parity(pools, references, name, axes, plan, evaluate: bool = True) -> dict:
+def run_and_check_parity(pools, references, name, axes, plan, evaluate: bool = True, **options) -> dict:
     """parity_job on a pool of the mesh's size, checked against one process (numbers, memory,
     bytes); returns its output for further checks (tests/test_sequence.py, tests/test_ring.py).
-    ``evaluate=False``: the eval program is neither captured nor checked (seconds per case)."""
+    ``evaluate=False``: the eval program is neither captured nor checked (seconds per case).
+    ``options`` go to autopar.compile (``inductor=True``: tests/test_inductor.py)."""
     world = 1
     for v in axes.values():
         world *= v
-    out = pools(world).run(parity_job, name, axes, plan, evaluate=evaluate)
+    out = pools(world).run(parity_job, name, axes, plan, evaluate=evaluate, **options)
     assert_parity(references(name), out, name)
-    assert_memory_predicted(out)
+    assert_memory_predicted(out, compiled=bool(options.get("inductor")))
     # the bytes the runtime counted are the bytes the compiler predicted, step for step
     # (every kind and axis: no collective ran that the compiler did not predict, and none was missing)
     predicted = {k: v * out["steps"] for k, v in bytes_by_collective(out["records"]).items()}

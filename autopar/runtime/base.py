@@ -280,6 +280,8 @@ class Runtime:
 
     # ---------------------------------------------------------------- measuring
     memory = property(lambda self: self.executor.memory, lambda self, v: setattr(self.executor, "memory", v))
+    inductor = property(lambda self: self.executor.inductor,
+                        doc="What compile(inductor=True) compiled (autopar/runtime/inductor.py InductorStats), or None.")
 
     def measure(self, on: bool = True) -> contextlib.AbstractContextManager:
         """Count the bytes this rank hands to the process group (``counter``) on the following

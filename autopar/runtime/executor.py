@@ -42,6 +42,8 @@ class Executor:
         self.memory = None
         self.guard = True  # run the programs' guarded copies: bounded waits (autopar/runtime/failure.py)
         self._guarded: dict[int, tuple] = {}
+        self.inductor = None  # an InductorStats when the programs' compute runs compiled (autopar/runtime/inductor.py)
+        self._compiled: dict[int, tuple] = {}
         self.timeline: list[tuple[float, float, tuple]] = []
         self.recv_wait: list[float] = []
         self.in_flight: dict = {}
@@ -143,8 +145,32 @@ class Executor:
         key = (id(gm), self.guard)
         hit = self._guarded.get(key)
         if hit is None or hit[0] is not gm:
-            hit = self._guarded[key] = (gm, _boxed(guarded_programs.guarded(gm) if self.guard else gm))
+            run = self.compiled(gm)
+            hit = self._guarded[key] = (gm, _boxed(guarded_programs.guarded(run) if self.guard else run))
         return hit[1]
+
+    def compiled(self, gm):
+        """``gm`` with its compute compiled by Inductor when ``inductor`` is on (made once per
+        program; autopar/runtime/inductor.py), else ``gm``."""
+        if self.inductor is None:
+            return gm
+        hit = self._compiled.get(id(gm))
+        if hit is None or hit[0] is not gm:
+            from autopar.runtime.inductor import compile_program
+
+            hit = self._compiled[id(gm)] = (gm, compile_program(gm, self.device, self.inductor))
+        return hit[1]
+
+    def programs(self) -> list:
+        """Every per-rank program of the step: each stage's joint program or its parts and
+        prologue, and its gradient-sync program."""
+        out = []
+        for sp in self.stages.values():
+            parts = [p.gm for p in (sp.parts or {}).values()] + [sp.prologue.gm if sp.prologue is not None else None]
+            out += [gm for gm in parts if gm is not None] if sp.parts else [sp.program.local]
+            if sp.sync is not None:
+                out.append(sp.sync.local)
+        return out
 
     def _tangent(self, like) -> torch.Tensor:
         """d(step loss)/d(micro-batch loss), times the fp16 loss scale: the loss is the mean."""

@@ -145,4 +145,6 @@ class ParallelModule(Runtime):
         lines += self.memory_lines(optimizer)
         lines += self.clock.lines()
         lines.append("compile time: " + ", ".join(f"{k} {v:.2f}s" for k, v in ctx.timings.items()))
+        if self.inductor is not None:
+            lines.append(self.inductor.line())
         return "\n".join(lines)

@@ -252,6 +252,8 @@ class PipelineModule(Runtime):
                          f"(stage, micro-batch) sets, {self.in_flight['peak_bytes']:,} B")
         lines += self.memory_lines(optimizer)
         lines += self.clock.lines()
+        if self.inductor is not None:
+            lines.append(self.inductor.line())
         return "\n".join(lines)
 
 

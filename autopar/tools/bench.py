@@ -2,7 +2,7 @@
 it, in the same processes, alternating step by step, same initialization and data.
 
     autopar bench [--ranks 2 4] [--steps 12] [--warmup 3] [--pairs ddp fsdp megatron 2d]
-                  [--bucket-mb 25] [--prefetch 1] [--foreach]
+                  [--bucket-mb 25] [--prefetch 1] [--foreach] [--inductor]
     autopar bench --planning [--planning-models llama3-8b llama3-70b] [--planning-ranks 8 64 256 1024]
     autopar bench --pipeline [--pp 2 4] [--schedules gpipe 1f1b interleaved zb] [--microbatches 8]
     autopar bench --kernels [--kernel-seqs 512 ... 8192] [--smoke]     (GPU: Triton kernels vs SDPA / cuBLAS)
@@ -28,7 +28,16 @@ Measured per configuration, for both sides with the same instruments:
   step's peak of allocator memory above what was allocated before it (torch.profiler's memory
   events; CPU here, the same on GPU);
 - collective calls per step (the same meter);
-- compile / wrap time (autopar without the eval program: the benchmark only trains); the losses of both (same model, same data: they must agree).
+- compile / wrap time (autopar without the eval program: the benchmark only trains), and the
+  first step's time apart (``torch.compile`` compiles there); the losses of both (same model,
+  same data: they must agree).
+
+``--inductor``: autopar with ``inductor=True`` (each per-rank program's compute compiled by
+Inductor when it is built: its seconds reported apart, ``inductor_s``) against the baselines under
+``torch.compile``: ``torch.compile(DDP(model))`` (its DDPOptimizer splits the graph at the
+buckets), FSDP2 with each block's forward compiled before ``fully_shard`` (its hooks run eagerly
+around it, as under torchtitan's per-block compile), TP / 2d with each block compiled after
+``parallelize_module``.
 
 Writes JSON (machine, versions, every sample), a markdown table and PNG plots (matplotlib, if
 installed: ``pip install -e .[bench]``) to ``--out`` (default ``benchmarks/results/``).
@@ -76,7 +85,7 @@ def _axes(pair: str, world: int) -> dict[str, int]:
     return {"dp": world}
 
 
-def build_autopar(pair: str, world: int, example, foreach=None, **options):
+def build_autopar(pair: str, world: int, example, foreach=None, compiled=False, **options):
     import autopar
 
     axes = _axes(pair, world)
@@ -84,7 +93,7 @@ def build_autopar(pair: str, world: int, example, foreach=None, **options):
             "2d": {"dp": "fsdp", "tp": "megatron"}}[pair]
     model, _, loss_fn = bench_model()
     pm = autopar.compile(model, autopar.mesh(**axes), example_inputs=example, loss_fn=loss_fn, plan=plan,
-                         capture_eval=False, **options)
+                         capture_eval=False, inductor=compiled, **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=foreach)
 
     def step(x, y, zero_grad=True):
@@ -94,6 +103,8 @@ def build_autopar(pair: str, world: int, example, foreach=None, **options):
             opt.zero_grad()
         return loss
 
+    step.compile_s = pm.ctx.timings.get("inductor")  # (Inductor's seconds, apart from the passes')
+    step.inductor = str(pm.inductor) if pm.inductor is not None else None
     return step, pm.parameters, opt
 
 
@@ -114,7 +125,7 @@ def _tp_plan(model, tp_mesh):
         })
 
 
-def build_baseline(pair: str, world: int, example, foreach=None):
+def build_baseline(pair: str, world: int, example, foreach=None, compiled=False):
     from torch.distributed.device_mesh import init_device_mesh
 
     model, cfg, loss_fn = bench_model()
@@ -126,6 +137,8 @@ def build_baseline(pair: str, world: int, example, foreach=None):
 
         # buffers (RoPE tables) are constant: re-broadcasting them every forward would be a handicap
         model = DDP(model, broadcast_buffers=False)
+        if compiled:
+            model = torch.compile(model)
         local_batch = True
         loss_ctx = None
     elif pair == "fsdp":
@@ -133,6 +146,8 @@ def build_baseline(pair: str, world: int, example, foreach=None):
 
         mesh = init_device_mesh(device, (world,), mesh_dim_names=("dp",))
         for layer in model.layers:
+            if compiled:  # the block's forward, FSDP2's hooks around it run eagerly (torchtitan's way)
+                layer.forward = torch.compile(layer.forward)
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         local_batch = True
@@ -143,6 +158,9 @@ def build_baseline(pair: str, world: int, example, foreach=None):
         axes = _axes(pair, world)
         mesh = init_device_mesh(device, tuple(axes.values()), mesh_dim_names=tuple(axes))
         _tp_plan(model, mesh["tp"])
+        if compiled:
+            for layer in model.layers:
+                layer.compile()
         if pair == "2d":
             from torch.distributed.fsdp import fully_shard
 
@@ -182,8 +200,9 @@ def build_baseline(pair: str, world: int, example, foreach=None):
 
 # ----------------------------------------------------------------------------------------- the run
 def pair_job(pair: str, steps: int, warmup: int, batch: int, seq: int, options: dict | None = None,
-             foreach: bool | None = None):
-    """On every rank: build both systems, then alternate their steps; rank 0's figures come back."""
+             foreach: bool | None = None, compiled: bool = False):
+    """On every rank: build both systems, then alternate their steps; rank 0's figures come back.
+    ``compiled``: autopar with inductor=True against the baselines under torch.compile."""
     world = dist.get_world_size()
     _, cfg, _ = bench_model()
     data = _batches(cfg, 4, batch, seq)
@@ -193,15 +212,19 @@ def pair_job(pair: str, steps: int, warmup: int, batch: int, seq: int, options: 
     for name, build in builders.items():
         dist.barrier()
         t0 = time.perf_counter()
-        systems[name] = build(pair, world, data[0], foreach=foreach,
+        systems[name] = build(pair, world, data[0], foreach=foreach, compiled=compiled,
                               **((options or {}) if name == "autopar" else {}))
         out[f"{name}_build_s"] = time.perf_counter() - t0
+        out[f"{name}_compile_s"] = getattr(systems[name][0], "compile_s", None)
+        out[f"{name}_inductor"] = getattr(systems[name][0], "inductor", None)
     times = {k: [] for k in systems}
     losses = {k: [] for k in systems}
     for i in range(warmup + steps):
         for name, (step, _, _) in (systems.items() if i % 2 == 0 else reversed(list(systems.items()))):
             loss, dt = timed(step, *data[i % len(data)])
             losses[name].append(float(loss))
+            if i == 0:
+                out[f"{name}_first_step_s"] = dt
             if i >= warmup:
                 times[name].append(dt)
     # communication and memory: one more step each, instrumented (not timed)
@@ -304,11 +327,16 @@ def summarize(results: list[dict], batch: int, seq: int) -> list[dict]:
                 "comm_bytes": sum(r[f"{side}_comm_bytes"].values()), "comm": r[f"{side}_comm_bytes"],
                 "peak_bytes": r[f"{side}_peak_bytes"], "persistent_bytes": sum(r[f"{side}_persistent"].values()),
                 "build_s": r[f"{side}_build_s"], "losses": r["losses"][side],
-                "calls": sum(r[f"{side}_comm_calls"].values()),
+                "calls": sum(r[f"{side}_comm_calls"].values()), "first_step_s": r.get(f"{side}_first_step_s"),
+                "compile_s": r.get(f"{side}_compile_s"),
             }
         a, b = row["autopar"], row["baseline"]
         row["ratio"] = {k: (a[k] / b[k] if b[k] else float("nan"))
                         for k in ("median_s", "comm_bytes", "peak_bytes", "persistent_bytes", "build_s")}
+        # the two systems alternate step by step: each autopar step against the baseline step beside it
+        paired = [x / y for x, y in zip(r["times"]["autopar"], r["times"]["baseline"])]
+        row["paired_ratios"] = paired
+        row["ratio"]["paired_median"] = statistics.median(paired) if paired else float("nan")
         row["max_loss_diff"] = max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
         rows.append(row)
     return rows
@@ -325,22 +353,39 @@ def _quantile(xs, q):
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"Benchmark {meta['date']} on {meta['machine']} ({meta['device']}, torch {meta['torch']}): "
              f"{meta['model']}, global batch {meta['batch']} x {meta['seq']} tokens, {meta.get('optimizer', 'AdamW')}; "
-             f"{meta['steps']} timed steps after {meta['warmup']} warm-up, the two systems alternating.", "",
+             f"{meta['steps']} timed steps after {meta['warmup']} warm-up, the two systems alternating"
+             + (f"; autopar inductor=True, baselines under {meta['baseline_compiled']}"
+                if meta.get("autopar_options", {}).get("inductor") else "")
+             + (f"; load average {_load(meta['load_average'])} before, {_load(meta['load_average_after'])} after"
+                if "load_average_after" in meta else "") + ".", "",
              "| pair | mesh | baseline | step time autopar (IQR) | step time baseline (IQR) | autopar / baseline "
-             "| tokens/s autopar | bytes sent/rank/step autopar | baseline | ratio | step peak autopar | "
+             "| paired per-step ratio (median) | tokens/s autopar | bytes sent/rank/step autopar | baseline | ratio | step peak autopar | "
              "baseline | ratio | persistent autopar | baseline | collective calls/step autopar | baseline "
-             "| compile/wrap s autopar | baseline | max loss diff |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| compile/wrap s autopar | baseline | first step s autopar | baseline | max loss diff |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         a, b, q = r["autopar"], r["baseline"], r["ratio"]
         lines.append(
             f"| {r['pair']} | {r['mesh']} | {BASELINE_NAMES[r['pair']]} | {a['median_s'] * 1e3:.0f} ms "
             f"({a['iqr_s'] * 1e3:.0f}) | {b['median_s'] * 1e3:.0f} ms ({b['iqr_s'] * 1e3:.0f}) | "
-            f"**{q['median_s']:.2f}** | {a['tokens_per_s']:,.0f} | {a['comm_bytes']:,.0f} | {b['comm_bytes']:,.0f} | "
+            f"**{q['median_s']:.2f}** | {q.get('paired_median', float('nan')):.2f} | {a['tokens_per_s']:,.0f} | {a['comm_bytes']:,.0f} | {b['comm_bytes']:,.0f} | "
             f"{q['comm_bytes']:.2f} | {a['peak_bytes'] / 2**20:.1f} MiB | {b['peak_bytes'] / 2**20:.1f} MiB | "
             f"{q['peak_bytes']:.2f} | {a['persistent_bytes'] / 2**20:.1f} MiB | {b['persistent_bytes'] / 2**20:.1f} MiB | "
-            f"{a['calls']} | {b['calls']} | {a['build_s']:.1f} | {b['build_s']:.2f} | {r['max_loss_diff']:.1e} |")
+            f"{a['calls']} | {b['calls']} | {a['build_s']:.1f}{_of_it(a.get('compile_s'))} | {b['build_s']:.2f} | "
+            f"{_seconds(a.get('first_step_s'))} | {_seconds(b.get('first_step_s'))} | {r['max_loss_diff']:.1e} |")
     return "\n".join(lines) + "\n"
+
+
+def _load(avg) -> str:
+    return "/".join(f"{x:.1f}" for x in avg)
+
+
+def _seconds(v) -> str:
+    return "" if v is None else f"{v:.2f}"
+
+
+def _of_it(compile_s) -> str:
+    return "" if compile_s is None else f" (Inductor {compile_s:.1f})"
 
 
 def plots(rows: list[dict], path_prefix: str) -> list[str]:
@@ -394,6 +439,9 @@ def main(argv=None):
     ap.add_argument("--foreach", action="store_true",
                     help="AdamW(foreach=True) on both sides (CUDA's default; on CPU torch loops over parameters, "
                          "which costs DTensor parameters (autopar where it shards them, FSDP2, DTensor TP) a dispatch per op)")
+    ap.add_argument("--inductor", action="store_true",
+                    help="autopar.compile(inductor=True) against the baselines under torch.compile")
+    ap.add_argument("--tag", default="", help="appended to the results' file names")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--out", default="benchmarks/results", help="directory for the JSON, markdown and PNGs")
     ap.add_argument("--planning", action="store_true",
@@ -438,6 +486,7 @@ def main(argv=None):
         print(md)
         print(f"wrote {stem}.json, {stem}.md")
         return
+    load_before = os.getloadavg()
     jobs = [(w, p) for w in args.ranks for p in args.pairs if not (p == "2d" and w < 4)]
     if not jobs:
         ap.error("nothing to run (2d needs --ranks 4 or more)")
@@ -452,7 +501,7 @@ def main(argv=None):
                 _progress(len(results), len(jobs), f"{pair} on {w} ranks")
                 results.append(pool.run(pair_job, pair, args.steps, args.warmup, args.batch, args.seq,
                                         {"bucket_mb": args.bucket_mb, "prefetch": args.prefetch},
-                                        True if args.foreach else None))
+                                        True if args.foreach else None, args.inductor))
         finally:
             pool.close()
     _progress(len(results), len(jobs), "done")
@@ -463,11 +512,13 @@ def main(argv=None):
             "model": f"Llama dim {cfg.dim}, {cfg.n_layers} layers, vocab {cfg.vocab_size}, "
                      f"{cfg.n_heads} heads / {cfg.n_kv_heads} KV heads, ffn {cfg.ffn_dim}",
             "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
-            "autopar_options": {"bucket_mb": args.bucket_mb, "prefetch": args.prefetch},
+            "autopar_options": {"bucket_mb": args.bucket_mb, "prefetch": args.prefetch, "inductor": args.inductor},
+            "baseline_compiled": "torch.compile" if args.inductor else "eager", "load_average": load_before,
             "optimizer": "AdamW(foreach=True)" if args.foreach else "AdamW (torch's default: a for-loop on CPU)"}
     rows = summarize(results, args.batch, args.seq)
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"bench-{datetime.date.today()}")
+    stem = os.path.join(args.out, f"bench-{datetime.date.today()}{args.tag}")
+    meta["load_average_after"] = os.getloadavg()
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows, "raw": results}, f, indent=1, default=str)
     md = markdown(rows, meta)
