@@ -86,7 +86,7 @@ def extrapolate(sums: list[dict], layers: int, path: tuple[str, ...] = ()) -> tu
     return (round(value) if isinstance(a, int) and isinstance(b, int) and isinstance(c, int) else value), []
 
 
-# the memory figures a peak decides (recomputed from the program's node windows, not extrapolated)
+# the memory figures a peak decides (carried point by point in ``_memory``, not along one line)
 _PEAK_KEYS = ("program_peak", "tensor_peak", "step_peak")
 
 
@@ -124,8 +124,8 @@ def _memory(runs: list[Analysis], out: dict, layers: int) -> str:
 
 
 def analyse_by_depth(args, plan: dict, rank: int, progress, analyse) -> Analysis | None:
-    """``analyse(args, rank)`` (``plan``: the parsed ``--plan``) at depths 3-5 and the summary extrapolated to the model's depth;
-    None when the model or plan does not qualify or the blocks are not identical (the caller then
+    """``analyse(args, rank)`` at depths 3-5 (``plan``: the parsed ``--plan``) and the summary
+    extrapolated to the model's depth; None when the model or plan does not qualify or the blocks are not identical (the caller then
     compiles every block; the reason is in ``args.depth_note``)."""
     from autopar.models import zoo
     from autopar.pipeline_plan import is_pipeline_strategy
@@ -147,13 +147,12 @@ def analyse_by_depth(args, plan: dict, rank: int, progress, analyse) -> Analysis
     for s in sums:
         s.pop("seconds")
         s["memory"].pop("peak_node", None)  # a node of the shallow program: not the deep one's
-    peaks = [{k: s["memory"].pop(k) for k in list(s["memory"]) if k in _PEAK_KEYS or k.startswith(("peak_", "max_"))}
-             for s in sums]
+        for k in [k for k in s["memory"] if k in _PEAK_KEYS or k.startswith(("peak_", "max_"))]:
+            del s["memory"][k]
     out, bad = extrapolate(sums, layers)
     if not bad:
         why = _memory(runs, out, layers)
         bad = [why] if why else []
-    del peaks
     if bad:
         args.depth_note = (f"blocks not identical at depths {DEPTHS} ({'; '.join(bad[:3])}"
                            + (f" and {len(bad) - 3} more" if len(bad) > 3 else "") + "): compiled every block")
@@ -165,7 +164,6 @@ def analyse_by_depth(args, plan: dict, rank: int, progress, analyse) -> Analysis
     return Analysis(last.model, last.axes, last.plan, rank, last.coord, last.options, last.pm, last.memory,
                     last.time, last.device, last.links, seconds, last.notes, int(out["parameters"]),
                     extrapolated=out)
-
 
 
 def plan_analysis(args, plan: dict, rank: int, progress, analyse) -> Analysis:
