@@ -78,7 +78,7 @@ def main(argv=None) -> int:
                 opts = {"recompute": c.recompute}
                 if c.pp == 1 and c.microbatches > 1:
                     opts["accumulate"] = c.microbatches
-                r = pool.run(measure_plan_job, spec, c.mbs * c.dp * c.microbatches, a.seq, over, c.mesh(), c.plan(),
+                r = pool.run(measure_plan_job, spec, c.mbs * c.data * c.microbatches, a.seq, over, c.mesh(), c.plan(),
                              steps=a.steps, **opts)
                 if "error" in r:
                     rows.append((c, None, None, r["error"]))

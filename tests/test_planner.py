@@ -47,6 +47,8 @@ def test_budget_below_every_candidate_leaves_none_and_says_why():
     P.Candidate(2, 2, 1, "ddp", "megatron", None, 1, "none", 1, 2),
     P.Candidate(4, 1, 1, "fsdp", None, None, 1, "none", 1, 1),
     P.Candidate(2, 1, 2, "ddp", None, "1f1b", 1, "none", 1, 4),
+    P.Candidate(2, 1, 1, "ddp", None, None, 1, "none", 1, 2, cp=2, cp_strategy="ulysses"),
+    P.Candidate(1, 1, 2, "ddp", None, "1f1b", 1, "none", 1, 4, cp=2, cp_strategy="ulysses"),
 ], ids=lambda c: c.label().replace(" ", "_"))
 def test_composition_agrees_with_the_compiled_program(cand):
     """The screen (one block's figures composed analytically) against the cost model on the
@@ -68,6 +70,9 @@ def test_confirm_extrapolates_exactly_for_identical_blocks():
     assert got["peak"] == pytest.approx(full["peak"], rel=1e-6)
     assert got["step_s"] == pytest.approx(full["step_s"], rel=1e-6)
     assert got["bytes"] == pytest.approx(full["bytes"], rel=1e-6)
+    # two micro-batches, the gradients all-reduced once per step: 2(N-1)/N x 4 B x parameters on dp=2
+    # (the listing counted the accumulated program's bytes once per micro-batch twice over before)
+    assert full["bytes"]["dp"] == pytest.approx(4 * info.params, rel=1e-3)
 
 
 def test_candidates_respect_layers_heads_batch_and_nodes():
@@ -89,6 +94,52 @@ def test_candidates_respect_layers_heads_batch_and_nodes():
     # --mesh tp=2 with --world 8: tp fixed, dp and pp searched
     fixed, _ = P.candidates(info, 8, dev, mesh={"tp": 2})
     assert fixed and {c.tp for c in fixed} == {2} and {(c.dp, c.pp) for c in fixed} == {(4, 1), (2, 2)}
+
+
+def test_context_and_expert_parallelism_are_searched():
+    """cp (ulysses, ring) and ep are candidates: their block figures compiled on the block's own
+    axes carry the formulas' bytes, the activations fall with cp, the experts split over ep."""
+    info = P.model_info("llama-tiny", 1, 512, None)  # 2 layers, h 64, 4 heads / 2 KV heads of 16
+    base = P.block_coefficients(info, 1, None, "none", 1, precision="fp32", dev=H100).block
+    for cs in ("ulysses", "context"):
+        blk = P.block_coefficients(info, 1, None, "none", 1, precision="fp32", dev=H100, cp=2, cp_strategy=cs).block
+        # ulysses: 2 directions x 4 all-to-alls of [1, s/2, 64], half of each sent; the ring: K+V
+        # (h_kv 32) forward 2 s h_kv (cp-1)/cp, backward 2 s h_kv (2cp-1)/cp elements: 262,144 B both
+        assert blk.bytes_on("cp", "mb") == 262_144, blk.comm
+        # every block parameter's gradient all-reduced over cp once per step: 2(cp-1)/cp x 4 B x elems
+        assert blk.bytes_on("cp", "grad") == 4 * blk.param_elems == 4 * 36_992
+        assert 0.4 < blk.acts / base.acts < 0.6, (blk.acts, base.acts)
+        assert blk.flops < 0.6 * base.flops
+    cands, refused = P.candidates(info, 4, H100, cp_strategies=("ulysses", "context"), mbs_choices=(1,))
+    assert {(c.cp, c.cp_strategy) for c in cands} >= {(2, "ulysses"), (2, "context"), (4, "ulysses"), (4, "context")}
+    assert all(c.world == 4 for c in cands)
+    c = next(c for c in cands if c.cp == 2 and c.tp == 2)
+    assert c.mesh() == {"dp": 1, "cp": 2, "tp": 2} and c.plan()["cp"] == c.cp_strategy
+    # a sequence 2 x cp does not divide is refused for the ring only; heads tp x cp does not divide for ulysses
+    odd = P.model_info("llama-tiny", 1, 20, None)
+    _, why = P.candidates(odd, 8, H100, cp_strategies=("ulysses", "context"))
+    assert any("not divisible by 2 x cp=8" in w for _, w in why)
+    assert any("4 heads not divisible by tp x cp=8" in w for _, w in why)
+
+    moe = P.model_info("moe-tiny-dropless", 4, 16, None)  # 4 experts of 64 -> 128 -> 64
+    one = P.block_coefficients(moe, 1, None, "none", 1, precision="fp32", dev=H100).block
+    two = P.block_coefficients(moe, 1, None, "none", 1, precision="fp32", dev=H100, ep=2).block
+    assert one.param_elems - two.param_elems == 2 * 3 * 64 * 128  # two of the four experts' weights
+    assert two.bytes_on("ep", "mb") > 0 and two.bytes_on("ep", "grad") > 0
+    res = P.search("moe-tiny-dropless", 2, batch=4, seq=16, precision="fp32", confirm_top=0, **SMALL)
+    eps = [c for c in res.ranked if c.ep > 1]
+    assert eps and all(c.plan()["ep"] == "expert" and c.data * c.mbs * c.microbatches == 4 for c in eps)
+    c = next(c for c in eps if c.ep == 2)  # the candidate's mesh and plan compile as they are
+    got = P.compiled(c, moe, H100, 1, precision="fp32")
+    assert got["bytes"]["ep"] > 0 and got["peak"] > 0
+    # the capacity-dispatch MoE cannot be split by experts: left out with the reason, refused when asked
+    res = P.search("moe-tiny", 2, batch=2, seq=16, precision="fp32", confirm_top=0, **SMALL)
+    text = P.report(res)
+    assert all(c.ep == 1 for c in res.ranked) and "moe_dispatch=dropless" in text
+    # below CP_FROM_SEQ tokens the search leaves cp out, and says so
+    assert all(c.cp == 1 for c in res.ranked) and "context parallelism not searched" in text
+    with pytest.raises(PlanError, match="capacity"):
+        P.search("moe-tiny", 2, batch=2, seq=16, precision="fp32", confirm_top=0, expert=True, **SMALL)
 
 
 def test_auto_errors():

@@ -26,29 +26,41 @@ class Figures:
     copies: int = 0  # most bytes of compute-dtype parameter copies alive at once
     grads: int = 0  # most bytes of gradients in flight at once (the end of the backward)
     acts: int = 0  # most bytes alive at once outside the gradients, less the parameter copies
-    fwd_s: float = 0.0  # forward: compute + exposed tensor-parallel communication
+    fwd_s: float = 0.0  # forward: compute + exposed communication on the block's own axes (tp, cp, ep)
     bwd_s: float = 0.0
     flops: int = 0
-    tp_bytes: int = 0  # tensor-parallel wire bytes per rank
+    # wire bytes per rank on the block's own axes: (axis, "mb") per micro-batch (activations,
+    # attention's all-to-alls and ring shifts, routed tokens), (axis, "grad") once per step (the
+    # gradients of parameters replicated on cp / ep, sequence parallelism's norm weights on tp)
+    comm: dict = field(default_factory=dict)
 
     def __sub__(self, o: "Figures") -> "Figures":
-        return Figures(*(getattr(self, f) - getattr(o, f) for f in self.__dataclass_fields__))
+        return Figures(*(getattr(self, f) - getattr(o, f) for f in _SCALARS),
+                       comm={k: self.comm.get(k, 0) - o.comm.get(k, 0) for k in set(self.comm) | set(o.comm)})
 
     def scaled(self, k: float) -> "Figures":
         """The figures for ``k`` times the sequences per micro-batch: per-sequence quantities
-        scale, the parameters (and their copies and gradients) do not."""
+        scale, the parameters (and their copies, gradients and gradient traffic) do not."""
         if k == 1:
             return self
         return Figures(self.param_elems, self.params, self.copies, self.grads, int(self.acts * k), self.fwd_s * k,
-                       self.bwd_s * k, int(self.flops * k), int(self.tp_bytes * k))
+                       self.bwd_s * k, int(self.flops * k),
+                       comm={key: int(v * k) if key[1] == "mb" else v for key, v in self.comm.items()})
+
+    def bytes_on(self, axis: str, what: str) -> int:
+        return self.comm.get((axis, what), 0)
 
     def close(self, o: "Figures", rel: float = 0.02) -> list[str]:
+        pairs = [(f, getattr(self, f), getattr(o, f)) for f in _SCALARS]
+        pairs += [(f"{k[0]} {k[1]} bytes", self.comm.get(k, 0), o.comm.get(k, 0)) for k in set(self.comm) | set(o.comm)]
         bad = []
-        for f in self.__dataclass_fields__:
-            a, b = getattr(self, f), getattr(o, f)
+        for f, a, b in pairs:
             if abs(a - b) > rel * max(abs(a), abs(b), 1e-12) + (1e-9 if isinstance(a, float) else 0):
                 bad.append(f"{f}: {a:.6g} vs {b:.6g}")
         return bad
+
+
+_SCALARS = ("param_elems", "params", "copies", "grads", "acts", "fwd_s", "bwd_s", "flops")
 
 
 def figures_of(pm, dev) -> Figures:
@@ -64,11 +76,14 @@ def figures_of(pm, dev) -> Figures:
     elems = sum((p._local_tensor if isinstance(p, DTensor) else p).numel() for p in pm.parameters())
     comp = sum(est.by_phase.values()) or 1.0
     fwd_share = est.by_phase.get("forward", 0.0) / comp
-    tp_bytes = sum(r.wire_bytes for r in pm.collectives())
+    comm: dict = {}
+    for r in pm.collectives():
+        key = (r.axis, "grad" if r.reason.startswith("gradient of") else "mb")
+        comm[key] = comm.get(key, 0) + int(r.wire_bytes)
     copies = prog.max_by["param_copies"]
     return Figures(elems, mem["parameters"], copies, prog.max_by["grads_in_flight"],
                    prog.peak_without_grads - copies, est.step_s * fwd_share, est.step_s * (1 - fwd_share),
-                   est.flops, tp_bytes)
+                   est.flops, comm)
 
 
 @dataclass
@@ -97,6 +112,8 @@ class ModelInfo:
     embed_share: float  # of the non-block parameters: the part on the first pipeline stage
     params: int
     overrides: dict = field(default_factory=dict)
+    experts: int = 0  # experts per MoE layer (0: a dense model)
+    no_ep: str = ""  # why expert parallelism cannot apply ("" where it can)
 
 
 def model_info(spec: str, batch: int | None, seq: int | None, overrides: dict | None) -> ModelInfo:
@@ -115,11 +132,16 @@ def model_info(spec: str, batch: int | None, seq: int | None, overrides: dict | 
         cfg = LlamaConfig(**{k: v for k, v in fields.items()})
         depth, layers, heads, kv, hidden, vocab = "n_layers", cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.dim, \
             cfg.vocab_size
+        experts = cfg.n_experts or 0
+        no_ep = ("its MoE dispatches by capacity (GShard einsums need every expert); expert parallelism needs "
+                 "--set moe_dispatch=dropless") if experts and cfg.moe_dispatch != "dropless" else ""
     else:
         cfg = loaded.model.config
         depth, layers, heads, hidden, vocab = ("num_hidden_layers", cfg.num_hidden_layers, cfg.num_attention_heads,
                                                cfg.hidden_size, cfg.vocab_size)
         kv = getattr(cfg, "num_key_value_heads", None) or heads
+        experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or 0
+        no_ep = ""
     embed = other = 0
     for name, p in loaded.model.named_parameters():
         if ".layers." in f".{name}":
@@ -131,27 +153,38 @@ def model_info(spec: str, batch: int | None, seq: int | None, overrides: dict | 
     tokens = loaded.example_inputs[0]
     return ModelInfo(spec, depth, layers, heads, kv, hidden, vocab, tokens.shape[0], tokens.shape[1],
                      embed / max(1, embed + other), sum(p.numel() for p in loaded.model.parameters()),
-                     dict(overrides or {}))
+                     dict(overrides or {}), experts, no_ep if experts else "the model has no experts")
 
 
 def block_coefficients(info: ModelInfo, tp: int, tp_strategy: str | None, recompute: str, mbs: int, *,
-                       precision: str, dev, check: bool = False, kernels: str = "off") -> Coefficients:
-    """Compile the model at depths 1 and 2 (3 with ``check``) on a fake tp-only mesh and difference."""
+                       precision: str, dev, check: bool = False, kernels: str = "off", cp: int = 1,
+                       cp_strategy: str | None = None, ep: int = 1) -> Coefficients:
+    """Compile the model at depths 1 and 2 (3 with ``check``) on a fake mesh of the block's own
+    axes (ep x cp x tp: what one data-parallel rank's micro-batch is spread over) and difference.
+    Expert parallelism splits the batch as data parallelism does: the compile sees ``mbs`` sequences
+    per ep rank. Gradient buckets are left out (``bucket_mb=0``): a bucket's flat buffer is a
+    per-step matter (a pipeline or accumulation reduces the gradients after the micro-batches), and
+    would otherwise be counted as one micro-batch's activations."""
     import autopar
     from autopar.models import zoo
     from autopar.mesh import fake_mesh
 
     t0 = time.perf_counter()
+    axes = {k: v for k, v in (("ep", ep), ("cp", cp), ("tp", tp)) if v > 1} or {"tp": 1}
+    plan = {"tp": tp_strategy if tp > 1 else "ddp"} if "tp" in axes else {}
+    if cp > 1:
+        plan["cp"] = cp_strategy
+    if ep > 1:
+        plan["ep"] = "expert"
     figs = []
     for depth in (1, 2, 3) if check else (1, 2):
-        loaded = zoo.load(info.spec, batch=mbs, seq=info.seq, overrides={**info.overrides, info.depth_field: depth})
-        axes = {"tp": tp}
-        plan = {"tp": tp_strategy if tp > 1 else "ddp"}
+        loaded = zoo.load(info.spec, batch=mbs * ep, seq=info.seq,
+                          overrides={**info.overrides, info.depth_field: depth})
         with fake_mesh(axes, 0) as mesh, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             pm = autopar.compile(loaded.model, mesh, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
                                  plan=plan, precision=precision, recompute=recompute, capture_eval=False,
-                                 kernels=kernels)
+                                 kernels=kernels, bucket_mb=0)
             figs.append(figures_of(pm, dev))
     block = figs[1] - figs[0]
     linear = (figs[2] - figs[1]).close(block) if check else []

@@ -22,6 +22,9 @@ class Candidate:
     recompute: str
     mbs: int  # micro-batch size (sequences per micro-batch per data-parallel rank)
     microbatches: int
+    cp: int = 1  # context-parallel ranks (the sequence split over them)
+    cp_strategy: str | None = None  # "ulysses" | "context" (ring attention) when cp > 1
+    ep: int = 1  # expert-parallel ranks (experts split over them; the batch too, as over dp)
     # filled by ``cost``
     step_s: float = 0.0
     peak: int = 0
@@ -32,6 +35,20 @@ class Candidate:
     screened: tuple | None = None  # (step_s, peak) of the analytic composition, once confirmed
     confirmed: dict | None = None  # the compiled figures extrapolated in depth (``confirm``)
 
+    @property
+    def world(self) -> int:
+        return self.dp * self.ep * self.cp * self.tp * self.pp
+
+    @property
+    def data(self) -> int:
+        """Ranks that split the batch: data-parallel and expert-parallel."""
+        return self.dp * self.ep
+
+    @property
+    def block_key(self) -> tuple:
+        """What one block's compiled figures depend on (``block_coefficients``' arguments)."""
+        return self.tp, self.tp_strategy, self.cp, self.cp_strategy, self.ep, self.recompute
+
     def plan(self) -> dict:
         out: dict = {}
         if self.pp > 1:
@@ -40,20 +57,35 @@ class Candidate:
                 sched["virtual"] = self.virtual
             out["pp"] = sched
         out["dp"] = self.dp_strategy
+        if self.ep > 1:
+            out["ep"] = "expert"
+        if self.cp > 1:
+            out["cp"] = self.cp_strategy
         if self.tp > 1:
             out["tp"] = self.tp_strategy
         return out
 
     def mesh(self) -> dict:
-        return {k: v for k, v in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp)) if v > 1 or k == "dp"}
+        """Axes slowest-varying first: pp across nodes, tp inside one, cp and ep between."""
+        return {k: v for k, v in zip(AXES, self.sizes()) if v > 1 or k == "dp"}
+
+    def sizes(self) -> tuple[int, ...]:
+        return self.pp, self.dp, self.ep, self.cp, self.tp
 
     def label(self) -> str:
         parts = [f"dp={self.dp}:{self.dp_strategy}"]
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}:expert")
+        if self.cp > 1:
+            parts.append(f"cp={self.cp}:{self.cp_strategy}")
         if self.tp > 1:
             parts.append(f"tp={self.tp}:{self.tp_strategy}")
         if self.pp > 1:
             parts.append(f"pp={self.pp}:{self.schedule}" + (f"(v{self.virtual})" if self.virtual > 1 else ""))
         return " ".join(parts) + f" recompute={self.recompute} mbs={self.mbs} mb={self.microbatches}"
+
+
+AXES = ("pp", "dp", "ep", "cp", "tp")
 
 
 def _divisors(n: int) -> list[int]:
@@ -106,8 +138,7 @@ def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str
     per_rank = L // c.pp
     cb = _DTYPE_BYTES[precision]
     d = c.dp
-    names, sizes = ("pp", "dp", "tp"), (c.pp, c.dp, c.tp)
-    links = axis_links(names, sizes, dev)
+    links = axis_links(AXES, c.sizes(), dev)
     nstate = OPTIMIZER_STATE[optimizer]
 
     # ---- time of one micro-batch per (virtual) stage; the rest's compute on the last stage
@@ -134,7 +165,9 @@ def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str
         gather_exposed = ag_b
     m = c.microbatches
     if c.pp > 1:
-        hop_bytes = c.mbs * info.seq * info.hidden * cb / (c.tp if c.tp_strategy == "sequence" else 1)
+        # a stage hands the next its micro-batch's activations: sequence-sharded over cp, and
+        # over tp too under sequence parallelism
+        hop_bytes = c.mbs * info.seq * info.hidden * cb / c.cp / (c.tp if c.tp_strategy == "sequence" else 1)
         alpha, bw = links["pp"]
         makespan, c.bubble, live = _simulated(c.schedule, c.pp, m, c.virtual, tuple(F), tuple(B), alpha + hop_bytes / bw)
         # live: per rank, the (virtual stage, micro-batch) activation sets it holds at most
@@ -162,7 +195,8 @@ def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str
     # Without a pipeline the program peaks either between forward and backward (activations +
     # parameter copies) or at the end of the backward (the gradients), whichever is larger.
     worst, parts = -1, {}
-    sharded_grads = c.dp_strategy in ("zero2", "fsdp") and d > 1
+    # (gradients all-reduced over cp / ep first are held whole until their reduce-scatter)
+    sharded_grads = c.dp_strategy in ("zero2", "fsdp") and d > 1 and c.cp == c.ep == 1
     for rank in sorted({0, c.pp - 1}):
         if c.pp == 1:
             rest_share = 1.0
@@ -201,7 +235,11 @@ def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str
                      "param_copies": int(copies), "activations": int(acts), "accumulators": int(acc),
                      "rank": rank}
     c.peak, c.parts = int(worst), parts
-    c.comm_bytes = {"tp": int(b.tp_bytes * per_rank * m + (r.tp_bytes * m if c.pp == 1 else 0)),
+    # the block's own axes: per micro-batch traffic m times, gradient traffic once per step; the
+    # rest's (embeddings, head, loss) counted on a pipeline's ranks as on its last
+    own = {ax: int(per_rank * (b.bytes_on(ax, "mb") * m + b.bytes_on(ax, "grad"))
+                   + r.bytes_on(ax, "mb") * m + r.bytes_on(ax, "grad")) for ax in ("tp", "cp", "ep")}
+    c.comm_bytes = {**{ax: v for ax, v in own.items() if v or ax == "tp"},
                     "dp": int(_ring(kind, d, g) + fsdp_bytes * m + (_ring("all_gather", d, grad_elems * 4)
                                                                     if zero_gather else 0)),
                     "pp": int(p2p)}
@@ -211,47 +249,67 @@ def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str
     return c
 
 
+CP_STRATEGIES = ("ulysses", "context")
+
+
 def candidates(info: ModelInfo, world: int, dev, *, mesh: dict | None = None, mbs_choices=(1, 2),
                dp_strategies=DP_STRATEGIES, tp_strategies=TP_STRATEGIES, recompute=RECOMPUTE,
-               schedules=SCHEDULES) -> tuple[list[Candidate], list[tuple[str, str]]]:
+               schedules=SCHEDULES, cp_strategies=(), expert: bool = False) -> tuple[list[Candidate], list[tuple[str, str]]]:
     """Every candidate for ``world`` ranks, and (label, reason) for the factorizations refused
-    before costing."""
+    before costing. ``cp_strategies`` (ulysses, context) adds context-parallel axes; ``expert``
+    adds expert-parallel ones (a MoE model)."""
     out, refused = [], []
     for tp in _divisors(world):
-        for pp in _divisors(world // tp):
-            dp = world // (tp * pp)
-            if mesh is not None and any(mesh.get(k, v) != v for k, v in (("tp", tp), ("pp", pp), ("dp", dp))):
-                continue  # ``mesh`` fixes the axes it names; the others stay free
-            lab = f"dp={dp} tp={tp} pp={pp}"
-            why = next((reason for bad, reason in (
-                (tp > dev.ranks_per_node, f"tp={tp} spans nodes of {dev.ranks_per_node} ranks"),
-                (dev.ranks_per_node % tp, f"tp={tp} does not divide a node's {dev.ranks_per_node} ranks"),
-                (info.vocab % tp, f"vocabulary {info.vocab} not divisible by tp={tp} (embedding and LM head)"),
-                (info.heads % tp or info.kv_heads % tp,
-                 f"{info.heads} heads / {info.kv_heads} KV heads not divisible by tp={tp}"),
-                (info.layers % pp, f"{info.layers} layers not divisible by pp={pp}"),
-                (info.batch % dp, f"global batch {info.batch} not divisible by dp={dp}"),
-            ) if bad), None)
-            if why is not None:
-                refused.append((lab, why))
-                continue
-            for mbs in mbs_choices:
-                if (info.batch // dp) % mbs:
-                    continue
-                m = info.batch // dp // mbs
-                if pp > 1 and m < pp:
-                    refused.append((lab + f" mbs={mbs}", f"{m} micro-batches cannot fill {pp} stages"))
-                    continue
-                scheds = [(None, 1)] if pp == 1 else [(s, 2 if s == "interleaved" else 1) for s in schedules]
-                for sched, v in scheds:
-                    if pp > 1 and info.layers % (pp * v):
+        for cp in _divisors(world // tp) if cp_strategies else [1]:
+            for ep in _divisors(world // (tp * cp)) if expert else [1]:
+                for pp in _divisors(world // (tp * cp * ep)):
+                    dp = world // (tp * cp * ep * pp)
+                    sizes = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}
+                    if mesh is not None and any(mesh.get(k, v) != v for k, v in sizes.items()):
+                        continue  # ``mesh`` fixes the axes it names; the others stay free
+                    lab = " ".join(f"{k}={v}" for k, v in sizes.items() if v > 1 or k in ("dp", "tp", "pp"))
+                    why = next((reason for bad, reason in (
+                        (tp > dev.ranks_per_node, f"tp={tp} spans nodes of {dev.ranks_per_node} ranks"),
+                        (dev.ranks_per_node % tp, f"tp={tp} does not divide a node's {dev.ranks_per_node} ranks"),
+                        (info.vocab % tp, f"vocabulary {info.vocab} not divisible by tp={tp} (embedding and LM head)"),
+                        (info.heads % tp or info.kv_heads % tp,
+                         f"{info.heads} heads / {info.kv_heads} KV heads not divisible by tp={tp}"),
+                        (info.layers % pp, f"{info.layers} layers not divisible by pp={pp}"),
+                        (info.batch % (dp * ep), f"global batch {info.batch} not divisible by dp x ep={dp * ep}"),
+                        (ep > 1 and info.experts % ep, f"{info.experts} experts not divisible by ep={ep}"),
+                    ) if bad), None)
+                    if why is not None:
+                        refused.append((lab, why))
                         continue
-                    if sched == "interleaved" and m % pp:
-                        continue
-                    for ts in (tp_strategies if tp > 1 else (None,)):
-                        for ds in (dp_strategies if dp > 1 else ("ddp",)):
-                            for rc in recompute:
-                                out.append(Candidate(dp, tp, pp, ds, ts, sched, v, rc, mbs, m))
+                    cps = [(None, 1)] if cp == 1 else []
+                    for cs in cp_strategies if cp > 1 else ():
+                        # ulysses splits the heads over tp x cp; the ring cuts the sequence in 2 x cp chunks
+                        bad = (info.seq % cp and f"sequence {info.seq} not divisible by cp={cp}" if cs == "ulysses"
+                               else info.seq % (2 * cp) and f"sequence {info.seq} not divisible by 2 x cp={2 * cp}")
+                        bad = bad or (cs == "ulysses" and info.heads % (tp * cp)
+                                      and f"{info.heads} heads not divisible by tp x cp={tp * cp}")
+                        if bad:
+                            refused.append((lab + f" cp={cs}", bad))
+                        else:
+                            cps.append((cs, cp))
+                    for mbs in mbs_choices:
+                        if (info.batch // (dp * ep)) % mbs:
+                            continue
+                        m = info.batch // (dp * ep) // mbs
+                        if pp > 1 and m < pp:
+                            refused.append((lab + f" mbs={mbs}", f"{m} micro-batches cannot fill {pp} stages"))
+                            continue
+                        scheds = [(None, 1)] if pp == 1 else [(s, 2 if s == "interleaved" else 1) for s in schedules]
+                        for sched, v in scheds:
+                            if pp > 1 and info.layers % (pp * v):
+                                continue
+                            if sched == "interleaved" and m % pp:
+                                continue
+                            for ts in (tp_strategies if tp > 1 else (None,)):
+                                for cs, _ in cps:
+                                    for ds in (dp_strategies if dp > 1 else ("ddp",)):
+                                        for rc in recompute:
+                                            out.append(Candidate(dp, tp, pp, ds, ts, sched, v, rc, mbs, m, cp, cs, ep))
     return out, refused
 
 

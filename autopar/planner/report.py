@@ -24,7 +24,7 @@ def command_line(c: Candidate, info: ModelInfo, precision: str) -> str:
     """The fixed-plan command that compiles the chosen candidate (``autopar plan`` / ``explain``)."""
     mesh = ",".join(f"{k}={v}" for k, v in c.mesh().items())
     return (f"autopar plan {info.spec} --mesh {mesh} --plan {_cli_plan(c)} --precision {precision} "
-            f"--recompute {c.recompute} --batch {c.mbs * c.dp * c.microbatches} --seq {info.seq}"
+            f"--recompute {c.recompute} --batch {c.mbs * c.data * c.microbatches} --seq {info.seq}"
             + (f" --accumulate {c.microbatches}" if c.pp == 1 and c.microbatches > 1 else ""))
 
 
@@ -38,7 +38,7 @@ def result_json(res: SearchResult) -> dict:
     world = None
     rows = []
     for c in res.ranked[:20] + res.over_budget[:5]:
-        world = c.dp * c.tp * c.pp
+        world = c.world
         tok, tf = _throughput(c, res.info, world)
         rows.append({"mesh": c.mesh(), "plan": c.plan(), "recompute": c.recompute, "micro_batch": c.mbs,
                      "microbatches": c.microbatches, "step_s": c.step_s, "tokens_per_s": tok,
@@ -55,7 +55,7 @@ def report(res: SearchResult, top: int = 8) -> str:
     world = None
     if res.ranked:
         c0 = res.ranked[0]
-        world = c0.dp * c0.tp * c0.pp
+        world = c0.world
     lines.append(f"autopar plan --plan auto: {info.spec} ({info.params / 1e9:.2f}B parameters, {info.layers} layers, "
                  f"global batch {info.batch} x seq {info.seq}) on {world or '?'} ranks, device {res.device}, budget "
                  + (f"{_gib(res.budget)} GiB per rank" if res.budget else "none"))
@@ -64,17 +64,23 @@ def report(res: SearchResult, top: int = 8) -> str:
                  f"identical at depths 1-3); confirmed (listed first) = compiled at 1 and 2 blocks per stage, "
                  "extrapolated in depth; screened = the analytic composition only")
     lines.append("")
+    for note in res.notes:
+        lines.append(note)
+    shown = res.ranked[:top]
+    extra = [ax for ax in ("cp", "ep") if any(getattr(c, ax) > 1 for c in shown)]
     head = (f"{'#':>2} {'mesh':18s} {'plan':44s} {'recomp':9s} {'mbs x mb':>8s} {'step ms':>9s} {'tok/s':>9s} "
-            f"{'TFLOP/s':>7s} {'peak GiB':>8s} {'bubble':>6s} {'dp GB':>7s} {'tp GB':>7s} {'pp GB':>6s}  how")
+            f"{'TFLOP/s':>7s} {'peak GiB':>8s} {'bubble':>6s} {'dp GB':>7s} {'tp GB':>7s} {'pp GB':>6s}"
+            + "".join(f" {ax + ' GB':>7s}" for ax in extra) + "  how")
     lines.append(head)
-    for i, c in enumerate(res.ranked[:top]):
-        tok, tf = _throughput(c, info, c.dp * c.tp * c.pp)
+    for i, c in enumerate(shown):
+        tok, tf = _throughput(c, info, c.world)
         b = c.confirmed["bytes"] if c.confirmed else c.comm_bytes
         mesh = "x".join(f"{k}{v}" for k, v in c.mesh().items())
         lines.append(f"{i + 1:>2} {mesh:18s} {_cli_plan(c):44s} {c.recompute:9s} {f'{c.mbs}x{c.microbatches}':>8s} "
                      f"{c.step_s * 1e3:9.1f} {tok:9.0f} {tf:7.1f} {_gib(c.peak):>8s} "
                      f"{(f'{c.bubble:.1%}' if c.pp > 1 else '-'):>6s} {b.get('dp', 0) / 1e9:7.2f} "
-                     f"{b.get('tp', 0) / 1e9:7.2f} {b.get('pp', 0) / 1e9:6.2f}  "
+                     f"{b.get('tp', 0) / 1e9:7.2f} {b.get('pp', 0) / 1e9:6.2f}"
+                     + "".join(f" {b.get(ax, 0) / 1e9:7.2f}" for ax in extra) + "  "
                      + (f"confirmed (screen {c.screened[0] * 1e3:.1f} ms, {_gib(c.screened[1])} GiB)" if c.confirmed
                         else "screened"))
     lines.append("")

@@ -5,12 +5,15 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autopar.errors import PlanError
 from autopar.planner.blocks import (DP_STRATEGIES, RECOMPUTE, SCHEDULES, TP_STRATEGIES, ModelInfo, block_coefficients,
                                      model_info)
-from autopar.planner.compose import Candidate, candidates, cost
+from autopar.planner.compose import CP_STRATEGIES, Candidate, candidates, cost
+
+# plan="auto" searches context parallelism by default from this many tokens per sequence on
+CP_FROM_SEQ = 8192
 
 
 @dataclass
@@ -27,14 +30,21 @@ class SearchResult:
     budget: int | None
     device: str
     precision: str = "bf16"
+    notes: list = field(default_factory=list)  # what the search left out, and why
 
 
 def search(spec: str, world: int, *, device: str = "h100", budget: int | str | None = None,
            batch: int | None = None, seq: int | None = None, overrides: dict | None = None,
            mesh: dict | None = None, precision: str = "bf16", optimizer: str = "adamw",
            mbs_choices=(1, 2), dp_strategies=DP_STRATEGIES, tp_strategies=TP_STRATEGIES,
-           recompute=RECOMPUTE, schedules=SCHEDULES, confirm_top: int = 2, progress=None) -> SearchResult:
-    """Rank every candidate plan for ``world`` ranks by predicted step time, under ``budget``."""
+           recompute=RECOMPUTE, schedules=SCHEDULES, cp_strategies=None, expert: bool | None = None,
+           confirm_top: int = 2, progress=None) -> SearchResult:
+    """Rank every candidate plan for ``world`` ranks by predicted step time, under ``budget``.
+
+    ``cp_strategies``: context parallelism's strategies to search (None: ulysses and context from
+    ``CP_FROM_SEQ`` tokens on, none below: at shorter sequences attention's activations rarely
+    decide the plan and each cp choice costs its own block compiles); ``expert``: search expert
+    parallelism (None: on a MoE model whose experts can be split)."""
     from autopar.analysis import cost as C
     from autopar.analysis.budget import parse_budget
 
@@ -45,28 +55,46 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
     dev = C.get_device(device)
     limit = parse_budget(budget) if budget is not None else None
     info = model_info(spec, batch, seq, overrides)
+    fixed = mesh or {}
+    if cp_strategies is None:
+        cp_strategies = CP_STRATEGIES if info.seq >= CP_FROM_SEQ or fixed.get("cp", 1) > 1 else ()
+    if expert is None:
+        expert = bool(info.experts) and not info.no_ep
+    elif expert and info.no_ep:
+        raise PlanError(f"expert parallelism cannot be searched for {spec}: {info.no_ep}", where="plan='auto'")
+    if fixed.get("ep", 1) > 1 and not expert:
+        raise PlanError(f"--mesh fixes ep={fixed['ep']} but {spec} cannot be split by experts: {info.no_ep}",
+                        where="--mesh")
+    notes = []
+    if not cp_strategies:
+        notes.append(f"context parallelism not searched (sequence {info.seq} < {CP_FROM_SEQ} tokens); "
+                     "cp_strategies=('ulysses', 'context') or --mesh cp=N searches it")
+    if info.experts and not expert:
+        notes.append(f"expert parallelism not searched: {info.no_ep or 'expert=False'}")
     cands, refused = candidates(info, world, dev, mesh=mesh, mbs_choices=mbs_choices, dp_strategies=dp_strategies,
-                                tp_strategies=tp_strategies, recompute=recompute, schedules=schedules)
+                                tp_strategies=tp_strategies, recompute=recompute, schedules=schedules,
+                                cp_strategies=cp_strategies, expert=expert)
     if not cands:
         why = "; ".join(f"{a}: {b}" for a, b in refused[:6]) or "no factorization"
         raise PlanError(f"no plan for {spec} on {world} ranks", where="plan='auto'", fix=f"refused: {why}")
     # one compiled pair per (tp, strategy, recompute) at the smallest micro-batch; a larger one
     # scales the per-sequence figures (activations, compute, tensor-parallel bytes) linearly
     base_mbs = min(c.mbs for c in cands)
-    keys = sorted({(c.tp, c.tp_strategy, c.recompute, base_mbs) for c in cands}, key=str)
+    keys = sorted({c.block_key for c in cands}, key=str)
     coeffs: dict = {}
     linear: list[str] = []
     tc = time.perf_counter()
     for i, key in enumerate(keys):
-        tp, ts, rc, mbs = key
-        progress(f"block figures {i + 1}/{len(keys)}: tp={tp} {ts or ''} recompute={rc} mbs={mbs}")
+        tp, ts, cp, cs, ep, rc = key
+        progress(f"block figures {i + 1}/{len(keys)}: tp={tp} {ts or ''}" + (f" cp={cp} {cs}" if cp > 1 else "")
+                 + (f" ep={ep}" if ep > 1 else "") + f" recompute={rc} mbs={base_mbs}")
         try:
-            co = block_coefficients(info, tp, ts, rc, mbs, precision=precision, dev=dev, check=not coeffs)
-        except PlanError as e:  # the compiler refuses this tp / recompute choice: its candidates go
+            co = block_coefficients(info, tp, ts, rc, base_mbs, precision=precision, dev=dev, check=not coeffs,
+                                    cp=cp, cp_strategy=cs, ep=ep)
+        except PlanError as e:  # the compiler refuses this block choice: its candidates go
             why = str(e).splitlines()[0][:160]
-            refused += [(c.label(), f"the block does not compile: {why}") for c in cands
-                        if (c.tp, c.tp_strategy, c.recompute) == key[:3]]
-            cands = [c for c in cands if (c.tp, c.tp_strategy, c.recompute) != key[:3]]
+            refused += [(c.label(), f"the block does not compile: {why}") for c in cands if c.block_key == key]
+            cands = [c for c in cands if c.block_key != key]
             continue
         if not coeffs and co.linear:
             raise PlanError(f"{spec}: its blocks are not identical (depth 3 - depth 2 differs from depth 2 - depth 1: "
@@ -81,7 +109,7 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
     progress(f"costing {len(cands)} candidates")
     fits, over = [], []
     for c in cands:
-        cost(c, info, coeffs[(c.tp, c.tp_strategy, c.recompute, base_mbs)].scaled(c.mbs / base_mbs), dev,
+        cost(c, info, coeffs[c.block_key].scaled(c.mbs / base_mbs), dev,
              precision=precision, optimizer=optimizer)
         if limit is not None and c.peak > limit:
             c.rejected = f"predicted peak {c.peak / 2**30:.1f} GiB > budget {limit / 2**30:.1f} GiB"
@@ -104,7 +132,9 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
     fits = sorted(order, key=lambda c: c.step_s) + [c for c in fits if id(c) not in chosen]
     want = len(order)
     skipped: list[Candidate] = []
-    while fits and len(done) < want and tries < 3 * want:
+    # ... and, the screen erring low, any candidate screened faster than the best confirmed one
+    # (a confirmation can move a plan behind others the screen ranked below it)
+    while fits and tries < 3 * want and (len(done) < want or fits[0].step_s < min(d.step_s for d in done)):
         c = fits.pop(0)
         best = min((d.step_s for d in done), default=math.inf)
         if c.step_s > 1.1 * best and len(done) >= min(want, confirm_top):
@@ -114,7 +144,7 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
             want -= 1
             continue
         tries += 1
-        progress(f"confirming {c.label()} ({len(done) + 1}/{want})")
+        progress(f"confirming {c.label()} ({len(done) + 1}/{max(want, len(done) + 1)})")
         try:
             got = confirm(c, info, dev, precision=precision, optimizer=optimizer)
         except Exception as e:  # noqa: BLE001 - the compiler refused this candidate: say why, go on
@@ -134,7 +164,7 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
     fits = sorted(skipped + fits, key=lambda c: (c.step_s, c.peak))
     over.sort(key=lambda c: c.peak)
     return SearchResult(done + fits, over, refused, len(cands), n_compiles, time.perf_counter() - t0, tcoef, linear,
-                        info, limit, device, precision)
+                        info, limit, device, precision, notes)
 
 
 def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, optimizer: str = "adamw") -> dict:
@@ -145,7 +175,7 @@ def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, 
     from autopar.models import zoo
     from autopar.mesh import fake_mesh
 
-    loaded = zoo.load(info.spec, batch=c.mbs * c.microbatches * c.dp, seq=info.seq,
+    loaded = zoo.load(info.spec, batch=c.mbs * c.microbatches * c.data, seq=info.seq,
                       overrides={**info.overrides, info.depth_field: depth})
     t0 = time.perf_counter()
     with fake_mesh(c.mesh(), 0) as mesh, warnings.catch_warnings():
@@ -163,8 +193,8 @@ def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, 
             "persistent": mem["parameters"] + mem["optimizer_state"], "accumulators": mem["accumulators"],
             **{k: C.program_memory(p.local, p.inputs, p.outputs)
                for k, p in (("joint", pm.program), ("sync", pm.sync_program)) if p is not None}}
-    times = c.microbatches if c.pp == 1 else 1  # collectives() lists one run of the joint program
-    return {"step_s": est.step_s, "peak": int(mem["step_peak"]), "bytes": {k: v * times for k, v in by_axis.items()},
+    # (collectives() lists the joint program once per micro-batch and the gradient sync program)
+    return {"step_s": est.step_s, "peak": int(mem["step_peak"]), "bytes": by_axis,
             "bubble": est.bubble, "compile_s": time.perf_counter() - t0, "programs": programs}
 
 
@@ -208,9 +238,11 @@ def verify(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: str
     the candidate compiled at that depth (the screen's error, per candidate)."""
     depth = depth or 2 * c.pp * c.virtual
     got = compiled(c, info, dev, depth, precision=precision, optimizer=optimizer)
-    co = block_coefficients(info, c.tp, c.tp_strategy, c.recompute, c.mbs, precision=precision, dev=dev)
+    co = block_coefficients(info, c.tp, c.tp_strategy, c.recompute, c.mbs, precision=precision, dev=dev, cp=c.cp,
+                            cp_strategy=c.cp_strategy, ep=c.ep)
     mine = cost(Candidate(**{k: getattr(c, k) for k in ("dp", "tp", "pp", "dp_strategy", "tp_strategy", "schedule",
-                                                       "virtual", "recompute", "mbs", "microbatches")}),
+                                                       "virtual", "recompute", "mbs", "microbatches", "cp",
+                                                       "cp_strategy", "ep")}),
                 info, co, dev, precision=precision, optimizer=optimizer, layers=depth)
     return {"depth": depth, "compiled_step_s": got["step_s"], "composed_step_s": mine.step_s,
             "compiled_peak": got["peak"], "composed_peak": mine.peak,

@@ -264,6 +264,9 @@ def _run(command: str, argv) -> int:
                        help="--plan auto: candidates confirmed by a compile (plus the best of each data-parallel "
                             "strategy, unless screened 10% slower than a confirmed one); 0: the analytic screen "
                             "alone; default 2")
+        p.add_argument("--cp", default=None, metavar="STRATEGIES",
+                       help="--plan auto: context-parallel strategies to search, comma-separated (ulysses,context) "
+                            "or none; default: both from 8192 tokens per sequence on, none below")
         p.add_argument("--full-depth", action="store_true",
                        help="compile every block of a built-in model (default: compile it at depths 3-5, check "
                             "that each block adds the same figures and extrapolate to its depth)")
@@ -354,9 +357,14 @@ def _auto(args, progress) -> int:
             cost.load_devices(args.devices)
         dev = cost.get_device(args.device)
         mesh = parse_mesh(args.mesh) if args.mesh_given else None
-        if mesh is not None and set(mesh) - {"dp", "tp", "pp"}:
-            raise PlanError(f"--plan auto chooses among dp, tp and pp axes; --mesh names {sorted(set(mesh) - {'dp', 'tp', 'pp'})}",
-                            where="--mesh", fix="name the axes dp, tp, pp (or leave --mesh out)")
+        if mesh is not None and set(mesh) - set(planner.AXES):
+            raise PlanError(f"--plan auto chooses among {', '.join(planner.AXES)} axes; --mesh names "
+                            f"{sorted(set(mesh) - set(planner.AXES))}", where="--mesh",
+                            fix=f"name the axes {', '.join(planner.AXES)} (or leave --mesh out)")
+        cp = None if args.cp is None else tuple(s for s in args.cp.split(",") if s and s != "none")
+        if cp and set(cp) - set(planner.CP_STRATEGIES):
+            raise PlanError(f"--cp {args.cp}: unknown strategy {sorted(set(cp) - set(planner.CP_STRATEGIES))}",
+                            where="--cp", fix="ulysses, context, both comma-separated, or none")
         # --mesh fixes the axes it names; with --world the others are searched, without it the
         # mesh is the whole world
         world = args.world if args.world is not None else (math.prod(mesh.values()) if mesh else None)
@@ -370,7 +378,8 @@ def _auto(args, progress) -> int:
                              overrides=zoo.parse_overrides(args.set), mesh=mesh,
                              precision=args.precision if args.precision_given else "bf16",
                              optimizer=args.optimizer, confirm_top=args.top, progress=progress,
-                             recompute=(args.recompute,) if args.recompute_given else planner.RECOMPUTE)
+                             recompute=(args.recompute,) if args.recompute_given else planner.RECOMPUTE,
+                             cp_strategies=cp)
     except PlanError as e:
         progress.done()
         print(f"autopar plan: {e}", file=sys.stderr)
