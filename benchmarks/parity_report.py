@@ -9,6 +9,9 @@ against instruments that do not read the graph: the allocator over the real step
 process group's own buffers; with them in brackets), the storages the programs' ops created
 alive at once, and the bytes handed to the process group (every c10d call).
 --pipeline: the pipeline cases (every schedule at pp=2 and pp=4, pp x dp, pp x tp).
+--strategies: sequence, context (ulysses, ring) and expert parallelism, alone and under fsdp:
+parity, bytes per axis predicted = counted at the process group, and the activations each rank
+held at its peak (measured over the real step's tensors) against one process.
 """
 
 from __future__ import annotations
@@ -44,6 +47,48 @@ STATE_CASES = [
     ("llama", {"dp": 2}, {"dp": "ddp"}, {"precision": "fp16", "loss_scale": 1024.0, "accumulate": 2}),
     ("llama", {"dp": 2}, {"dp": "zero3"}, {"precision": "fp16", "loss_scale": 1024.0}),
 ]
+
+
+# sequence / context / expert parallelism (``--strategies``)
+STRATEGY_CASES = [
+    ("llama", {"tp": 2}, {"tp": "megatron"}, {}),
+    ("llama", {"tp": 2}, {"tp": "sequence"}, {}),
+    ("hf_llama", {"tp": 2}, {"tp": "sequence"}, {}),
+    ("llama", {"dp": 2, "tp": 2}, {"dp": "fsdp", "tp": "sequence"}, {}),
+    ("llama", {"cp": 2}, {"cp": "ulysses"}, {}),
+    ("hf_llama", {"cp": 2}, {"cp": "ulysses"}, {}),
+    ("llama", {"dp": 2, "cp": 2}, {"dp": "fsdp", "cp": "ulysses"}, {}),
+    ("llama", {"cp": 2}, {"cp": "context"}, {}),
+    ("llama", {"cp": 4}, {"cp": "context"}, {}),
+    ("hf_llama", {"cp": 2}, {"cp": "context"}, {}),
+    ("llama", {"dp": 2, "cp": 2}, {"dp": "fsdp", "cp": "context"}, {}),
+    ("moe_dropless", {"ep": 2}, {"ep": "expert"}, {}),
+    ("moe_dropless", {"dp": 2, "ep": 2}, {"dp": "fsdp", "ep": "expert"}, {}),
+]
+
+
+def strategies_report(pools):
+    print("| model | mesh, plan | max loss diff (3 steps) | max grad diff, all steps | max param diff after 3 AdamW "
+          "steps | bytes/rank/step by kind@axis, predicted = counted | activations at the peak, rank 0 | vs one process |")
+    print("|---|---|---|---|---|---|---|---|")
+    refs, alone = {}, {}
+    for name, axes, plan, opts in STRATEGY_CASES:
+        ref = refs.setdefault(name, reference_run(name))
+        if name not in alone:  # the same model on one rank: its activations at the peak
+            alone[name] = pools[1].run(parity_job, name, {"dp": 1}, {"dp": "ddp"}, evaluate=False)["memory"]
+        world = 1
+        for v in axes.values():
+            world *= v
+        out = pools[world].run(parity_job, name, axes, plan, evaluate=False, **opts)
+        dl = max(abs(a - b) for a, b in zip(ref["losses"], out["losses"]))
+        dg = max(max((r[k] - o[k]).abs().max().item() for k in r) for r, o in zip(ref["grads"], out["grads"]))
+        dp = max((ref["params"][k] - out["params"][k]).abs().max().item() for k in ref["params"])
+        pred = bytes_by_collective(out["records"])
+        meas = {k: v["wire_bytes"] / out["steps"] for k, v in out["measured"].items()}
+        kinds = ", ".join(f"{k} {pred.get(k, 0):,.0f} = {meas.get(k, 0):,.0f}" for k in sorted(set(pred) | set(meas)))
+        acts, one = out["memory"]["peak_activations"], alone[name]["peak_activations"]
+        print(f"| {name} | {' x '.join(f'{a}={n}' for a, n in axes.items())} {'+'.join(plan.values())} | {dl:.1e} | "
+              f"{dg:.1e} | {dp:.1e} | {kinds} | {acts:,} | {acts / one:.2f} |", flush=True)
 
 
 def cost_report(pools):
@@ -102,6 +147,14 @@ def pipeline_report(pools):
 def main():
     pools = {2: DistPool(2), 4: DistPool(4)}
     refs = {}
+    if "--strategies" in sys.argv:
+        pools[1] = DistPool(1)
+        try:
+            strategies_report(pools)
+        finally:
+            for p in pools.values():
+                p.close()
+        return
     if "--cost" in sys.argv:
         try:
             cost_report(pools)

@@ -25,6 +25,7 @@ import os
 import torch
 import torch.fx.traceback as fx_traceback
 from autopar.passes.collectives import plan_steps
+from autopar.passes.propagate import fixed_views
 from torch import fx
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -78,7 +79,7 @@ def localize_pass(program: Program, ctx) -> Program:
                 else:
                     env[n] = _run_node(n, env, ctx)
 
-    with fx_traceback.preserve_node_meta(), torch.no_grad():
+    with fx_traceback.preserve_node_meta(), torch.no_grad(), fixed_views():
         gm = make_fx(run, tracing_mode="fake")(*example)
     _annotate_collectives(gm.graph, origins, ctx)
     program.local = gm

@@ -273,6 +273,49 @@ _SELECTOR = SharedPatch(_install_selector, lambda dtensor_select: setattr(
     _sharding_prop, "_select_min_cost_strategy", dtensor_select))
 
 
+def _install_split_fix():
+    """torch 2.13's view propagation, unflattening a dim that one mesh axis shards plainly and a
+    later one strided ([b*s] with the batch on dp and the sequence on cp -> [b, s]), matches the
+    plain Shard again for the second split and never the strided one, so the strided axis is
+    judged by the first split's size alone and the view refused (dp=2 x cp=4 on 2 sequences). A
+    plain Shard of a flattened dim splits its leading output dim only: for the later splits it is
+    skipped, inside autopar's propagation; every other caller gets torch's method."""
+    from torch.distributed.tensor._ops._view_ops import _split_factor_matches, _ViewShardingPropagator
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    torch_find = _ViewShardingPropagator._find_shard_for_split
+
+    def find(self, current_dim, cmd, placements):
+        if not _VIEW_FIX.get() or cmd.split_id == 0:
+            return torch_find(self, current_dim, cmd, placements)
+        for mesh_dim, p in enumerate(placements):
+            if (isinstance(p, _StridedShard) and p.dim == current_dim
+                    and mesh_dim not in self.matched_strided_mesh_dims):
+                if _split_factor_matches(self._expected_split_factor(cmd, current_dim, mesh_dim, placements),
+                                         p.split_factor):
+                    return mesh_dim, p
+        return None, None
+
+    _ViewShardingPropagator._find_shard_for_split = find
+    return _ViewShardingPropagator, torch_find
+
+
+_SPLIT_FIX = SharedPatch(_install_split_fix, lambda undo: setattr(undo[0], "_find_shard_for_split", undo[1]))
+_VIEW_FIX: contextvars.ContextVar[bool] = contextvars.ContextVar("autopar_view_fix", default=False)
+
+
+@contextlib.contextmanager
+def fixed_views():
+    """DTensor's view propagation with the split fix above, in this thread, inside the block
+    (propagate's strategy choice; localize's trace, which dispatches views through DTensor)."""
+    token = _VIEW_FIX.set(True)
+    try:
+        with _SPLIT_FIX():
+            yield
+    finally:
+        _VIEW_FIX.reset(token)
+
+
 @contextlib.contextmanager
 def _choose_with(node: fx.Node):
     """DTensor picks ``node``'s strategy with ``_select_strategy`` inside the block.
@@ -284,7 +327,7 @@ def _choose_with(node: fx.Node):
     this block, get DTensor's selector."""
     token = _CHOOSING.set(node)
     try:
-        with _SELECTOR():
+        with _SELECTOR(), fixed_views():
             yield
     finally:
         _CHOOSING.reset(token)

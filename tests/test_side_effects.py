@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import fx
 from torch.distributed.tensor import _sharding_prop
+from torch.distributed.tensor._ops._view_ops import _ViewShardingPropagator
 from torch.utils import flop_counter
 
 import autopar
@@ -84,6 +85,7 @@ def torch_state() -> dict:
     return {
         "sdpa": torch.nn.functional.scaled_dot_product_attention,
         "selector": _sharding_prop._select_min_cost_strategy,
+        "view split": _ViewShardingPropagator._find_shard_for_split,
         "nll_loss AutogradMeta kernel": torch._C._dispatch_has_kernel_for_dispatch_key("aten::nll_loss", "AutogradMeta"),
         "torch function modes": torch._C._len_torch_function_stack(),
         "cpu flash FLOP formulas": [op in flop_counter.flop_registry for op in CPU_FLASH],
@@ -92,6 +94,7 @@ def torch_state() -> dict:
 
 
 PRISTINE = {"sdpa": torch._C._nn.scaled_dot_product_attention, "selector": _sharding_prop._select_min_cost_strategy,
+            "view split": _ViewShardingPropagator._find_shard_for_split,
             "nll_loss AutogradMeta kernel": False, "torch function modes": 0, "cpu flash FLOP formulas": [False, False],
             "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET")}
 
