@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
-if ! .venv/bin/python -c "import autopar, torch, pytest, transformers, matplotlib, triton; assert torch.__version__.startswith('2.13.0')" 2>/dev/null; then
+if ! .venv/bin/python -c "import autopar, torch, pytest, xdist, transformers, matplotlib, triton; assert torch.__version__.startswith('2.13.0')" 2>/dev/null; then
   echo "setting up .venv (first run only)..." >&2
   "$PY" -m venv .venv
   .venv/bin/python -m pip install -q torch==2.13.0
@@ -14,6 +14,10 @@ cmd=${1:-}
 shift || true
 case "$cmd" in
   demo) exec .venv/bin/python -m autopar.tools.demo "$@" ;;
-  test) exec .venv/bin/python -m pytest "$@" ;;
+  # the whole suite (no arguments): two pytest-xdist workers, a test file per worker at a time (each
+  # worker spawns its own gloo pools; the tests' processes and the single-process tests share the
+  # cores better than one worker does: 13 -> 11 minutes on 2 cores); with arguments, as given
+  test) if [ $# -eq 0 ]; then set -- -n "${AUTOPAR_TEST_WORKERS:-2}" --dist loadfile; fi
+        exec .venv/bin/python -m pytest "$@" ;;
   *) echo "usage: ./run.sh demo|test [args]" >&2; exit 2 ;;
 esac

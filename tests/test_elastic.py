@@ -44,6 +44,10 @@ def test_killed_worker_restarts_and_resumes_exactly(tmp_path):
     assert re.search(r"resumed from \S+step-000006 at batch 6 \(this node's restart count 1;", log), log[-3000:]
     first, _, second = log.partition("resumed from")
     before, after = dict(STEP.findall(first)), dict(STEP.findall(second))
-    assert sorted(map(int, before)) == list(range(7)) and sorted(map(int, after)) == list(range(6, 10))
+    # step 6 ran on both ranks before rank 1 killed itself at step 7, but whether rank 0 printed it
+    # before torchrun stopped it depends on the load (seen: not printed, under a second pytest
+    # worker); steps 0-5 were checkpointed, so they are there either way
+    assert set(range(6)) <= set(map(int, before)) <= set(range(7)), sorted(before)
+    assert sorted(map(int, after)) == list(range(6, 10))
     assert {**before, **after} == ref  # every step's loss, bit for bit (float.hex)
     assert "done: 10 steps" in log
