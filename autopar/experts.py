@@ -40,6 +40,9 @@ P_out·(2h+1) + P_in·(h+1).
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+import textwrap
 import types
 
 import torch
@@ -321,7 +324,8 @@ def check_expert_parallel(program, ctx) -> None:
             "with the dropless expert op (autopar::moe_experts): e.g. the built-in MoE's GShard capacity dispatch",
             where=sharded[0],
             fix="build the built-in MoE with LlamaConfig(moe_dispatch='dropless'); a Hugging Face MoE block "
-            "(Mixtral, Qwen2-MoE) is swapped to it by autopar's capture; or use another strategy on that axis")
+            "(Mixtral, Qwen2-MoE, DeepSeek-V3 and every other transformers experts module computing as Mixtral's) "
+            "is swapped to it by autopar's capture; or use another strategy on that axis")
 
 
 # ---------------------------------------------------------------- Hugging Face experts, while autopar captures
@@ -342,9 +346,25 @@ def _hf_experts_forward(self, hidden_states, top_k_index, top_k_weights):
                                          w_gate, w_up, self.down_proj.transpose(1, 2))
 
 
+@functools.lru_cache(maxsize=None)
+def _mixtral_arithmetic(cls: type) -> bool:
+    """``cls`` is one of HF_EXPERTS, or its forward is MixtralExperts.forward word for word (54
+    transformers 5.23 classes are: DeepseekV2/V3Experts, OlmoeExperts, Glm4MoeExperts, ...; their
+    own names differ, their arithmetic does not)."""
+    if cls.__name__ in HF_EXPERTS:
+        return True
+    try:
+        from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+        return textwrap.dedent(inspect.getsource(cls.forward)) == textwrap.dedent(
+            inspect.getsource(MixtralExperts.forward))
+    except (ImportError, OSError, TypeError, AttributeError):
+        return False
+
+
 def _swappable(m) -> bool:
     gu, down = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
-    return (type(m).__name__ in HF_EXPERTS and isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor)
+    return (isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and _mixtral_arithmetic(type(m))
             and gu.ndim == 3 and down.ndim == 3 and gu.shape[1] == 2 * down.shape[2] and gu.shape[2] == down.shape[1]
             and not getattr(m, "has_bias", False) and not getattr(m, "is_transposed", False)
             and getattr(m, "has_gate", True) and type(getattr(m, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation"))
@@ -353,7 +373,8 @@ def _swappable(m) -> bool:
 @contextlib.contextmanager
 def dropless_experts(model: torch.nn.Module, on: bool = True):
     """Inside the block (``on``), every Hugging Face experts module of ``model`` that autopar knows
-    (``HF_EXPERTS``, SiLU-gated, no biases) computes through autopar::moe_experts."""
+    (``HF_EXPERTS`` and the classes computing as they do, SiLU-gated, no biases) computes through
+    autopar::moe_experts."""
     swapped = [m for m in model.modules() if _swappable(m)] if on else []
     try:
         for m in swapped:

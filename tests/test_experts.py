@@ -229,6 +229,20 @@ def test_hf_experts_swap_is_undone(fake):
     assert not any("forward" in m.__dict__ for m in experts)
 
 
+def test_hf_experts_computing_as_mixtrals_are_swapped():
+    # transformers' experts classes whose forward is MixtralExperts.forward word for word are traced
+    # as autopar::moe_experts whatever their name (DeepSeek-V3's: parity under ep=2 against eager
+    # transformers checked by benchmarks/hf_breadth.py DeepSeek-V3 --plans ep); gpt-oss's (biases,
+    # a clamped SwiGLU) is not, and its ep plan is the PlanError that says so
+    from autopar.experts import _swappable
+    from autopar.models.hf_archs import build_hf
+
+    for name, cls, swapped in (("DeepSeek-V3", "DeepseekV3Experts", True), ("gpt-oss", "GptOssExperts", False)):
+        model, _, _ = build_hf(name)
+        found = [m for m in model.modules() if type(m).__name__ == cls]
+        assert found and all(_swappable(m) is swapped for m in found), name
+
+
 def test_expert_parallel_bf16_parity(pools, references):
     # bf16 compute, fp32 master weights (the reference casts as autopar's front end does): the
     # mixed-precision tolerances of tests/test_state.py; every collective but the token exchange
