@@ -56,8 +56,12 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
     limit = parse_budget(budget) if budget is not None else None
     info = model_info(spec, batch, seq, overrides)
     fixed = mesh or {}
-    if cp_strategies is None:
+    cp_default = cp_strategies is None
+    if cp_default:
         cp_strategies = CP_STRATEGIES if info.seq >= CP_FROM_SEQ or fixed.get("cp", 1) > 1 else ()
+    elif fixed.get("cp", 1) > 1 and not cp_strategies:
+        raise PlanError(f"--mesh fixes cp={fixed['cp']} but no context-parallel strategy is searched",
+                        where="--cp", fix="leave --cp out, or name ulysses and/or context")
     if expert is None:
         expert = bool(info.experts) and not info.no_ep
     elif expert and info.no_ep:
@@ -67,8 +71,9 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
                         where="--mesh")
     notes = []
     if not cp_strategies:
-        notes.append(f"context parallelism not searched (sequence {info.seq} < {CP_FROM_SEQ} tokens); "
-                     "cp_strategies=('ulysses', 'context') or --mesh cp=N searches it")
+        notes.append(f"context parallelism not searched (sequence {info.seq} < {CP_FROM_SEQ} tokens); --cp "
+                     "ulysses,context or --mesh cp=N searches it" if cp_default else
+                     "context parallelism not searched (--cp none)")
     if info.experts and not expert:
         notes.append(f"expert parallelism not searched: {info.no_ep or 'expert=False'}")
     cands, refused = candidates(info, world, dev, mesh=mesh, mbs_choices=mbs_choices, dp_strategies=dp_strategies,
