@@ -59,17 +59,3 @@ def references():
         return cache[(name, precision)]
 
     return get
-
-
-# The files that take longest (measured 2026-11-25, one worker: seconds), run first: under
-# ``./run.sh test``'s two xdist workers (``--dist loadfile``) the files go out in collection order,
-# so starting with the longest keeps one worker from running a long file alone at the end.
-# Only the order changes; a stale list costs a little wall time, nothing else.
-LONGEST_FIRST = ("test_planner.py", "test_experts.py", "test_pipeline.py", "test_state.py", "test_context.py",
-                 "test_faults.py", "test_gather.py", "test_kernels.py", "test_ring.py", "test_parity.py",
-                 "test_elastic.py", "test_explain.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: file order kept otherwise)
