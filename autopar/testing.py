@@ -39,8 +39,14 @@ def _worker(rank: int, world: int, port: int, jobs, results):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    parent = os.getppid()
     while True:
-        job = jobs.get()
+        try:
+            job = jobs.get(timeout=2.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the pool's owner was killed (no stop will come): do not linger
+                os._exit(0)
+            continue
         if job is None:
             break
         fn, args, kwargs = job
