@@ -83,7 +83,7 @@ def test_fewer_sequences_than_cp_ranks_under_data_parallelism(fake, strategy):
     sequence strided on cp, unflattened back to [b, s] (torch 2.13's view propagation refused it:
     passes/propagate.py ``fixed_views``). Parity on 8 gloo ranks with accumulate=2 was checked by
     hand (2 sequences per micro-batch; the suite's machine has 2 cores)."""
-    model, batches, _ = build_model("llama")
+    _, batches, _ = build_model("llama")
     pm = _compile(fake, "llama", {"dp": 2, "cp": 4}, {"dp": "ddp", "cp": strategy}, batch=tuple(t[:2] for t in batches[0]))
     # each rank: one sequence of 16 / 4 tokens into the first linear, [1 * 4, 64]
     assert any(list(n.meta["val"].shape) == [4, 64] for n in pm.program.local.graph.nodes
