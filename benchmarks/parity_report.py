@@ -16,6 +16,8 @@ held at its peak (measured over the real step's tensors) against one process.
 
 from __future__ import annotations
 
+import math
+
 from autopar.ir import bytes_by_collective
 from autopar.testing import PIPELINE_CASES, DistPool, parity_job, pipeline_parity_job, reference_run
 
@@ -76,10 +78,7 @@ def strategies_report(pools):
         ref = refs.setdefault(name, reference_run(name))
         if name not in alone:  # the same model on one rank: its activations at the peak
             alone[name] = pools[1].run(parity_job, name, {"dp": 1}, {"dp": "ddp"}, evaluate=False)["memory"]
-        world = 1
-        for v in axes.values():
-            world *= v
-        out = pools[world].run(parity_job, name, axes, plan, evaluate=False, **opts)
+        out = pools[math.prod(axes.values())].run(parity_job, name, axes, plan, evaluate=False, **opts)
         dl = max(abs(a - b) for a, b in zip(ref["losses"], out["losses"]))
         dg = max(max((r[k] - o[k]).abs().max().item() for k in r) for r, o in zip(ref["grads"], out["grads"]))
         dp = max((ref["params"][k] - out["params"][k]).abs().max().item() for k in ref["params"])
