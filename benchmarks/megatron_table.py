@@ -6,7 +6,9 @@ configurations alone, then ``plan="auto"`` on the same models and GPU counts.
 Each row: GPT (vocab 51,200, sequence 2,048, GELU MLP 4h, multi-head attention) on the project's
 decoder (``gpt-tiny`` with its shape overridden), bf16, full recomputation, micro-batch 1,
 interleaved 1F1B (2 virtual stages where the layers per stage allow) for pp > 1, ddp over the
-data-parallel ranks, the ``a100`` device row of the cost model (datasheet peaks, 60% of peak on
+data-parallel ranks, each per-rank program costed as ``compile(inductor=True)`` runs it (elementwise
+chains fused, as Megatron-LM runs fused kernels for bias + GeLU, softmax and layer norm; ``--eager``:
+op by op), the ``a100`` device row of the cost model (datasheet peaks, 60% of peak on
 large matmuls, NVLink inside 8-GPU nodes, 200 Gb/s per GPU across). The step time comes from
 ``autopar.planner.cost`` over one block's compiled figures (the planner's screen); rows without
 a pipeline are also confirmed by compiling the whole plan at depths 1 and 2 and extrapolating.
@@ -34,7 +36,7 @@ def gpt(layers, hidden, heads) -> dict:
                 max_seq_len=2048, mlp="gelu")
 
 
-def row(i: int, dev, confirm: bool) -> dict:
+def row(i: int, dev, confirm: bool, fused: bool = True) -> dict:
     from autopar import planner as P
 
     name, layers, hidden, heads, tp, pp, gpus, batch, published = PAPER[i]
@@ -45,7 +47,8 @@ def row(i: int, dev, confirm: bool) -> dict:
     v = 2 if pp > 1 and layers % (2 * pp) == 0 else 1
     sched = None if pp == 1 else "interleaved" if v > 1 else "1f1b"
     t0 = time.perf_counter()
-    co = P.block_coefficients(info, tp, "megatron" if tp > 1 else None, "full", mbs, precision="bf16", dev=dev)
+    co = P.block_coefficients(info, tp, "megatron" if tp > 1 else None, "full", mbs, precision="bf16", dev=dev,
+                              fused=fused)
     c = P.cost(P.Candidate(dp, tp, pp, "ddp", "megatron" if tp > 1 else None, sched, v, "full", mbs, m), info, co,
                dev, precision="bf16")
     flops = P.model_flops_per_step(info, recompute=True)
@@ -53,19 +56,19 @@ def row(i: int, dev, confirm: bool) -> dict:
            "peak": c.peak, "tflops": flops / c.step_s / gpus / 1e12, "published": published,
            "params": info.params, "seconds": time.perf_counter() - t0}
     if confirm and pp == 1:
-        got = P.confirm(c, info, dev, precision="bf16")
+        got = P.confirm(c, info, dev, precision="bf16", fused=fused)
         out["confirmed_tflops"] = flops / got["step_s"] / gpus / 1e12
         out["confirmed_peak"] = got["peak"]
     return out
 
 
-def auto(i: int, dev_name: str, top: int) -> dict:
+def auto(i: int, dev_name: str, top: int, fused: bool = True) -> dict:
     from autopar import planner as P
 
     name, layers, hidden, heads, tp, pp, gpus, batch, published = PAPER[i]
     t0 = time.perf_counter()
     res = P.search("gpt-tiny", gpus, device=dev_name, budget="80GiB", batch=batch, seq=2048,
-                   overrides=gpt(layers, hidden, heads), precision="bf16", confirm_top=top,
+                   overrides=gpt(layers, hidden, heads), precision="bf16", confirm_top=top, inductor=fused,
                    progress=lambda s: print(f"  [{name} {time.perf_counter() - t0:6.1f}s] {s}", file=sys.stderr))
     if not res.ranked:
         return {"name": name, "chosen": "none fits", "seconds": res.seconds}
@@ -86,6 +89,9 @@ def main(argv=None) -> int:
     ap.add_argument("--auto", action="store_true", help="also run plan='auto' on each row's model and GPU count")
     ap.add_argument("--top", type=int, default=0, help="plan='auto': candidates confirmed by a compile (default 0)")
     ap.add_argument("--no-confirm", action="store_true")
+    ap.add_argument("--eager", action="store_true",
+                    help="cost autopar's programs run op by op (default: as compile(inductor=True) runs them, "
+                         "elementwise chains fused, as Megatron-LM's fused kernels do)")
     ap.add_argument("-o", "--output", default=None)
     a = ap.parse_args(argv)
     from autopar.analysis import cost
@@ -96,7 +102,7 @@ def main(argv=None) -> int:
              "predicted bubble | predicted peak GiB |", "|" + "---|" * 14]
     errs = []
     for i in rows:
-        r = row(i, dev, not a.no_confirm)
+        r = row(i, dev, not a.no_confirm, not a.eager)
         name, layers, hidden, heads, tp, pp, gpus, batch, published = PAPER[i]
         err = r["tflops"] / published - 1
         errs.append(abs(err))
@@ -112,7 +118,7 @@ def main(argv=None) -> int:
                   "(model FLOPs, 72 B s l h^2 ...) | published TFLOP/s | search s |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for i in rows:
-            r = auto(i, "a100", a.top)
+            r = auto(i, "a100", a.top, not a.eager)
             if "step_s" not in r:
                 lines.append(f"| {PAPER[i][0]} | {PAPER[i][6]} | none fits | | | | | {PAPER[i][8]} | {r['seconds']:.0f} |")
                 continue

@@ -80,6 +80,13 @@ def test_plan_table_matches_the_compiled_program(capsys):
     assert t["exposed_comm_s"] <= t["comm_s"]
     rc, out, _ = run(capsys, "plan", "llama-tiny", *MESH, "--rank", "0,3")
     assert rc == 0 and "rank 0 (0, 0)" in out and "rank 3 (1, 1)" in out and "assumptions: h100" in out
+    # --inductor: the same program costed as Inductor runs it: the same FLOPs, bytes and memory,
+    # less time in elementwise ops
+    rc, out, _ = run(capsys, "plan", "llama-tiny", *MESH, "--device", "h100", "--json", "--inductor")
+    f = json.loads(out)[0]
+    assert rc == 0 and f["inductor"] and not s["inductor"] and f["flops"] == s["flops"]
+    assert f["comm_bytes"] == s["comm_bytes"] and f["memory"]["step_peak"] == s["memory"]["step_peak"]
+    assert f["time"]["compute_s"] < s["time"]["compute_s"]
 
 
 @pytest.mark.parametrize("model,plan,axes,opts", [
@@ -175,6 +182,39 @@ def test_cost_model_arithmetic():
     assert links["tp"] == (dev.intra_alpha, dev.intra_bw) and links["dp"] == (dev.inter_alpha, dev.inter_bw)
     rec = autopar.ir.CommRecord("all_reduce", "tp", 8, 2**30, "", "")
     assert cost.comm_seconds(rec, links) == pytest.approx(14 * dev.intra_alpha + 2 * 7 / 8 * 2**30 / dev.intra_bw)
+
+
+def test_fused_elementwise_chains_by_hand():
+    """compile(inductor=True) as the cost model sees it: x*2+1 then relu is one kernel that reads
+    x and writes relu's output (the matmul's input); the multiply after the matmul reads and
+    writes its own bytes. Eager, every elementwise op reads and writes. Views move nothing: free
+    on a GPU and when compiled, a dispatch each when run eagerly on a CPU."""
+    from dataclasses import replace
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w):
+        return torch.mm(torch.relu(x * 2 + 1), w).view(-1) * 3
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(64, 128), torch.randn(128, 32))
+    dev = replace(cost.DEVICES["h100"], op_overhead=0.0)
+    fusion = cost.fusion_of(gm)
+
+    def elementwise_bytes(fu):
+        return sum(cost.compute_seconds(n, dev, 0, 1.0, fu) for n in gm.graph.nodes
+                   if n.op == "call_function" and n.target is not torch.ops.aten.mm.default) * dev.mem_bw
+
+    x, y = 64 * 128 * 4, 64 * 32 * 4
+    assert elementwise_bytes(fusion) == pytest.approx(x + x + y + y)
+    assert elementwise_bytes(None) == pytest.approx(3 * (x + x) + y + y)
+    assert {n.target for n in fusion.inner} == {torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor}
+    view = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.view.default)
+    cpu = cost.DEVICES["cpu"]
+    assert cost.compute_seconds(view, cost.DEVICES["h100"], 0) == 0.0
+    assert cost.compute_seconds(view, cpu, 0) == cpu.op_overhead
+    assert cost.compute_seconds(view, cpu, 0, 1.0, fusion) == 0.0
+    eager, fused = (cost.simulate(gm, dev, {}, fused=b) for b in (False, True))
+    assert fused.compute_s < eager.compute_s and fused.flops == eager.flops
 
 
 def test_liveness_matches_a_hand_count(fake):

@@ -17,9 +17,12 @@ collective counter); tests compare the two.
   otherwise the inter-node one.
 - **Compute**: FLOPs per node from torch's flop-counter formulas (matmuls, attention), timed by
   a roofline: ``max(flops / (peak * efficiency), bytes / memory_bandwidth)``; ops without FLOPs
-  are memory-bound (bytes read + written). Views cost nothing. A formula that raises, or a
+  are memory-bound (bytes read + written). Views move no data: run eagerly on a CPU each costs its
+  dispatch, on a GPU or compiled nothing. A formula that raises, or a
   matmul-like op with none (``UNCOUNTED``), makes the FLOPs unknown, never 0: the estimate lists
   them (``TimeEstimate.unknown_flops``) and ``autopar plan`` shows "unknown".
+- **Compiled programs** (``compile(inductor=True)``, ``autopar plan --inductor``): elementwise
+  chains fused as Inductor fuses them, counted conservatively (``Fusion``: vertical chains only).
 - **Time** (``simulate``): one compute stream and one communication stream. A collective starts
   when its input is ready and the link is free; ``wait_tensor`` stalls compute until it is done.
   Communication hidden under compute is what the program's ordering buys.
@@ -226,21 +229,91 @@ def _dtype_key(n: fx.Node) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dt, "fp32")
 
 
-def compute_seconds(n: fx.Node, dev: Device, flops: int, share: float = 1.0) -> float:
-    """Roofline time of one op; ``share`` >= 1 when ranks share a CPU's cores."""
+def compute_seconds(n: fx.Node, dev: Device, flops: int, share: float = 1.0, fusion: "Fusion | None" = None) -> float:
+    """Roofline time of one op; ``share`` >= 1 when ranks share a CPU's cores. With ``fusion``
+    (the program compiled by Inductor), an elementwise op fused into its consumer neither writes
+    its output nor launches a kernel, and its consumer does not read it back."""
     if n.op != "call_function" or n.target is operator.getitem:
         return 0.0
     if _is_view(n.target):
-        return dev.op_overhead
-    moved = _val_bytes(n.meta.get("val")) + sum(_val_bytes(a.meta.get("val")) for a in n.all_input_nodes)
+        # eager on a CPU: the view's dispatch runs on the rank's core; on a GPU it launches no
+        # kernel (its host cost hides under the queued kernels); compiled: index arithmetic
+        return dev.op_overhead if dev.cores and fusion is None else 0.0
+    kernel = True
+    if fusion is not None and n in fusion.members:
+        moved = sum(_val_bytes(a.meta.get("val")) for a in n.all_input_nodes if not fusion.fused(a, n))
+        kernel = n not in fusion.inner
+        if kernel:
+            moved += _val_bytes(n.meta.get("val"))
+    else:
+        moved = _val_bytes(n.meta.get("val")) + sum(_val_bytes(a.meta.get("val")) for a in n.all_input_nodes)
     t = moved / dev.mem_bw
     if flops:
         t = max(flops / (dev.flops[_dtype_key(n)] * dev.efficiency), t)
+    if not kernel:
+        return t * share  # inside a fused kernel: no launch of its own
     if not dev.cores:
         # a GPU: kernels are launched asynchronously, so the host's launch cost hides under the
         # previous kernel; an op takes its kernel time or the launch gap, whichever is longer
         return max(t * share, dev.op_overhead)
     return t * share + dev.op_overhead  # a CPU: eager dispatch runs before the op, on the same core
+
+
+def _fusible(target) -> bool:
+    """Elementwise ops (ATen's pointwise tag, and dtype casts) that Inductor fuses into one kernel."""
+    return target is aten._to_copy.default or torch.Tag.pointwise in getattr(target, "tags", ())
+
+
+def _reduction(target) -> bool:
+    return torch.Tag.reduction in getattr(target, "tags", ())
+
+
+@dataclass
+class Fusion:
+    """Which elementwise ops of a program Inductor fuses, conservatively: vertical chains only.
+    An elementwise op whose one consumer (through views) is another elementwise op or a
+    reduction is computed inside that consumer's kernel (``inner``): its output is neither written
+    nor read back. Anything else is written once (a matmul's input, a collective's, an op with
+    several consumers: Inductor may do better there, by horizontal fusion; the model does not
+    count on it)."""
+    members: set = field(default_factory=set)  # elementwise ops and reductions
+    inner: set = field(default_factory=set)  # elementwise ops computed inside their consumer
+
+    def fused(self, producer: fx.Node, consumer: fx.Node) -> bool:
+        """Is ``producer``'s value (seen through views) read from registers by ``consumer``?"""
+        return _base(producer) in self.inner
+
+
+def _base(n: fx.Node) -> fx.Node:
+    while n.op == "call_function" and _is_view(n.target) and n.args and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n
+
+
+def _consumers(n: fx.Node) -> list[fx.Node]:
+    out = []
+    for u in n.users:
+        if u.op == "call_function" and _is_view(u.target):
+            out += _consumers(u)
+        else:
+            out.append(u)
+    return out
+
+
+def fusion_of(gm: fx.GraphModule) -> Fusion:
+    f = Fusion()
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or info(n).comm is not None:
+            continue
+        if _fusible(n.target) or _reduction(n.target):
+            f.members.add(n)
+    for n in f.members:
+        if not _fusible(n.target):
+            continue
+        users = _consumers(n)
+        if len(users) == 1 and users[0] in f.members:
+            f.inner.add(n)
+    return f
 
 
 # ------------------------------------------------------------------------------------ comm
@@ -292,12 +365,15 @@ def core_share(dev: Device, world: int) -> float:
     return max(1.0, min(world, dev.ranks_per_node) / dev.cores)
 
 
-def simulate(gm: fx.GraphModule, dev: Device, links, share: float = 1.0) -> TimeEstimate:
+def simulate(gm: fx.GraphModule, dev: Device, links, share: float = 1.0, fused: bool = False) -> TimeEstimate:
     """One compute stream and one communication stream per mesh axis over the per-rank program,
     in program order: a collective starts once the compute before it has issued it and its
     axis's stream is free; a ``wait_tensor`` stalls the compute stream until its collective is
-    done (that stall is the exposed communication, charged to the collective's axis)."""
+    done (that stall is the exposed communication, charged to the collective's axis).
+    ``fused``: the program's compute compiled by Inductor (``compile(inductor=True)``), its
+    elementwise chains fused (``Fusion``)."""
     est = TimeEstimate()
+    fusion = fusion_of(gm) if fused else None
     t_compute = 0.0
     t_link: dict[str, float] = {}
     done: dict[fx.Node, tuple[float, str]] = {}
@@ -331,7 +407,7 @@ def simulate(gm: fx.GraphModule, dev: Device, links, share: float = 1.0) -> Time
         except UnknownFlops as e:
             f = 0  # timed by its bytes; the estimate says it is a lower bound
             est.unknown_flops.append(str(e))
-        dt = compute_seconds(n, dev, f, share)
+        dt = compute_seconds(n, dev, f, share, fusion)
         est.flops += f
         est.compute_s += dt
         phase = "backward" if n.meta.get("partitioner_tag") == "is_backward" else "forward"
@@ -347,16 +423,20 @@ def _optimizer_bytes_per_element(optimizer: str) -> int:
     return 0 if optimizer == "none" else (3 + 2 * OPTIMIZER_STATE[optimizer]) * 4
 
 
-def predict_time(pm, dev: Device, optimizer: str = "adamw") -> TimeEstimate:
-    """Step time: the program(s) simulated, plus the optimizer step (memory-bound, on the shards)."""
+def predict_time(pm, dev: Device, optimizer: str = "adamw", fused: bool | None = None) -> TimeEstimate:
+    """Step time: the program(s) simulated, plus the optimizer step (memory-bound, on the shards).
+    ``fused``: the per-rank programs as Inductor compiles them (default: whether ``pm`` was
+    compiled with ``inductor=True``)."""
+    if fused is None:
+        fused = getattr(pm, "inductor", None) is not None
     if pm.pipelined:
-        return predict_pipeline_time(pm, dev, optimizer)
+        return predict_pipeline_time(pm, dev, optimizer, fused)
     links = axis_links(pm.ctx.axis_names, pm.ctx.axis_sizes, dev)
     share = core_share(dev, math.prod(pm.ctx.axis_sizes))
     total = TimeEstimate()
     runs = [(pm.program, pm.ctx.accumulate)] + ([(pm.sync_program, 1)] if pm.sync_program is not None else [])
     for program, times in runs:
-        e = simulate(program.local, dev, links, share)
+        e = simulate(program.local, dev, links, share, fused)
         for f in ("step_s", "compute_s", "comm_s", "exposed_comm_s", "flops"):
             setattr(total, f, getattr(total, f) + times * getattr(e, f))
         total.unknown_flops += [u for u in e.unknown_flops if u not in total.unknown_flops]
@@ -443,7 +523,7 @@ def predict_pipeline_memory(pm, optimizer: str = "adamw") -> dict:
     return out
 
 
-def predict_pipeline_time(pm, dev: Device, optimizer: str = "adamw") -> TimeEstimate:
+def predict_pipeline_time(pm, dev: Device, optimizer: str = "adamw", fused: bool = False) -> TimeEstimate:
     """Each compiled stage's F / I / W programs simulated (compute + its collectives), the
     schedule's action lists simulated with those per-stage costs and one alpha-beta transfer of
     the largest activation per hop on the pipeline axis, then this rank's gradient sync and
@@ -463,7 +543,7 @@ def predict_pipeline_time(pm, dev: Device, optimizer: str = "adamw") -> TimeEsti
             if part.gm is None:
                 per[kind][s] = 0.0
                 continue
-            e = simulate(part.gm, dev, links, share)
+            e = simulate(part.gm, dev, links, share, fused)
             per[kind][s] = e.step_s
             total.unknown_flops += [u for u in e.unknown_flops if u not in total.unknown_flops]
             if mine:
@@ -484,7 +564,7 @@ def predict_pipeline_time(pm, dev: Device, optimizer: str = "adamw") -> TimeEsti
     prologue = 0.0
     for sp in pm.local.values():  # each stage's prologue, once per step before the schedule
         if sp.prologue is not None and sp.prologue.gm is not None:
-            e = simulate(sp.prologue.gm, dev, links, share)
+            e = simulate(sp.prologue.gm, dev, links, share, fused)
             prologue += e.step_s
             total.compute_s += e.compute_s
             total.flops += e.flops
@@ -500,7 +580,7 @@ def predict_pipeline_time(pm, dev: Device, optimizer: str = "adamw") -> TimeEsti
     total.comm_s += p2p / bw
     sync = 0.0
     for sp in pm.local.values():
-        e = simulate(sp.sync.local, dev, links, share)
+        e = simulate(sp.sync.local, dev, links, share, fused)
         sync += e.step_s
         total.comm_s += e.comm_s
     from torch.distributed.tensor import DTensor

@@ -63,8 +63,9 @@ class Figures:
 _SCALARS = ("param_elems", "params", "copies", "grads", "acts", "fwd_s", "bwd_s", "flops")
 
 
-def figures_of(pm, dev) -> Figures:
-    """One compiled (non-pipelined) ParallelModule -> Figures, through the cost model."""
+def figures_of(pm, dev, fused: bool = False) -> Figures:
+    """One compiled (non-pipelined) ParallelModule -> Figures, through the cost model (``fused``:
+    its programs as Inductor compiles them)."""
     from torch.distributed.tensor import DTensor
 
     from autopar.analysis import cost
@@ -72,7 +73,7 @@ def figures_of(pm, dev) -> Figures:
     mem = cost.predict_memory(pm, "none")
     prog = cost.program_memory(pm.program.local, pm.program.inputs, pm.program.outputs)
     links = cost.axis_links(pm.ctx.axis_names, pm.ctx.axis_sizes, dev)
-    est = cost.simulate(pm.program.local, dev, links, cost.core_share(dev, math.prod(pm.ctx.axis_sizes)))
+    est = cost.simulate(pm.program.local, dev, links, cost.core_share(dev, math.prod(pm.ctx.axis_sizes)), fused)
     elems = sum((p._local_tensor if isinstance(p, DTensor) else p).numel() for p in pm.parameters())
     comp = sum(est.by_phase.values()) or 1.0
     fwd_share = est.by_phase.get("forward", 0.0) / comp
@@ -158,7 +159,7 @@ def model_info(spec: str, batch: int | None, seq: int | None, overrides: dict | 
 
 def block_coefficients(info: ModelInfo, tp: int, tp_strategy: str | None, recompute: str, mbs: int, *,
                        precision: str, dev, check: bool = False, kernels: str = "off", cp: int = 1,
-                       cp_strategy: str | None = None, ep: int = 1) -> Coefficients:
+                       cp_strategy: str | None = None, ep: int = 1, fused: bool = False) -> Coefficients:
     """Compile the model at depths 1 and 2 (3 with ``check``) on a fake mesh of the block's own
     axes (ep x cp x tp: what one data-parallel rank's micro-batch is spread over) and difference.
     Expert parallelism splits the batch as data parallelism does: the compile sees ``mbs`` sequences
@@ -185,7 +186,7 @@ def block_coefficients(info: ModelInfo, tp: int, tp_strategy: str | None, recomp
             pm = autopar.compile(loaded.model, mesh, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
                                  plan=plan, precision=precision, recompute=recompute, capture_eval=False,
                                  kernels=kernels, bucket_mb=0)
-            figs.append(figures_of(pm, dev))
+            figs.append(figures_of(pm, dev, fused))
     block = figs[1] - figs[0]
     linear = (figs[2] - figs[1]).close(block) if check else []
     return Coefficients(block, figs[0] - block, linear, time.perf_counter() - t0)

@@ -20,12 +20,13 @@ def _cli_plan(c: Candidate) -> str:
     return ",".join(parts)
 
 
-def command_line(c: Candidate, info: ModelInfo, precision: str) -> str:
+def command_line(c: Candidate, info: ModelInfo, precision: str, inductor: bool = False) -> str:
     """The fixed-plan command that compiles the chosen candidate (``autopar plan`` / ``explain``)."""
     mesh = ",".join(f"{k}={v}" for k, v in c.mesh().items())
     return (f"autopar plan {info.spec} --mesh {mesh} --plan {_cli_plan(c)} --precision {precision} "
             f"--recompute {c.recompute} --batch {c.mbs * c.data * c.microbatches} --seq {info.seq}"
-            + (f" --accumulate {c.microbatches}" if c.pp == 1 and c.microbatches > 1 else ""))
+            + (f" --accumulate {c.microbatches}" if c.pp == 1 and c.microbatches > 1 else "")
+            + (" --inductor" if inductor else ""))
 
 
 def _throughput(c: Candidate, info: ModelInfo, world: int) -> tuple[float, float]:
@@ -44,7 +45,7 @@ def result_json(res: SearchResult) -> dict:
                      "microbatches": c.microbatches, "step_s": c.step_s, "tokens_per_s": tok,
                      "model_tflops_per_rank": tf, "peak_bytes": c.peak, "parts": c.parts, "bytes_per_axis": c.comm_bytes,
                      "bubble": c.bubble, "confirmed": c.confirmed, "screened": c.screened, "rejected": c.rejected})
-    return {"model": res.info.spec, "world": world, "device": res.device, "budget": res.budget,
+    return {"model": res.info.spec, "world": world, "device": res.device, "budget": res.budget, "inductor": res.inductor,
             "considered": res.considered, "compiles": res.compiles, "seconds": res.seconds,
             "refused": res.refused, "candidates": rows}
 
@@ -58,7 +59,8 @@ def report(res: SearchResult, top: int = 8) -> str:
         world = c0.world
     lines.append(f"autopar plan --plan auto: {info.spec} ({info.params / 1e9:.2f}B parameters, {info.layers} layers, "
                  f"global batch {info.batch} x seq {info.seq}) on {world or '?'} ranks, device {res.device}, budget "
-                 + (f"{_gib(res.budget)} GiB per rank" if res.budget else "none"))
+                 + (f"{_gib(res.budget)} GiB per rank" if res.budget else "none")
+                 + ("; per-rank programs costed as compile(inductor=True) runs them" if res.inductor else ""))
     lines.append(f"searched {res.considered} candidates in {res.seconds:.1f} s ({res.compiles} compiles: "
                  f"{res.coefficient_seconds:.1f} s for one block's figures per tp/recompute choice; blocks checked "
                  f"identical at depths 1-3); confirmed (listed first) = compiled at 1 and 2 blocks per stage, "
@@ -87,7 +89,7 @@ def report(res: SearchResult, top: int = 8) -> str:
     if res.ranked:
         c = res.ranked[0]
         lines.append(f"chosen: {c.label()}")
-        lines.append(f"  {command_line(c, info, res.precision)}")
+        lines.append(f"  {command_line(c, info, res.precision, res.inductor)}")
         # plans the cost model cannot tell apart from the chosen one (zero1 and zero2 in a
         # pipeline: the same traffic and peak) are named, the runner-up is the next different one
         same = [r for r in res.ranked[1:] if (r.step_s, r.peak) == (c.step_s, c.peak)]

@@ -31,6 +31,7 @@ class SearchResult:
     device: str
     precision: str = "bf16"
     notes: list = field(default_factory=list)  # what the search left out, and why
+    inductor: bool = False  # the programs costed as compile(inductor=True) runs them
 
 
 def search(spec: str, world: int, *, device: str = "h100", budget: int | str | None = None,
@@ -38,13 +39,14 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
            mesh: dict | None = None, precision: str = "bf16", optimizer: str = "adamw",
            mbs_choices=(1, 2), dp_strategies=DP_STRATEGIES, tp_strategies=TP_STRATEGIES,
            recompute=RECOMPUTE, schedules=SCHEDULES, cp_strategies=None, expert: bool | None = None,
-           confirm_top: int = 2, progress=None) -> SearchResult:
+           confirm_top: int = 2, inductor: bool = False, progress=None) -> SearchResult:
     """Rank every candidate plan for ``world`` ranks by predicted step time, under ``budget``.
 
     ``cp_strategies``: context parallelism's strategies to search (None: ulysses and context from
     ``CP_FROM_SEQ`` tokens on, none below: at shorter sequences attention's activations rarely
     decide the plan and each cp choice costs its own block compiles); ``expert``: search expert
-    parallelism (None: on a MoE model whose experts can be split)."""
+    parallelism (None: on a MoE model whose experts can be split); ``inductor``: cost each plan's
+    per-rank programs as ``compile(inductor=True)`` runs them (elementwise chains fused)."""
     from autopar.analysis import cost as C
     from autopar.analysis.budget import parse_budget
 
@@ -95,7 +97,7 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
                  + (f" ep={ep}" if ep > 1 else "") + f" recompute={rc} mbs={base_mbs}")
         try:
             co = block_coefficients(info, tp, ts, rc, base_mbs, precision=precision, dev=dev, check=not coeffs,
-                                    cp=cp, cp_strategy=cs, ep=ep)
+                                    cp=cp, cp_strategy=cs, ep=ep, fused=inductor)
         except PlanError as e:  # the compiler refuses this block choice: its candidates go
             why = str(e).splitlines()[0][:160]
             refused += [(c.label(), f"the block does not compile: {why}") for c in cands if c.block_key == key]
@@ -151,7 +153,7 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
         tries += 1
         progress(f"confirming {c.label()} ({len(done) + 1}/{max(want, len(done) + 1)})")
         try:
-            got = confirm(c, info, dev, precision=precision, optimizer=optimizer)
+            got = confirm(c, info, dev, precision=precision, optimizer=optimizer, fused=inductor)
         except Exception as e:  # noqa: BLE001 - the compiler refused this candidate: say why, go on
             c.rejected = f"compile failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
             over.append(c)
@@ -169,10 +171,11 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
     fits = sorted(skipped + fits, key=lambda c: (c.step_s, c.peak))
     over.sort(key=lambda c: c.peak)
     return SearchResult(done + fits, over, refused, len(cands), n_compiles, time.perf_counter() - t0, tcoef, linear,
-                        info, limit, device, precision, notes)
+                        info, limit, device, precision, notes, inductor)
 
 
-def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, optimizer: str = "adamw") -> dict:
+def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, optimizer: str = "adamw",
+             fused: bool = False) -> dict:
     """Compile ``c`` for real at ``depth`` (fake process group, its full mesh, rank 0, every
     pipeline stage) and read the cost model: step time, step peak, wire bytes per axis."""
     import autopar
@@ -189,7 +192,7 @@ def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, 
                              plan=c.plan(), precision=precision, recompute=c.recompute, capture_eval=False,
                              kernels="off", accumulate=c.microbatches if c.pp == 1 else 1, pipeline_stages="all")
         mem = C.predict_memory(pm, optimizer)
-        est = C.predict_time(pm, dev, optimizer)
+        est = C.predict_time(pm, dev, optimizer, fused)
         by_axis: dict[str, int] = {}
         for r in pm.collectives():
             by_axis[r.axis] = by_axis.get(r.axis, 0) + r.wire_bytes
@@ -203,13 +206,14 @@ def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, 
             "bubble": est.bubble, "compile_s": time.perf_counter() - t0, "programs": programs}
 
 
-def confirm(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: str = "adamw") -> dict:
+def confirm(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: str = "adamw",
+            fused: bool = False) -> dict:
     """The compiled figures of ``c`` at the model's depth, extrapolated from compiles at one and
     two blocks per (virtual) stage: the whole pipeline, accumulation, ZeRO/FSDP and overlap passes
     as they are, only the depth extrapolated (exact when the blocks are identical)."""
     unit = c.pp * c.virtual
-    a = compiled(c, info, dev, unit, precision=precision, optimizer=optimizer)
-    b = compiled(c, info, dev, 2 * unit, precision=precision, optimizer=optimizer)
+    a = compiled(c, info, dev, unit, precision=precision, optimizer=optimizer, fused=fused)
+    b = compiled(c, info, dev, 2 * unit, precision=precision, optimizer=optimizer, fused=fused)
     k = info.layers / unit - 1
     out = {"step_s": a["step_s"] + k * (b["step_s"] - a["step_s"]),
            "peak": int(a["peak"] + k * (b["peak"] - a["peak"])) if a["programs"] is None else
@@ -238,13 +242,13 @@ def _spmd_peak(a: dict, b: dict, unit: int, layers: int) -> int:
 
 
 def verify(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: str = "adamw",
-           depth: int | None = None) -> dict:
+           depth: int | None = None, fused: bool = False) -> dict:
     """The analytic composition of ``c`` at a reduced depth against the cost model's figures for
     the candidate compiled at that depth (the screen's error, per candidate)."""
     depth = depth or 2 * c.pp * c.virtual
-    got = compiled(c, info, dev, depth, precision=precision, optimizer=optimizer)
+    got = compiled(c, info, dev, depth, precision=precision, optimizer=optimizer, fused=fused)
     co = block_coefficients(info, c.tp, c.tp_strategy, c.recompute, c.mbs, precision=precision, dev=dev, cp=c.cp,
-                            cp_strategy=c.cp_strategy, ep=c.ep)
+                            cp_strategy=c.cp_strategy, ep=c.ep, fused=fused)
     mine = cost(Candidate(**{k: getattr(c, k) for k in ("dp", "tp", "pp", "dp_strategy", "tp_strategy", "schedule",
                                                        "virtual", "recompute", "mbs", "microbatches", "cp",
                                                        "cp_strategy", "ep")}),

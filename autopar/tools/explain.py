@@ -223,7 +223,7 @@ def analyse(args, rank: int, progress: Progress) -> Analysis:
         pipelined = pm.pipelined
         links = (cost._pipeline_links(pm, dev) if pipelined
                  else cost.axis_links(pm.ctx.axis_names, pm.ctx.axis_sizes, dev))
-        est = cost.predict_time(pm, dev, args.optimizer)
+        est = cost.predict_time(pm, dev, args.optimizer, fused=getattr(args, "inductor", False))
         t3 = time.perf_counter()
         coord = tuple(mesh.get_coordinate())
     options = {"precision": args.precision, "reduce_dtype": args.reduce_dtype, "recompute": args.recompute,
@@ -231,6 +231,7 @@ def analyse(args, rank: int, progress: Progress) -> Analysis:
                "accumulate": args.accumulate, "optimizer": args.optimizer,
                "bucket_mb": args.bucket_mb, "prefetch": args.prefetch,
                "reshard_after_forward": args.reshard_after_forward,
+               **({"inductor": True} if getattr(args, "inductor", False) else {}),
                "inputs": [f"{list(x.shape)} {x.dtype}" for x in loaded.example_inputs]}
     return Analysis(args.model, axes, plan, rank, coord, options, pm, memory, est, dev, links,
                     {"build": t1 - t0, "compile": t2 - t1, "cost_model": t3 - t2, "total": t3 - t0,
@@ -267,6 +268,9 @@ def _run(command: str, argv) -> int:
         p.add_argument("--cp", default=None, metavar="STRATEGIES",
                        help="--plan auto: context-parallel strategies to search, comma-separated (ulysses,context) "
                             "or none; default: both from 8192 tokens per sequence on, none below")
+        p.add_argument("--inductor", action="store_true",
+                       help="cost the per-rank programs as compile(inductor=True) runs them (elementwise chains "
+                            "fused into one kernel each; default: op by op, as eager)")
         p.add_argument("--full-depth", action="store_true",
                        help="compile every block of a built-in model (default: compile it at depths 3-5, check "
                             "that each block adds the same figures and extrapolate to its depth)")
@@ -379,7 +383,7 @@ def _auto(args, progress) -> int:
                              precision=args.precision if args.precision_given else "bf16",
                              optimizer=args.optimizer, confirm_top=args.top, progress=progress,
                              recompute=(args.recompute,) if args.recompute_given else planner.RECOMPUTE,
-                             cp_strategies=cp)
+                             cp_strategies=cp, inductor=args.inductor)
     except PlanError as e:
         progress.done()
         print(f"autopar plan: {e}", file=sys.stderr)

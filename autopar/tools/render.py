@@ -395,6 +395,7 @@ def summary(a: Analysis) -> dict:
                  "exposed_by_axis": t.exposed_by_axis,
                  "bubble": t.bubble, "stage_seconds": t.stage_seconds},
         "device": a.device.name, "seconds": a.seconds,
+        "inductor": bool(a.options.get("inductor")),  # the programs costed as compile(inductor=True) runs them
     }
 
 
