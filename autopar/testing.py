@@ -39,6 +39,7 @@ def _worker(rank: int, world: int, port: int, jobs, results):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    _freeze_imports()
     parent = os.getppid()
     while True:
         try:
@@ -66,6 +67,21 @@ def _worker(rank: int, world: int, port: int, jobs, results):
     results.join_thread()
     multiprocessing.util._exit_function()
     os._exit(0)
+
+
+def _freeze_imports() -> None:
+    """Move what the imports made (torch's and autopar's modules: hundreds of
+    thousands of objects that live as long as the process) out of the cyclic garbage collector's
+    reach: its full collections, which every few compiles walk everything, then walk only what the
+    jobs made. A 2-layer Llama compiled 6 times in one process: 0.58-0.93 s per compile before
+    (the slow ones are full collections), 0.60-0.67 s after. The workers end by ``os._exit``, so
+    the frozen objects need no unfreezing."""
+    import gc
+
+    import autopar.compiler  # noqa: F401 - what nearly every job imports first
+
+    gc.collect()
+    gc.freeze()
 
 
 class DistPool:

@@ -24,6 +24,21 @@ def fake_mesh(rank: int = 0, **axes):
     return mesh_of(axes, rank)
 
 
+def pytest_collection_finish(session):
+    """The test modules are imported: their objects (and torch's, autopar's, transformers')
+    leave the garbage collector's full collections (``autopar.testing._freeze_imports``)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_unconfigure(config):
+    import gc
+
+    gc.unfreeze()  # (frozen objects are never freed: nanobind would report Triton's as leaked at exit)
+
+
 @pytest.fixture
 def fake():
     return fake_mesh
