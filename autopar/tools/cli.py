@@ -25,19 +25,6 @@ COMMANDS = {
 }
 
 
-def _freeze_imports() -> None:
-    """What the imports made (torch's modules: hundreds of thousands of objects) leaves the cyclic
-    garbage collector's full collections, which a compile triggers every few thousand graph nodes
-    (``autopar plan llama3-8b --mesh dp=8,tp=8``: 10.2-10.6 s of analysis before, 9.8-10.1 s after).
-    Unfrozen at exit, so that extension modules see their objects freed."""
-    import atexit
-    import gc
-
-    gc.collect()
-    gc.freeze()
-    atexit.register(gc.unfreeze)
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -54,11 +41,8 @@ def main(argv=None) -> int:
 
     module, fn, _ = COMMANDS[cmd]
     sys.argv = [f"autopar {cmd}"] + rest
-    entry = getattr(importlib.import_module(module), fn)
-    if __name__ == "__main__" or argv is None:  # this process is the command: the imports live as long as it
-        _freeze_imports()
     try:
-        rc = entry(rest)
+        rc = getattr(importlib.import_module(module), fn)(rest)
     except SystemExit as e:  # argparse --help / usage errors
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     return rc if isinstance(rc, int) else 0
