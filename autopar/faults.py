@@ -31,7 +31,7 @@ FAULT_CASES = {  # name: what happens (on rank 1 unless said)
     "kill_zero": "rank 0 (the store's host) SIGKILLed in the loss, mid-step",
     "short_one": "rank 1 runs one step fewer and exits",
     "compile_one": "the loss function raises while tracing on rank 1 only",
-    "clip_late": "between steps: rank 1 busy (sleeps 9 s) while rank 0 waits in clip_grad_norm_'s all_reduce",
+    "clip_late": "between steps: rank 1 busy (until rank 0 has its result) while rank 0 waits in clip_grad_norm_'s all_reduce",
     "plan_bad": "unknown strategy in the plan (every rank)",
     "plan_batch": "batch not divisible by the data-parallel ranks / micro-batches (every rank)",
 }
@@ -79,9 +79,10 @@ def inject_at_loss(pm, fn) -> None:
         gm.recompile()
 
 
-def fault_job(case: str, plan_name: str, timeout: float, report) -> str:
+def fault_job(case: str, plan_name: str, timeout: float, report, peer_done=None) -> str:
     """One rank's side of a fault case: compile the tiny Llama under the plan, inject the fault,
-    train; returns what happened ("ok: ..."), or raises what the rank raised."""
+    train; returns what happened ("ok: ..."), or raises what the rank raised. ``peer_done``: an
+    event rank 0 sets once it has its result (``clip_late``'s busy rank waits for it)."""
     import torch.distributed as dist
 
     import autopar
@@ -122,9 +123,10 @@ def fault_job(case: str, plan_name: str, timeout: float, report) -> str:
         inject_at_loss(pm, inject[1])
     if case == "clip_late":  # a collective between steps, outside train_step: bounded the same way
         report("fault", time.time())
-        if rank == 1:  # (long enough to outlast rank 0's 3 s timeout in the test, under load too)
-            time.sleep(9)
-            return "ok: slept through the clip"
+        if rank == 1:  # busy until rank 0 has given up waiting for it (at most 60 s)
+            if peer_done is None or not peer_done.wait(60):
+                return "ok: busy for 60 s, rank 0 still waiting"
+            return "ok: busy through the clip"
         pm.clip_grad_norm_(1.0)
         return "ok"
     if case == "short_one":  # rank 1 stops one step early (its loader ran out): rank 0 waits for it
@@ -185,7 +187,7 @@ def recoverable_faults_job() -> list:
     return everyone
 
 
-def _fault_worker(rank: int, world: int, port: int, case: str, plan_name: str, timeout: float, results):
+def _fault_worker(rank: int, world: int, port: int, case: str, plan_name: str, timeout: float, results, done):
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -199,11 +201,14 @@ def _fault_worker(rank: int, world: int, port: int, case: str, plan_name: str, t
         results.put((rank, kind, value))
 
     try:
-        out = fault_job(case, plan_name, timeout, report)
+        out = fault_job(case, plan_name, timeout, report, done)
         report("result", (time.time(), out))
     except BaseException as e:  # noqa: BLE001 - what this rank raised is the result
         report("result", (time.time(), f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
         report("error_text", f"{type(e).__name__}: {e}")
+    finally:
+        if rank == 0:
+            done.set()
 
 
 def run_fault_case(case: str, plan_name: str, timeout: float = 5.0, world: int = 2, limit: float = 120.0) -> dict:
@@ -214,8 +219,9 @@ def run_fault_case(case: str, plan_name: str, timeout: float = 5.0, world: int =
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_fault_worker, args=(r, world, port, case, plan_name, timeout, results), daemon=True)
-             for r in range(world)]
+    done = ctx.Event()  # rank 0 has its result
+    procs = [ctx.Process(target=_fault_worker, args=(r, world, port, case, plan_name, timeout, results, done),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     exited: dict[int, float] = {}
