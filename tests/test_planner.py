@@ -164,8 +164,8 @@ def test_cli(capsys):
     assert plan_main(["llama-tiny", "--plan", "auto", "--world", "4", "--mesh", "tp=3", "-q"]) == 2
     assert "not a multiple" in capsys.readouterr().err
     assert plan_main(["llama-tiny", "--plan", "auto", "--world", "2", "--batch", "4", "--top", "1", "-q", "--recompute", "none",
-                      "--json"]) == 0
+                      "--json", "--inductor"]) == 0  # (the programs costed as Inductor runs them)
     import json
 
     out = json.loads(capsys.readouterr().out)
-    assert out["world"] == 2 and out["candidates"][0]["confirmed"] is not None
+    assert out["world"] == 2 and out["candidates"][0]["confirmed"] is not None and out["inductor"] is True
