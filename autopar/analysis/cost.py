@@ -241,7 +241,7 @@ def compute_seconds(n: fx.Node, dev: Device, flops: int, share: float = 1.0, fus
         return dev.op_overhead if dev.cores and fusion is None else 0.0
     kernel = True
     if fusion is not None and n in fusion.members:
-        moved = sum(_val_bytes(a.meta.get("val")) for a in n.all_input_nodes if not fusion.fused(a, n))
+        moved = sum(_val_bytes(a.meta.get("val")) for a in n.all_input_nodes if not fusion.fused(a))
         kernel = n not in fusion.inner
         if kernel:
             moved += _val_bytes(n.meta.get("val"))
@@ -279,8 +279,8 @@ class Fusion:
     members: set = field(default_factory=set)  # elementwise ops and reductions
     inner: set = field(default_factory=set)  # elementwise ops computed inside their consumer
 
-    def fused(self, producer: fx.Node, consumer: fx.Node) -> bool:
-        """Is ``producer``'s value (seen through views) read from registers by ``consumer``?"""
+    def fused(self, producer: fx.Node) -> bool:
+        """Is ``producer``'s value (seen through views) read from registers by its one consumer?"""
         return _base(producer) in self.inner
 
 
