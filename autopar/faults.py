@@ -14,9 +14,8 @@ import queue
 import time
 
 import torch
-import torch.multiprocessing as mp
 
-from autopar.testing import _free_port, build_model
+from autopar.testing import _free_port, build_model, parent_environment, process_context, worker_environment
 
 FAULT_PLANS = {"fsdp": ({"dp": 2}, {"dp": "fsdp"}), "pp": ({"pp": 2}, {"pp": "1f1b"})}
 
@@ -187,9 +186,10 @@ def recoverable_faults_job() -> list:
     return everyone
 
 
-def _fault_worker(rank: int, world: int, port: int, case: str, plan_name: str, timeout: float, results, done):
+def _fault_worker(rank: int, world: int, port: int, case: str, plan_name: str, timeout: float, results, done, parent):
     import warnings
 
+    worker_environment(parent)
     warnings.filterwarnings("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -216,11 +216,12 @@ def run_fault_case(case: str, plan_name: str, timeout: float = 5.0, world: int =
     seconds from the fault to each rank's exit (None: still running at ``limit``, then killed)."""
     from multiprocessing.connection import wait as wait_any
 
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     results = ctx.Queue()
     port = _free_port()
     done = ctx.Event()  # rank 0 has its result
-    procs = [ctx.Process(target=_fault_worker, args=(r, world, port, case, plan_name, timeout, results, done),
+    parent = parent_environment()
+    procs = [ctx.Process(target=_fault_worker, args=(r, world, port, case, plan_name, timeout, results, done, parent),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()

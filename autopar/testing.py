@@ -1,7 +1,8 @@
 """Run functions on N gloo processes, and compare programs against one process.
 
-``DistPool(n)`` spawns n workers once (spawning costs seconds), each with a gloo process
-group, and runs module-level functions on all of them; the tests and the demo share it.
+``DistPool(n)`` starts n workers once (forked from a server that imported torch and autopar
+once: ``process_context``), each with a gloo process group, and runs module-level functions on
+all of them; the tests and the demo share it.
 ``parity_job`` + ``reference_run`` are the numerics check behind the parity tests (and
 ``autopar.verify``): same init, same data, AdamW, losses / gradients / parameters compared.
 """
@@ -14,6 +15,7 @@ import pickle
 import queue
 import time
 import socket
+import sys
 import traceback
 
 import torch
@@ -30,9 +32,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, jobs, results):
+def process_context():
+    """The multiprocessing context for worker processes: forked from multiprocessing's fork
+    server, which imported autopar/poolserver.py (torch, dynamo, DTensor, autopar, transformers)
+    once, instead of spawned fresh (each spawned process imports them again). A worker gets the
+    environment of the process that started it (``worker_environment``), not the server's."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["autopar.poolserver"])
+    return ctx
+
+
+def parent_environment() -> tuple[dict[str, str], list[str]]:
+    """What a worker takes from the process that starts it: its environment variables and its
+    import path, as they are now (``worker_environment`` sets them in the worker)."""
+    return dict(os.environ), list(sys.path)
+
+
+def worker_environment(parent: tuple[dict[str, str], list[str]]) -> None:
+    """In a forked worker: the starting process's environment and import path, as a spawned
+    worker would have them, not those the fork server was started with."""
+    env, path = parent
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:] = path
+
+
+def _worker(rank: int, world: int, port: int, jobs, results, parent):
     import warnings
 
+    worker_environment(parent)
     warnings.filterwarnings("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -89,11 +117,12 @@ class DistPool:
 
     def __init__(self, world_size: int):
         self.world_size = world_size
-        ctx = mp.get_context("spawn")
+        ctx = process_context()
         self.results = ctx.Queue()
         self.jobs = [ctx.Queue() for _ in range(world_size)]
         port = _free_port()
-        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.jobs[r], self.results),
+        parent = parent_environment()
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.jobs[r], self.results, parent),
                                   daemon=True) for r in range(world_size)]
         for p in self.procs:
             p.start()

@@ -1,6 +1,7 @@
 """Fixtures: a fake process group for planning at any mesh size, and real gloo pools.
 
-The gloo pools are spawned once per test session (spawning costs seconds) and shared.
+The gloo pools are started once per test session (forked from one server process that imported
+torch and autopar once: autopar/testing.py process_context) and shared.
 """
 
 from __future__ import annotations
