@@ -4,7 +4,7 @@
 fork server: the server imports it once, and every worker process is then a fork of the server,
 with torch, dynamo, AOTAutograd, DTensor, autopar and transformers already imported. A spawned
 worker imports them itself: about 2.7 s of CPU per process on this machine, and a test session
-starts about 40 of them. Forked, a 2-rank pool's first job ran in 2.4 s instead of 5.1 s
+starts about 30 of them. Forked, a 2-rank pool's first job ran in 2.4 s instead of 5.1 s
 (``tests/test_pools.py`` checks that the workers are forks of this server).
 
 Importing this module has process-wide effects (one intra-op thread; the import's objects frozen
