@@ -36,7 +36,10 @@ def process_context():
     """The multiprocessing context for worker processes: forked from multiprocessing's fork
     server, which imported autopar/poolserver.py (torch, dynamo, DTensor, autopar, transformers)
     once, instead of spawned fresh (each spawned process imports them again). A worker gets the
-    environment of the process that started it (``worker_environment``), not the server's."""
+    environment of the process that started it (``worker_environment``), not the server's.
+    Where there is no fork server (Windows), spawned."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["autopar.poolserver"])
     return ctx
