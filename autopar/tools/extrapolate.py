@@ -20,6 +20,13 @@ the same way, and the largest taken (``autopar.analysis.liveness.peak_in_depth``
 Any figure that fails its check, or that a depth adds or drops (a collective kind that appears
 only from some depth on), makes ``plan`` compile every block instead, and say why.
 
+The three depths are compiled side by side where the process can fork (``_Forked``): depths 3
+and 4 each in a forked copy of this process, which sends back only the figures the extrapolation
+reads (``_figures``), depth 5 here (its program is what ``plan`` shows). A fork shares everything
+already imported and traced; it is used only where this process runs no other thread (the
+command line; not a test runner's worker: ``_can_fork``), and ``AUTOPAR_PLAN_FORK=0`` switches it
+off. A depth whose child fails is compiled here instead.
+
 Where it applies: built-in models (their config names the depth: ``n_layers`` /
 ``num_hidden_layers``) deeper than 5 blocks, under plans without a pipeline axis (a pipeline's
 stage boundaries move with the depth) and without parameters left to ``plan['rest']`` (their list
@@ -30,6 +37,11 @@ grows with the depth). ``autopar plan --full-depth`` compiles every block regard
 from __future__ import annotations
 
 import copy
+import gc
+import os
+import pickle
+import threading
+from typing import Callable
 
 from autopar.tools.render import Analysis, summary
 
@@ -90,18 +102,18 @@ def extrapolate(sums: list[dict], layers: int, path: tuple[str, ...] = ()) -> tu
 _PEAK_KEYS = ("program_peak", "tensor_peak", "step_peak")
 
 
-def _memory(runs: list[Analysis], out: dict, layers: int) -> str:
+def _memory(figs: list[dict], out: dict, layers: int) -> str:
     """Replace the peak figures of ``out['memory']`` by the peak carried to ``layers`` blocks
     point by point (``liveness.peak_in_depth``), composed as ``cost.predict_memory`` composes
     them; the reason when a point's bytes do not grow by the same amount per block, else ""."""
-    from autopar.analysis.liveness import peak_in_depth, program_memory
+    from autopar.analysis.liveness import peak_in_depth
 
     m = out["memory"]
     got = {}
-    for what, progs in (("joint", [r.pm.program for r in runs]), ("sync", [r.pm.sync_program for r in runs])):
-        if any(p is None for p in progs):
+    for what in ("joint", "sync"):
+        mems = [f["mems"].get(what) for f in figs]
+        if any(x is None for x in mems):
             continue
-        mems = [program_memory(p.local, p.inputs, p.outputs) for p in progs]
         for point in mems[0].branches:
             for c, a in mems[0].branches[point].items():
                 b, z = (x.branches[point][c] for x in mems[1:])
@@ -123,6 +135,71 @@ def _memory(runs: list[Analysis], out: dict, layers: int) -> str:
     return ""
 
 
+def _figures(r: Analysis) -> dict | None:
+    """What the extrapolation reads of one depth's analysis (plain data: a forked child sends it
+    back); None when the plan does not qualify (stage boundaries or per-parameter lists that move
+    with the depth)."""
+    from autopar.analysis.liveness import program_memory
+
+    placed = r.pm.ctx.placed
+    if r.pm.pipelined or any(placed.unplaced.values()) or any(placed.unsharded.values()):
+        return None
+    mems = {what: program_memory(p.local, p.inputs, p.outputs)
+            for what, p in (("joint", r.pm.program), ("sync", r.pm.sync_program)) if p is not None}
+    return {"summary": summary(r), "mems": mems, "seconds": dict(r.seconds)}
+
+
+def _can_fork() -> bool:
+    """``AUTOPAR_PLAN_FORK``: "0" never, "always" even beside other threads (the tests, whose
+    runner has some), else where this process runs no other Python thread."""
+    mode = os.environ.get("AUTOPAR_PLAN_FORK", "1")
+    if not hasattr(os, "fork") or mode in ("0", "false", "off"):
+        return False
+    return mode == "always" or threading.active_count() == 1
+
+
+class _Forked:
+    """``fn()`` in a forked copy of this process, started at once. ``result()`` waits for what
+    ``fn`` returned (pickled back through a pipe) and raises RuntimeError if the child failed;
+    ``kill()`` stops it. The child runs one intra-op thread and leaves by ``os._exit``."""
+
+    def __init__(self, fn: Callable[[], object]):
+        import torch
+
+        r, w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child
+            try:
+                os.close(r)
+                torch.set_num_threads(1)
+                try:
+                    payload = pickle.dumps(("ok", fn()))
+                except BaseException as e:  # noqa: BLE001 - sent to the parent, which compiles that depth itself
+                    payload = pickle.dumps(("error", f"{type(e).__name__}: {e}"))
+                with os.fdopen(w, "wb") as f:
+                    f.write(payload)
+            finally:
+                os._exit(0)
+        os.close(w)
+        self.pipe = os.fdopen(r, "rb")
+
+    def result(self):
+        with self.pipe as f:
+            data = f.read()
+        os.waitpid(self.pid, 0)
+        kind, value = pickle.loads(data) if data else ("error", "the forked process died")
+        if kind != "ok":
+            raise RuntimeError(value)
+        return value
+
+    def kill(self) -> None:
+        import signal
+
+        self.pipe.close()
+        os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+
+
 def analyse_by_depth(args, plan: dict, rank: int, progress, analyse) -> Analysis | None:
     """``analyse(args, rank)`` at depths 3-5 (``plan``: the parsed ``--plan``) and the summary
     extrapolated to the model's depth; None when the model or plan does not qualify or the blocks are not identical (the caller then
@@ -134,16 +211,53 @@ def analyse_by_depth(args, plan: dict, rank: int, progress, analyse) -> Analysis
     if found is None or found[1] <= DEPTHS[-1] or any(is_pipeline_strategy(v) for v in plan.values()):
         return None
     name, layers = found
-    runs: list[Analysis] = []
-    for d in DEPTHS:
+
+    def at(d: int, report) -> Analysis:
         sub = copy.copy(args)
         sub.set = list(args.set) + [f"{name}={d}"]
-        r = analyse(sub, rank, lambda s, d=d: progress(f"{s} (depth {d} of {layers})"))
-        placed = r.pm.ctx.placed
-        if r.pm.pipelined or any(placed.unplaced.values()) or any(placed.unsharded.values()):
-            return None  # stage boundaries / per-parameter lists move with the depth
-        runs.append(r)
-    sums = [summary(r) for r in runs]
+        return analyse(sub, rank, lambda s: report(f"{s} (depth {d} of {layers})"))
+
+    # the shallower depths in forked children (started first), the deepest here
+    children = {}
+    if _can_fork():
+        # the modules every compile imports on first use, imported once here rather than in each child
+        import torch._dynamo  # noqa: F401
+        import torch._functorch.aot_autograd  # noqa: F401
+        import torch.fx.experimental.proxy_tensor  # noqa: F401
+
+        # what exists now is shared with the children page by page until someone writes to it; the
+        # collector's full collections would write to every object (copying the pages) in each
+        gc.collect()
+        gc.freeze()
+        try:
+            children = {d: _Forked(lambda d=d: _figures(at(d, lambda s: None))) for d in DEPTHS[:-1]}
+        finally:
+            gc.unfreeze()
+    try:
+        last = at(DEPTHS[-1], progress)
+        deepest = _figures(last)
+    except BaseException:
+        for c in children.values():
+            c.kill()
+        raise
+    if deepest is None:  # the plan does not qualify at any depth
+        for c in children.values():
+            c.kill()
+        return None
+    figs = []
+    for d in DEPTHS[:-1]:
+        if d in children:
+            try:
+                figs.append(children[d].result())
+                continue
+            except RuntimeError as e:  # this depth again, here (where its error, if it is one, is raised)
+                progress(f"depth {d} in a forked process failed ({str(e).splitlines()[0][:120]}): compiling it here")
+                children.pop(d)
+        figs.append(_figures(at(d, progress)))
+    figs.append(deepest)
+    if any(f is None for f in figs):
+        return None
+    sums = [f["summary"] for f in figs]
     for s in sums:
         s.pop("seconds")
         s["memory"].pop("peak_node", None)  # a node of the shallow program: not the deep one's
@@ -151,16 +265,15 @@ def analyse_by_depth(args, plan: dict, rank: int, progress, analyse) -> Analysis
             del s["memory"][k]
     out, bad = extrapolate(sums, layers)
     if not bad:
-        why = _memory(runs, out, layers)
+        why = _memory(figs, out, layers)
         bad = [why] if why else []
     if bad:
         args.depth_note = (f"blocks not identical at depths {DEPTHS} ({'; '.join(bad[:3])}"
                            + (f" and {len(bad) - 3} more" if len(bad) > 3 else "") + "): compiled every block")
         return None
-    seconds = {k: sum(r.seconds.get(k, 0.0) for r in runs) for k in ("build", "compile", "cost_model", "total")}
+    seconds = {k: sum(f["seconds"].get(k, 0.0) for f in figs) for k in ("build", "compile", "cost_model", "total")}
     out["seconds"] = seconds
-    out["extrapolated"] = {"depths": list(DEPTHS), "layers": layers, "field": name}
-    last = runs[-1]
+    out["extrapolated"] = {"depths": list(DEPTHS), "layers": layers, "field": name, "forked": sorted(children)}
     return Analysis(last.model, last.axes, last.plan, rank, last.coord, last.options, last.pm, last.memory,
                     last.time, last.device, last.links, seconds, last.notes, int(out["parameters"]),
                     extrapolated=out)

@@ -474,7 +474,10 @@ def plan_table(results: list[Analysis]) -> str:
         f"{k} {v:.1f}s" for k, v in a0.seconds.items() if k in ("build", "compile", "cost_model", "total"))
         + (f"; figures extrapolated from the model compiled at {ex['field']} = "
            f"{', '.join(map(str, ex['depths']))} to {ex['layers']} (every block's increment checked equal; "
-           "--full-depth compiles every block)" if (ex := sums[0].get("extrapolated")) else "")
+           "--full-depth compiles every block"
+           + (f"; depth(s) {', '.join(map(str, ex['forked']))} compiled in forked processes beside this one, "
+              "the times above their sum" if ex.get("forked") else "") + ")"
+           if (ex := sums[0].get("extrapolated")) else "")
         + (f"; {world} ranks: each stage's ranks run the same program on their own shards (SPMD), stages "
            "exchange activations point to point" if pipes else
            f"; {world} ranks, every rank runs the same program on its own shards (SPMD)")]
