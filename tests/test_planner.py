@@ -21,8 +21,15 @@ def _quiet():
         yield
 
 
-def test_search_ranks_confirmed_candidates_under_the_budget():
+def test_search_ranks_confirmed_candidates_under_the_budget(monkeypatch):
+    """(Forked as on the command line, autopar/forked.py: half the block figures and the shallower
+    compile of each confirmation in a child; every child's figures came back.)"""
+    from autopar import forked
+
+    monkeypatch.setenv("AUTOPAR_PLAN_FORK", "always")
+    before = dict(forked.RESULTS)
     res = P.search("llama-tiny", 4, batch=8, seq=32, precision="fp32", budget="1GiB", confirm_top=2, **SMALL)
+    assert forked.RESULTS["ok"] >= before.get("ok", 0) + 3 and forked.RESULTS["failed"] == before.get("failed", 0)
     assert res.ranked and res.linear_check == ["identical"]
     top = res.ranked[0]
     assert top.confirmed is not None and top.screened is not None
@@ -61,11 +68,18 @@ def test_composition_agrees_with_the_compiled_program(cand):
     assert 0.6 <= v["time_ratio"] <= 1.1, v
 
 
-def test_confirm_extrapolates_exactly_for_identical_blocks():
-    """confirm() at the model's own depth matches a compile of the whole model."""
+def test_confirm_extrapolates_exactly_for_identical_blocks(monkeypatch):
+    """confirm() at the model's own depth matches a compile of the whole model (its shallower
+    compile in a forked child, as on the command line: autopar/forked.py)."""
     info = P.model_info("llama-tiny", 4, 16, {"n_layers": 4})
     c = P.Candidate(2, 1, 1, "ddp", None, None, 1, "none", 1, 2)
+    from autopar import forked
+
+    monkeypatch.setenv("AUTOPAR_PLAN_FORK", "always")
+    before = dict(forked.RESULTS)
     got = P.confirm(c, info, H100, precision="fp32")
+    assert forked.RESULTS["ok"] == before.get("ok", 0) + 1 and forked.RESULTS["failed"] == before.get("failed", 0)
+    monkeypatch.delenv("AUTOPAR_PLAN_FORK")
     full = P.compiled(c, info, H100, 4, precision="fp32")
     assert got["peak"] == pytest.approx(full["peak"], rel=1e-6)
     assert got["step_s"] == pytest.approx(full["step_s"], rel=1e-6)
@@ -153,8 +167,11 @@ def test_auto_errors():
             autopar.compile(torch.nn.Linear(2, 2), mesh, example_inputs=(torch.zeros(2, 2),), plan="auto")
 
 
-def test_cli(capsys):
+def test_cli(capsys, monkeypatch):
+    from autopar import forked
     from autopar.tools.explain import explain_main, plan_main
+
+    monkeypatch.setenv("AUTOPAR_PLAN_FORK", "always")  # as on the command line (autopar/forked.py)
 
     assert plan_main(["llama-tiny", "--plan", "auto", "-q"]) == 2
     assert "--world" in capsys.readouterr().err
@@ -163,9 +180,16 @@ def test_cli(capsys):
     assert plan_main(["llama-tiny", "--plan", "auto", "--mesh", "dp=2,xx=2", "-q"]) == 2
     assert plan_main(["llama-tiny", "--plan", "auto", "--world", "4", "--mesh", "tp=3", "-q"]) == 2
     assert "not a multiple" in capsys.readouterr().err
+    before = dict(forked.RESULTS)
     assert plan_main(["llama-tiny", "--plan", "auto", "--world", "2", "--batch", "4", "--top", "1", "-q", "--recompute", "none",
                       "--json", "--inductor"]) == 0  # (the programs costed as Inductor runs them)
+    forks = forked.RESULTS["ok"] - before.get("ok", 0)
+    assert forked.RESULTS["failed"] == before.get("failed", 0)
     import json
 
     out = json.loads(capsys.readouterr().out)
     assert out["world"] == 2 and out["candidates"][0]["confirmed"] is not None and out["inductor"] is True
+    # 3 block choices (tp=1; tp=2 megatron, sequence: 3 + 2 + 2 compiles) and one confirmation (2):
+    # the 2 block choices after the first went half to a child, the confirmation's shallower compile
+    # to another
+    assert out["compiles"] == 9 and forks == 2, (out["compiles"], forks)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
 from dataclasses import dataclass, field
 
 from autopar.errors import PlanError
+from autopar.forked import Forked, can_fork, shared_heap
 from autopar.planner.blocks import (DP_STRATEGIES, RECOMPUTE, SCHEDULES, TP_STRATEGIES, ModelInfo, block_coefficients,
                                      model_info)
 from autopar.planner.compose import CP_STRATEGIES, Candidate, candidates, cost
@@ -91,24 +93,59 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
     coeffs: dict = {}
     linear: list[str] = []
     tc = time.perf_counter()
-    for i, key in enumerate(keys):
+
+    def figures_of(i: int, key, check: bool, report) -> tuple[str, object]:
         tp, ts, cp, cs, ep, rc = key
-        progress(f"block figures {i + 1}/{len(keys)}: tp={tp} {ts or ''}" + (f" cp={cp} {cs}" if cp > 1 else "")
-                 + (f" ep={ep}" if ep > 1 else "") + f" recompute={rc} mbs={base_mbs}")
+        report(f"block figures {i + 1}/{len(keys)}: tp={tp} {ts or ''}" + (f" cp={cp} {cs}" if cp > 1 else "")
+               + (f" ep={ep}" if ep > 1 else "") + f" recompute={rc} mbs={base_mbs}")
         try:
-            co = block_coefficients(info, tp, ts, rc, base_mbs, precision=precision, dev=dev, check=not coeffs,
-                                    cp=cp, cp_strategy=cs, ep=ep, fused=inductor)
+            return "ok", block_coefficients(info, tp, ts, rc, base_mbs, precision=precision, dev=dev, check=check,
+                                            cp=cp, cp_strategy=cs, ep=ep, fused=inductor)
         except PlanError as e:  # the compiler refuses this block choice: its candidates go
-            why = str(e).splitlines()[0][:160]
-            refused += [(c.label(), f"the block does not compile: {why}") for c in cands if c.block_key == key]
+            return "refused", str(e).splitlines()[0][:160]
+
+    def take(key, got) -> None:
+        nonlocal cands, refused, linear
+        kind, co = got
+        if kind == "refused":
+            refused += [(c.label(), f"the block does not compile: {co}") for c in cands if c.block_key == key]
             cands = [c for c in cands if c.block_key != key]
-            continue
+            return
         if not coeffs and co.linear:
             raise PlanError(f"{spec}: its blocks are not identical (depth 3 - depth 2 differs from depth 2 - depth 1: "
                             + "; ".join(co.linear) + ")", where="plan='auto'",
                             fix="give a fixed plan (the search extrapolates one block to the model's depth)")
         linear = linear or ["identical"]
         coeffs[key] = co
+
+    # the first block choice that compiles is also checked at depth 3 (identical blocks); the rest
+    # then split between this process and a forked child where it can fork (autopar/forked.py)
+    rest = list(enumerate(keys))
+    while rest and not coeffs:
+        i, key = rest.pop(0)
+        take(key, figures_of(i, key, True, progress))
+    mine, theirs = rest, []
+    child = None
+    if len(rest) > 1 and can_fork():
+        mine, theirs = rest[0::2], rest[1::2]
+        with shared_heap():
+            child = Forked(lambda: [figures_of(i, key, False, lambda s: None) for i, key in theirs])
+    got = {}
+    try:
+        for i, key in mine:
+            got[key] = figures_of(i, key, False, progress)
+    except BaseException:
+        if child is not None:
+            child.kill()
+        raise
+    if child is not None:
+        try:
+            got.update(zip([key for _, key in theirs], child.result()))
+        except RuntimeError:  # the child failed: its block choices here
+            for i, key in theirs:
+                got[key] = figures_of(i, key, False, progress)
+    for _, key in rest:  # (in the keys' order, as one after the other)
+        take(key, got[key])
     tcoef = time.perf_counter() - tc
     if not cands:
         why = "; ".join(f"{a}: {b}" for a, b in refused[-3:])
@@ -210,10 +247,31 @@ def confirm(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: st
             fused: bool = False) -> dict:
     """The compiled figures of ``c`` at the model's depth, extrapolated from compiles at one and
     two blocks per (virtual) stage: the whole pipeline, accumulation, ZeRO/FSDP and overlap passes
-    as they are, only the depth extrapolated (exact when the blocks are identical)."""
+    as they are, only the depth extrapolated (exact when the blocks are identical). The two
+    compiles run side by side where the process can fork."""
     unit = c.pp * c.virtual
-    a = compiled(c, info, dev, unit, precision=precision, optimizer=optimizer, fused=fused)
-    b = compiled(c, info, dev, 2 * unit, precision=precision, optimizer=optimizer, fused=fused)
+
+    def at(depth: int) -> dict:
+        return compiled(c, info, dev, depth, precision=precision, optimizer=optimizer, fused=fused)
+
+    # the two depths side by side where this process can fork (autopar/forked.py): the shallower
+    # in a child, the deeper here; a child that fails is compiled here again
+    child = None
+    if can_fork():
+        with shared_heap():
+            child = Forked(lambda: at(unit))
+    try:
+        b = at(2 * unit)
+    except BaseException:
+        if child is not None:
+            child.kill()
+        raise
+    a = None
+    if child is not None:
+        with contextlib.suppress(RuntimeError):
+            a = child.result()
+    if a is None:
+        a = at(unit)
     k = info.layers / unit - 1
     out = {"step_s": a["step_s"] + k * (b["step_s"] - a["step_s"]),
            "peak": int(a["peak"] + k * (b["peak"] - a["peak"])) if a["programs"] is None else

@@ -20,12 +20,10 @@ the same way, and the largest taken (``autopar.analysis.liveness.peak_in_depth``
 Any figure that fails its check, or that a depth adds or drops (a collective kind that appears
 only from some depth on), makes ``plan`` compile every block instead, and say why.
 
-The three depths are compiled side by side where the process can fork (``_Forked``): depths 3
-and 4 each in a forked copy of this process, which sends back only the figures the extrapolation
-reads (``_figures``), depth 5 here (its program is what ``plan`` shows). A fork shares everything
-already imported and traced; it is used only where this process runs no other thread (the
-command line; not a test runner's worker: ``_can_fork``), and ``AUTOPAR_PLAN_FORK=0`` switches it
-off. A depth whose child fails is compiled here instead.
+The three depths are compiled side by side where the process can fork (autopar/forked.py: the
+command line; ``AUTOPAR_PLAN_FORK=0`` switches it off): depths 3 and 4 each in a forked copy of
+this process, which sends back only the figures the extrapolation reads (``_figures``), depth 5
+here (its program is what ``plan`` shows). A depth whose child fails is compiled here instead.
 
 Where it applies: built-in models (their config names the depth: ``n_layers`` /
 ``num_hidden_layers``) deeper than 5 blocks, under plans without a pipeline axis (a pipeline's
@@ -37,12 +35,8 @@ grows with the depth). ``autopar plan --full-depth`` compiles every block regard
 from __future__ import annotations
 
 import copy
-import gc
-import os
-import pickle
-import threading
-from typing import Callable
 
+from autopar.forked import Forked, can_fork, shared_heap
 from autopar.tools.render import Analysis, summary
 
 DEPTHS = (3, 4, 5)
@@ -149,57 +143,6 @@ def _figures(r: Analysis) -> dict | None:
     return {"summary": summary(r), "mems": mems, "seconds": dict(r.seconds)}
 
 
-def _can_fork() -> bool:
-    """``AUTOPAR_PLAN_FORK``: "0" never, "always" even beside other threads (the tests, whose
-    runner has some), else where this process runs no other Python thread."""
-    mode = os.environ.get("AUTOPAR_PLAN_FORK", "1")
-    if not hasattr(os, "fork") or mode in ("0", "false", "off"):
-        return False
-    return mode == "always" or threading.active_count() == 1
-
-
-class _Forked:
-    """``fn()`` in a forked copy of this process, started at once. ``result()`` waits for what
-    ``fn`` returned (pickled back through a pipe) and raises RuntimeError if the child failed;
-    ``kill()`` stops it. The child runs one intra-op thread and leaves by ``os._exit``."""
-
-    def __init__(self, fn: Callable[[], object]):
-        import torch
-
-        r, w = os.pipe()
-        self.pid = os.fork()
-        if self.pid == 0:  # the child
-            try:
-                os.close(r)
-                torch.set_num_threads(1)
-                try:
-                    payload = pickle.dumps(("ok", fn()))
-                except BaseException as e:  # noqa: BLE001 - sent to the parent, which compiles that depth itself
-                    payload = pickle.dumps(("error", f"{type(e).__name__}: {e}"))
-                with os.fdopen(w, "wb") as f:
-                    f.write(payload)
-            finally:
-                os._exit(0)
-        os.close(w)
-        self.pipe = os.fdopen(r, "rb")
-
-    def result(self):
-        with self.pipe as f:
-            data = f.read()
-        os.waitpid(self.pid, 0)
-        kind, value = pickle.loads(data) if data else ("error", "the forked process died")
-        if kind != "ok":
-            raise RuntimeError(value)
-        return value
-
-    def kill(self) -> None:
-        import signal
-
-        self.pipe.close()
-        os.kill(self.pid, signal.SIGKILL)
-        os.waitpid(self.pid, 0)
-
-
 def analyse_by_depth(args, plan: dict, rank: int, progress, analyse) -> Analysis | None:
     """``analyse(args, rank)`` at depths 3-5 (``plan``: the parsed ``--plan``) and the summary
     extrapolated to the model's depth; None when the model or plan does not qualify or the blocks are not identical (the caller then
@@ -219,20 +162,9 @@ def analyse_by_depth(args, plan: dict, rank: int, progress, analyse) -> Analysis
 
     # the shallower depths in forked children (started first), the deepest here
     children = {}
-    if _can_fork():
-        # the modules every compile imports on first use, imported once here rather than in each child
-        import torch._dynamo  # noqa: F401
-        import torch._functorch.aot_autograd  # noqa: F401
-        import torch.fx.experimental.proxy_tensor  # noqa: F401
-
-        # what exists now is shared with the children page by page until someone writes to it; the
-        # collector's full collections would write to every object (copying the pages) in each
-        gc.collect()
-        gc.freeze()
-        try:
-            children = {d: _Forked(lambda d=d: _figures(at(d, lambda s: None))) for d in DEPTHS[:-1]}
-        finally:
-            gc.unfreeze()
+    if can_fork():
+        with shared_heap():
+            children = {d: Forked(lambda d=d: _figures(at(d, lambda s: None))) for d in DEPTHS[:-1]}
     try:
         last = at(DEPTHS[-1], progress)
         deepest = _figures(last)

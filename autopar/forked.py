@@ -1,0 +1,100 @@
+"""Work done beside this process in a forked copy of it (``autopar plan``'s depths, the planner's
+confirmations): a fork shares everything already imported and traced, so a child starts in
+microseconds where a spawned process would import torch and autopar again (seconds).
+
+Forking is safe only where no other thread could hold a lock the child needs: ``can_fork()`` is
+true where this process runs no other Python thread (the command line; not a test runner's worker,
+whose runner has threads; tqdm's monitor thread does not count), and ``AUTOPAR_PLAN_FORK`` decides otherwise: "0" never, "always" even
+beside other threads (the tests use it, to cover the forked path). A child runs one intra-op
+thread, sends back what its function returned (pickled, through a pipe) and leaves by
+``os._exit``; a child that fails is reported to the caller, which does the work itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import gc
+import os
+import pickle
+import signal
+import sys
+import threading
+from typing import Callable
+
+
+RESULTS: collections.Counter = collections.Counter()  # children's results received: "ok" / "failed"
+
+
+# threads known not to hold anything a child uses: tqdm's monitor (started by the first progress
+# bar a library shows; it wakes every few seconds to look at tqdm's own bars)
+_HARMLESS_THREADS = ("tqdm_monitor",)
+
+
+def can_fork() -> bool:
+    mode = os.environ.get("AUTOPAR_PLAN_FORK", "1")
+    if not hasattr(os, "fork") or mode in ("0", "false", "off"):
+        return False
+    others = [t for t in threading.enumerate()
+              if t is not threading.current_thread() and t.name not in _HARMLESS_THREADS]
+    return mode == "always" or not others
+
+
+@contextlib.contextmanager
+def shared_heap():
+    """Around the forks: the modules every compile imports on first use imported once here, not in
+    each child, and this process's objects frozen out of the cyclic collector's reach while the
+    children start. A fork shares the parent's pages until someone writes to them, and a full
+    collection in a child would write to every object (copying every page)."""
+    import torch._dynamo  # noqa: F401
+    import torch._functorch.aot_autograd  # noqa: F401
+    import torch.fx.experimental.proxy_tensor  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+class Forked:
+    """``fn()`` in a forked copy of this process, started at once. ``result()`` waits for what
+    ``fn`` returned and raises RuntimeError if the child failed; ``kill()`` stops it."""
+
+    def __init__(self, fn: Callable[[], object]):
+        import torch
+
+        r, w = os.pipe()
+        sys.stdout.flush()  # (else a child that prints could flush its copy of what is pending here)
+        sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child
+            try:
+                os.close(r)
+                torch.set_num_threads(1)
+                try:
+                    payload = pickle.dumps(("ok", fn()))
+                except BaseException as e:  # noqa: BLE001 - sent to the parent, which does the work itself
+                    payload = pickle.dumps(("error", f"{type(e).__name__}: {e}"))
+                with os.fdopen(w, "wb") as f:
+                    f.write(payload)
+            finally:
+                os._exit(0)
+        os.close(w)
+        self.pipe = os.fdopen(r, "rb")
+
+    def result(self):
+        with self.pipe as f:
+            data = f.read()
+        os.waitpid(self.pid, 0)
+        kind, value = pickle.loads(data) if data else ("error", "the forked process died")
+        RESULTS["ok" if kind == "ok" else "failed"] += 1
+        if kind != "ok":
+            raise RuntimeError(value)
+        return value
+
+    def kill(self) -> None:
+        self.pipe.close()
+        os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
