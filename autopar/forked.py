@@ -1,13 +1,14 @@
 """Work done beside this process in a forked copy of it (``autopar plan``'s depths, the planner's
-confirmations): a fork shares everything already imported and traced, so a child starts in
-microseconds where a spawned process would import torch and autopar again (seconds).
+block figures and confirmations): a fork shares everything already imported and traced, so a
+child starts in microseconds where a spawned process would import torch and autopar again.
 
 Forking is safe only where no other thread could hold a lock the child needs: ``can_fork()`` is
-true where this process runs no other Python thread (the command line; not a test runner's worker,
-whose runner has threads; tqdm's monitor thread does not count), and ``AUTOPAR_PLAN_FORK`` decides otherwise: "0" never, "always" even
-beside other threads (the tests use it, to cover the forked path). A child runs one intra-op
-thread, sends back what its function returned (pickled, through a pipe) and leaves by
-``os._exit``; a child that fails is reported to the caller, which does the work itself.
+true where this process runs no other Python thread (the command line; not a test runner's
+worker, whose runner has threads; tqdm's monitor thread does not count). ``AUTOPAR_PLAN_FORK``
+overrides it: "0" never, "always" even beside other threads (the tests use it, to cover the
+forked path). A child runs one intra-op thread, sends back what its function returned (pickled,
+through a pipe) and leaves by ``os._exit``; a child that fails is reported to the caller, which
+does the work itself.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import signal
 import sys
 import threading
 from typing import Callable
-
 
 RESULTS: collections.Counter = collections.Counter()  # children's results received: "ok" / "failed"
 
