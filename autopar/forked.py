@@ -8,7 +8,9 @@ worker, whose runner has threads; tqdm's monitor thread does not count). ``AUTOP
 overrides it: "0" never, "always" even beside other threads (the tests use it, to cover the
 forked path). A child runs one intra-op thread, sends back what its function returned (pickled,
 through a pipe) and leaves by ``os._exit``; a child that fails is reported to the caller, which
-does the work itself.
+does the work itself. (Not multiprocessing's "fork" Process: its bootstrap in the child runs the
+finalizers the parent's libraries registered and flushes the stdio buffers it inherited; the
+child here runs one function and nothing else.)
 """
 
 from __future__ import annotations
