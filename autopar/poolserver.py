@@ -35,8 +35,7 @@ with contextlib.suppress(ImportError):  # (an optional dependency: the tests' Hu
 
 SERVER = True  # (the test reads it in a worker: the module is there without the worker importing it)
 
-gc.collect()
-gc.freeze()
+autopar.testing._freeze_imports()  # (the workers call it again after making their process group)
 # frozen objects are never freed: unfrozen when the server exits, or nanobind reports Triton's
 # objects as leaked (the forked workers end by os._exit and skip this)
 atexit.register(gc.unfreeze)

@@ -76,7 +76,9 @@ def _worker(rank: int, world: int, port: int, jobs, results, parent):
         try:
             job = jobs.get(timeout=2.0)
         except queue.Empty:
-            if os.getppid() != parent:  # the pool's owner was killed (no stop will come): do not linger
+            # the pool's owner was killed (no stop will come; the fork server, this process's parent,
+            # exits with it): do not linger
+            if os.getppid() != parent:
                 os._exit(0)
             continue
         if job is None:
