@@ -219,6 +219,7 @@ class Stage:
     saved_after_i: int = 0  # ... and what its input-gradient part leaves for its weight-gradient part
     prologue: object = None  # schedule (pipelines): the Part run once per step (passes/split.py ``partition``)
     prologue_bytes: int = 0  # predicted: what its outputs hold for the whole step
+    twin_of: int | None = None  # split: the earlier stage whose program this one's is, renamed (passes/twins.py)
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
     capture      dynamo: model + loss -> one torch-level FX graph at a micro-batch's global shapes
     lower        attention / linear + activation -> autopar's kernel ops (kernels="on")
-    split        stages: a pipeline's cut at module boundaries; otherwise one stage, the whole graph
+    split        stages: a pipeline's cut at module boundaries; otherwise one stage, the whole graph;
+                 a stage that compiles to an earlier stage's program is its twin (passes/twins.py):
+                 compiled once, copied with its own names before ``schedule``
     autograd     per stage: AOTAutograd -> one joint forward + backward ATen graph
     propagate    per stage: a ShardSpec on every value (plan placements + op rules)
     recompute    per stage: activation checkpointing, which forward values backward recomputes
@@ -38,6 +40,7 @@ from autopar.passes.propagate import propagate_pass
 from autopar.passes.recompute import recompute_pass
 from autopar.passes.schedule import schedule_pass
 from autopar.passes.split import split_pass
+from autopar.passes.twins import materialize
 from autopar.passes.state import state_pass
 
 
@@ -55,6 +58,8 @@ def per_stage(name: str, fn: Callable[[Program, object], Program]) -> Callable[[
 
     def run(state: CompileState) -> CompileState:
         for st in state.stages:
+            if st.twin_of is not None and st.program is None:  # a twin: its program is copied after these passes
+                continue
             if state.options.progress and len(state.stages) > 1:
                 state.options.progress(f"stage {st.index}: {name}")
             st.program = fn(st.program, st.ctx)
@@ -113,6 +118,8 @@ def run_pipeline(state: CompileState, *, skip=(), debug: bool = False, stop_afte
     for p in PASSES:
         if p.name in skip:
             continue
+        if p.name == "schedule":
+            materialize(state)  # twin stages: their original's program, renamed (passes/twins.py)
         if progress:
             progress(p.name)
         t0 = time.perf_counter()
@@ -123,6 +130,7 @@ def run_pipeline(state: CompileState, *, skip=(), debug: bool = False, stop_afte
             check_state(state, p.name)
         if p.name == stop_after:
             break
+    materialize(state)
     return state
 
 

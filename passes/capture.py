@@ -33,6 +33,8 @@ def autograd_pass(state: CompileState) -> CompileState:
     input_grad), parameters named as the user names them."""
     pipelined = state.options.pipeline is not None
     for st in state.stages:
+        if st.twin_of is not None:  # a copy of its twin's program, made after the per-stage passes
+            continue
         role = ("last" if st.spec.is_last else "middle") if pipelined else None
         st.program = joint_program(st.gm, st.example, state.model, stage=role, device=st.ctx.device)
     return state

@@ -42,12 +42,15 @@ from torch import fx, nn
 
 from autopar.errors import CaptureError, PlanError
 from autopar.ir import CompileState, Stage
+from autopar.passes.twins import find_twins
 
 def split_pass(state: CompileState) -> CompileState:
     """After it: ``state.stages`` holds the stages this rank compiles (every stage when planning
     with ``pipeline_stages="all"``), each with its torch-level graph, its example inputs, its
     parameters, and a Context on its mesh (a pipeline stage: the sub-mesh without the pipeline
-    axis) with the parameters placed by the plan. No pipeline axis: one stage, the whole graph."""
+    axis) with the parameters placed by the plan. No pipeline axis: one stage, the whole graph.
+    A stage that compiles to the same program as an earlier one is marked its twin
+    (``stage.twin_of``, passes/twins.py): the per-stage passes compile the earlier one only."""
     from autopar.capture import _tensor_names
     from autopar.context import make_context
     from autopar.plan import check_rules_cover
@@ -77,6 +80,7 @@ def split_pass(state: CompileState) -> CompileState:
         ctx.stage = s
         ctx.sync_grads = False  # gradients summed over the micro-batches, reduced once per step
         state.stages.append(Stage(s, spec.gm, tuple(spec.example), list(params), ctx, spec=spec))
+    find_twins(state)  # stages that compile to the same program: compiled once (passes/twins.py)
     return state
 
 

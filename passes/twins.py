@@ -1,0 +1,273 @@
+"""Twin stages: pipeline stages that compile to the same program are compiled once.
+
+A pipeline cut at block boundaries has many stages that differ only in which parameters they
+hold: with one block per (virtual) stage, every stage between the first and the last runs the
+same ops on the same shapes with the same placements. The per-stage passes (autograd through
+overlap) cost the same for each, and a 16-stage pipeline of Llama-3-70B spent 80% of its
+compile there. So ``split`` (``find_twins``) gives every stage a *signature*, and a stage whose
+signature equals an earlier stage's is that stage's *twin*: ``autograd`` and the per-stage
+passes skip it, and ``materialize`` (run by the pass list after the last per-stage pass) gives
+it a copy of its original's program with the names changed.
+
+The signature is checked, not assumed. Two stages are twins only if all of this is equal:
+
+- their torch-level graphs node by node: op, target, arguments (nodes by position, constants by
+  value), the shape / dtype / stride / requires_grad of every value, and each node's module path
+  with its block (``layers.5``) numbered by its order in the stage (``layers.#0``);
+- their parameters and buffers in order of use, named the same way (``layers.#0.mlp.w1.weight``),
+  with their shapes, dtypes and the placements the plan gives them on this stage's mesh, and
+  their values where they have values (a buffer per block could hold different numbers);
+- what the stage exchanges: which inputs are the user's batch (by index) and which come from
+  other stages, which inputs and outputs are batch-first, whether it is the last stage.
+
+A stage that draws random numbers (dropout) has no twin: its masks are keyed by its own nodes
+(autopar/runtime/dropout.py). ``AUTOPAR_STAGE_TWINS=0`` compiles every stage.
+
+The copy: the original's joint and per-rank graphs (node names and metadata kept; fake values
+shared: nothing rewrites them after localize), with every parameter and buffer name, block path
+and CommRecord reason rewritten from the original's blocks to the twin's (``layers.5`` ->
+``layers.9``), and the program's buffers the twin's own tensors. Later passes (``schedule``) and
+the runtime treat it like any other stage. tests/test_twins.py compiles pipelines with and
+without twins and compares every stage's programs and figures.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import os
+import re
+
+import torch
+from torch import fx
+
+from autopar.ir import CommRecord, NodeInfo, Program
+
+_RANDOM = ("dropout", "rand", "bernoulli", "multinomial", "normal", "uniform", "exponential", "geometric",
+           "cauchy", "log_normal", "random_")
+
+
+def enabled() -> bool:
+    return os.environ.get("AUTOPAR_STAGE_TWINS", "1") not in ("0", "false", "off")
+
+
+def find_twins(state) -> None:
+    """``stage.twin_of`` = the index of the earlier stage it is a twin of (None: compiled)."""
+    from autopar.capture import _tensor_names
+
+    if not enabled() or len(state.stages) < 2:
+        return
+    ids = _tensor_names(state.model)
+    seen: dict[tuple, int] = {}
+    for st in state.stages:
+        sig = signature(st, ids)
+        if sig is None:
+            continue
+        if sig in seen:
+            st.twin_of = seen[sig]
+        else:
+            seen[sig] = st.index
+
+
+def _block_of(name: str) -> str:
+    from autopar.passes.split import _BLOCK
+
+    m = _BLOCK.match(name)
+    return m.group(1) if m else ""
+
+
+def _canonical(name: str, blocks: dict[str, int]) -> str:
+    """``layers.5.mlp.w1.weight`` -> ``layers.#0.mlp.w1.weight`` (its block's order in the stage)."""
+    b = _block_of(name)
+    if not b:
+        return name
+    if b not in blocks:
+        blocks[b] = len(blocks)
+    head = b.rstrip("0123456789")
+    return f"{head}#{blocks[b]}{name[len(b):]}"
+
+
+def _attr(gm, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _val_key(v):
+    if isinstance(v, torch.Tensor):
+        return ("t", tuple(v.shape), str(v.dtype), tuple(v.stride()), v.requires_grad)
+    if isinstance(v, (list, tuple)):
+        return tuple(_val_key(x) for x in v)
+    return repr(v) if isinstance(v, (int, float, bool, str, type(None))) else type(v).__name__
+
+
+def _const_key(a, index):
+    if isinstance(a, fx.Node):
+        return ("n", index[a])
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__,) + tuple(_const_key(x, index) for x in a)
+    if isinstance(a, dict):
+        return ("dict",) + tuple((k, _const_key(v, index)) for k, v in a.items())
+    if a is None or isinstance(a, (bool, int, float, complex, str, slice, torch.dtype, torch.device,
+                                   torch.layout, torch.memory_format)) or a is Ellipsis:
+        return repr(a)
+    return ("id", id(a))  # anything else only equals itself (the same object in both stages)
+
+
+def _tensor_value_key(t) -> object:
+    if not isinstance(t, torch.Tensor):
+        return ("id", id(t))
+    key = (tuple(t.shape), str(t.dtype), t.requires_grad)
+    if t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor) or t.layout != torch.strided:
+        return key
+    if isinstance(t, torch.nn.Parameter):  # parameters: their values are trained, not part of the program
+        return key
+    data = t.detach().contiguous().cpu()
+    if data.dtype == torch.bfloat16:
+        data = data.view(torch.int16)
+    return key + (hashlib.blake2b(data.numpy().tobytes(), digest_size=16).hexdigest(),)
+
+
+def _random(n: fx.Node) -> bool:
+    if n.op not in ("call_function", "call_method", "call_module"):
+        return False
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+    if not any(r in str(name).lower() for r in _RANDOM):
+        return False
+    if "dropout" in str(name).lower():  # F.dropout(x, p, training): deterministic at p = 0 or in eval
+        p = n.kwargs.get("p", n.args[1] if len(n.args) > 1 else 0.5)
+        training = n.kwargs.get("training", n.args[2] if len(n.args) > 2 else True)
+        return not (p == 0 or training is False)
+    return True
+
+
+def signature(st, ids) -> tuple | None:
+    """What makes a stage's compiled program what it is (module docstring), or None: no twin."""
+    from autopar.passes.split import _path
+
+    gm, spec, ctx = st.gm, st.spec, st.ctx
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    blocks: dict[str, int] = {}
+    out = []
+    for n in nodes:
+        if _random(n):
+            return None
+        if n.op == "get_attr":
+            t = _attr(gm, n.target)
+            kind, name = ids.get(id(t), ("const", None))
+            target = (kind, _canonical(name, blocks) if name else None, _tensor_value_key(t))
+            if kind == "param":
+                target += (tuple(str(p) for p in ctx.placed.placements.get(name, ())),
+                           tuple(str(p) for p in ctx.placed.compute.get(name, ())))
+        elif n.op in ("call_method", "call_module"):
+            target = n.target
+        else:
+            target = n.target if n.op == "call_function" else n.op
+        path = _path(n) if n.op not in ("placeholder", "output") else ""
+        out.append((n.op, target, _const_key(n.args, index), _const_key(n.kwargs, index),
+                    _val_key(n.meta.get("example_value")), _canonical(path, blocks) if path else ""))
+    inputs = tuple(i if i[0] == "user" else ("stage",) for i in spec.inputs)
+    example = tuple(_val_key(x) for x in st.example)
+    return (tuple(out), inputs, example, tuple(spec.in_batched), tuple(spec.out_batched), spec.is_last)
+
+
+# ------------------------------------------------------------------------------------ copies
+def materialize(state) -> None:
+    """Every twin gets its original's program as the passes left it, renamed (module docstring)."""
+    stages = {st.index: st for st in state.stages}
+    named_buffers = dict(state.model.named_buffers(remove_duplicate=False))
+    for st in state.stages:
+        if getattr(st, "twin_of", None) is None or st.program is not None:
+            continue
+        rep = stages[st.twin_of]
+        if rep.program is None:
+            continue
+        names = _name_map(rep, st)
+        rename = _renamer(names)
+        st.program = _copy_program(rep.program, names, rename, named_buffers)
+        st.ctx.kept_gathered = [(names.get(k, k), b) for k, b in getattr(rep.ctx, "kept_gathered", [])]
+
+
+def _name_map(rep, st) -> dict[str, str]:
+    """rep's block paths -> st's (``layers.5`` -> ``layers.9``), from their parameters in order."""
+    out: dict[str, str] = {}
+    for a, b in zip(rep.param_names, st.param_names):
+        ba, bb = _block_of(a), _block_of(b)
+        if ba and bb:
+            out.setdefault(ba, bb)
+    return out
+
+
+def _renamer(blocks: dict[str, str]):
+    """A function rewriting every rep block path in a string to the twin's."""
+    moved = {a: b for a, b in blocks.items() if a != b}
+    if not moved:
+        return lambda s: s
+    pattern = re.compile(r"(?<![\w])(" + "|".join(re.escape(k) for k in sorted(moved, key=len, reverse=True))
+                         + r")(?![0-9])")
+
+    def rename(s):
+        return pattern.sub(lambda m: moved[m.group(1)], s) if isinstance(s, str) else s
+
+    return rename
+
+
+def _role(r, rename):
+    kind, what = r
+    return (kind, rename(what)) if kind in ("param", "buffer", "grad") else r
+
+
+def _copy_program(p: Program, names, rename, named_buffers) -> Program:
+    graph = _copy_graph(p.graph, rename)
+    buffers = {}
+    for k, v in p.buffers.items():
+        k2 = rename(k)
+        buffers[k2] = named_buffers.get(k2, v) if k2 != k else v
+    out = Program(graph=graph, inputs=[_role(r, rename) for r in p.inputs],
+                  outputs=[_role(r, rename) for r in p.outputs], buffers=buffers)
+    for attr, value in vars(p).items():  # what passes added (recompute's count)
+        if attr not in ("graph", "inputs", "outputs", "buffers", "local"):
+            setattr(out, attr, value)
+    local = getattr(p, "local", None)
+    if local is not None:
+        out.local = fx.GraphModule(local, _copy_graph(local.graph, rename))
+    return out
+
+
+def _copy_graph(graph: fx.Graph, rename) -> fx.Graph:
+    g = fx.Graph()
+    g._codegen = copy.deepcopy(graph._codegen)
+    env: dict[fx.Node, fx.Node] = {}
+    for n in graph.nodes:
+        new = g.node_copy(n, env.__getitem__)
+        new.meta = dict(n.meta)
+        rec = n.meta.get("autopar")
+        if isinstance(rec, NodeInfo):
+            new.meta["autopar"] = _renamed_info(rec, rename)
+        stack = n.meta.get("nn_module_stack")
+        if stack:
+            new.meta["nn_module_stack"] = {k: (rename(v[0]), *v[1:]) if isinstance(v, tuple) else v
+                                           for k, v in stack.items()}
+        env[n] = new
+    return g
+
+
+def _renamed_info(rec: NodeInfo, rename) -> NodeInfo:
+    new = copy.copy(rec)
+    if rec.role is not None:
+        new.role = _role(rec.role, rename) if len(rec.role) == 2 else rec.role
+    new.reason = rename(rec.reason)
+    new.why = rename(rec.why)
+    new.producer = rename(rec.producer)
+    if isinstance(rec.comm, CommRecord):
+        new.comm = _renamed_comm(rec.comm, rename)
+    elif isinstance(rec.comm, list):
+        new.comm = [_renamed_comm(c, rename) if isinstance(c, CommRecord) else c for c in rec.comm]
+    return new
+
+
+def _renamed_comm(c: CommRecord, rename) -> CommRecord:
+    return dataclasses.replace(c, reason=rename(c.reason), producer=rename(c.producer))
