@@ -1,11 +1,12 @@
 """plan="auto" against the wall clock and the allocator: every valid plan the search considered,
 run on 4 gloo processes of this machine, measured, and compared with the search's prediction.
 
-    .venv/bin/python benchmarks/planner_measured.py [--models llama,hf] [--steps 6] [-o FILE]
+    .venv/bin/python benchmarks/planner_measured.py [--models llama,hf] [--steps 6] [--device cpu] [-o FILE]
 
 For each model (the project's Llama at 4 layers, dim 256, and Hugging Face LlamaForCausalLM at
-the same shape): ``planner.search`` on 4 ranks with the ``cpu`` device row (calibrated on this
-machine; 4 ranks share its 2 cores) and a memory budget, every candidate confirmed by a compile
+the same shape): ``planner.search`` on 4 ranks with a device row measured by ``autopar calibrate``
+at the start of the run, on this machine, its all-reduce among 4 processes (4 ranks share the 2
+cores; ``--device cpu`` uses the stored row instead, calibrated on 2026-11-22) and a memory budget, every candidate confirmed by a compile
 (``confirm_top`` = all). Then each candidate is compiled and trained on a 4-rank gloo pool: the
 median step time (max over ranks) and the step peak (parameters + AdamW state + the allocator's
 peak in the step, max over ranks). Reported: the auto choice against the best measured plan,
@@ -28,20 +29,33 @@ MODELS = {
 }
 
 
-def spearman(a, b) -> float:
-    def ranks(x):
-        order = sorted(range(len(x)), key=lambda i: x[i])
-        r = [0.0] * len(x)
-        for pos, i in enumerate(order):
-            r[i] = pos
-        return r
+def _ranks(x) -> list[float]:
+    """1-based ranks, ties given the mean of the ranks they span (zero1 and zero2 often predict the
+    same time: neither is ranked above the other)."""
+    order = sorted(range(len(x)), key=lambda i: x[i])
+    r = [0.0] * len(x)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            r[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return r
 
-    ra, rb = ranks(a), ranks(b)
+
+def spearman(a, b) -> float:
+    """Spearman's rank correlation: Pearson's correlation of the ranks (exact with ties)."""
     n = len(a)
     if n < 2:
         return float("nan")
-    d2 = sum((x - y) ** 2 for x, y in zip(ra, rb))
-    return 1 - 6 * d2 / (n * (n * n - 1))
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = sum(ra) / n, sum(rb) / n
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va = sum((x - ma) ** 2 for x in ra) ** 0.5
+    vb = sum((y - mb) ** 2 for y in rb) ** 0.5
+    return cov / (va * vb) if va and vb else float("nan")
 
 
 def main(argv=None) -> int:
@@ -54,6 +68,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--budget", default="64MiB")
+    ap.add_argument("--device", default=None,
+                    help="a stored device row (cpu: calibrated 2026-11-22); default: calibrate this machine now")
     ap.add_argument("-o", "--output", default=None)
     a = ap.parse_args(argv)
 
@@ -62,13 +78,22 @@ def main(argv=None) -> int:
     from autopar.testing import DistPool, measure_plan_job
 
     budget = parse_budget(a.budget)
+    device = a.device
+    if device is None:  # this machine as it is now, 4 processes on its cores (what the runs below are)
+        from autopar.analysis import cost
+        from autopar.tools.calibrate import calibrate
+
+        row = calibrate("cpu-now", ranks=4)
+        cost.DEVICES[row["name"]] = cost.Device(**row)
+        device = row["name"]
+        print(f"  device row: {cost.DEVICES[device].describe()}", file=sys.stderr)
     out = []
     pool = DistPool(4)
     try:
         for key in a.models.split(","):
             spec, over = MODELS[key]
             t0 = time.perf_counter()
-            res = P.search(spec, 4, device="cpu", budget=budget, batch=a.batch, seq=a.seq, overrides=over,
+            res = P.search(spec, 4, device=device, budget=budget, batch=a.batch, seq=a.seq, overrides=over,
                            precision="fp32", recompute=("none",), mbs_choices=(1,), schedules=("1f1b",),
                            confirm_top=10**6,
                            progress=lambda s: print(f"  [{key} {time.perf_counter() - t0:6.1f}s] {s}", file=sys.stderr))
@@ -92,8 +117,11 @@ def main(argv=None) -> int:
     finally:
         pool.close()
 
-    lines = [f"# plan='auto' against measurement: 4 gloo ranks on this machine (2 cores), device row cpu, budget "
-             f"{a.budget}, batch {a.batch} x seq {a.seq}, fp32, {a.steps} timed steps (median of the max over ranks)", ""]
+    from autopar.analysis.cost import DEVICES
+
+    lines = [f"# plan='auto' against measurement: 4 gloo ranks on this machine (2 cores), device row {device}, budget "
+             f"{a.budget}, batch {a.batch} x seq {a.seq}, fp32, {a.steps} timed steps (median of the max over ranks)", "",
+             f"Device row: {DEVICES[device].describe()}", ""]
     for key, spec, res, rows in out:
         ok = [(c, s, p) for c, s, p, e in rows if not e]
         fits = [(c, s, p) for c, s, p in ok if c.peak <= budget]

@@ -1,9 +1,11 @@
 """``autopar calibrate``: measure this machine for the cost model's device table.
 
 Measures, with one thread per rank (as the gloo workers run): matmul FLOP/s per dtype, memory
-bandwidth (an elementwise add on 8 MiB tensors: bytes read + written), and gloo all-reduce between two processes on
-this machine (latency from a 4-byte all-reduce, bandwidth from a 16 MiB one). Prints the row
-and writes it as JSON (``--out``), which ``autopar plan --devices FILE --device NAME`` reads.
+bandwidth (an elementwise add on 8 MiB tensors: bytes read + written), and gloo all-reduce between
+``--ranks`` processes on this machine (default 2; latency from a 4-byte all-reduce, bandwidth from a
+16 MiB one). Where more processes than cores will run (4 gloo ranks on a 2-core machine), measure
+with that many: a ring step then also waits for the OS to schedule its peer. Prints the row and
+writes it as JSON (``--out``), which ``autopar plan --devices FILE --device NAME`` reads.
 """
 
 from __future__ import annotations
@@ -61,31 +63,34 @@ def _allreduce_job(sizes, reps):
     return out
 
 
-def gloo_links(reps: int = 10) -> tuple[float, float]:
-    """(alpha per ring step, bandwidth) of a 2-process gloo all-reduce (2 ring steps, each rank
-    sending half the payload per step)."""
+def gloo_links(reps: int = 10, ranks: int = 2) -> tuple[float, float]:
+    """(alpha per ring step, bandwidth per rank) of a gloo all-reduce among ``ranks`` processes,
+    read as the cost model reads a ring all-reduce: 2(N-1) steps, each rank sending 2(N-1)/N of
+    the payload (``ir.ring_bytes``)."""
     from autopar.testing import DistPool
 
-    pool = DistPool(2)
+    pool = DistPool(ranks)
     try:
         small, big = 4, 16 * 2**20
         t = pool.run(_allreduce_job, [small, big], reps)
     finally:
         pool.close()
-    alpha = t[small] / 2
-    bw = big / max(t[big] - t[small], 1e-9)  # 2(N-1)/N * D = D bytes sent per rank at N=2
+    steps = 2 * (ranks - 1)
+    alpha = t[small] / steps
+    bw = big * steps / ranks / max(t[big] - t[small], 1e-9)
     return alpha, bw
 
 
-def calibrate(name: str = "cpu", comm: bool = True) -> dict:
+def calibrate(name: str = "cpu", comm: bool = True, ranks: int = 2) -> dict:
     torch.set_num_threads(1)
     row = {"name": name,
            "flops": {"fp32": matmul_flops(torch.float32), "bf16": matmul_flops(torch.bfloat16),
                      "fp16": matmul_flops(torch.float16, reps=3)},
            "mem_bw": memory_bandwidth(), "mem_bytes": _ram(), "ranks_per_node": 64, "efficiency": 1.0,
            "op_overhead": op_overhead(), "cores": os.cpu_count() or 1,
-           "source": f"calibrated by `autopar calibrate` on {time.strftime('%Y-%m-%d')}, 1 thread per rank, gloo"}
-    alpha, bw = gloo_links() if comm else (60e-6, 1e9)
+           "source": f"calibrated by `autopar calibrate` on {time.strftime('%Y-%m-%d')}, 1 thread per rank, "
+                     f"gloo all-reduce among {ranks} processes"}
+    alpha, bw = gloo_links(ranks=ranks) if comm else (60e-6, 1e9)
     row.update(intra_bw=bw, intra_alpha=alpha, inter_bw=bw, inter_alpha=alpha)
     return row
 
@@ -104,8 +109,15 @@ def main(argv=None) -> int:
     p.add_argument("--name", default="cpu", help="the device row's name (default cpu)")
     p.add_argument("--out", default=None, help="write the row as JSON here")
     p.add_argument("--no-comm", action="store_true", help="skip the gloo measurement")
+    p.add_argument("--ranks", type=int, default=2,
+                   help="processes in the gloo measurement (default 2; the number the measured runs will use)")
     args = p.parse_args(argv)
-    row = calibrate(args.name, comm=not args.no_comm)
+    if args.ranks < 2:
+        from autopar.errors import PlanError
+
+        raise PlanError(f"--ranks {args.ranks}: an all-reduce needs at least 2 processes", where="--ranks",
+                        fix="pass 2 or more")
+    row = calibrate(args.name, comm=not args.no_comm, ranks=args.ranks)
     from autopar.analysis.cost import Device
 
     print(Device(**row).describe())

@@ -263,7 +263,7 @@ def _run(command: str, argv) -> int:
                                                      "device's memory)")
         p.add_argument("--top", type=int, default=2,
                        help="--plan auto: candidates confirmed by a compile (plus the best of each data-parallel "
-                            "strategy, unless screened 10% slower than a confirmed one); 0: the analytic screen "
+                            "strategy, unless screened 10%% slower than a confirmed one); 0: the analytic screen "
                             "alone; default 2")
         p.add_argument("--cp", default=None, metavar="STRATEGIES",
                        help="--plan auto: context-parallel strategies to search, comma-separated (ulysses,context) "
