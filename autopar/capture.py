@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from autopar.errors import CaptureError
 from autopar.ir import Program, info
+from autopar.modpath import get_attr as _get_attr
 from autopar.scoped import SharedPatch
 
 # ---- a model on meta tensors (planning a 70B model without its memory) must trace into the same
@@ -208,6 +209,17 @@ def capture_graph(model: nn.Module, example_inputs: tuple, loss_fn: Callable | N
     from autopar import capture_cache as cc
     from autopar.experts import dropless_experts
 
+    from autopar import splice
+
+    if splice.active():  # planning a deep model: capture three blocks, repeat the third (autopar/splice.py)
+        found = splice.block_list(model)
+        if found is not None:
+            with splice.truncated(model, *found):
+                shallow = capture_graph(model, example_inputs, loss_fn, compute_dtype, dropless)
+            out = splice.splice(shallow, model, *found)
+            if out is not None:
+                return out
+            splice.STATS["refused"] = splice.STATS.get("refused", 0) + 1
     wrapper = _WithLoss(model, loss_fn, compute_dtype)
 
     def trace():
@@ -363,15 +375,6 @@ def _constants_as_buffers(graph: fx.Graph) -> dict[fx.Node, tuple[str, torch.Ten
         state.append(ph)
         out[ph] = (f"constant.{c.target}", value.detach())
     return out
-
-
-def _get_attr(gm: nn.Module, target: str):
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
 
 
 _ASSERTS = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default}

@@ -217,7 +217,7 @@ class Stage:
     ph_vals: dict = field(default_factory=dict)  # placeholder name -> its per-rank fake value
     saved_bytes: int = 0  # predicted: what one micro-batch's forward leaves for its backward
     saved_after_i: int = 0  # ... and what its input-gradient part leaves for its weight-gradient part
-    prologue: object = None  # schedule (pipelines): the Part run once per step (passes/split.py ``partition``)
+    prologue: object = None  # schedule (pipelines): the Part run once per step (passes/partition.py)
     prologue_bytes: int = 0  # predicted: what its outputs hold for the whole step
     twin_of: int | None = None  # split: the earlier stage whose program this one's is, renamed (passes/twins.py)
 

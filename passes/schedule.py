@@ -8,7 +8,7 @@ W, per stage and micro-batch); an SPMD plan is one stage whose list is F+B per m
   ``accumulate=K``, and every pipeline) get ``stage.sync``, the per-rank program that reduces
   them once per step (passes/state.py ``grad_sync_program``, localized and overlapped here);
 - a pipeline stage's per-rank program is cut into F (what its activations and loss need),
-  I (its input gradients) and W (its weight gradients) (passes/split.py ``partition``), with the
+  I (its input gradients) and W (its weight gradients) (passes/partition.py), with the
   bytes one micro-batch saves between them, so the executor can run ZB-H1's split backward and
   the planner can count activations in flight.
 
@@ -22,15 +22,22 @@ from torch import fx
 
 from autopar.ir import CompileState, Stage
 from autopar.passes.overlap import overlap_pass
-from autopar.passes.split import _prologue_bytes, _saved_bytes, partition
+from autopar.passes.partition import _prologue_bytes, _saved_bytes, partition
 from autopar.passes.state import grad_sync_program
+from autopar.passes.twins import copy_schedule
 
 
 def schedule_pass(state: CompileState) -> CompileState:
     """After it: every stage whose program leaves gradients unreduced has ``sync``; every
     pipeline stage has its F / I / W ``parts`` and the names and bytes the executor reads."""
     o = state.options
+    done = {}
     for st in state.stages:
+        done[st.index] = st
+        if st.twin_of in done:  # a twin (passes/twins.py): its original's, renamed
+            copy_schedule(done[st.twin_of], st)
+            st.ctx.sync_grads = True
+            continue
         if not st.ctx.sync_grads:
             st.sync = grad_sync_program(st.program, st.ctx, debug=o.debug)
             if "overlap" not in o.skip:

@@ -19,7 +19,7 @@ for the options). What happens, in order:
 3. **Compile each stage** this rank holds with the ordinary pass pipeline on the stage's
    sub-mesh (the mesh without ``pp``): its own dp/fsdp/tp sharding, gradient reduction deferred to
    one sync program per step (as ``accumulate=M``).
-4. **Partition** each stage's per-rank joint program into three graphs: ``F`` (what the stage's
+XX
    outputs need), ``I`` (what the input gradients need, beyond F) and ``W`` (the rest: weight
    gradients). Values F hands to I/W are the stage's saved activations; B runs I then W.
 5. **Run** the schedule (autopar/analysis/schedules.py): each rank walks its action list; a forward
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import re
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +41,9 @@ from torch import fx, nn
 
 from autopar.errors import CaptureError, PlanError
 from autopar.ir import CompileState, Stage
+from autopar.modpath import BLOCK as _BLOCK  # noqa: F401 (passes/twins.py reads it here)
+from autopar.modpath import block_of as _block
+from autopar.modpath import module_path as _path
 from autopar.passes.twins import find_twins
 
 def split_pass(state: CompileState) -> CompileState:
@@ -101,30 +103,6 @@ class StageSpec:
     param_names: list[str] = field(default_factory=list)  # the user's names of ``params`` (split_pass)
 
 
-_BLOCK = re.compile(r"^((?:[^.]*\.)*?\d+)(\.|$)")  # the first list element on the path: layers.3, h.0, 3
-
-
-def _path(n: fx.Node) -> str:
-    st = n.meta.get("nn_module_stack")
-    if not st:
-        return ""
-    p = list(st.values())[-1][0]
-    while "getattr(" in p:  # under functional_call (mixed precision): getattr(L['self'].model.layers, '0').mlp
-        q = re.sub(r"getattr\(([^()]*?), '([^']*)'\)", r"\1.\2", p)
-        if q == p:
-            break
-        p = q
-    p = re.sub(r"^L\['self'\]\.model\.?", "", p)
-    p = re.sub(r"^L\['self'\]\.?", "", p)
-    p = re.sub(r"\[(\d+)\]", r".\1", p).replace("_modules['", "").replace("']", "")
-    return p
-
-
-def _block(path: str) -> str:
-    m = _BLOCK.match(path)
-    return m.group(1) if m else ""
-
-
 def _node_flops(n: fx.Node, fake_mode) -> float:
     """Forward FLOPs of one torch-level node, from torch's flop-counter formulas on the trace's
     fake tensors (matmuls, attention; everything else counts 0 and is timed as an op). A node
@@ -158,6 +136,40 @@ def _node_flops(n: fx.Node, fake_mode) -> float:
                         f"the pipeline stages: {what}", where=source_line(n) or n.name,
                         fix="name the stage boundaries yourself (plan['pp']['split'] = [module names]: no costing "
                         "needed), or register a FLOP formula (torch.utils.flop_counter.register_flop_formula)") from e
+
+
+def _flops_key(n: fx.Node):
+    """What a node's FLOPs depend on: its op and its arguments (tensors by shape, dtype and
+    stride; plain constants by value); None when an argument is anything else."""
+    def key(a):
+        if isinstance(a, fx.Node):
+            v = a.meta.get("example_value")
+            if isinstance(v, torch.Tensor):
+                return ("t", tuple(v.shape), v.dtype, tuple(v.stride()))
+            return ("v", v) if v is None or isinstance(v, (int, float, bool)) else _NO_KEY
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__,) + tuple(key(x) for x in a)
+        if isinstance(a, dict):
+            return ("dict",) + tuple((k, key(v)) for k, v in sorted(a.items()))
+        if isinstance(a, slice):  # (not hashable before Python 3.12)
+            return ("slice", key(a.start), key(a.stop), key(a.step))
+        if a is None or a is Ellipsis or isinstance(a, (bool, int, float, str, torch.dtype, torch.device)):
+            return ("c", a)
+        return _NO_KEY
+
+    k = (n.op, n.target, key(n.args), key(n.kwargs))
+    return None if _NO_KEY in _flatten(k) else k
+
+
+_NO_KEY = object()
+
+
+def _flatten(k):
+    if isinstance(k, tuple):
+        for x in k:
+            yield from _flatten(x)
+    else:
+        yield k
 
 
 class _FormulaError(Exception):
@@ -239,10 +251,18 @@ def split_stages(gm: fx.GraphModule, n_stages: int, split: list[str] | None, dev
         seg_cost = [0.0] * n_seg
         seg_bytes = [0] * n_seg
         rate = dev.flops["fp32"] * dev.efficiency
+        seen: dict = {}  # the same op on the same shapes (every block of a deep model): replayed once
         for n in anchors:
             out = n.meta.get("example_value")
             moved = _val_bytes(out) + sum(_val_bytes(a.meta.get("example_value")) for a in n.all_input_nodes)
-            t = max(_node_flops(n, fake_mode) / rate, moved / dev.mem_bw) + dev.op_overhead
+            key = _flops_key(n)
+            if key is None or key not in seen:
+                flops = _node_flops(n, fake_mode)
+                if key is not None:
+                    seen[key] = flops
+            else:
+                flops = seen[key]
+            t = max(flops / rate, moved / dev.mem_bw) + dev.op_overhead
             seg_cost[seg_of[n]] += 3 * t  # forward + backward (2x)
         for n in nodes:
             if n.op == "get_attr":
@@ -410,162 +430,3 @@ def _linear_partition(costs: list[float], nbytes: list[int], k: int) -> list[int
             out[x] = j - 1
         i = t
     return out
-
-
-# ------------------------------------------------------------------------------------ partition
-@dataclass
-class Part:
-    """One of a stage's three graphs (F, I, W): reads ``args`` (names of the joint program's
-    placeholders or of values earlier parts produced), writes ``outs``."""
-
-    name: str
-    gm: fx.GraphModule | None
-    args: list[str]
-    outs: list[str]
-    nodes: int = 0
-    members: frozenset = frozenset()  # the names of the joint program's nodes it runs
-
-
-def partition(gm: fx.GraphModule, roles: list[tuple], in_roles: list[tuple] | None = None,
-              gathers_once: bool = False) -> dict[str, Part]:
-    """Split a stage's per-rank joint program into F (everything its activations / loss need),
-    I (what its input gradients need beyond F) and W (what its weight gradients need beyond
-    both). Collectives go with the values they produce; recomputed values land in I/W.
-
-    With ``in_roles`` (the program's input roles) also P, the prologue, run once per step: the
-    values made from parameters and buffers alone by local ops (no collective, nothing random)
-    that one part hands to another, e.g. the compute-dtype casts of the weights under mixed
-    precision, which the backward reads; with their parameter-only ancestors. Per micro-batch
-    they would be made again by every forward and held by every micro-batch in flight.
-    ``gathers_once`` (ZeRO-1/2, whose parameters are gathered once per step): their all-gathers
-    and waits join the prologue too."""
-    nodes = list(gm.graph.nodes)
-    out = nodes[-1]
-    outs = list(out.args[0])
-
-    def targets(kinds):
-        return [o for o, r in zip(outs, roles) if r[0] in kinds and isinstance(o, fx.Node)]
-
-    def ancestors(ts, exclude):
-        seen: set[fx.Node] = set()
-        stack = list(ts)
-        while stack:
-            n = stack.pop()
-            if n in seen or n in exclude or n.op == "placeholder":
-                continue
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-        return seen
-
-    f = ancestors(targets(("act", "loss")), set())
-    i = ancestors(targets(("input_grad",)), f)
-    w = ancestors(targets(("grad",)), f | i)
-    p = _prologue(nodes, in_roles, [f, i, w], gathers_once) if in_roles is not None else set()
-    f, i, w = f - p, i - p, w - p
-    groups = [("P", p), ("F", f), ("I", i), ("W", w)] if p else [("F", f), ("I", i), ("W", w)]
-    needed_by_later: list[set[fx.Node]] = []
-    for k, (_, g) in enumerate(groups):
-        later = set()
-        for _, h in groups[k + 1:]:
-            for n in h:
-                later.update(a for a in n.all_input_nodes if a in g)
-        later.update(o for o in outs if isinstance(o, fx.Node) and o in g)
-        needed_by_later.append(later)
-    parts = {}
-    for (name, g), later in zip(groups, needed_by_later):
-        if not g:
-            parts[name] = Part(name, None, [], [])
-            continue
-        graph = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        args = []
-        for n in nodes:
-            if n not in g:
-                continue
-            for a in n.all_input_nodes:
-                if a not in env and a not in g:
-                    ph = graph.placeholder(a.name)
-                    ph.meta.update({k: a.meta[k] for k in ("val", "autopar") if k in a.meta})
-                    env[a] = ph
-                    args.append(a.name)
-            env[n] = graph.node_copy(n, env.__getitem__)
-        keep = [n for n in nodes if n in later]
-        graph.output(tuple(env[n] for n in keep))
-        parts[name] = Part(name, fx.GraphModule(gm, graph), args, [n.name for n in keep], len(g),
-                           frozenset(n.name for n in g))
-    return parts
-
-
-def _prologue(nodes: list[fx.Node], in_roles: list[tuple], groups: list[set], gathers_once: bool) -> set[fx.Node]:
-    """The nodes ``partition`` runs once per step (see there)."""
-    state = {n for n, r in zip((n for n in nodes if n.op == "placeholder"), in_roles) if r[0] in ("param", "buffer")}
-    only: set[fx.Node] = set()  # made from parameters / buffers alone, locally, deterministically
-    for n in nodes:
-        target = str(n.target)
-        comm_ok = "c10d" not in target or (gathers_once and ("all_gather_into_tensor" in target
-                                                              or "wait_tensor" in target))
-        if n.op == "get_attr":
-            only.add(n)
-        elif (n.op == "call_function" and n.all_input_nodes and comm_ok
-              and torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ())
-              and all(a in only or a in state for a in n.all_input_nodes)):
-            only.add(n)
-    group_of = {n: k for k, g in enumerate(groups) for n in g}
-    crossing = {n for n in only if n in group_of and any(group_of.get(u, group_of[n]) != group_of[n] for u in n.users)}
-    out: set[fx.Node] = set()
-    stack = list(crossing)
-    while stack:  # with their parameter-only ancestors
-        n = stack.pop()
-        if n in out or n not in only or n.op == "get_attr":
-            continue
-        out.add(n)
-        stack.extend(n.all_input_nodes)
-    return out
-
-
-def _prologue_bytes(gm: fx.GraphModule, roles, part: Part | None) -> int:
-    """Bytes of the distinct storages the prologue's outputs hold (views of parameters and
-    buffers do not count): held from the step's start to its end."""
-    from autopar.analysis.cost import _storages
-
-    if part is None or part.gm is None:
-        return 0
-    nodes = {n.name: n for n in gm.graph.nodes}
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    seen = {sid for n, (kind, _) in zip(placeholders, roles) if kind in ("param", "buffer")
-            for sid, _ in _storages(n.meta.get("val"))}
-    total = 0
-    for name in part.outs:
-        for sid, nbytes in _storages(nodes[name].meta.get("val")):
-            if sid not in seen:
-                seen.add(sid)
-                total += nbytes
-    return total
-
-
-def _saved_bytes(gm: fx.GraphModule, roles, parts: dict[str, Part], after: str = "F") -> int:
-    """Bytes of the distinct storages a micro-batch holds between its parts, from the trace's fake
-    tensors: ``after="F"``: what F leaves for I and W (the stage's activations in flight);
-    ``after="I"``: what W still needs (with the output gradients). Views of parameters and
-    buffers do not count."""
-    from autopar.analysis.cost import _storages
-
-    nodes = {n.name: n for n in gm.graph.nodes}
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    state = {sid for n, (kind, _) in zip(placeholders, roles) if kind in ("param", "buffer")
-             for sid, _ in _storages(n.meta.get("val"))}
-    skip = {n.name for n, (kind, _) in zip(placeholders, roles) if kind in ("param", "buffer")}
-    skip |= set(parts["P"].outs) if "P" in parts else set()  # the prologue's: once per step, not per micro-batch
-    if after == "F":
-        skip |= {n.name for n, (kind, _) in zip(placeholders, roles) if kind == "tangent"} | set(parts["I"].outs)
-        names = set(parts["I"].args) | set(parts["W"].args)
-    else:
-        names = set(parts["W"].args)
-    seen, total = set(state), 0
-    for name in sorted(names - skip):
-        for sid, nbytes in _storages(nodes[name].meta.get("val")):
-            if sid not in seen:
-                seen.add(sid)
-                total += nbytes
-    return total
-

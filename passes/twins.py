@@ -43,6 +43,7 @@ import torch
 from torch import fx
 
 from autopar.ir import CommRecord, NodeInfo, Program
+from autopar.modpath import block_of, module_path
 
 _RANDOM = ("dropout", "rand", "bernoulli", "multinomial", "normal", "uniform", "exponential", "geometric",
            "cauchy", "log_normal", "random_")
@@ -70,16 +71,9 @@ def find_twins(state) -> None:
             seen[sig] = st.index
 
 
-def _block_of(name: str) -> str:
-    from autopar.passes.split import _BLOCK
-
-    m = _BLOCK.match(name)
-    return m.group(1) if m else ""
-
-
 def _canonical(name: str, blocks: dict[str, int]) -> str:
     """``layers.5.mlp.w1.weight`` -> ``layers.#0.mlp.w1.weight`` (its block's order in the stage)."""
-    b = _block_of(name)
+    b = block_of(name)
     if not b:
         return name
     if b not in blocks:
@@ -145,8 +139,6 @@ def _random(n: fx.Node) -> bool:
 
 def signature(st, ids) -> tuple | None:
     """What makes a stage's compiled program what it is (module docstring), or None: no twin."""
-    from autopar.passes.split import _path
-
     gm, spec, ctx = st.gm, st.spec, st.ctx
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
@@ -166,7 +158,7 @@ def signature(st, ids) -> tuple | None:
             target = n.target
         else:
             target = n.target if n.op == "call_function" else n.op
-        path = _path(n) if n.op not in ("placeholder", "output") else ""
+        path = module_path(n) if n.op not in ("placeholder", "output") else ""
         out.append((n.op, target, _const_key(n.args, index), _const_key(n.kwargs, index),
                     _val_key(n.meta.get("example_value")), _canonical(path, blocks) if path else ""))
     inputs = tuple(i if i[0] == "user" else ("stage",) for i in spec.inputs)
@@ -191,11 +183,30 @@ def materialize(state) -> None:
         st.ctx.kept_gathered = [(names.get(k, k), b) for k, b in getattr(rep.ctx, "kept_gathered", [])]
 
 
+def copy_schedule(rep, st) -> None:
+    """What the schedule pass made of ``rep`` (its gradient-sync program, its F / I / W / P parts
+    and their byte counts), renamed for its twin ``st``."""
+    rename = _renamer(_name_map(rep, st))
+    named_buffers = {}
+    st.sync = None if rep.sync is None else _copy_program(rep.sync, None, rename, named_buffers)
+    st.ph_names, st.out_names = list(rep.ph_names), list(rep.out_names)
+    st.ph_vals = {n.name: n.meta["val"] for n in st.program.local.graph.nodes if n.op == "placeholder"}
+
+    def part(p):
+        if p is None or p.gm is None:
+            return p
+        return dataclasses.replace(p, gm=fx.GraphModule(p.gm, _copy_graph(p.gm.graph, rename)))
+
+    st.parts = {k: part(p) for k, p in rep.parts.items()}
+    st.prologue = part(rep.prologue)
+    st.saved_bytes, st.saved_after_i, st.prologue_bytes = rep.saved_bytes, rep.saved_after_i, rep.prologue_bytes
+
+
 def _name_map(rep, st) -> dict[str, str]:
     """rep's block paths -> st's (``layers.5`` -> ``layers.9``), from their parameters in order."""
     out: dict[str, str] = {}
     for a, b in zip(rep.param_names, st.param_names):
-        ba, bb = _block_of(a), _block_of(b)
+        ba, bb = block_of(a), block_of(b)
         if ba and bb:
             out.setdefault(ba, bb)
     return out
@@ -216,8 +227,10 @@ def _renamer(blocks: dict[str, str]):
 
 
 def _role(r, rename):
+    """A program input's or output's role with the names in it renamed (param, buffer, grad,
+    grad_acc: a parameter's name; input, tangent, loss, act...: an index, left as it is)."""
     kind, what = r
-    return (kind, rename(what)) if kind in ("param", "buffer", "grad") else r
+    return (kind, rename(what))
 
 
 def _copy_program(p: Program, names, rename, named_buffers) -> Program:

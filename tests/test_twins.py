@@ -48,6 +48,7 @@ def _assert_same_stage(a, b):
     assert [n.meta["autopar"].comm for n in b.program.graph.nodes if "autopar" in n.meta] == \
         [n.meta["autopar"].comm for n in a.program.graph.nodes if "autopar" in n.meta]
     assert str(b.sync.local.graph) == str(a.sync.local.graph) and _records(b.sync.local) == _records(a.sync.local)
+    assert b.sync.inputs == a.sync.inputs and b.sync.outputs == a.sync.outputs
     assert {k: str(v.gm.graph) if v.gm is not None else None for k, v in b.parts.items()} == \
         {k: str(v.gm.graph) if v.gm is not None else None for k, v in a.parts.items()}
     assert (b.saved_bytes, b.saved_after_i, b.prologue_bytes) == (a.saved_bytes, a.saved_after_i, a.prologue_bytes)

@@ -214,16 +214,21 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
 def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, optimizer: str = "adamw",
              fused: bool = False) -> dict:
     """Compile ``c`` for real at ``depth`` (fake process group, its full mesh, rank 0, every
-    pipeline stage) and read the cost model: step time, step peak, wire bytes per axis."""
+    pipeline stage; the capture spliced from three blocks, autopar/splice.py) and read the cost
+    model: step time, step peak, wire bytes per axis."""
     import autopar
     from autopar.analysis import cost as C
     from autopar.models import zoo
     from autopar.mesh import fake_mesh
 
+    from autopar.splice import spliced
+
     loaded = zoo.load(info.spec, batch=c.mbs * c.microbatches * c.data, seq=info.seq,
                       overrides={**info.overrides, info.depth_field: depth})
     t0 = time.perf_counter()
-    with fake_mesh(c.mesh(), 0) as mesh, warnings.catch_warnings():
+    # the deep model's capture from three of its blocks (autopar/splice.py): the planner's figures
+    # assume identical blocks already
+    with fake_mesh(c.mesh(), 0) as mesh, warnings.catch_warnings(), spliced():
         warnings.simplefilter("ignore")
         pm = autopar.compile(loaded.model, mesh, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
                              plan=c.plan(), precision=precision, recompute=c.recompute, capture_eval=False,

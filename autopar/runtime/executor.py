@@ -6,7 +6,7 @@ A step is a list of actions per rank (passes/schedule.py, autopar/analysis/sched
   backward in one graph, so the overlap pass's wait placement spans both). An SPMD plan is one
   stage whose list is ``FB`` per micro-batch (``accumulate=K``: K of them);
 - ``("F", s, mb)``, ``("B", s, mb)``, or B split into ``("I", s, mb)`` and ``("W", s, mb)``: a
-  pipeline stage's F / I / W parts (passes/split.py ``partition``), with the activations and
+  pipeline stage's F / I / W parts (passes/partition.py), with the activations and
   their gradients crossing stage boundaries through ``P2P`` (autopar/runtime/p2p.py).
 
 Then ``sync`` runs each stage's gradient-sync program once on the gradients summed over the

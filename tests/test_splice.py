@@ -1,0 +1,90 @@
+"""Spliced captures (autopar/splice.py): a deep model's torch-level graph built from a capture of
+its first three blocks must equal its whole capture node for node (ops, the model's tensors each
+get_attr reads, arguments, shapes, module paths), fp32 and mixed precision, built-in and Hugging
+Face; a planner compile with it gives the same figures; blocks that differ are captured whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx
+
+import autopar
+from autopar import splice
+from autopar.capture import _get_attr, capture_graph
+from autopar.mesh import fake_mesh
+from autopar.models import zoo
+from autopar.passes.split import _path
+
+
+def _canon(gm: fx.GraphModule, model) -> list:
+    ids = {id(t): n for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+    index, out = {}, []
+    for k, n in enumerate(gm.graph.nodes):
+        index[n] = k
+        target = ids.get(id(_get_attr(gm, n.target)), n.target) if n.op == "get_attr" else n.target
+        args = fx.node.map_arg((n.args, n.kwargs), lambda a: ("node", index[a]))
+        v = n.meta.get("example_value")
+        out.append((n.op, str(target), str(args), (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None,
+                    _path(n) if n.op not in ("placeholder", "output") else ""))
+    return out
+
+
+@pytest.mark.parametrize("spec,field,dtype", [
+    ("llama-small", "n_layers", None),
+    ("llama-small", "n_layers", torch.bfloat16),  # the weights' casts: one per block, in the prologue
+    ("hf-llama-tiny", "num_hidden_layers", None),
+])
+def test_spliced_capture_equals_the_whole_capture(spec, field, dtype):
+    loaded = zoo.load(spec, meta=True, batch=2, seq=32, overrides={field: 6})
+    whole = capture_graph(loaded.model, loaded.example_inputs, loaded.loss_fn, dtype)
+    before = splice.STATS.get("spliced", 0)
+    with splice.spliced():
+        spliced = capture_graph(loaded.model, loaded.example_inputs, loaded.loss_fn, dtype)
+    assert splice.STATS.get("spliced", 0) == before + 1
+    assert len(loaded.model.get_submodule(splice.block_list(loaded.model)[0])) == 6  # the list is restored
+    assert _canon(spliced, loaded.model) == _canon(whole, loaded.model)
+    assert not splice.active()
+
+
+def test_planner_figures_are_the_same_with_a_spliced_capture():
+    from autopar.analysis import cost
+
+    plan = {"pp": {"schedule": "interleaved", "microbatches": 4, "virtual": 2}, "dp": "zero2", "tp": "sequence"}
+    got = []
+    for on in (False, True):
+        loaded = zoo.load("llama-small", meta=True, batch=8, seq=64, overrides={"n_layers": 8})
+        with fake_mesh({"pp": 2, "dp": 2, "tp": 2}, 0) as mesh, (splice.spliced() if on else _nothing()):
+            pm = autopar.compile(loaded.model, mesh, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
+                                 plan=plan, precision="bf16", capture_eval=False, pipeline_stages="all")
+        est = cost.predict_time(pm, cost.get_device("h100"))
+        got.append((est.step_s, est.stage_seconds, est.bubble, cost.predict_memory(pm),
+                    [(r.kind, r.axis, r.payload_bytes, r.reason) for r in pm.collectives()]))
+    assert got[1] == got[0]
+
+
+def test_blocks_that_differ_are_captured_whole():
+    loaded = zoo.load("llama-small", meta=True, batch=2, seq=32, overrides={"n_layers": 6})
+    layers = loaded.model.layers
+    layers[4].mlp.down_proj = torch.nn.Linear(layers[4].mlp.down_proj.in_features,
+                                              layers[4].mlp.down_proj.out_features, bias=True, device="meta")
+    assert splice.block_list(loaded.model) is None  # a block with a bias the others lack
+    # blocks alike in their tensors but not in their code: block 2 scales its output
+    loaded = zoo.load("llama-small", meta=True, batch=2, seq=32, overrides={"n_layers": 6})
+    block = loaded.model.layers[2]
+    forward = block.forward
+    block.forward = lambda *a, **k: forward(*a, **k) * 2
+    refused = splice.STATS.get("refused", 0)
+    with splice.spliced():
+        gm = capture_graph(loaded.model, loaded.example_inputs, loaded.loss_fn)
+    assert splice.STATS.get("refused", 0) == refused + 1
+    whole = capture_graph(loaded.model, loaded.example_inputs, loaded.loss_fn)
+    assert _canon(gm, loaded.model) == _canon(whole, loaded.model)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
