@@ -195,7 +195,7 @@ def copy_schedule(rep, st) -> None:
     def part(p):
         if p is None or p.gm is None:
             return p
-        return dataclasses.replace(p, gm=fx.GraphModule(p.gm, _copy_graph(p.gm.graph, rename)))
+        return dataclasses.replace(p, gm=_clone_gm(p.gm, _copy_graph(p.gm.graph, rename)))
 
     st.parts = {k: part(p) for k, p in rep.parts.items()}
     st.prologue = part(rep.prologue)
@@ -246,8 +246,22 @@ def _copy_program(p: Program, names, rename, named_buffers) -> Program:
             setattr(out, attr, value)
     local = getattr(p, "local", None)
     if local is not None:
-        out.local = fx.GraphModule(local, _copy_graph(local.graph, rename))
+        out.local = _clone_gm(local, _copy_graph(local.graph, rename))
     return out
+
+
+def _clone_gm(gm: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
+    """A GraphModule running ``graph``, a copy of ``gm``'s graph that differs in metadata only:
+    ``gm``'s generated code is that graph's code too (the same nodes, names and targets), so the
+    clone shares it (same class) instead of generating it again, which is most of a copy's cost."""
+    new = object.__new__(type(gm))  # (GraphModule.__copy__ would generate the code again)
+    new.__dict__.update(gm.__dict__)
+    for k in ("_parameters", "_buffers", "_modules"):
+        new.__dict__[k] = dict(gm.__dict__[k])
+    new.__dict__["meta"] = dict(gm.meta)
+    new.__dict__["_graph"] = graph
+    graph.owning_module = new
+    return new
 
 
 def _copy_graph(graph: fx.Graph, rename) -> fx.Graph:

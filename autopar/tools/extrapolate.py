@@ -34,6 +34,7 @@ grows with the depth). ``autopar plan --full-depth`` compiles every block regard
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 from autopar.forked import Forked, can_fork, shared_heap
@@ -214,10 +215,21 @@ def analyse_by_depth(args, plan: dict, rank: int, progress, analyse) -> Analysis
 def plan_analysis(args, plan: dict, rank: int, progress, analyse) -> Analysis:
     """What ``autopar plan`` reports for ``rank``: extrapolated in depth where that applies, else
     every block compiled (with the reason when the blocks turned out not identical)."""
+    from autopar import splice
+    from autopar.models import zoo
+
     args.depth_note = None
     a = analyse_by_depth(args, plan, rank, progress, analyse)
     if a is None:
-        a = analyse(args, rank, progress)
+        # a built-in model's blocks are alike by construction: where every block is compiled (a
+        # pipeline), its capture is spliced from three of them (autopar/splice.py), checked first
+        splicing = depth_field(args.model, zoo.parse_overrides(args.set)) is not None and not args.depth_note
+        before = dict(splice.STATS)
+        with splice.spliced() if splicing else contextlib.nullcontext():
+            a = analyse(args, rank, progress)
         if args.depth_note:
             a.notes.append(args.depth_note)
+        if splice.STATS.get("spliced", 0) > before.get("spliced", 0):
+            a.notes.append("the model's capture was spliced from its first three blocks, the third repeated (blocks "
+                           "checked alike; --full-depth traces every block)")
     return a
