@@ -243,3 +243,36 @@ def test_moe_compiles_and_plans(fake):
                              capture_eval=False)
         kinds = {r.kind for r in pm.collectives()}
     assert kinds == {"all_gather", "reduce_scatter", "all_reduce"}
+
+
+def test_an_oversubscribed_cpu_runs_collectives_on_the_compute_stream(fake):
+    """More ranks than cores (4 gloo ranks on 2 cores): a collective is CPU work on the cores the
+    ranks compute on, so nothing hides it, and each ring step costs the loaded latency; with a core
+    per rank the same program overlaps its gradient all-reduces with the backward. A pipeline's
+    ranks hand their cores over in the bubbles, but the node's cores bound the whole."""
+    from dataclasses import replace
+
+    from autopar.testing import build_model
+
+    base = replace(cost.DEVICES["cpu"], loaded_alpha=1e-3, intra_alpha=50e-6)
+    roomy, tight, one = (replace(base, cores=c) for c in (4, 2, 1))
+    model, batches, loss_fn = build_model("llama")
+    with fake(dp=4) as mesh:
+        pm = autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn, plan={"dp": "ddp"},
+                             capture_eval=False)
+    e_roomy, e_tight = cost.predict_time(pm, roomy), cost.predict_time(pm, tight)
+    assert not cost.oversubscribed(roomy, 4) and cost.oversubscribed(tight, 4)
+    assert e_roomy.exposed_comm_s < e_roomy.comm_s
+    assert e_tight.exposed_comm_s == pytest.approx(e_tight.comm_s)
+    steps = sum(2 * (r.group_size - 1) if r.kind == "all_reduce" else r.group_size - 1 for r in pm.collectives())
+    assert e_tight.comm_s == pytest.approx(sum(r.wire_bytes for r in pm.collectives()) / base.intra_bw + steps * 1e-3)
+    assert e_tight.step_s > e_roomy.step_s
+
+    model, batches, loss_fn = build_model("llama6")
+    with fake(pp=4) as mesh:
+        pm = autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn, plan={"pp": "1f1b"},
+                             capture_eval=False, pipeline_stages="all")
+    e2, e1 = cost.predict_time(pm, tight), cost.predict_time(pm, one)
+    work = sum(sum(v) for v in e2.stage_seconds.values()) * pm.microbatches  # every action at one core
+    assert e2.step_s >= work / 2 and e1.step_s >= work
+    assert e1.step_s > e2.step_s

@@ -65,6 +65,9 @@ class Device:
     source: str = ""
     op_overhead: float = 0.0  # seconds per executed op (kernel launch / eager dispatch)
     cores: int = 0  # CPU: cores shared by the ranks of a node (0: each rank has its own device)
+    # CPU with more ranks than cores: seconds per ring step of a collective while the ranks compute
+    # between collectives (the OS must schedule each peer in turn); 0: not measured, intra_alpha
+    loaded_alpha: float = 0.0
 
     def describe(self) -> str:
         f = ", ".join(f"{k} {v / 1e12:g} TFLOP/s" for k, v in self.flops.items())
@@ -73,6 +76,8 @@ class Device:
                 f"{self.intra_alpha * 1e6:g} us ({self.ranks_per_node} ranks/node); inter-node "
                 f"{self.inter_bw / 1e9:g} GB/s, alpha {self.inter_alpha * 1e6:g} us; {self.op_overhead * 1e6:g} us "
                 f"per op" + (f"; {self.cores} cores shared by a node's ranks" if self.cores else "")
+                + (f" (more ranks than cores: {self.loaded_alpha * 1e6:g} us per ring step, collectives "
+                   f"not overlapped)" if self.cores and self.loaded_alpha else "")
                 + f". Source: {self.source}")
 
 
@@ -365,13 +370,33 @@ def core_share(dev: Device, world: int) -> float:
     return max(1.0, min(world, dev.ranks_per_node) / dev.cores)
 
 
-def simulate(gm: fx.GraphModule, dev: Device, links, share: float = 1.0, fused: bool = False) -> TimeEstimate:
+def oversubscribed(dev: Device, world: int) -> bool:
+    """A CPU node running more ranks than it has cores (4 gloo ranks on this 2-core machine).
+    There a collective is CPU work too, on the cores the ranks compute on, so it hides under no
+    compute; and each ring step waits for the OS to run its peer. The cost model then runs every
+    collective on the compute stream (``simulate(blocking=True)``) with ``dev.loaded_alpha`` per
+    step, and a pipeline's idle ranks hand their cores to the busy ones
+    (``predict_pipeline_time``). Measured against 21 plans on 4 ranks of this machine:
+    benchmarks/planner_measured.py."""
+    return bool(dev.cores) and min(world, dev.ranks_per_node) > dev.cores
+
+
+def loaded_links(links: dict, dev: Device) -> dict:
+    """``links`` with each step's latency the loaded one (``Device.loaded_alpha``) where measured."""
+    if not dev.loaded_alpha:
+        return links
+    return {k: (dev.loaded_alpha, bw) for k, (_, bw) in links.items()}
+
+
+def simulate(gm: fx.GraphModule, dev: Device, links, share: float = 1.0, fused: bool = False,
+             blocking: bool = False) -> TimeEstimate:
     """One compute stream and one communication stream per mesh axis over the per-rank program,
     in program order: a collective starts once the compute before it has issued it and its
     axis's stream is free; a ``wait_tensor`` stalls the compute stream until its collective is
     done (that stall is the exposed communication, charged to the collective's axis).
     ``fused``: the program's compute compiled by Inductor (``compile(inductor=True)``), its
-    elementwise chains fused (``Fusion``)."""
+    elementwise chains fused (``Fusion``). ``blocking``: every collective runs on the compute
+    stream where it is issued (an oversubscribed CPU: ``oversubscribed``)."""
     est = TimeEstimate()
     fusion = fusion_of(gm) if fused else None
     t_compute = 0.0
@@ -379,14 +404,17 @@ def simulate(gm: fx.GraphModule, dev: Device, links, share: float = 1.0, fused: 
     done: dict[fx.Node, tuple[float, str]] = {}
     for n in gm.graph.nodes:
         rec = info(n).comm
-        if rec is not None and "_c10d_functional" not in str(n.target):  # an op that communicates inside
-            dur = comm_seconds(rec, links)  # (expert parallelism's): its transfers stall the compute stream
+        inside = rec is not None and "_c10d_functional" not in str(n.target)  # an op that communicates inside
+        if rec is not None and (blocking or inside):  # (expert parallelism's): its transfers stall the compute stream
+            dur = comm_seconds(rec, links)
             est.comm_s += dur
             est.comm_by_axis[rec.axis] = est.comm_by_axis.get(rec.axis, 0.0) + dur
             est.exposed_comm_s += dur
             est.exposed_by_axis[rec.axis] = est.exposed_by_axis.get(rec.axis, 0.0) + dur
             t_compute += dur
             rec = None
+            if not inside:  # a collective, run where issued: no compute of its own
+                continue
         if rec is not None:
             dur = comm_seconds(rec, links)
             start = max(t_compute, t_link.get(rec.axis, 0.0))
@@ -433,10 +461,13 @@ def predict_time(pm, dev: Device, optimizer: str = "adamw", fused: bool | None =
         return predict_pipeline_time(pm, dev, optimizer, fused)
     links = axis_links(pm.ctx.axis_names, pm.ctx.axis_sizes, dev)
     share = core_share(dev, math.prod(pm.ctx.axis_sizes))
+    blocking = oversubscribed(dev, math.prod(pm.ctx.axis_sizes))
+    if blocking:
+        links = loaded_links(links, dev)
     total = TimeEstimate()
     runs = [(pm.program, pm.ctx.accumulate)] + ([(pm.sync_program, 1)] if pm.sync_program is not None else [])
     for program, times in runs:
-        e = simulate(program.local, dev, links, share, fused)
+        e = simulate(program.local, dev, links, share, fused, blocking)
         for f in ("step_s", "compute_s", "comm_s", "exposed_comm_s", "flops"):
             setattr(total, f, getattr(total, f) + times * getattr(e, f))
         total.unknown_flops += [u for u in e.unknown_flops if u not in total.unknown_flops]
@@ -532,7 +563,12 @@ def predict_pipeline_time(pm, dev: Device, optimizer: str = "adamw", fused: bool
     from autopar.analysis import schedules as S
 
     links = _pipeline_links(pm, dev)
-    share = core_share(dev, math.prod(pm.mesh.shape))
+    world = math.prod(pm.mesh.shape)
+    share = core_share(dev, world)
+    blocking = oversubscribed(dev, world)
+    if blocking:  # collectives on the compute stream; actions at one core each, the cores bound below
+        links = loaded_links(links, dev)
+    act_share = 1.0 if blocking else share
     n = len(pm.specs)
     per: dict[str, list[float | None]] = {k: [None] * n for k in ("F", "I", "W")}
     total = TimeEstimate()
@@ -543,7 +579,7 @@ def predict_pipeline_time(pm, dev: Device, optimizer: str = "adamw", fused: bool
             if part.gm is None:
                 per[kind][s] = 0.0
                 continue
-            e = simulate(part.gm, dev, links, share, fused)
+            e = simulate(part.gm, dev, links, act_share, fused, blocking)
             per[kind][s] = e.step_s
             total.unknown_flops += [u for u in e.unknown_flops if u not in total.unknown_flops]
             if mine:
@@ -564,7 +600,7 @@ def predict_pipeline_time(pm, dev: Device, optimizer: str = "adamw", fused: bool
     prologue = 0.0
     for sp in pm.local.values():  # each stage's prologue, once per step before the schedule
         if sp.prologue is not None and sp.prologue.gm is not None:
-            e = simulate(sp.prologue.gm, dev, links, share, fused)
+            e = simulate(sp.prologue.gm, dev, links, share, fused, blocking)
             prologue += e.step_s
             total.compute_s += e.compute_s
             total.flops += e.flops
@@ -574,20 +610,28 @@ def predict_pipeline_time(pm, dev: Device, optimizer: str = "adamw", fused: bool
         mean = sum(known) / len(known) if known else 0.0
         per[kind] = [mean if v is None else v for v in vals]
     tl = S.simulate(pm.schedule, per, comm=hop, per_stage=True)
+    makespan = tl.makespan
+    if blocking:
+        # a rank waiting in the schedule's bubbles leaves its core to the busy ones; the node's
+        # cores still run all of its ranks' actions: every stage's ranks (world / pp of them) do
+        # that stage's F, I and W once per micro-batch
+        pp = pm.mesh.shape[list(pm.mesh.mesh_dim_names).index(pm.pp_axis)]
+        work = sum(per[k][t] for k in per for t in range(n)) * pm.microbatches * (world / pp)
+        makespan = max(makespan, work * min(world, dev.ranks_per_node) / world / dev.cores)
     p2p = sum(r.wire_bytes for r in pm.collectives() if r.kind == "send")
     alpha, bw = links[pm.pp_axis]
     total.comm_by_axis[pm.pp_axis] = total.comm_by_axis.get(pm.pp_axis, 0.0) + p2p / bw
     total.comm_s += p2p / bw
     sync = 0.0
     for sp in pm.local.values():
-        e = simulate(sp.sync.local, dev, links, share, fused)
+        e = simulate(sp.sync.local, dev, links, share, fused, blocking)
         sync += e.step_s
         total.comm_s += e.comm_s
     from torch.distributed.tensor import DTensor
 
     elems = sum((p._local_tensor if isinstance(p, DTensor) else p).numel() for p in pm.parameters())
     total.optimizer_s = elems * _optimizer_bytes_per_element(optimizer) / dev.mem_bw * share
-    total.step_s = prologue + tl.makespan + sync + total.optimizer_s
+    total.step_s = prologue + makespan + sync + total.optimizer_s
     total.bubble = tl.bubble
     total.stage_seconds = {k: list(v) for k, v in per.items()}
     return total

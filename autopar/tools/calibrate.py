@@ -4,7 +4,8 @@ Measures, with one thread per rank (as the gloo workers run): matmul FLOP/s per 
 bandwidth (an elementwise add on 8 MiB tensors: bytes read + written), and gloo all-reduce between
 ``--ranks`` processes on this machine (default 2; latency from a 4-byte all-reduce, bandwidth from a
 16 MiB one). Where more processes than cores will run (4 gloo ranks on a 2-core machine), measure
-with that many: a ring step then also waits for the OS to schedule its peer. Prints the row and
+with that many: a ring step then also waits for the OS to schedule its peer, which the row keeps as
+``loaded_alpha`` (a 4-byte all-reduce between 1 ms slices of matmuls on every rank). Prints the row and
 writes it as JSON (``--out``), which ``autopar plan --devices FILE --device NAME`` reads.
 """
 
@@ -63,22 +64,46 @@ def _allreduce_job(sizes, reps):
     return out
 
 
-def gloo_links(reps: int = 10, ranks: int = 2) -> tuple[float, float]:
-    """(alpha per ring step, bandwidth per rank) of a gloo all-reduce among ``ranks`` processes,
-    read as the cost model reads a ring all-reduce: 2(N-1) steps, each rank sending 2(N-1)/N of
-    the payload (``ir.ring_bytes``)."""
+def _loaded_job(work_s: float = 1e-3, iters: int = 60) -> float:
+    """Seconds a 4-byte all-reduce adds to an iteration of ``work_s`` of matmuls on every rank
+    (the ranks computing between collectives, as a program's do)."""
+    import torch.distributed as dist
+
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    k = max(1, int(work_s / _timeit(lambda: a @ b, 20)))
+    x = torch.ones(1)
+    out = {}
+    for with_ar in (False, True, False, True):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            for _ in range(k):
+                a @ b
+            if with_ar:
+                dist.all_reduce(x)
+        dist.barrier()
+        out.setdefault(with_ar, []).append((time.perf_counter() - t0) / iters)
+    return min(out[True]) - min(out[False])
+
+
+def gloo_links(reps: int = 10, ranks: int = 2) -> tuple[float, float, float]:
+    """(alpha per ring step, bandwidth per rank, loaded alpha per ring step) of a gloo all-reduce
+    among ``ranks`` processes, read as the cost model reads a ring all-reduce: 2(N-1) steps, each
+    rank sending 2(N-1)/N of the payload (``ir.ring_bytes``). The loaded alpha (``Device.loaded_alpha``)
+    only where the ranks outnumber the cores: the ranks compute between all-reduces (``_loaded_job``)."""
     from autopar.testing import DistPool
 
     pool = DistPool(ranks)
     try:
         small, big = 4, 16 * 2**20
         t = pool.run(_allreduce_job, [small, big], reps)
+        loaded = pool.run(_loaded_job) if ranks > (os.cpu_count() or 1) else 0.0
     finally:
         pool.close()
     steps = 2 * (ranks - 1)
     alpha = t[small] / steps
     bw = big * steps / ranks / max(t[big] - t[small], 1e-9)
-    return alpha, bw
+    return alpha, bw, max(0.0, loaded) / steps
 
 
 def calibrate(name: str = "cpu", comm: bool = True, ranks: int = 2) -> dict:
@@ -90,8 +115,8 @@ def calibrate(name: str = "cpu", comm: bool = True, ranks: int = 2) -> dict:
            "op_overhead": op_overhead(), "cores": os.cpu_count() or 1,
            "source": f"calibrated by `autopar calibrate` on {time.strftime('%Y-%m-%d')}, 1 thread per rank, "
                      f"gloo all-reduce among {ranks} processes"}
-    alpha, bw = gloo_links(ranks=ranks) if comm else (60e-6, 1e9)
-    row.update(intra_bw=bw, intra_alpha=alpha, inter_bw=bw, inter_alpha=alpha)
+    alpha, bw, loaded = gloo_links(ranks=ranks) if comm else (60e-6, 1e9, 0.0)
+    row.update(intra_bw=bw, intra_alpha=alpha, inter_bw=bw, inter_alpha=alpha, loaded_alpha=loaded)
     return row
 
 
