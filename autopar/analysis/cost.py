@@ -614,9 +614,10 @@ def predict_pipeline_time(pm, dev: Device, optimizer: str = "adamw", fused: bool
     if blocking:
         # a rank waiting in the schedule's bubbles leaves its core to the busy ones; the node's
         # cores still run all of its ranks' actions: every stage's ranks (world / pp of them) do
-        # that stage's F, I and W once per micro-batch
+        # that stage's F, I and W once per micro-batch, and send its activations forward and
+        # their gradients back (CPU work too: gloo copies them through the kernel)
         pp = pm.mesh.shape[list(pm.mesh.mesh_dim_names).index(pm.pp_axis)]
-        work = sum(per[k][t] for k in per for t in range(n)) * pm.microbatches * (world / pp)
+        work = (sum(per[k][t] for k in per for t in range(n)) + 2 * (n - 1) * hop) * pm.microbatches * (world / pp)
         makespan = max(makespan, work * min(world, dev.ranks_per_node) / world / dev.cores)
     p2p = sum(r.wire_bytes for r in pm.collectives() if r.kind == "send")
     alpha, bw = links[pm.pp_axis]
