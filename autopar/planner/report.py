@@ -7,8 +7,18 @@ from autopar.planner.compose import Candidate, model_flops_per_step
 from autopar.planner.search import SearchResult
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f}"
+def _gib(n: float, unit: int = 2**30) -> str:
+    return f"{n / unit:.1f}"
+
+
+def _unit(res: SearchResult) -> tuple[str, int]:
+    """GiB, or MiB where every peak shown and the budget are below one GiB (a small model on a CPU)."""
+    sizes = [c.peak for c in res.ranked[:20]] + ([res.budget] if res.budget else [])
+    return ("MiB", 2**20) if sizes and max(sizes) < 2**30 else ("GiB", 2**30)
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def _cli_plan(c: Candidate) -> str:
@@ -57,9 +67,10 @@ def report(res: SearchResult, top: int = 8) -> str:
     if res.ranked:
         c0 = res.ranked[0]
         world = c0.world
-    lines.append(f"autopar plan --plan auto: {info.spec} ({info.params / 1e9:.2f}B parameters, {info.layers} layers, "
+    uname, unit = _unit(res)
+    lines.append(f"autopar plan --plan auto: {info.spec} ({_params(info.params)} parameters, {info.layers} layers, "
                  f"global batch {info.batch} x seq {info.seq}) on {world or '?'} ranks, device {res.device}, budget "
-                 + (f"{_gib(res.budget)} GiB per rank" if res.budget else "none")
+                 + (f"{_gib(res.budget, unit)} {uname} per rank" if res.budget else "none")
                  + ("; per-rank programs costed as compile(inductor=True) runs them" if res.inductor else ""))
     lines.append(f"searched {res.considered} candidates in {res.seconds:.1f} s ({res.compiles} compiles: "
                  f"{res.coefficient_seconds:.1f} s for one block's figures per tp/recompute choice; blocks checked "
@@ -71,7 +82,7 @@ def report(res: SearchResult, top: int = 8) -> str:
     shown = res.ranked[:top]
     extra = [ax for ax in ("cp", "ep") if any(getattr(c, ax) > 1 for c in shown)]
     head = (f"{'#':>2} {'mesh':18s} {'plan':44s} {'recomp':9s} {'mbs x mb':>8s} {'step ms':>9s} {'tok/s':>9s} "
-            f"{'TFLOP/s':>7s} {'peak GiB':>8s} {'bubble':>6s} {'dp GB':>7s} {'tp GB':>7s} {'pp GB':>6s}"
+            f"{'TFLOP/s':>7s} {'peak ' + uname:>8s} {'bubble':>6s} {'dp GB':>7s} {'tp GB':>7s} {'pp GB':>6s}"
             + "".join(f" {ax + ' GB':>7s}" for ax in extra) + "  how")
     lines.append(head)
     for i, c in enumerate(shown):
@@ -79,11 +90,11 @@ def report(res: SearchResult, top: int = 8) -> str:
         b = c.confirmed["bytes"] if c.confirmed else c.comm_bytes
         mesh = "x".join(f"{k}{v}" for k, v in c.mesh().items())
         lines.append(f"{i + 1:>2} {mesh:18s} {_cli_plan(c):44s} {c.recompute:9s} {f'{c.mbs}x{c.microbatches}':>8s} "
-                     f"{c.step_s * 1e3:9.1f} {tok:9.0f} {tf:7.1f} {_gib(c.peak):>8s} "
+                     f"{c.step_s * 1e3:9.1f} {tok:9.0f} {tf:{'7.1f' if tf >= 1 else '7.3f'}} {_gib(c.peak, unit):>8s} "
                      f"{(f'{c.bubble:.1%}' if c.pp > 1 else '-'):>6s} {b.get('dp', 0) / 1e9:7.2f} "
                      f"{b.get('tp', 0) / 1e9:7.2f} {b.get('pp', 0) / 1e9:6.2f}"
                      + "".join(f" {b.get(ax, 0) / 1e9:7.2f}" for ax in extra) + "  "
-                     + (f"confirmed (screen {c.screened[0] * 1e3:.1f} ms, {_gib(c.screened[1])} GiB)" if c.confirmed
+                     + (f"confirmed (screen {c.screened[0] * 1e3:.1f} ms, {_gib(c.screened[1], unit)} {uname})" if c.confirmed
                         else "screened"))
     lines.append("")
     if res.ranked:

@@ -156,7 +156,7 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
         cost(c, info, coeffs[c.block_key].scaled(c.mbs / base_mbs), dev,
              precision=precision, optimizer=optimizer)
         if limit is not None and c.peak > limit:
-            c.rejected = f"predicted peak {c.peak / 2**30:.1f} GiB > budget {limit / 2**30:.1f} GiB"
+            c.rejected = f"predicted peak {_size(c.peak)} > budget {_size(limit)}"
             over.append(c)
         else:
             fits.append(c)
@@ -199,8 +199,8 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
         c.screened, c.confirmed = (c.step_s, c.peak), got
         c.step_s, c.peak, c.bubble = got["step_s"], got["peak"], got["bubble"] or c.bubble
         if limit is not None and c.peak > limit:
-            c.rejected = (f"compiled peak {c.peak / 2**30:.1f} GiB > budget {limit / 2**30:.1f} GiB (screened at "
-                          f"{c.screened[1] / 2**30:.1f} GiB)")
+            c.rejected = (f"compiled peak {_size(c.peak)} > budget {_size(limit)} (screened at "
+                          f"{_size(c.screened[1])})")
             over.append(c)
             continue
         done.append(c)
@@ -209,6 +209,11 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
     over.sort(key=lambda c: c.peak)
     return SearchResult(done + fits, over, refused, len(cands), n_compiles, time.perf_counter() - t0, tcoef, linear,
                         info, limit, device, precision, notes, inductor)
+
+
+def _size(n: float) -> str:
+    """Bytes in GiB, or in MiB below one GiB (a small model's peak on a CPU)."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, optimizer: str = "adamw",
