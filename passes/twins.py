@@ -254,7 +254,7 @@ def _clone_gm(gm: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
     """A GraphModule running ``graph``, a copy of ``gm``'s graph that differs in metadata only:
     ``gm``'s generated code is that graph's code too (the same nodes, names and targets), so the
     clone shares it (same class) instead of generating it again, which is most of a copy's cost."""
-    new = object.__new__(type(gm))  # (GraphModule.__copy__ would generate the code again)
+    new = object.__new__(_sibling_class(type(gm)))  # (GraphModule.__copy__ would generate the code again)
     new.__dict__.update(gm.__dict__)
     for k in ("_parameters", "_buffers", "_modules"):
         new.__dict__[k] = dict(gm.__dict__[k])
@@ -262,6 +262,23 @@ def _clone_gm(gm: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
     new.__dict__["_graph"] = graph
     graph.owning_module = new
     return new
+
+
+def _sibling_class(cls: type) -> type:
+    """A class of its own for a clone, with the original's generated ``forward``: a GraphModule's
+    code lives on its class (one class per instance), so a later ``recompile()`` of the clone must
+    not rewrite the original's. Set up as ``GraphModule.recompile`` sets up a class."""
+    from torch.fx.graph_module import _WrappedCall
+
+    base = next(t for t in cls.__mro__ if t.__qualname__.split(".")[-1] != "GraphModuleImpl")
+    sibling = type("GraphModuleImpl", (base,), {"forward": cls.forward})
+    sibling._wrapped_call = _WrappedCall(sibling, None)
+
+    def call_wrapped(self, *args, **kwargs):
+        return self._wrapped_call(self, *args, **kwargs)
+
+    sibling.__call__ = call_wrapped
+    return sibling
 
 
 def _copy_graph(graph: fx.Graph, rename) -> fx.Graph:

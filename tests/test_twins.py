@@ -100,3 +100,19 @@ def test_a_stage_that_draws_random_numbers_has_no_twin(monkeypatch):
     state = _compile(None, {"pp": 4}, {"pp": {"schedule": "interleaved", "virtual": 2}}, True, monkeypatch,
                      model=(model, (x, x), ce))
     assert any(st.twin_of is not None for st in state.stages)
+
+
+def test_a_copied_program_is_its_own_module():
+    """A twin's GraphModule shares its original's generated code (no code generation per copy)
+    but not its class: recompiling one after editing its graph leaves the other as it was."""
+    from torch import fx
+
+    from autopar.passes.twins import _clone_gm, _copy_graph
+
+    gm = fx.symbolic_trace(lambda x: torch.relu(x) + 1)
+    twin = _clone_gm(gm, _copy_graph(gm.graph, lambda s: s))
+    x = torch.randn(5)
+    assert torch.equal(twin(x), gm(x)) and twin.graph is not gm.graph
+    next(n for n in twin.graph.nodes if n.target is torch.relu).target = torch.sigmoid
+    twin.recompile()
+    assert torch.equal(gm(x), torch.relu(x) + 1) and torch.equal(twin(x), torch.sigmoid(x) + 1)
