@@ -207,9 +207,8 @@ def capture_graph(model: nn.Module, example_inputs: tuple, loss_fn: Callable | N
     from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
 
     from autopar import capture_cache as cc
-    from autopar.experts import dropless_experts
-
     from autopar import splice
+    from autopar.experts import dropless_experts
 
     if splice.active():  # planning a deep model: capture three blocks, repeat the third (autopar/splice.py)
         found = splice.block_list(model)

@@ -100,3 +100,24 @@ class Forked:
         self.pipe.close()
         os.kill(self.pid, signal.SIGKILL)
         os.waitpid(self.pid, 0)
+
+
+def side_by_side(theirs: Callable[[], object], mine: Callable[[], object], again: Callable[[], object] | None = None,
+                 fork: bool = True) -> tuple[object, object]:
+    """``(theirs(), mine())``: ``theirs`` in a forked child while ``mine`` runs here, where this
+    process can fork (and ``fork``); otherwise, or if the child failed, ``again()`` (default
+    ``theirs()``) here after ``mine``. The child is killed if ``mine`` raises."""
+    child = None
+    if fork and can_fork():
+        with shared_heap():
+            child = Forked(theirs)
+    try:
+        here = mine()
+    except BaseException:
+        if child is not None:
+            child.kill()
+        raise
+    if child is not None:
+        with contextlib.suppress(RuntimeError):
+            return child.result(), here
+    return (again or theirs)(), here

@@ -19,9 +19,9 @@ for the options). What happens, in order:
 3. **Compile each stage** this rank holds with the ordinary pass pipeline on the stage's
    sub-mesh (the mesh without ``pp``): its own dp/fsdp/tp sharding, gradient reduction deferred to
    one sync program per step (as ``accumulate=M``).
-XX
-   outputs need), ``I`` (what the input gradients need, beyond F) and ``W`` (the rest: weight
-   gradients). Values F hands to I/W are the stage's saved activations; B runs I then W.
+4. **Partition** each stage's per-rank joint program into three graphs (passes/partition.py):
+   ``F`` (what the stage's outputs need), ``I`` (what the input gradients need, beyond F) and
+   ``W`` (the rest: weight gradients). Values F hands to I/W are the stage's saved activations; B runs I then W.
 5. **Run** the schedule (autopar/analysis/schedules.py): each rank walks its action list; a forward
    receives its inputs (blocking ``recv`` from the producer's rank, tagged by edge and
    micro-batch), runs F, sends its outputs (``isend``); a backward receives the output gradients,
@@ -41,10 +41,9 @@ from torch import fx, nn
 
 from autopar.errors import CaptureError, PlanError
 from autopar.ir import CompileState, Stage
-from autopar.modpath import BLOCK as _BLOCK  # noqa: F401 (passes/twins.py reads it here)
 from autopar.modpath import block_of as _block
 from autopar.modpath import module_path as _path
-from autopar.passes.twins import find_twins
+from autopar.passes.twins import args_key, find_twins, value_key
 
 def split_pass(state: CompileState) -> CompileState:
     """After it: ``state.stages`` holds the stages this rank compiles (every stage when planning
@@ -82,7 +81,7 @@ def split_pass(state: CompileState) -> CompileState:
         ctx.stage = s
         ctx.sync_grads = False  # gradients summed over the micro-batches, reduced once per step
         state.stages.append(Stage(s, spec.gm, tuple(spec.example), list(params), ctx, spec=spec))
-    find_twins(state)  # stages that compile to the same program: compiled once (passes/twins.py)
+    find_twins(state, ids)  # stages that compile to the same program: compiled once (passes/twins.py)
     return state
 
 
@@ -139,37 +138,9 @@ def _node_flops(n: fx.Node, fake_mode) -> float:
 
 
 def _flops_key(n: fx.Node):
-    """What a node's FLOPs depend on: its op and its arguments (tensors by shape, dtype and
-    stride; plain constants by value); None when an argument is anything else."""
-    def key(a):
-        if isinstance(a, fx.Node):
-            v = a.meta.get("example_value")
-            if isinstance(v, torch.Tensor):
-                return ("t", tuple(v.shape), v.dtype, tuple(v.stride()))
-            return ("v", v) if v is None or isinstance(v, (int, float, bool)) else _NO_KEY
-        if isinstance(a, (list, tuple)):
-            return (type(a).__name__,) + tuple(key(x) for x in a)
-        if isinstance(a, dict):
-            return ("dict",) + tuple((k, key(v)) for k, v in sorted(a.items()))
-        if isinstance(a, slice):  # (not hashable before Python 3.12)
-            return ("slice", key(a.start), key(a.stop), key(a.step))
-        if a is None or a is Ellipsis or isinstance(a, (bool, int, float, str, torch.dtype, torch.device)):
-            return ("c", a)
-        return _NO_KEY
-
-    k = (n.op, n.target, key(n.args), key(n.kwargs))
-    return None if _NO_KEY in _flatten(k) else k
-
-
-_NO_KEY = object()
-
-
-def _flatten(k):
-    if isinstance(k, tuple):
-        for x in k:
-            yield from _flatten(x)
-    else:
-        yield k
+    """What a node's FLOPs depend on: its op and its arguments, argument nodes by their values'
+    shapes, dtypes and strides."""
+    return n.op, n.target, args_key((n.args, n.kwargs), lambda a: value_key(a.meta.get("example_value")))
 
 
 class _FormulaError(Exception):
@@ -256,12 +227,9 @@ def split_stages(gm: fx.GraphModule, n_stages: int, split: list[str] | None, dev
             out = n.meta.get("example_value")
             moved = _val_bytes(out) + sum(_val_bytes(a.meta.get("example_value")) for a in n.all_input_nodes)
             key = _flops_key(n)
-            if key is None or key not in seen:
-                flops = _node_flops(n, fake_mode)
-                if key is not None:
-                    seen[key] = flops
-            else:
-                flops = seen[key]
+            if key not in seen:
+                seen[key] = _node_flops(n, fake_mode)
+            flops = seen[key]
             t = max(flops / rate, moved / dev.mem_bw) + dev.op_overhead
             seg_cost[seg_of[n]] += 3 * t  # forward + backward (2x)
         for n in nodes:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import os
 import re
 
@@ -43,7 +42,7 @@ import torch
 from torch import fx
 
 from autopar.ir import CommRecord, NodeInfo, Program
-from autopar.modpath import block_of, module_path
+from autopar.modpath import block_of, get_attr, module_path
 
 _RANDOM = ("dropout", "rand", "bernoulli", "multinomial", "normal", "uniform", "exponential", "geometric",
            "cauchy", "log_normal", "random_")
@@ -53,13 +52,11 @@ def enabled() -> bool:
     return os.environ.get("AUTOPAR_STAGE_TWINS", "1") not in ("0", "false", "off")
 
 
-def find_twins(state) -> None:
-    """``stage.twin_of`` = the index of the earlier stage it is a twin of (None: compiled)."""
-    from autopar.capture import _tensor_names
-
+def find_twins(state, ids: dict) -> None:
+    """``stage.twin_of`` = the index of the earlier stage it is a twin of (None: compiled).
+    ``ids``: the model's tensors' (kind, name) by ``id`` (``capture._tensor_names``)."""
     if not enabled() or len(state.stages) < 2:
         return
-    ids = _tensor_names(state.model)
     seen: dict[tuple, int] = {}
     for st in state.stages:
         sig = signature(st, ids)
@@ -82,46 +79,38 @@ def _canonical(name: str, blocks: dict[str, int]) -> str:
     return f"{head}#{blocks[b]}{name[len(b):]}"
 
 
-def _attr(gm, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-    return obj
-
-
-def _val_key(v):
+def value_key(v):
+    """A value as a hashable key: tensors by shape, dtype, stride and requires_grad; lists
+    element-wise; plain constants by value; anything else by its type."""
     if isinstance(v, torch.Tensor):
         return ("t", tuple(v.shape), str(v.dtype), tuple(v.stride()), v.requires_grad)
     if isinstance(v, (list, tuple)):
-        return tuple(_val_key(x) for x in v)
+        return tuple(value_key(x) for x in v)
     return repr(v) if isinstance(v, (int, float, bool, str, type(None))) else type(v).__name__
 
 
-def _const_key(a, index):
+def args_key(a, node_key):
+    """A node's arguments as a hashable key: each argument node by ``node_key(node)``, constants by
+    value, any other object by identity (it only equals itself). Also the split pass's memo of FLOP
+    counts (passes/split.py), with nodes keyed by their values."""
     if isinstance(a, fx.Node):
-        return ("n", index[a])
+        return node_key(a)
     if isinstance(a, (list, tuple)):
-        return (type(a).__name__,) + tuple(_const_key(x, index) for x in a)
+        return (type(a).__name__,) + tuple(args_key(x, node_key) for x in a)
     if isinstance(a, dict):
-        return ("dict",) + tuple((k, _const_key(v, index)) for k, v in a.items())
+        return ("dict",) + tuple((k, args_key(v, node_key)) for k, v in a.items())
     if a is None or isinstance(a, (bool, int, float, complex, str, slice, torch.dtype, torch.device,
                                    torch.layout, torch.memory_format)) or a is Ellipsis:
         return repr(a)
-    return ("id", id(a))  # anything else only equals itself (the same object in both stages)
+    return ("id", id(a))
 
 
-def _tensor_value_key(t) -> object:
+def _tensor_key(t, fp) -> object:
+    """A parameter or buffer by its description (capture_cache's fingerprint), a buffer's values too
+    where it has values; a parameter's values are trained, not part of the program."""
     if not isinstance(t, torch.Tensor):
         return ("id", id(t))
-    key = (tuple(t.shape), str(t.dtype), t.requires_grad)
-    if t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor) or t.layout != torch.strided:
-        return key
-    if isinstance(t, torch.nn.Parameter):  # parameters: their values are trained, not part of the program
-        return key
-    data = t.detach().contiguous().cpu()
-    if data.dtype == torch.bfloat16:
-        data = data.view(torch.int16)
-    return key + (hashlib.blake2b(data.numpy().tobytes(), digest_size=16).hexdigest(),)
+    return fp.tensor(t, values=not isinstance(t, (torch.nn.Parameter, torch._subclasses.FakeTensor)))
 
 
 def _random(n: fx.Node) -> bool:
@@ -139,18 +128,21 @@ def _random(n: fx.Node) -> bool:
 
 def signature(st, ids) -> tuple | None:
     """What makes a stage's compiled program what it is (module docstring), or None: no twin."""
+    from autopar.capture_cache import _Fingerprint
+
     gm, spec, ctx = st.gm, st.spec, st.ctx
     nodes = list(gm.graph.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
+    index = {n: ("n", i) for i, n in enumerate(nodes)}
     blocks: dict[str, int] = {}
+    fp = _Fingerprint()  # (one per stage: which tensors are the same one, in order of use)
     out = []
     for n in nodes:
         if _random(n):
             return None
         if n.op == "get_attr":
-            t = _attr(gm, n.target)
+            t = get_attr(gm, n.target)
             kind, name = ids.get(id(t), ("const", None))
-            target = (kind, _canonical(name, blocks) if name else None, _tensor_value_key(t))
+            target = (kind, _canonical(name, blocks) if name else None, _tensor_key(t, fp))
             if kind == "param":
                 target += (tuple(str(p) for p in ctx.placed.placements.get(name, ())),
                            tuple(str(p) for p in ctx.placed.compute.get(name, ())))
@@ -159,10 +151,10 @@ def signature(st, ids) -> tuple | None:
         else:
             target = n.target if n.op == "call_function" else n.op
         path = module_path(n) if n.op not in ("placeholder", "output") else ""
-        out.append((n.op, target, _const_key(n.args, index), _const_key(n.kwargs, index),
-                    _val_key(n.meta.get("example_value")), _canonical(path, blocks) if path else ""))
+        out.append((n.op, target, args_key((n.args, n.kwargs), index.__getitem__),
+                    value_key(n.meta.get("example_value")), _canonical(path, blocks) if path else ""))
     inputs = tuple(i if i[0] == "user" else ("stage",) for i in spec.inputs)
-    example = tuple(_val_key(x) for x in st.example)
+    example = tuple(value_key(x) for x in st.example)
     return (tuple(out), inputs, example, tuple(spec.in_batched), tuple(spec.out_batched), spec.is_last)
 
 
@@ -172,23 +164,21 @@ def materialize(state) -> None:
     stages = {st.index: st for st in state.stages}
     named_buffers = dict(state.model.named_buffers(remove_duplicate=False))
     for st in state.stages:
-        if getattr(st, "twin_of", None) is None or st.program is not None:
+        if st.twin_of is None or st.program is not None:
             continue
         rep = stages[st.twin_of]
         if rep.program is None:
             continue
-        names = _name_map(rep, st)
-        rename = _renamer(names)
-        st.program = _copy_program(rep.program, names, rename, named_buffers)
-        st.ctx.kept_gathered = [(names.get(k, k), b) for k, b in getattr(rep.ctx, "kept_gathered", [])]
+        rename = _renamer(_name_map(rep, st))
+        st.program = _copy_program(rep.program, rename, named_buffers)
+        # (ctx.kept_gathered stays empty: a pipeline stage re-gathers every parameter, context.py)
 
 
 def copy_schedule(rep, st) -> None:
     """What the schedule pass made of ``rep`` (its gradient-sync program, its F / I / W / P parts
     and their byte counts), renamed for its twin ``st``."""
     rename = _renamer(_name_map(rep, st))
-    named_buffers = {}
-    st.sync = None if rep.sync is None else _copy_program(rep.sync, None, rename, named_buffers)
+    st.sync = None if rep.sync is None else _copy_program(rep.sync, rename, {})
     st.ph_names, st.out_names = list(rep.ph_names), list(rep.out_names)
     st.ph_vals = {n.name: n.meta["val"] for n in st.program.local.graph.nodes if n.op == "placeholder"}
 
@@ -233,7 +223,7 @@ def _role(r, rename):
     return (kind, rename(what))
 
 
-def _copy_program(p: Program, names, rename, named_buffers) -> Program:
+def _copy_program(p: Program, rename, named_buffers) -> Program:
     graph = _copy_graph(p.graph, rename)
     buffers = {}
     for k, v in p.buffers.items():

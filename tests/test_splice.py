@@ -52,6 +52,7 @@ def test_planner_figures_are_the_same_with_a_spliced_capture():
 
     plan = {"pp": {"schedule": "interleaved", "microbatches": 4, "virtual": 2}, "dp": "zero2", "tp": "sequence"}
     got = []
+    before = splice.STATS.get("spliced", 0)
     for on in (False, True):
         loaded = zoo.load("llama-small", meta=True, batch=8, seq=64, overrides={"n_layers": 8})
         with fake_mesh({"pp": 2, "dp": 2, "tp": 2}, 0) as mesh, (splice.spliced() if on else _nothing()):
@@ -60,6 +61,7 @@ def test_planner_figures_are_the_same_with_a_spliced_capture():
         est = cost.predict_time(pm, cost.get_device("h100"))
         got.append((est.step_s, est.stage_seconds, est.bubble, cost.predict_memory(pm),
                     [(r.kind, r.axis, r.payload_bytes, r.reason) for r in pm.collectives()]))
+    assert splice.STATS.get("spliced", 0) == before + 1  # (the second compile was spliced)
     assert got[1] == got[0]
 
 

@@ -7,7 +7,7 @@ from autopar.planner.compose import Candidate, model_flops_per_step
 from autopar.planner.search import SearchResult
 
 
-def _gib(n: float, unit: int = 2**30) -> str:
+def _in_unit(n: float, unit: int = 2**30) -> str:
     return f"{n / unit:.1f}"
 
 
@@ -70,7 +70,7 @@ def report(res: SearchResult, top: int = 8) -> str:
     uname, unit = _unit(res)
     lines.append(f"autopar plan --plan auto: {info.spec} ({_params(info.params)} parameters, {info.layers} layers, "
                  f"global batch {info.batch} x seq {info.seq}) on {world or '?'} ranks, device {res.device}, budget "
-                 + (f"{_gib(res.budget, unit)} {uname} per rank" if res.budget else "none")
+                 + (f"{_in_unit(res.budget, unit)} {uname} per rank" if res.budget else "none")
                  + ("; per-rank programs costed as compile(inductor=True) runs them" if res.inductor else ""))
     lines.append(f"searched {res.considered} candidates in {res.seconds:.1f} s ({res.compiles} compiles: "
                  f"{res.coefficient_seconds:.1f} s for one block's figures per tp/recompute choice; blocks checked "
@@ -90,11 +90,11 @@ def report(res: SearchResult, top: int = 8) -> str:
         b = c.confirmed["bytes"] if c.confirmed else c.comm_bytes
         mesh = "x".join(f"{k}{v}" for k, v in c.mesh().items())
         lines.append(f"{i + 1:>2} {mesh:18s} {_cli_plan(c):44s} {c.recompute:9s} {f'{c.mbs}x{c.microbatches}':>8s} "
-                     f"{c.step_s * 1e3:9.1f} {tok:9.0f} {tf:{'7.1f' if tf >= 1 else '7.3f'}} {_gib(c.peak, unit):>8s} "
+                     f"{c.step_s * 1e3:9.1f} {tok:9.0f} {tf:{'7.1f' if tf >= 1 else '7.3f'}} {_in_unit(c.peak, unit):>8s} "
                      f"{(f'{c.bubble:.1%}' if c.pp > 1 else '-'):>6s} {b.get('dp', 0) / 1e9:7.2f} "
                      f"{b.get('tp', 0) / 1e9:7.2f} {b.get('pp', 0) / 1e9:6.2f}"
                      + "".join(f" {b.get(ax, 0) / 1e9:7.2f}" for ax in extra) + "  "
-                     + (f"confirmed (screen {c.screened[0] * 1e3:.1f} ms, {_gib(c.screened[1], unit)} {uname})" if c.confirmed
+                     + (f"confirmed (screen {c.screened[0] * 1e3:.1f} ms, {_in_unit(c.screened[1], unit)} {uname})" if c.confirmed
                         else "screened"))
     lines.append("")
     if res.ranked:

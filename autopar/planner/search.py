@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 import warnings
 from dataclasses import dataclass, field
 
 from autopar.errors import PlanError
-from autopar.forked import Forked, can_fork, shared_heap
+from autopar.forked import can_fork, side_by_side
 from autopar.planner.blocks import (DP_STRATEGIES, RECOMPUTE, SCHEDULES, TP_STRATEGIES, ModelInfo, block_coefficients,
                                      model_info)
 from autopar.planner.compose import CP_STRATEGIES, Candidate, candidates, cost
@@ -124,26 +123,14 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
     while rest and not coeffs:
         i, key = rest.pop(0)
         take(key, figures_of(i, key, True, progress))
-    mine, theirs = rest, []
-    child = None
-    if len(rest) > 1 and can_fork():
-        mine, theirs = rest[0::2], rest[1::2]
-        with shared_heap():
-            child = Forked(lambda: [figures_of(i, key, False, lambda s: None) for i, key in theirs])
-    got = {}
-    try:
-        for i, key in mine:
-            got[key] = figures_of(i, key, False, progress)
-    except BaseException:
-        if child is not None:
-            child.kill()
-        raise
-    if child is not None:
-        try:
-            got.update(zip([key for _, key in theirs], child.result()))
-        except RuntimeError:  # the child failed: its block choices here
-            for i, key in theirs:
-                got[key] = figures_of(i, key, False, progress)
+    mine, theirs = (rest[0::2], rest[1::2]) if len(rest) > 1 and can_fork() else (rest, [])
+
+    def figures(which, report):
+        return lambda: [figures_of(i, key, False, report) for i, key in which]
+
+    got_theirs, got_mine = side_by_side(figures(theirs, lambda s: None), figures(mine, progress),
+                                        again=figures(theirs, progress), fork=bool(theirs))
+    got = dict(zip([key for _, key in mine + theirs], got_mine + got_theirs))
     for _, key in rest:  # (in the keys' order, as one after the other)
         take(key, got[key])
     tcoef = time.perf_counter() - tc
@@ -225,7 +212,6 @@ def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, 
     from autopar.analysis import cost as C
     from autopar.models import zoo
     from autopar.mesh import fake_mesh
-
     from autopar.splice import spliced
 
     loaded = zoo.load(info.spec, batch=c.mbs * c.microbatches * c.data, seq=info.seq,
@@ -266,22 +252,7 @@ def confirm(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: st
 
     # the two depths side by side where this process can fork (autopar/forked.py): the shallower
     # in a child, the deeper here; a child that fails is compiled here again
-    child = None
-    if can_fork():
-        with shared_heap():
-            child = Forked(lambda: at(unit))
-    try:
-        b = at(2 * unit)
-    except BaseException:
-        if child is not None:
-            child.kill()
-        raise
-    a = None
-    if child is not None:
-        with contextlib.suppress(RuntimeError):
-            a = child.result()
-    if a is None:
-        a = at(unit)
+    a, b = side_by_side(lambda: at(unit), lambda: at(2 * unit))
     k = info.layers / unit - 1
     out = {"step_s": a["step_s"] + k * (b["step_s"] - a["step_s"]),
            "peak": int(a["peak"] + k * (b["peak"] - a["peak"])) if a["programs"] is None else

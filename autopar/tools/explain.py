@@ -217,8 +217,7 @@ def analyse(args, rank: int, progress: Progress) -> Analysis:
                                  prefetch=args.prefetch,
                                  reshard_after_forward={"default": None, "true": True, "false": False}[args.reshard_after_forward])
         notes = sorted({str(w.message) for w in caught if "autopar" in str(w.message)})
-        twins = [s for s, st in getattr(pm, "stages", {}).items() if getattr(st, "twin_of", None) is not None] \
-            if pm.pipelined else []
+        twins = [s for s, st in pm.stages.items() if st.twin_of is not None] if pm.pipelined else []
         if twins:
             notes.append(f"{len(twins)} of {len(pm.stages)} pipeline stages compile to an earlier stage's program and "
                          "were copied from it, renamed (passes/twins.py; AUTOPAR_STAGE_TWINS=0 traces every stage)")
