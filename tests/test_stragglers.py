@@ -12,8 +12,16 @@ import torch
 import autopar
 
 
+# The threshold leaves room for this machine: the suite's other worker shares the 2 cores, and
+# in a clean-clone run (2026-11-25) one rank of the balanced phase measured 2.26x its peer over a
+# whole window (earlier: 1.63x), so 1.5x flagged a balanced run. A rank sleeping 0.2 s of every
+# ~20 ms step is about 10x its peer.
+THRESHOLD = 4.0
+SLEEP = 0.2
+
+
 def _slow(loss):  # rank 1's extra work, inside its program, every step
-    time.sleep(0.1)
+    time.sleep(SLEEP)
     return loss
 
 
@@ -28,7 +36,7 @@ def straggler_job() -> dict:
     torch.manual_seed(0)
     x, y = batches[0]
     pm = autopar.compile(Llama(LlamaConfig(n_layers=1)), autopar.mesh(dp=2), example_inputs=(x, y), loss_fn=loss_fn,
-                         plan={"dp": "fsdp"}, capture_eval=False, straggler_window=10, straggler_threshold=1.5)
+                         plan={"dp": "fsdp"}, capture_eval=False, straggler_window=10, straggler_threshold=THRESHOLD)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     out = {}
     for phase in ("balanced", "rank 1 slow"):
@@ -59,7 +67,7 @@ def test_a_slow_rank_is_named_and_a_balanced_run_is_not(run):
     msg = slow["warnings"][-1]
     assert msg.startswith("straggler over steps 30-39: rank 1 (") and "rank 0:" in msg, msg
     assert list(slow["check"]["stragglers"]) == [1]
-    assert slow["check"]["stragglers"][1] > 1.5
+    assert slow["check"]["stragglers"][1] > THRESHOLD
 
 
 def test_step_times_split_compute_from_waiting(run):
@@ -67,12 +75,12 @@ def test_step_times_split_compute_from_waiting(run):
     assert t["steps"] == list(range(30, 40))
     comp, wait = torch.tensor(t["compute"]), torch.tensor(t["wait"])
     assert comp.shape == wait.shape == (2, 10)
-    # rank 1 sleeps 0.1 s of every step in its program: it computes that much longer, and rank 0
+    # rank 1 sleeps SLEEP s of every step in its program: it computes that much longer, and rank 0
     # waits for it in the step's collectives
-    assert float(comp[1].median()) > 0.1
-    assert float(wait[0].median()) > 0.08 > float(wait[1].median())
+    assert float(comp[1].median()) > SLEEP
+    assert float(wait[0].median()) > 0.8 * SLEEP > float(wait[1].median())
     assert "step times on this rank (median of the last 10 steps): compute" in run["report"]
-    assert "last straggler check (steps 30-39, threshold 1.5x): rank 1" in run["report"]
+    assert f"last straggler check (steps 30-39, threshold {THRESHOLD:g}x): rank 1" in run["report"]
 
 
 def test_straggler_options_are_validated(fake):
