@@ -85,11 +85,17 @@ class Context:
         return tuple(Replicate() for _ in self.axis_sizes)
 
     def output_hint(self, node: fx.Node):
-        """The placements the program's output wants for ``node`` (a gradient), if it is one."""
-        for u in node.users:
-            if u.op == "output":
-                return (info(u).wants or [None] * len(u.args[0]))[list(u.args[0]).index(node)]
-        return None
+        """The placements the program's output wants for ``node`` (a gradient), if it is one; also
+        through the dtype casts between it and the output (mixed precision: a bf16 gradient cast
+        to its fp32 parameter's dtype, which keeps its placement)."""
+        while True:
+            for u in node.users:
+                if u.op == "output":
+                    return (info(u).wants or [None] * len(u.args[0]))[list(u.args[0]).index(node)]
+            cast = next(iter(node.users), None) if len(node.users) == 1 else None
+            if cast is None or not _dtype_cast(cast):
+                return None
+            node = cast
 
     # process groups, for rule implementations and localize
     def group_name(self, axis: int) -> str:
@@ -134,3 +140,17 @@ def make_context(mesh: DeviceMesh, parsed: Plan, params: dict, options, accumula
         ctx.timings = state.timings
         ctx.lowered = state.lowered
     return ctx
+
+
+def _dtype_cast(n: fx.Node) -> bool:
+    """``n`` changes its one input's dtype and nothing else (so it keeps the input's placement)."""
+    aten, prims = torch.ops.aten, torch.ops.prims
+    if n.op != "call_function":
+        return False
+    if n.target is prims.convert_element_type.default:
+        return True
+    if n.target is not aten._to_copy.default or len(n.args) != 1 or not set(n.kwargs) <= {"dtype", "layout", "device"}:
+        return False
+    val = getattr(n.args[0], "meta", {}).get("val")
+    return (val is not None and n.kwargs.get("device", val.device) == val.device
+            and n.kwargs.get("layout", val.layout) == val.layout)

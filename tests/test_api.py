@@ -36,3 +36,6 @@ def test_verify_in_mixed_precision(pools):
     assert 0 < max(report.max_grad_diff) < 5e-2
     report, text = pools(2).run(verify_job, {"dp": "zero2"}, {"dp": 2}, precision="fp16")
     assert report.ok, text
+    # Megatron: the embedding's bf16 gradient is vocab-parallel through its cast to fp32
+    report, text = pools(2).run(verify_job, {"tp": "megatron"}, {"tp": 2}, precision="bf16")
+    assert report.ok, text

@@ -126,6 +126,19 @@ def test_mixed_precision_halves_bytes(fake):
         assert bf16_f32reduce["reduce_scatter"] == pytest.approx(f32["reduce_scatter"])
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_vocab_parallel_embedding_backward_in_any_precision(fake, precision):
+    """Under Megatron the embedding's gradient is computed for the rank's own vocabulary rows, also
+    when a cast to the fp32 parameter stands between it and the output (mixed precision): no
+    full-vocabulary gradient is materialized and sliced."""
+    with fake(tp=2) as mesh:
+        pm, _ = compile_llama(mesh, {"tp": "megatron"}, precision=precision)
+    vocab = LlamaConfig().vocab_size
+    rows = [n.meta["val"].shape[0] for n in pm.program.local.graph.nodes
+            if n.target is torch.ops.aten.embedding_dense_backward.default]
+    assert rows == [vocab // 2]
+
+
 @pytest.mark.parametrize("plan", ["ddp", "zero2", "zero3"])
 def test_accumulation_syncs_gradients_once(fake, plan):
     with fake(dp=2) as mesh:
