@@ -34,6 +34,7 @@ class Context:
         self.recompute = recompute
         self.accumulate = accumulate
         self.sync_grads = True  # False while building the no-sync program of accumulation
+        self.output_roles: list = []  # propagate: the roles of the program's outputs (output_hint)
         self._groups = [mesh.get_group(i).group_name for i in range(len(self.axis_sizes))]
         # a pipeline stage's program: (per input, per output) whether dim 0 is the batch
         self.boundary: tuple[list[bool], list[bool]] | None = None
@@ -87,11 +88,19 @@ class Context:
     def output_hint(self, node: fx.Node):
         """The placements the program's output wants for ``node`` (a gradient), if it is one; also
         through the dtype casts between it and the output (mixed precision: a bf16 gradient cast
-        to its fp32 parameter's dtype, which keeps its placement)."""
+        to its fp32 parameter's dtype, which keeps its placement). A gradient left unreduced (the
+        no-sync program of accumulation, a pipeline stage) has no required layout, but its
+        parameter's placement is still the layout to produce it in where a rule can at no cost
+        (the embedding's vocab rows): the sync program then has nothing to slice."""
         while True:
             for u in node.users:
                 if u.op == "output":
-                    return (info(u).wants or [None] * len(u.args[0]))[list(u.args[0]).index(node)]
+                    i = list(u.args[0]).index(node)
+                    want = (info(u).wants or [None] * len(u.args[0]))[i]
+                    role = self.output_roles[i] if i < len(self.output_roles) else None
+                    if want is None and role is not None and role[0] == "grad":
+                        want = self.placed.placements.get(role[1])
+                    return want
             cast = next(iter(node.users), None) if len(node.users) == 1 else None
             if cast is None or not _dtype_cast(cast):
                 return None

@@ -47,6 +47,7 @@ def propagate_pass(program: Program, ctx) -> Program:
     info(out).wants = [
         ctx.output_placements(role, o) if isinstance(o, fx.Node) else None
         for role, o in zip(program.outputs, out.args[0])]
+    ctx.output_roles = list(program.outputs)
     ctx.strategy_cache = {}  # repeated blocks ask DTensor the same question: answer it once
     _drop_legacy_empty_cat_inputs(graph)
     seq = SequenceDims(program, ctx)  # the activation layout of a sequence-parallel axis (autopar/layout.py)

@@ -126,15 +126,22 @@ def test_mixed_precision_halves_bytes(fake):
         assert bf16_f32reduce["reduce_scatter"] == pytest.approx(f32["reduce_scatter"])
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_vocab_parallel_embedding_backward_in_any_precision(fake, precision):
-    """Under Megatron the embedding's gradient is computed for the rank's own vocabulary rows, also
-    when a cast to the fp32 parameter stands between it and the output (mixed precision): no
+@pytest.mark.parametrize("mesh_plan,options", [
+    ({"tp": "megatron"}, {}),
+    ({"tp": "megatron"}, {"precision": "bf16"}),
+    ({"tp": "megatron"}, {"accumulate": 2}),  # the no-sync program: gradients left unreduced
+    ({"pp": "1f1b", "tp": "megatron"}, {"precision": "bf16"}),  # a pipeline stage: the same
+])
+def test_vocab_parallel_embedding_backward(fake, mesh_plan, options):
+    """Under Megatron the embedding's gradient is computed for the rank's own vocabulary rows:
+    also when a cast to the fp32 parameter stands between it and the output (mixed precision), and
+    when the program leaves its gradients unreduced (accumulation, pipeline stages). No
     full-vocabulary gradient is materialized and sliced."""
-    with fake(tp=2) as mesh:
-        pm, _ = compile_llama(mesh, {"tp": "megatron"}, precision=precision)
+    with fake(**{a: 2 for a in mesh_plan}) as mesh:
+        pm, _ = compile_llama(mesh, mesh_plan, **options)
+    programs = [st.program for st in pm.stages.values()] if pm.pipelined else [pm.program]
     vocab = LlamaConfig().vocab_size
-    rows = [n.meta["val"].shape[0] for n in pm.program.local.graph.nodes
+    rows = [n.meta["val"].shape[0] for p in programs for n in p.local.graph.nodes
             if n.target is torch.ops.aten.embedding_dense_backward.default]
     assert rows == [vocab // 2]
 

@@ -42,8 +42,9 @@ from autopar.planner.blocks import (DP_STRATEGIES, RECOMPUTE, SCHEDULES, TP_STRA
                                      ModelInfo, block_coefficients, figures_of, model_info)
 from autopar.planner.compose import AXES, CP_STRATEGIES, Candidate, candidates, cost, model_flops_per_step
 from autopar.planner.report import command_line, report, result_json
-from autopar.planner.search import SearchResult, compiled, confirm, search, verify
+from autopar.planner.search import SearchResult, compiled, confirm, same_programs, search, verify
 
 __all__ = ["AXES", "CP_STRATEGIES", "DP_STRATEGIES", "RECOMPUTE", "SCHEDULES", "TP_STRATEGIES", "Candidate", "Coefficients", "Figures",
            "ModelInfo", "SearchResult", "block_coefficients", "candidates", "command_line", "compiled", "confirm",
-           "cost", "figures_of", "model_flops_per_step", "model_info", "report", "result_json", "search", "verify"]
+           "cost", "figures_of", "model_flops_per_step", "model_info", "report", "result_json", "same_programs", "search",
+           "verify"]

@@ -85,6 +85,7 @@ def report(res: SearchResult, top: int = 8) -> str:
             f"{'TFLOP/s':>7s} {'peak ' + uname:>8s} {'bubble':>6s} {'dp GB':>7s} {'tp GB':>7s} {'pp GB':>6s}"
             + "".join(f" {ax + ' GB':>7s}" for ax in extra) + "  how")
     lines.append(head)
+    ranks = {c.label(): i + 1 for i, c in enumerate(shown)}
     for i, c in enumerate(shown):
         tok, tf = _throughput(c, info, c.world)
         b = c.confirmed["bytes"] if c.confirmed else c.comm_bytes
@@ -94,8 +95,9 @@ def report(res: SearchResult, top: int = 8) -> str:
                      f"{(f'{c.bubble:.1%}' if c.pp > 1 else '-'):>6s} {b.get('dp', 0) / 1e9:7.2f} "
                      f"{b.get('tp', 0) / 1e9:7.2f} {b.get('pp', 0) / 1e9:6.2f}"
                      + "".join(f" {b.get(ax, 0) / 1e9:7.2f}" for ax in extra) + "  "
-                     + (f"confirmed (screen {c.screened[0] * 1e3:.1f} ms, {_in_unit(c.screened[1], unit)} {uname})" if c.confirmed
-                        else "screened"))
+                     + (f"confirmed (screen {c.screened[0] * 1e3:.1f} ms, {_in_unit(c.screened[1], unit)} {uname}"
+                        + (f"; the programs of #{ranks[c.confirmed['same_as']]}" if c.confirmed.get("same_as") in ranks
+                           else "") + ")" if c.confirmed else "screened"))
     lines.append("")
     if res.ranked:
         c = res.ranked[0]
