@@ -20,10 +20,13 @@ the same way, and the largest taken (``autopar.analysis.liveness.peak_in_depth``
 Any figure that fails its check, or that a depth adds or drops (a collective kind that appears
 only from some depth on), makes ``plan`` compile every block instead, and say why.
 
-The three depths are compiled side by side where the process can fork (autopar/forked.py: the
-command line; ``AUTOPAR_PLAN_FORK=0`` switches it off): depths 3 and 4 each in a forked copy of
-this process, which sends back only the figures the extrapolation reads (``_figures``), depth 5
-here (its program is what ``plan`` shows). A depth whose child fails is compiled here instead.
+The depths are compiled side by side where the process can fork (autopar/forked.py: the command
+line; ``AUTOPAR_PLAN_FORK=0`` switches it off): depths 3 and 4 one after the other in a forked
+copy of this process, which sends back only the figures the extrapolation reads (``_figures``),
+depth 5 here (its program is what ``plan`` shows). Two processes for a 2-core machine: with one
+child per depth, three processes shared the cores and each paid the first compile's one-time
+costs (dynamo, DTensor's strategy choices, the model code); the child's second compile finds
+them warm. If the child fails, its depths are compiled here instead.
 
 Where it applies: built-in models (their config names the depth: ``n_layers`` /
 ``num_hidden_layers``) deeper than 5 blocks, under plans without a pipeline axis (a pipeline's
@@ -161,32 +164,35 @@ def analyse_by_depth(args, plan: dict, rank: int, progress, analyse) -> Analysis
         sub.set = list(args.set) + [f"{name}={d}"]
         return analyse(sub, rank, lambda s: report(f"{s} (depth {d} of {layers})"))
 
-    # the shallower depths in forked children (started first), the deepest here
-    children = {}
+    # the shallower depths one after the other in one forked child (started first; the second
+    # compile finds dynamo, DTensor's strategies and the model code warm), the deepest here: two
+    # processes for the 2 cores, not three
+    shallow = list(DEPTHS[:-1])
+    child = None
     if can_fork():
         with shared_heap():
-            children = {d: Forked(lambda d=d: _figures(at(d, lambda s: None))) for d in DEPTHS[:-1]}
+            child = Forked(lambda: [_figures(at(d, lambda s: None)) for d in shallow])
     try:
         last = at(DEPTHS[-1], progress)
         deepest = _figures(last)
     except BaseException:
-        for c in children.values():
-            c.kill()
+        if child is not None:
+            child.kill()
         raise
     if deepest is None:  # the plan does not qualify at any depth
-        for c in children.values():
-            c.kill()
+        if child is not None:
+            child.kill()
         return None
-    figs = []
-    for d in DEPTHS[:-1]:
-        if d in children:
-            try:
-                figs.append(children[d].result())
-                continue
-            except RuntimeError as e:  # this depth again, here (where its error, if it is one, is raised)
-                progress(f"depth {d} in a forked process failed ({str(e).splitlines()[0][:120]}): compiling it here")
-                children.pop(d)
-        figs.append(_figures(at(d, progress)))
+    figs = None
+    if child is not None:
+        try:
+            figs = child.result()
+        except RuntimeError as e:  # those depths again, here (where an error, if it is one, is raised)
+            progress(f"depths {shallow} in a forked process failed ({str(e).splitlines()[0][:120]}): compiling "
+                     "them here")
+            child = None
+    if figs is None:
+        figs = [_figures(at(d, progress)) for d in shallow]
     figs.append(deepest)
     if any(f is None for f in figs):
         return None
@@ -206,7 +212,8 @@ def analyse_by_depth(args, plan: dict, rank: int, progress, analyse) -> Analysis
         return None
     seconds = {k: sum(f["seconds"].get(k, 0.0) for f in figs) for k in ("build", "compile", "cost_model", "total")}
     out["seconds"] = seconds
-    out["extrapolated"] = {"depths": list(DEPTHS), "layers": layers, "field": name, "forked": sorted(children)}
+    out["extrapolated"] = {"depths": list(DEPTHS), "layers": layers, "field": name,
+                           "forked": shallow if child is not None else []}
     return Analysis(last.model, last.axes, last.plan, rank, last.coord, last.options, last.pm, last.memory,
                     last.time, last.device, last.links, seconds, last.notes, int(out["parameters"]),
                     extrapolated=out)

@@ -475,7 +475,7 @@ def plan_table(results: list[Analysis]) -> str:
         + (f"; figures extrapolated from the model compiled at {ex['field']} = "
            f"{', '.join(map(str, ex['depths']))} to {ex['layers']} (every block's increment checked equal; "
            "--full-depth compiles every block"
-           + (f"; depth(s) {', '.join(map(str, ex['forked']))} compiled in forked processes beside this one, "
+           + (f"; depth(s) {', '.join(map(str, ex['forked']))} compiled in a forked process beside this one, "
               "the times above their sum" if ex.get("forked") else "") + ")"
            if (ex := sums[0].get("extrapolated")) else "")
         + (f"; {world} ranks: each stage's ranks run the same program on their own shards (SPMD), stages "
