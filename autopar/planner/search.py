@@ -171,7 +171,7 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
         # screened stays screened. (Not against the confirmed time: the screen errs either way
         # by up to 15%, and by different amounts between data-parallel strategies, whose extra
         # ops and collective latencies one block does not show: 70B's zero2 screened 2% behind
-        # ddp and compiled 2% ahead of it, while its screen was 15% above ddp's compiled time.)
+        # ddp and compiled 6% ahead of it, while its screen was 15% above ddp's compiled time.)
         best = min((d.screened[0] for d in done), default=math.inf)
         if c.step_s > 1.1 * best and len(done) >= min(want, confirm_top):
             skipped.append(c)
