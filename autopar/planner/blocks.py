@@ -29,6 +29,10 @@ class Figures:
     fwd_s: float = 0.0  # forward: compute + exposed communication on the block's own axes (tp, cp, ep)
     bwd_s: float = 0.0
     flops: int = 0
+    # of fwd_s / bwd_s, what a pipeline runs on its first stage: the embedding's ops, forward and
+    # backward (``_embedding_seconds``; zero for a block)
+    first_fwd_s: float = 0.0
+    first_bwd_s: float = 0.0
     # wire bytes per rank on the block's own axes: (axis, "mb") per micro-batch (activations,
     # attention's all-to-alls and ring shifts, routed tokens), (axis, "grad") once per step (the
     # gradients of parameters replicated on cp / ep, sequence parallelism's norm weights on tp)
@@ -44,7 +48,7 @@ class Figures:
         if k == 1:
             return self
         return Figures(self.param_elems, self.params, self.copies, self.grads, int(self.acts * k), self.fwd_s * k,
-                       self.bwd_s * k, int(self.flops * k),
+                       self.bwd_s * k, int(self.flops * k), self.first_fwd_s * k, self.first_bwd_s * k,
                        comm={key: int(v * k) if key[1] == "mb" else v for key, v in self.comm.items()})
 
     def bytes_on(self, axis: str, what: str) -> int:
@@ -60,7 +64,7 @@ class Figures:
         return bad
 
 
-_SCALARS = ("param_elems", "params", "copies", "grads", "acts", "fwd_s", "bwd_s", "flops")
+_SCALARS = ("param_elems", "params", "copies", "grads", "acts", "fwd_s", "bwd_s", "flops", "first_fwd_s", "first_bwd_s")
 
 
 def figures_of(pm, dev, fused: bool = False) -> Figures:
@@ -82,9 +86,83 @@ def figures_of(pm, dev, fused: bool = False) -> Figures:
         key = (r.axis, "grad" if r.reason.startswith("gradient of") else "mb")
         comm[key] = comm.get(key, 0) + int(r.wire_bytes)
     copies = prog.max_by["param_copies"]
+    first_f, first_b = _embedding_seconds(pm, dev, links, fused)
     return Figures(elems, mem["parameters"], copies, prog.max_by["grads_in_flight"],
                    prog.peak_without_grads - copies, est.step_s * fwd_share, est.step_s * (1 - fwd_share),
-                   est.flops, comm)
+                   est.flops, first_f, first_b, comm)
+
+
+def is_embedding(name: str) -> bool:
+    """A parameter (or module path) of the model's embeddings: what a pipeline's first stage holds
+    besides its blocks (``ModelInfo.embed_share`` counts the same)."""
+    return ".layers." not in f".{name}" and ("embed" in name or "wte" in name or "wpe" in name)
+
+
+def _embedding_seconds(pm, dev, links, fused: bool) -> tuple[float, float]:
+    """The cost model's seconds of the embedding's ops in ``pm``'s per-rank program, forward and
+    backward: the forward ops that read the embeddings' parameters and no other parameter (the
+    cast of the table, the lookup, its all-reduce under a vocab-parallel table), and the backward
+    ops that only the embeddings' gradients need (every other output reads none of them). The
+    composition runs these on a pipeline's first stage and the rest of the non-block work (final
+    norm, LM head, loss) on its last, as the split places them."""
+    from torch import fx
+
+    from autopar.analysis import cost
+    from autopar.ir import info as node_info
+
+    gm = pm.program.local
+    fusion = cost.fusion_of(gm) if fused else None
+    share = cost.core_share(dev, math.prod(pm.ctx.axis_sizes))
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+
+    def ancestors(roots) -> set:
+        seen, todo = set(), [r for r in roots if isinstance(r, fx.Node)]
+        while todo:
+            n = todo.pop()
+            if n not in seen:
+                seen.add(n)
+                todo.extend(n.all_input_nodes)
+        return seen
+
+    mine = [o for role, o in zip(pm.program.outputs, out.args[0]) if role[0] == "grad" and is_embedding(role[1])]
+    others = [o for role, o in zip(pm.program.outputs, out.args[0]) if not (role[0] == "grad" and is_embedding(role[1]))]
+    only_embedding_grads = ancestors(mine) - ancestors(others)
+    reads: dict = {}  # node -> which parameters it reads, transitively: {"embedding", "other"}
+    roles = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], pm.program.inputs))
+    fwd = bwd = 0.0
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            role = roles.get(n)
+            reads[n] = ({"embedding" if is_embedding(role[1]) else "other"} if role and role[0] == "param"
+                        else set())
+            continue
+        reads[n] = set().union(*(reads.get(a, set()) for a in n.all_input_nodes))
+        if n.op != "call_function" or "wait_tensor" in str(n.target):
+            continue
+        backward = n.meta.get("partitioner_tag") == "is_backward"
+        if backward:
+            # (a forward value that read other parameters marks the LM head's half of a tied
+            # table's gradient: that runs on the last stage)
+            if n not in only_embedding_grads or any(
+                    "other" in reads.get(a, set()) for a in n.all_input_nodes
+                    if a.meta.get("partitioner_tag") != "is_backward"):
+                continue
+        elif reads[n] != {"embedding"}:
+            continue
+        rec = node_info(n).comm
+        if rec is not None:
+            dt = cost.comm_seconds(rec, links)
+        else:
+            try:
+                f = cost.node_flops(n)
+            except cost.UnknownFlops:
+                f = 0
+            dt = cost.compute_seconds(n, dev, f, share, fusion)
+        if backward:
+            bwd += dt
+        else:
+            fwd += dt
+    return fwd, bwd
 
 
 @dataclass

@@ -141,11 +141,14 @@ def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str
     links = axis_links(AXES, c.sizes(), dev)
     nstate = OPTIMIZER_STATE[optimizer]
 
-    # ---- time of one micro-batch per (virtual) stage; the rest's compute on the last stage
+    # ---- time of one micro-batch per (virtual) stage; the rest's compute where the split puts
+    # it: the embedding on the first stage, the final norm, LM head and loss on the last
     F = [per_stage * b.fwd_s for _ in range(stages)]
     B = [per_stage * b.bwd_s for _ in range(stages)]
-    F[-1] += r.fwd_s
-    B[-1] += r.bwd_s
+    F[0] += r.first_fwd_s
+    B[0] += r.first_bwd_s
+    F[-1] += r.fwd_s - r.first_fwd_s
+    B[-1] += r.bwd_s - r.first_bwd_s
     # FSDP: each block's parameters gathered in forward and again in backward, one block ahead
     gather_exposed = 0.0
     fsdp_bytes = 0.0
