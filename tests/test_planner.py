@@ -84,6 +84,22 @@ def test_pipeline_composition_puts_the_embedding_on_the_first_stage(cand):
     assert 0.95 <= v["time_ratio"] <= 1.05, v
 
 
+def test_composition_groups_blocks_into_stages_as_the_split_does():
+    """Blocks per stage from the split's own grouping (``passes/split.py`` ``_linear_partition``)
+    over the composition's segment times: equal stages when the embedding and the head are light,
+    fewer blocks beside a heavy head (Llama-3-8B's 128K-vocabulary head costs about 2.7 blocks:
+    its last stage of 8 holds 2, as the compiled split's does)."""
+    from autopar.planner.compose import _stage_blocks
+
+    block = P.Figures(params=10, fwd_s=1.0, bwd_s=2.0)
+    light = P.Figures(params=4, fwd_s=0.1, bwd_s=0.2, first_fwd_s=0.05, first_bwd_s=0.1)
+    heavy = P.Figures(params=4, fwd_s=3.0, bwd_s=5.5, first_fwd_s=0.3, first_bwd_s=0.4)
+    assert _stage_blocks(32, 8, block, light, 0.5) == [4] * 8
+    got = _stage_blocks(32, 8, block, heavy, 0.5)
+    assert sum(got) == 32 and got[-1] == 2 and max(got) == 5, got
+    assert _stage_blocks(32, 1, block, heavy, 0.5) == [32]
+
+
 @pytest.mark.parametrize("axes,plan,accumulate", [
     ({"pp": 2, "dp": 2}, {"pp": "1f1b"}, 1),  # a pipeline reduces gradients after the schedule
     ({"dp": 2}, {}, 2),  # accumulation reduces them after the last micro-batch
