@@ -1,8 +1,10 @@
 """What a pipeline axis in the plan means, checked before anything is traced.
 
 ``plan={"pp": "1f1b", ...}`` or ``{"pp": {"schedule": "interleaved", "microbatches": 8,
-"virtual": 2, "split": ["layers.2"]}}``: the schedule, the micro-batch count, the stages per
-rank and the split points; ``pipeline_setup`` turns that, the mesh and the batch into the
+"virtual": 2, "split": ["layers.2"], "balance": "h100"}}``: the schedule, the micro-batch count,
+the stages per rank, the split points, and the device whose costs balance the stages where no
+split points are given (default: this machine's: ``h100`` with CUDA, else ``cpu``; planning a
+GPU job on a CPU names the GPU); ``pipeline_setup`` turns that, the mesh and the batch into the
 sub-mesh every stage runs on, the stage plan and the validated action lists.
 """
 
@@ -25,6 +27,7 @@ class PipelineOptions:
     microbatches: int | None = None  # None: the default (see default_microbatches)
     virtual: int = 1
     split: list[str] | None = None  # module names that start a stage (S - 1 of them)
+    balance: str | None = None  # the device row whose costs balance the stages (None: this machine's)
 
     @classmethod
     def parse(cls, value, axis: str = "pp") -> PipelineOptions:
@@ -35,10 +38,10 @@ class PipelineOptions:
             raise PlanError(f"the pipeline axis wants a schedule name or a dict, got {value!r}", where=where,
                             fix=f'e.g. "{axis}": "1f1b" or {{"schedule": "interleaved", "virtual": 2, '
                             '"microbatches": 8}')
-        unknown = set(value) - {"schedule", "microbatches", "virtual", "split"}
+        unknown = set(value) - {"schedule", "microbatches", "virtual", "split", "balance"}
         if unknown:
             raise PlanError(f"unknown pipeline option(s) {sorted(unknown)}", where=where,
-                            fix="options are schedule, microbatches, virtual, split")
+                            fix="options are schedule, microbatches, virtual, split, balance")
         s = value.get("schedule")
         if s not in PP_SCHEDULES:
             raise PlanError(f"unknown pipeline schedule {s!r}", where=where, fix=f"use one of {list(PP_SCHEDULES)}")
@@ -52,7 +55,14 @@ class PipelineOptions:
         split = value.get("split")
         if split is not None and (not isinstance(split, (list, tuple)) or not all(isinstance(x, str) for x in split)):
             raise PlanError(f"split must be a list of module names, got {split!r}", where=f"{where}['split']")
-        return cls(s, m, v, list(split) if split is not None else None)
+        balance = value.get("balance")
+        if balance is not None:
+            from autopar.analysis.devices import DEVICES
+
+            if balance not in DEVICES:
+                raise PlanError(f"unknown device {balance!r} to balance the pipeline's stages by",
+                                where=f"{where}['balance']", fix=f"use one of {sorted(DEVICES)}")
+        return cls(s, m, v, list(split) if split is not None else None, balance)
 
 
 def default_microbatches(opts: PipelineOptions, p: int, batch_per_dp: int) -> int:

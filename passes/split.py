@@ -66,7 +66,7 @@ def split_pass(state: CompileState) -> CompileState:
     pl = o.pipeline
     check_rules_cover(pl.parsed, dict(state.model.named_parameters()))  # every stage's leftovers at once
     device = next((q.device for q in state.model.parameters()), torch.device("cpu"))
-    state.specs = split_stages(state.gm, pl.n_stages, pl.options.split, device=device)
+    state.specs = split_stages(state.gm, pl.n_stages, pl.options.split, device=device, dev_name=pl.options.balance)
     pp_rank = state.mesh.get_local_rank(pl.axis)
     mine = [s for s in range(pl.n_stages) if o.stages == "all" or pl.schedule.rank_of(s) == pp_rank]
     ids = _tensor_names(state.model)

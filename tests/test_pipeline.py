@@ -184,6 +184,7 @@ def test_partition_forward_and_backward(fake):
     ({"pp": {"schedule": "1f1b", "split": ["layers.0", "layers.1"]}}, {}, "2 split point"),
     ({"pp": {"schedule": "1f1b", "split": ["layers.9"]}}, {}, "no module named 'layers.9'"),
     ({"pp": {"schedule": "1f1b", "micro_batches": 4}}, {}, "unknown pipeline option"),
+    ({"pp": {"schedule": "1f1b", "balance": "tpu"}}, {}, "unknown device 'tpu' to balance"),
     ({"pp": "1f1b"}, {"accumulate": 2}, "already accumulate"),
     ({"pp": {"schedule": "interleaved", "virtual": 4}}, {}, "splittable segments"),
 ])

@@ -68,19 +68,23 @@ def test_composition_agrees_with_the_compiled_program(cand):
     assert 0.6 <= v["time_ratio"] <= 1.1, v
 
 
-@pytest.mark.parametrize("cand", [
-    P.Candidate(1, 2, 2, "ddp", "megatron", "1f1b", 1, "none", 1, 4),
-    P.Candidate(1, 1, 4, "ddp", None, "1f1b", 1, "none", 1, 8),
-], ids=lambda c: c.label().replace(" ", "_"))
-def test_pipeline_composition_puts_the_embedding_on_the_first_stage(cand):
+@pytest.mark.parametrize("cand,overrides,depth", [
+    (P.Candidate(1, 2, 2, "ddp", "megatron", "1f1b", 1, "none", 1, 4), None, 4),
+    (P.Candidate(1, 1, 4, "ddp", None, "1f1b", 1, "none", 1, 8), None, 4),
+    (P.Candidate(1, 1, 4, "ddp", None, "1f1b", 1, "none", 1, 8), {"n_layers": 8, "vocab_size": 65536}, 8),
+], ids=["tp2xpp2", "pp4", "pp4-large-vocab"])
+def test_pipeline_composition_puts_the_embedding_on_the_first_stage(cand, overrides, depth):
     """The screen's pipeline time within 5% of the compiled pipeline's: the embedding's ops
     (``blocks._embedding_seconds``) run on the first stage, the head and loss on the last, as the
-    split places them. With all of it on the last stage the screen was 6.5% and 7.2% high here."""
-    info = P.model_info("llama-small", 16, 64, None)
+    split places them. With all of it on the last stage the screen was 6.5% and 7.2% high on the
+    first two. The third: the compile balances its stages by the costs of the device planned for
+    (``balance``), as the composition does; by this CPU's costs it grouped 2, 3, 3 and 0 blocks,
+    and the screen was 20% low."""
+    info = P.model_info("llama-small", 16, 64, overrides)
     co = P.block_coefficients(info, cand.tp, cand.tp_strategy, "none", 1, precision="bf16", dev=H100)
     assert co.block.first_fwd_s == co.block.first_bwd_s == 0.0
     assert 0 < co.rest.first_fwd_s < co.rest.fwd_s and 0 < co.rest.first_bwd_s < co.rest.bwd_s
-    v = P.verify(cand, info, H100, precision="bf16", depth=4)
+    v = P.verify(cand, info, H100, precision="bf16", depth=depth)
     assert 0.95 <= v["time_ratio"] <= 1.05, v
 
 

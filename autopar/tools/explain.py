@@ -73,6 +73,22 @@ def parse_plan_arg(text: str) -> dict:
     return plan
 
 
+def balanced_for(plan: dict, device: str) -> dict:
+    """``plan`` with its pipeline axis balanced by ``device``'s costs (the ``--device`` being
+    planned for) unless it names split points or a device itself: planning a GPU job on a CPU
+    would otherwise balance the stages by the CPU's costs (``passes/split.py``)."""
+    from autopar.pipeline_plan import is_pipeline_strategy
+
+    out = dict(plan)
+    for axis, v in plan.items():
+        if is_pipeline_strategy(v):
+            v = {"schedule": v} if isinstance(v, str) else dict(v)
+            if "split" not in v:
+                v.setdefault("balance", device)
+            out[axis] = v
+    return out
+
+
 def _strategy_arg(text: str):
     """``1f1b`` -> "1f1b"; a pipeline schedule with options, ``interleaved:virtual=2:microbatches=8``
     (``split=layers.4+layers.8`` for split points) -> the plan's dict form."""
@@ -173,8 +189,13 @@ def dump_after(args, rank: int, progress: Progress) -> str:
     from autopar.models import zoo
     from autopar.tools.passdump import state_text
 
+    from autopar.analysis import cost
+
     axes = parse_mesh(args.mesh)
-    plan = parse_plan_arg(args.plan) if args.plan else {a: "ddp" for a in axes}
+    if args.devices:
+        cost.load_devices(args.devices)
+    plan = balanced_for(parse_plan_arg(args.plan) if args.plan else {a: "ddp" for a in axes},
+                        cost.get_device(args.device).name)
     progress(f"rank {rank}: building {args.model}")
     loaded = zoo.load(args.model, meta=not args.real, batch=args.batch, seq=args.seq,
                       overrides=zoo.parse_overrides(args.set))
@@ -210,7 +231,8 @@ def analyse(args, rank: int, progress: Progress) -> Analysis:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             pm = autopar.compile(loaded.model, mesh, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
-                                 plan=plan, precision=args.precision, reduce_dtype=args.reduce_dtype,
+                                 plan=balanced_for(plan, dev.name), precision=args.precision,
+                                 reduce_dtype=args.reduce_dtype,
                                  recompute=args.recompute, accumulate=args.accumulate,
                                  progress=lambda s: progress(f"rank {rank}: {s}"), capture_eval=False,
                                  pipeline_stages="all", kernels=args.kernels, bucket_mb=args.bucket_mb,
