@@ -126,30 +126,6 @@ def _simulated(schedule: str, pp: int, m: int, virtual: int, F: tuple, B: tuple,
     return hit
 
 
-_STAGE_BLOCKS: dict = {}
-
-
-def _stage_blocks(L: int, stages: int, b, r, embed_share: float) -> list[int]:
-    """Blocks per stage as the split's cost balancing groups them (``passes/split.py``
-    ``_linear_partition``, the same grouping; here each segment costs the composition's own
-    forward + backward seconds)."""
-    if stages == 1:
-        return [L]
-    first = r.first_fwd_s + r.first_bwd_s
-    key = (L, stages, b.fwd_s + b.bwd_s, first, r.fwd_s + r.bwd_s - first, b.params, r.params, embed_share)
-    hit = _STAGE_BLOCKS.get(key)
-    if hit is None:
-        from autopar.passes.split import _linear_partition
-
-        costs = [first] + [b.fwd_s + b.bwd_s] * L + [r.fwd_s + r.bwd_s - first]
-        nbytes = [int(embed_share * r.params)] + [b.params] * L + [int((1 - embed_share) * r.params)]
-        group = _linear_partition(costs, nbytes, stages)[1:-1]
-        hit = _STAGE_BLOCKS[key] = [group.count(s) for s in range(stages)]
-        if len(_STAGE_BLOCKS) > 4096:
-            _STAGE_BLOCKS.clear()
-    return hit
-
-
 def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str, optimizer: str = "adamw",
          layers: int | None = None, bucket_mb: float = 25) -> Candidate:
     """Fill ``c``'s predicted step time, peak bytes per rank and bytes per axis from one block's figures."""
@@ -158,13 +134,8 @@ def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str
     L = layers or info.layers
     b, r = co.block, co.rest
     stages = c.pp * c.virtual
-    # blocks per (virtual) stage, as the split groups them (passes/split.py): the prologue
-    # (embedding), each block and the epilogue (final norm, LM head, loss) are segments, grouped
-    # contiguously to minimise the slowest stage; stage s runs on pipeline rank s % pp
-    n_s = _stage_blocks(L, stages, b, r, info.embed_share)
-    on_rank = [[s for s in range(stages) if s % c.pp == rk] for rk in range(c.pp)]
-    blocks_on = [sum(n_s[s] for s in ss) for ss in on_rank]
-    per_rank = max(blocks_on)
+    per_stage = L // stages
+    per_rank = L // c.pp
     cb = _DTYPE_BYTES[precision]
     d = c.dp
     links = axis_links(AXES, c.sizes(), dev)
@@ -172,8 +143,8 @@ def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str
 
     # ---- time of one micro-batch per (virtual) stage; the rest's compute where the split puts
     # it: the embedding on the first stage, the final norm, LM head and loss on the last
-    F = [n * b.fwd_s for n in n_s]
-    B = [n * b.bwd_s for n in n_s]
+    F = [per_stage * b.fwd_s for _ in range(stages)]
+    B = [per_stage * b.bwd_s for _ in range(stages)]
     F[0] += r.first_fwd_s
     B[0] += r.first_bwd_s
     F[-1] += r.fwd_s - r.first_fwd_s
@@ -191,8 +162,8 @@ def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str
         bound = max(0.0, 2 * ag_b - b.fwd_s - b.bwd_s)
         if bound > exposed_f + exposed_b:
             exposed_f, exposed_b = bound / 2, bound / 2
-        F = [f + n * exposed_f for f, n in zip(F, n_s)]
-        B = [x + n * exposed_b for x, n in zip(B, n_s)]
+        F = [f + per_stage * exposed_f for f in F]
+        B = [x + per_stage * exposed_b for x in B]
         F[0] += ag_b  # the first gather has nothing to hide under
         gather_exposed = ag_b
     m = c.microbatches
@@ -229,26 +200,24 @@ def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str
     worst, parts = -1, {}
     # (gradients all-reduced over cp / ep first are held whole until their reduce-scatter)
     sharded_grads = c.dp_strategy in ("zero2", "fsdp") and d > 1 and c.cp == c.ep == 1
-    for rank in range(c.pp):
+    for rank in sorted({0, c.pp - 1}):
         if c.pp == 1:
             rest_share = 1.0
         else:
             rest_share = (info.embed_share if rank == 0 else 0.0) + ((1 - info.embed_share) if rank == c.pp - 1
                                                                      else 0.0)
-        mine = blocks_on[rank]  # the rank's blocks; its largest stage's, for what one stage holds
-        per_stage = max(n_s[s] for s in on_rank[rank])
-        elems = mine * b.param_elems + rest_share * r.param_elems
+        elems = per_rank * b.param_elems + rest_share * r.param_elems
         # ZeRO-1/2 and FSDP keep the fp32 master parameters sharded with the optimizer state
         params = elems * 4 / (d if c.dp_strategy != "ddp" else 1)
         opt = elems * 4 * nstate / (d if c.dp_strategy != "ddp" else 1)
-        grads = (mine * b.grads + rest_share * r.grads) / (d if sharded_grads else 1)
+        grads = (per_rank * b.grads + rest_share * r.grads) / (d if sharded_grads else 1)
         inflight = live[rank] if c.pp > 1 else 1  # (virtual stage, micro-batch) sets
         if c.dp_strategy == "fsdp" and d > 1:  # one block ahead gathered, the root kept gathered
             copies = (2 * b.param_elems + rest_share * r.param_elems) * cb
         else:
             # compute-dtype casts saved for the backward: one set of the rank's blocks (in a
             # pipeline the stage's prologue makes them once per step for every micro-batch)
-            copies = mine * b.copies + rest_share * r.copies
+            copies = per_rank * b.copies + rest_share * r.copies
             if c.dp_strategy in ("zero1", "zero2") and d > 1:  # the gathered full parameters
                 copies = max(copies, elems * cb)
         acts = inflight * per_stage * b.acts + rest_share * r.acts
@@ -256,7 +225,7 @@ def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str
             # the executor sums each stage's gradients (unreduced: the sync program reduces them
             # after the schedule) from the stage's first backward on, while later micro-batches'
             # activations are still in flight: the peak holds both
-            acc = mine * b.grads + rest_share * r.grads
+            acc = per_rank * b.grads + rest_share * r.grads
             # ... and a backward part returns its stage's gradients whole before they are added in
             program = acts + copies + acc + per_stage * b.grads + rest_share * r.grads
         else:

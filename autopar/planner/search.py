@@ -242,11 +242,8 @@ def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, 
     # assume identical blocks already
     with fake_mesh(c.mesh(), 0) as mesh, warnings.catch_warnings(), spliced():
         warnings.simplefilter("ignore")
-        plan = c.plan()
-        if "pp" in plan:  # its stages balanced by the costs of the device planned for, not this machine's
-            plan["pp"] = {**plan["pp"], "balance": dev.name}
         pm = autopar.compile(loaded.model, mesh, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
-                             plan=plan, precision=precision, recompute=c.recompute, capture_eval=False,
+                             plan=c.plan(), precision=precision, recompute=c.recompute, capture_eval=False,
                              kernels="off", accumulate=c.microbatches if c.pp == 1 else 1, pipeline_stages="all")
         mem = C.predict_memory(pm, optimizer)
         est = C.predict_time(pm, dev, optimizer, fused)
