@@ -186,10 +186,9 @@ def parse_ranks(text: str, world: int) -> list[int]:
 def dump_after(args, rank: int, progress: Progress) -> str:
     """The program as the pass list leaves it after pass ``args.after`` (``autopar dump --after``)."""
     from autopar.compiler import build
+    from autopar.analysis import cost
     from autopar.models import zoo
     from autopar.tools.passdump import state_text
-
-    from autopar.analysis import cost
 
     axes = parse_mesh(args.mesh)
     if args.devices:
