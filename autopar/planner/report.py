@@ -97,7 +97,10 @@ def report(res: SearchResult, top: int = 8) -> str:
                      + "".join(f" {b.get(ax, 0) / 1e9:7.2f}" for ax in extra) + "  "
                      + (f"confirmed (screen {c.screened[0] * 1e3:.1f} ms, {_in_unit(c.screened[1], unit)} {uname}"
                         + (f"; the programs of #{ranks[c.confirmed['same_as']]}" if c.confirmed.get("same_as") in ranks
-                           else "") + ")" if c.confirmed else "screened"))
+                           else "")
+                        + ("; approximate: the split grouped the shallow compiles' blocks "
+                           + " and ".join("/".join(map(str, g)) for g in c.confirmed["uneven"]) + " per stage"
+                           if c.confirmed.get("uneven") else "") + ")" if c.confirmed else "screened"))
     lines.append("")
     if res.ranked:
         c = res.ranked[0]

@@ -255,9 +255,17 @@ def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, 
             "persistent": mem["parameters"] + mem["optimizer_state"], "accumulators": mem["accumulators"],
             **{k: C.program_memory(p.local, p.inputs, p.outputs)
                for k, p in (("joint", pm.program), ("sync", pm.sync_program)) if p is not None}}
+    # blocks per stage as the split grouped them (a pipeline): ``confirm``'s extrapolation in depth
+    # is exact only where every stage holds the same number
+    grouped = None
+    if pm.pipelined:
+        from autopar.modpath import block_of
+
+        grouped = [len({block_of(n) for n in (sp.param_names or sp.params) if block_of(n)}) for sp in pm.specs]
     # (collectives() lists the joint program once per micro-batch and the gradient sync program)
     return {"step_s": est.step_s, "peak": int(mem["step_peak"]), "bytes": by_axis,
-            "bubble": est.bubble, "compile_s": time.perf_counter() - t0, "programs": programs}
+            "bubble": est.bubble, "compile_s": time.perf_counter() - t0, "programs": programs,
+            "grouped": grouped}
 
 
 def confirm(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: str = "adamw",
@@ -281,6 +289,11 @@ def confirm(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: st
            "bytes": {ax: int(a["bytes"].get(ax, 0) + k * (b["bytes"].get(ax, 0) - a["bytes"].get(ax, 0)))
                      for ax in set(a["bytes"]) | set(b["bytes"])},
            "bubble": b["bubble"], "compile_s": a["compile_s"] + b["compile_s"], "depths": (unit, 2 * unit)}
+    # the split balances stages by cost: where it grouped the shallow models' blocks unevenly
+    # (a head heavier than a block), the extrapolation is not exact; say so (README, plan="auto")
+    uneven = [g for g in (a["grouped"], b["grouped"]) if g is not None and len(set(g)) > 1]
+    if uneven:
+        out["uneven"] = uneven
     return out
 
 
