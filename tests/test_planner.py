@@ -84,6 +84,17 @@ def test_pipeline_composition_puts_the_embedding_on_the_first_stage(cand, overri
     assert 0.95 <= v["time_ratio"] <= 1.05, v
 
 
+def test_confirmations_compile_pipelines_with_equal_stages():
+    """``confirm`` extrapolates a pipeline from one and two blocks per stage, which is exact only
+    for equal stages; the split alone balances a few blocks around a heavy head unevenly (this
+    model's head, at a 65,536 vocabulary, made 4 blocks 0/1/3/0 on this CPU's costs), so the shallow
+    compiles name their split points."""
+    info = P.model_info("llama-small", 16, 64, {"n_layers": 8, "vocab_size": 65536})
+    cand = P.Candidate(1, 1, 4, "ddp", None, "1f1b", 1, "none", 1, 8)
+    got = P.compiled(cand, info, H100, 4, precision="bf16")  # one block per stage, as confirm compiles
+    assert got["grouped"] == [1, 1, 1, 1]
+
+
 @pytest.mark.parametrize("axes,plan,accumulate", [
     ({"pp": 2, "dp": 2}, {"pp": "1f1b"}, 1),  # a pipeline reduces gradients after the schedule
     ({"dp": 2}, {}, 2),  # accumulation reduces them after the last micro-batch

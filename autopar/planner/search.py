@@ -233,7 +233,7 @@ def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, 
     from autopar.analysis import cost as C
     from autopar.models import zoo
     from autopar.mesh import fake_mesh
-    from autopar.splice import spliced
+    from autopar.splice import block_list, spliced
 
     loaded = zoo.load(info.spec, batch=c.mbs * c.microbatches * c.data, seq=info.seq,
                       overrides={**info.overrides, info.depth_field: depth})
@@ -242,8 +242,16 @@ def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, 
     # assume identical blocks already
     with fake_mesh(c.mesh(), 0) as mesh, warnings.catch_warnings(), spliced():
         warnings.simplefilter("ignore")
+        plan = c.plan()
+        found = block_list(loaded.model) if c.pp > 1 else None
+        if found is not None and depth < info.layers:
+            # a shallow compile for ``confirm``: equal blocks per stage, named, so that the
+            # extrapolation in depth is exact (the split would balance these few blocks around a
+            # heavy head unevenly, and the line through two uneven groupings misses: README)
+            per = depth // (c.pp * c.virtual)
+            plan["pp"] = {**plan["pp"], "split": [f"{found[0]}.{i}" for i in range(per, depth, per)]}
         pm = autopar.compile(loaded.model, mesh, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
-                             plan=c.plan(), precision=precision, recompute=c.recompute, capture_eval=False,
+                             plan=plan, precision=precision, recompute=c.recompute, capture_eval=False,
                              kernels="off", accumulate=c.microbatches if c.pp == 1 else 1, pipeline_stages="all")
         mem = C.predict_memory(pm, optimizer)
         est = C.predict_time(pm, dev, optimizer, fused)
