@@ -81,12 +81,16 @@ def _canonical(name: str, blocks: dict[str, int]) -> str:
 
 def value_key(v):
     """A value as a hashable key: tensors by shape, dtype, stride and requires_grad; lists
-    element-wise; plain constants by value; anything else by its type."""
+    element-wise; plain constants, dtypes and devices by value; anything else by identity (it
+    only equals itself: two different objects of one type never make two stages twins, or two
+    ops one FLOP count)."""
     if isinstance(v, torch.Tensor):
         return ("t", tuple(v.shape), str(v.dtype), tuple(v.stride()), v.requires_grad)
     if isinstance(v, (list, tuple)):
         return tuple(value_key(x) for x in v)
-    return repr(v) if isinstance(v, (int, float, bool, str, type(None))) else type(v).__name__
+    if isinstance(v, (int, float, bool, str, type(None), torch.dtype, torch.device)):
+        return repr(v)
+    return ("id", id(v))
 
 
 def args_key(a, node_key):

@@ -225,7 +225,7 @@ def model_info(spec: str, batch: int | None, seq: int | None, overrides: dict | 
     for name, p in loaded.model.named_parameters():
         if ".layers." in f".{name}":
             continue
-        if "embed" in name or "wte" in name or "wpe" in name:
+        if is_embedding(name):
             embed += p.numel()
         else:
             other += p.numel()

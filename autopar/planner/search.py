@@ -168,10 +168,10 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
     while fits and tries < 3 * want and (len(done) < want or fits[0].step_s < min(d.step_s for d in done)):
         c = fits.pop(0)
         # screen against screen: a candidate screened 10% slower than the best confirmed one was
-        # screened stays screened. (Not against the confirmed time: the screen errs either way
-        # by up to 15%, and by different amounts between data-parallel strategies, whose extra
-        # ops and collective latencies one block does not show: 70B's zero2 screened 2% behind
-        # ddp and compiled 6% ahead of it, while its screen was 15% above ddp's compiled time.)
+        # screened stays screened. (Not against the confirmed time: the screen errs either way,
+        # by up to 20% and by different amounts between data-parallel strategies, whose extra ops
+        # and collective latencies one block does not show; a screen against another candidate's
+        # compiled time mixes two errors. README, plan="auto": 70B's zero2 was left unconfirmed so.)
         best = min((d.screened[0] for d in done), default=math.inf)
         if c.step_s > 1.1 * best and len(done) >= min(want, confirm_top):
             skipped.append(c)
