@@ -25,6 +25,8 @@ misses per kind (the tests read it).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import enum
 import functools
@@ -44,8 +46,23 @@ _DEPTH = 8  # how deep the fingerprint walks into attribute objects before it gi
 STATS: dict[str, int] = {}
 
 
+_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("autopar_capture_cache_off", default=False)
+
+
 def enabled() -> bool:
-    return os.environ.get("AUTOPAR_CAPTURE_CACHE", "1") not in ("0", "false", "off")
+    return not _OFF.get() and os.environ.get("AUTOPAR_CAPTURE_CACHE", "1") not in ("0", "false", "off")
+
+
+@contextlib.contextmanager
+def bypassed():
+    """No lookups and no entries inside (this thread / context): for a caller that traces each
+    model once (``autopar plan`` of one rank), where keying a graph and keeping a copy of it cost
+    0.05-0.1 s a compile and nothing would ever read them."""
+    token = _OFF.set(True)
+    try:
+        yield
+    finally:
+        _OFF.reset(token)
 
 
 class _Unkeyable(Exception):

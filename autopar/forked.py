@@ -52,7 +52,6 @@ def shared_heap():
     import torch._functorch.aot_autograd  # noqa: F401
     import torch.fx.experimental.proxy_tensor  # noqa: F401
 
-    gc.collect()
     gc.freeze()
     try:
         yield

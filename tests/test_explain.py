@@ -276,3 +276,26 @@ def test_an_oversubscribed_cpu_runs_collectives_on_the_compute_stream(fake):
     work = sum(sum(v) for v in e2.stage_seconds.values()) * pm.microbatches  # every action at one core
     assert e2.step_s >= work / 2 and e1.step_s >= work
     assert e1.step_s > e2.step_s
+
+
+def test_console_commands_leave_at_once_with_everything_written(tmp_path):
+    """As the console script, ``plan`` / ``dump`` leave by os._exit with the cyclic collector off
+    (autopar/tools/cli.py): what they print and write must all be there, exit codes kept, and a
+    reader that goes away early (``| head``) must not turn into a traceback."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "autopar.tools.cli"]
+    out = subprocess.run(cmd + ["plan", "llama-tiny", "--mesh", "dp=2", "--plan", "dp=fsdp", "--json", "-q",
+                                "-o", str(tmp_path / "plan.json")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads((tmp_path / "plan.json").read_text())[0]["parameters"] > 0
+    out = subprocess.run(cmd + ["dump", "llama-tiny", "--mesh", "dp=2", "-q"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and "collectives per step" in out.stdout.rstrip().splitlines()[-1], out.stdout[-500:]
+    out = subprocess.run(cmd + ["plan", "llama-tiny", "--mesh", "dp=two", "-q"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2 and "needs a positive integer size" in out.stderr
+    head = subprocess.run(" ".join(cmd + ["dump", "llama-tiny", "--mesh", "dp=2", "-q"]) + " | head -1", shell=True,
+                          capture_output=True, text=True, timeout=300)
+    assert head.stdout.startswith("# per-rank program") and "Traceback" not in head.stderr, head.stderr[-2000:]

@@ -15,6 +15,7 @@ import threading
 import pytest
 import torch
 from torch import fx
+from torch._dynamo import functional_export
 from torch.distributed.tensor import _sharding_prop
 from torch.distributed.tensor._ops._view_ops import _ViewShardingPropagator
 from torch.utils import flop_counter
@@ -86,6 +87,7 @@ def torch_state() -> dict:
         "sdpa": torch.nn.functional.scaled_dot_product_attention,
         "selector": _sharding_prop._select_min_cost_strategy,
         "view split": _ViewShardingPropagator._find_shard_for_split,
+        "export's constraint check": functional_export._suggest_or_raise_constraint_violation,
         "nll_loss AutogradMeta kernel": torch._C._dispatch_has_kernel_for_dispatch_key("aten::nll_loss", "AutogradMeta"),
         "torch function modes": torch._C._len_torch_function_stack(),
         "cpu flash FLOP formulas": [op in flop_counter.flop_registry for op in CPU_FLASH],
@@ -95,6 +97,7 @@ def torch_state() -> dict:
 
 PRISTINE = {"sdpa": torch._C._nn.scaled_dot_product_attention, "selector": _sharding_prop._select_min_cost_strategy,
             "view split": _ViewShardingPropagator._find_shard_for_split,
+            "export's constraint check": functional_export._suggest_or_raise_constraint_violation,
             "nll_loss AutogradMeta kernel": False, "torch function modes": 0, "cpu flash FLOP formulas": [False, False],
             "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET")}
 
@@ -180,3 +183,31 @@ def test_autopars_selector_is_seen_only_by_the_propagating_thread(monkeypatch):
     with pytest.raises(RuntimeError), propagate._choose_with(node):
         raise RuntimeError("a rule failed")
     assert _sharding_prop._select_min_cost_strategy is dtensor_select
+
+
+def test_exports_constraint_check_is_skipped_for_autopars_static_captures_only(monkeypatch):
+    """autopar's captures skip export's guard building (they have no dynamic dimensions to check);
+    a capture with dynamic shapes, or any other thread's export, still runs it; the check is
+    torch's own again afterwards."""
+    from autopar import capture
+
+    calls = []
+
+    def check(module_to_trace, orig_callable, fake_mode, graph_capture_output, args, kwargs, dynamic_shapes):
+        calls.append((threading.current_thread().name, dynamic_shapes))
+
+    monkeypatch.setattr(functional_export, "_suggest_or_raise_constraint_violation", check)
+    with capture._static_capture():
+        f = functional_export._suggest_or_raise_constraint_violation
+        f(None, None, None, None, (), {}, None)  # static: skipped
+        f(None, None, None, None, (), {}, dynamic_shapes={"x": {0: "batch"}})
+        other = threading.Thread(target=f, args=(None, None, None, None, (), {}, None), name="other")
+        other.start()
+        other.join()
+    assert calls == [("MainThread", {"x": {0: "batch"}}), ("other", None)]
+    assert functional_export._suggest_or_raise_constraint_violation is check
+    # and a real capture goes through the skip: torch's check is never called
+    monkeypatch.setattr(autopar.capture_cache, "enabled", lambda: False)
+    calls.clear()
+    capture.capture_graph(torch.nn.Linear(4, 4), (torch.randn(2, 4), torch.randn(2, 4)), lambda y, t: ((y - t) ** 2).sum())
+    assert calls == []
