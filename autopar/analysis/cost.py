@@ -431,38 +431,19 @@ def predict_pipeline_memory(pm, optimizer: str = "adamw") -> dict:
     on the sums."""
     state = persistent_memory(pm, optimizer)
     flight = pm.predicted_in_flight()
-    trans, acc, mem = {}, {}, {}
+    trans, acc, mem, sync_peak = {}, {}, {}, {}
     for s, sp in pm.local.items():
         # the prologue's outputs held outside (counted once, below), as the executor holds them
         mem[s] = program_memory(sp.program.local, sp.program.inputs, sp.program.outputs,
                                 frozenset(sp.prologue.outs) if sp.prologue is not None else frozenset())
         trans[s] = max(0, mem[s].peak - sp.saved_bytes)
         acc[s] = accumulator_bytes(sp.program)
-    once = sum(sp.prologue_bytes for sp in pm.local.values())  # the prologues' outputs: the whole schedule
-    held, started, peak, at_stage = 0, set(), 0, None
-    for kind, s, _ in pm.schedule.actions[pm.pp_rank]:
-        sp = pm.stages[s]
-        if kind == "F":
-            held += sp.saved_bytes
-        level = once + held + sum(acc[t] for t in started) + trans[s]
-        if level >= peak:
-            peak, at_stage = level, s
-        if kind == "B":
-            held -= sp.saved_bytes
-        elif kind == "I":
-            held += sp.saved_after_i - sp.saved_bytes
-        elif kind == "W":
-            held -= sp.saved_after_i
-        if kind in ("B", "W", "FB"):
-            started.add(s)
-    # the sync programs, one stage after the other, on the sums (held until each one runs)
-    total_acc = sum(acc.values())
-    sync = 0
-    for s, sp in pm.local.items():
         if sp.sync is not None:
-            m = program_memory(sp.sync.local, sp.sync.inputs, sp.sync.outputs)
-            sync = max(sync, total_acc - acc[s] + m.peak)
-    sync = max(sync, total_acc)
+            sync_peak[s] = program_memory(sp.sync.local, sp.sync.inputs, sp.sync.outputs).peak
+    once = sum(sp.prologue_bytes for sp in pm.local.values())  # the prologues' outputs: the whole schedule
+    saved = {s: (sp.saved_bytes, sp.saved_after_i) for s, sp in pm.stages.items()}
+    peak, at_stage, sync = _pipeline_peak(pm.schedule.actions[pm.pp_rank], saved, trans, acc, sync_peak, once)
+    total_acc = sum(acc.values())
     m = mem[at_stage] if at_stage is not None else ProgramMemory()
     best = max(0, peak - flight["peak_bytes"] - total_acc - once)
     at = {k: v * trans.get(at_stage, 0) / max(1, sum(m.at_peak.values())) for k, v in m.at_peak.items()}
@@ -481,13 +462,39 @@ def predict_pipeline_memory(pm, optimizer: str = "adamw") -> dict:
     return out
 
 
+def _pipeline_peak(actions, saved: dict, trans: dict, acc: dict, sync_peak: dict, once: int):
+    """(the most the action list holds at once, the stage running then, the sync's peak): the walk
+    of ``predict_pipeline_memory``, on plain numbers per stage (``saved``: stage -> (saved bytes
+    per micro-batch, saved after its I part); ``trans`` / ``acc`` / ``sync_peak``: this rank's
+    stages' transient, accumulator and gradient-sync peak bytes; ``once``: the prologues' outputs)."""
+    held, started, peak, at_stage = 0, set(), 0, None
+    for kind, s, _ in actions:
+        sb, after_i = saved[s]
+        if kind == "F":
+            held += sb
+        level = once + held + sum(acc[t] for t in started) + trans[s]
+        if level >= peak:
+            peak, at_stage = level, s
+        if kind == "B":
+            held -= sb
+        elif kind == "I":
+            held += after_i - sb
+        elif kind == "W":
+            held -= after_i
+        if kind in ("B", "W", "FB"):
+            started.add(s)
+    # the sync programs, one stage after the other, on the sums (held until each one runs)
+    total_acc = sum(acc.values())
+    sync = max([total_acc] + [total_acc - acc[s] + p for s, p in sync_peak.items()])
+    return peak, at_stage, sync
+
+
 def predict_pipeline_time(pm, dev: Device, optimizer: str = "adamw", fused: bool = False) -> TimeEstimate:
     """Each compiled stage's F / I / W programs simulated (compute + its collectives), the
     schedule's action lists simulated with those per-stage costs and one alpha-beta transfer of
     the largest activation per hop on the pipeline axis, then this rank's gradient sync and
     optimizer step. Stages other ranks hold are costed when compiled (``autopar plan`` compiles
     them all); otherwise every stage is assumed to cost what this rank's stages cost on average."""
-    from autopar.analysis import schedules as S
 
     links = _pipeline_links(pm, dev)
     world = math.prod(pm.mesh.shape)
@@ -536,16 +543,8 @@ def predict_pipeline_time(pm, dev: Device, optimizer: str = "adamw", fused: bool
         known = [v for v in vals if v is not None]
         mean = sum(known) / len(known) if known else 0.0
         per[kind] = [mean if v is None else v for v in vals]
-    tl = S.simulate(pm.schedule, per, comm=hop, per_stage=True)
-    makespan = tl.makespan
-    if blocking:
-        # a rank waiting in the schedule's bubbles leaves its core to the busy ones; the node's
-        # cores still run all of its ranks' actions: every stage's ranks (world / pp of them) do
-        # that stage's F, I and W once per micro-batch, and send its activations forward and
-        # their gradients back (CPU work too: gloo copies them through the kernel)
-        pp = pm.mesh.shape[list(pm.mesh.mesh_dim_names).index(pm.pp_axis)]
-        work = (sum(per[k][t] for k in per for t in range(n)) + 2 * (n - 1) * hop) * pm.microbatches * (world / pp)
-        makespan = max(makespan, work * min(world, dev.ranks_per_node) / world / dev.cores)
+    pp = pm.mesh.shape[list(pm.mesh.mesh_dim_names).index(pm.pp_axis)]
+    tl, makespan = _pipeline_makespan(pm.schedule, per, hop, pm.microbatches, dev, world, pp, blocking)
     p2p = sum(r.wire_bytes for r in pm.collectives() if r.kind == "send")
     alpha, bw = links[pm.pp_axis]
     total.comm_by_axis[pm.pp_axis] = total.comm_by_axis.get(pm.pp_axis, 0.0) + p2p / bw
@@ -563,3 +562,21 @@ def predict_pipeline_time(pm, dev: Device, optimizer: str = "adamw", fused: bool
     total.bubble = tl.bubble
     total.stage_seconds = {k: list(v) for k, v in per.items()}
     return total
+
+
+def _pipeline_makespan(schedule, per: dict, hop: float, microbatches: int, dev: Device, world: int, pp: int,
+                       blocking: bool):
+    """(the schedule's timeline, its makespan) from each stage's F / I / W seconds and the hop."""
+    from autopar.analysis import schedules as S
+
+    n = len(per["F"])
+    tl = S.simulate(schedule, per, comm=hop, per_stage=True)
+    makespan = tl.makespan
+    if blocking:
+        # a rank waiting in the schedule's bubbles leaves its core to the busy ones; the node's
+        # cores still run all of its ranks' actions: every stage's ranks (world / pp of them) do
+        # that stage's F, I and W once per micro-batch, and send its activations forward and
+        # their gradients back (CPU work too: gloo copies them through the kernel)
+        work = (sum(per[k][t] for k in per for t in range(n)) + 2 * (n - 1) * hop) * microbatches * (world / pp)
+        makespan = max(makespan, work * min(world, dev.ranks_per_node) / world / dev.cores)
+    return tl, makespan

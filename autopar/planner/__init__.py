@@ -25,7 +25,15 @@ block, not from a compile of the whole model per candidate:
    node), pp slowest (across nodes). The block's cp / ep traffic (attention's all-to-alls or ring
    shifts, routed tokens: per micro-batch; the gradients replicated on cp / ep: once per step) and
    its time come with the block's figures; ep splits the batch as dp does.
-3. **Check against a real compile** (``verify``): the chosen plan is compiled for real (fake
+3. **Confirmation** (``confirm``): the best screened candidates are compiled for real at one
+   and two blocks per (virtual) stage and their figures carried to the model's depth. A
+   pipeline's stages hold equal, named blocks in those compiles; each stage's figures
+   (``pipeline_cost.StageCosts``) are carried along their own line to the blocks the whole model's split
+   gives that stage (balanced by the device's costs: a stage with the head holds fewer) and
+   composed as the cost model composes a compiled pipeline (``pipeline_cost.compose_pipeline``). The
+   chosen plan names those split points, so its command compiles to the confirmed figures
+   (Llama-3-8B and -70B: equal to the whole-model compile; tests/test_planner.py).
+4. **Check against a real compile** (``verify``): the chosen plan is compiled for real (fake
    process group, full mesh, rank 0) at a reduced depth, and the composition at that depth is
    compared with the cost model's figures for the compiled program. The ratios are printed.
 

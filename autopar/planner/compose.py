@@ -34,6 +34,7 @@ class Candidate:
     rejected: str = ""
     screened: tuple | None = None  # (step_s, peak) of the analytic composition, once confirmed
     confirmed: dict | None = None  # the compiled figures extrapolated in depth (``confirm``)
+    split: tuple | None = None  # a pipeline's split points, once confirmed (the grouping ``confirm`` costed)
 
     @property
     def world(self) -> int:
@@ -55,6 +56,8 @@ class Candidate:
             sched = {"schedule": self.schedule, "microbatches": self.microbatches}
             if self.virtual > 1:
                 sched["virtual"] = self.virtual
+            if self.split:
+                sched["split"] = list(self.split)
             out["pp"] = sched
         out["dp"] = self.dp_strategy
         if self.ep > 1:

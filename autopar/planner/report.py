@@ -21,11 +21,15 @@ def _params(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
-def _cli_plan(c: Candidate) -> str:
+def _cli_plan(c: Candidate, split: bool = True) -> str:
+    """``c``'s plan as ``--plan`` takes it (``split=False``: without a pipeline's split points,
+    for the table)."""
     parts = []
     for axis, strat in c.plan().items():
         if isinstance(strat, dict):
-            strat = strat["schedule"] + "".join(f":{k}={v}" for k, v in strat.items() if k != "schedule")
+            strat = {k: v for k, v in strat.items() if split or k != "split"}
+            strat = strat["schedule"] + "".join(f":{k}={'+'.join(v) if isinstance(v, list) else v}"
+                                                for k, v in strat.items() if k != "schedule")
         parts.append(f"{axis}={strat}")
     return ",".join(parts)
 
@@ -75,7 +79,8 @@ def report(res: SearchResult, top: int = 8) -> str:
     lines.append(f"searched {res.considered} candidates in {res.seconds:.1f} s ({res.compiles} compiles: "
                  f"{res.coefficient_seconds:.1f} s for one block's figures per tp/recompute choice; blocks checked "
                  f"identical at depths 1-3); confirmed (listed first) = compiled at 1 and 2 blocks per stage, "
-                 "extrapolated in depth; screened = the analytic composition only")
+                 "extrapolated in depth (a pipeline: each stage to its blocks in the whole model's split); "
+                 "screened = the analytic composition only")
     lines.append("")
     for note in res.notes:
         lines.append(note)
@@ -90,7 +95,7 @@ def report(res: SearchResult, top: int = 8) -> str:
         tok, tf = _throughput(c, info, c.world)
         b = c.confirmed["bytes"] if c.confirmed else c.comm_bytes
         mesh = "x".join(f"{k}{v}" for k, v in c.mesh().items())
-        lines.append(f"{i + 1:>2} {mesh:18s} {_cli_plan(c):44s} {c.recompute:9s} {f'{c.mbs}x{c.microbatches}':>8s} "
+        lines.append(f"{i + 1:>2} {mesh:18s} {_cli_plan(c, split=False):44s} {c.recompute:9s} {f'{c.mbs}x{c.microbatches}':>8s} "
                      f"{c.step_s * 1e3:9.1f} {tok:9.0f} {tf:{'7.1f' if tf >= 1 else '7.3f'}} {_in_unit(c.peak, unit):>8s} "
                      f"{(f'{c.bubble:.1%}' if c.pp > 1 else '-'):>6s} {b.get('dp', 0) / 1e9:7.2f} "
                      f"{b.get('tp', 0) / 1e9:7.2f} {b.get('pp', 0) / 1e9:6.2f}"
@@ -98,13 +103,14 @@ def report(res: SearchResult, top: int = 8) -> str:
                      + (f"confirmed (screen {c.screened[0] * 1e3:.1f} ms, {_in_unit(c.screened[1], unit)} {uname}"
                         + (f"; the programs of #{ranks[c.confirmed['same_as']]}" if c.confirmed.get("same_as") in ranks
                            else "")
-                        + ("; approximate: the split grouped the shallow compiles' blocks "
-                           + " and ".join("/".join(map(str, g)) for g in c.confirmed["uneven"]) + " per stage"
-                           if c.confirmed.get("uneven") else "") + ")" if c.confirmed else "screened"))
+                        + ")" if c.confirmed else "screened"))
     lines.append("")
     if res.ranked:
         c = res.ranked[0]
         lines.append(f"chosen: {c.label()}")
+        if c.confirmed and c.confirmed.get("grouped"):
+            lines.append(f"  stages of {'/'.join(map(str, c.confirmed['grouped']))} blocks (the split balanced by "
+                         f"{res.device}'s costs; confirmed with that grouping, its split points in the command)")
         lines.append(f"  {command_line(c, info, res.precision, res.inductor)}")
         # plans the cost model cannot tell apart from the chosen one (zero1 and zero2 in a
         # pipeline: the same traffic and peak) are named, the runner-up is the next different one

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autopar.errors import PlanError
 from autopar.forked import can_fork, side_by_side
@@ -189,9 +189,11 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
                 c.rejected = f"compile failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
                 over.append(c)
                 continue
-            n_compiles += 2
+            n_compiles += 3 if got.get("whole") else 2
         c.screened, c.confirmed = (c.step_s, c.peak), got
         c.step_s, c.peak, c.bubble = got["step_s"], got["peak"], got["bubble"] or c.bubble
+        if got.get("split"):
+            c.split = tuple(got["split"])
         if limit is not None and c.peak > limit:
             c.rejected = (f"compiled peak {_size(c.peak)} > budget {_size(limit)} (screened at "
                           f"{_size(c.screened[1])})")
@@ -206,7 +208,7 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
 
 
 _PLAN_FIELDS = ("dp", "tp", "pp", "tp_strategy", "schedule", "virtual", "recompute", "mbs", "microbatches", "cp",
-                "cp_strategy", "ep")
+                "cp_strategy", "ep")  # (not a pipeline's split: the dp strategy does not move it)
 
 
 def same_programs(a: Candidate, b: Candidate) -> bool:
@@ -224,19 +226,27 @@ def _size(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def _load(c: Candidate, info: ModelInfo, depth: int):
+    from autopar.models import zoo
+
+    return zoo.load(info.spec, batch=c.mbs * c.microbatches * c.data, seq=info.seq,
+                    overrides={**info.overrides, info.depth_field: depth})
+
+
 def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, optimizer: str = "adamw",
              fused: bool = False) -> dict:
     """Compile ``c`` for real at ``depth`` (fake process group, its full mesh, rank 0, every
     pipeline stage; the capture spliced from three blocks, autopar/splice.py) and read the cost
-    model: step time, step peak, wire bytes per axis."""
+    model: step time, step peak, wire bytes per axis. A pipeline's stages hold equal numbers of
+    blocks, named split points (at the model's own depth, ``c.split`` where the search set it),
+    and its per-stage figures come back too (``confirm`` carries them to the whole model's grouping)."""
     import autopar
     from autopar.analysis import cost as C
-    from autopar.models import zoo
+    from autopar.analysis import pipeline_cost as PC
     from autopar.mesh import fake_mesh
     from autopar.splice import block_list, spliced
 
-    loaded = zoo.load(info.spec, batch=c.mbs * c.microbatches * c.data, seq=info.seq,
-                      overrides={**info.overrides, info.depth_field: depth})
+    loaded = _load(c, info, depth)
     t0 = time.perf_counter()
     # the deep model's capture from three of its blocks (autopar/splice.py): the planner's figures
     # assume identical blocks already
@@ -244,10 +254,9 @@ def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, 
         warnings.simplefilter("ignore")
         plan = c.plan()
         found = block_list(loaded.model) if c.pp > 1 else None
-        if found is not None and depth < info.layers:
-            # a shallow compile for ``confirm``: equal blocks per stage, named, so that the
-            # extrapolation in depth is exact (the split would balance these few blocks around a
-            # heavy head unevenly, and the line through two uneven groupings misses: README)
+        if found is not None and not (depth == info.layers and c.split):
+            # equal blocks per stage, named: the split would balance a few blocks around a heavy
+            # head unevenly, and ``confirm``'s per-stage lines need each stage at one and two blocks
             per = depth // (c.pp * c.virtual)
             plan["pp"] = {**plan["pp"], "split": [f"{found[0]}.{i}" for i in range(per, depth, per)]}
         pm = autopar.compile(loaded.model, mesh, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
@@ -263,8 +272,7 @@ def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, 
             "persistent": mem["parameters"] + mem["optimizer_state"], "accumulators": mem["accumulators"],
             **{k: C.program_memory(p.local, p.inputs, p.outputs)
                for k, p in (("joint", pm.program), ("sync", pm.sync_program)) if p is not None}}
-    # blocks per stage as the split grouped them (a pipeline): ``confirm``'s extrapolation in depth
-    # is exact only where every stage holds the same number
+        stages = (PC.pipeline_stage_costs(pm, dev, optimizer, fused), PC.pipeline_shape(pm)) if pm.pipelined else None
     grouped = None
     if pm.pipelined:
         from autopar.modpath import block_of
@@ -273,23 +281,52 @@ def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, 
     # (collectives() lists the joint program once per micro-batch and the gradient sync program)
     return {"step_s": est.step_s, "peak": int(mem["step_peak"]), "bytes": by_axis,
             "bubble": est.bubble, "compile_s": time.perf_counter() - t0, "programs": programs,
-            "grouped": grouped}
+            "grouped": grouped, "stages": stages}
+
+
+def whole_split(c: Candidate, info: ModelInfo, dev, *, precision: str) -> tuple[list[int], list[str]]:
+    """How the split groups the whole model's blocks into ``c``'s stages, balanced by ``dev``'s
+    costs as a run on that device (or ``autopar plan --device``) balances them: (blocks per
+    stage, the split points that name that grouping). Capture (spliced) and split only."""
+    from autopar.compiler import build
+    from autopar.mesh import fake_mesh
+    from autopar.modpath import block_of
+    from autopar.splice import spliced
+
+    loaded = _load(c, info, info.layers)
+    with fake_mesh(c.mesh(), 0) as mesh, warnings.catch_warnings(), spliced():
+        warnings.simplefilter("ignore")
+        plan = c.plan()
+        plan["pp"] = {**{k: v for k, v in plan["pp"].items() if k != "split"}, "balance": dev.name}
+        state = build(loaded.model, mesh, stop_after="split", example_inputs=loaded.example_inputs,
+                      loss_fn=loaded.loss_fn, plan=plan, precision=precision, recompute=c.recompute,
+                      kernels="off", accumulate=1, pipeline_stages="all")
+    grouped = [len({block_of(n) for n in (sp.param_names or sp.params) if block_of(n)}) for sp in state.specs]
+    return grouped, [block_of(sp.modules[0]) or sp.modules[0] for sp in state.specs[1:]]
 
 
 def confirm(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: str = "adamw",
             fused: bool = False) -> dict:
-    """The compiled figures of ``c`` at the model's depth, extrapolated from compiles at one and
-    two blocks per (virtual) stage: the whole pipeline, accumulation, ZeRO/FSDP and overlap passes
-    as they are, only the depth extrapolated (exact when the blocks are identical). The two
-    compiles run side by side where the process can fork."""
+    """The compiled figures of ``c`` at the model's depth, from compiles at one and two blocks per
+    (virtual) stage: the whole pipeline, accumulation, ZeRO/FSDP and overlap passes as they are,
+    only the depth extrapolated (exact when the blocks are identical). SPMD: each figure along
+    its line. A pipeline: each stage's figures along its own line to the number of blocks the
+    whole model's split gives it (``whole_split``, balanced by ``dev``: not equal where a head
+    or an embedding weighs), composed as the cost model composes a compiled pipeline
+    (``pipeline_cost.compose_pipeline``); ``split`` names that grouping for the plan. The compiles run side
+    by side where the process can fork."""
     unit = c.pp * c.virtual
 
     def at(depth: int) -> dict:
         return compiled(c, info, dev, depth, precision=precision, optimizer=optimizer, fused=fused)
 
     # the two depths side by side where this process can fork (autopar/forked.py): the shallower
-    # in a child, the deeper here; a child that fails is compiled here again
-    a, b = side_by_side(lambda: at(unit), lambda: at(2 * unit))
+    # (and a pipeline's whole-model split) in a child, the deeper here; a child that fails is
+    # compiled here again
+    def theirs():
+        return at(unit), (whole_split(c, info, dev, precision=precision) if c.pp > 1 else None)
+
+    (a, split), b = side_by_side(theirs, lambda: at(2 * unit))
     k = info.layers / unit - 1
     out = {"step_s": a["step_s"] + k * (b["step_s"] - a["step_s"]),
            "peak": int(a["peak"] + k * (b["peak"] - a["peak"])) if a["programs"] is None else
@@ -297,11 +334,26 @@ def confirm(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: st
            "bytes": {ax: int(a["bytes"].get(ax, 0) + k * (b["bytes"].get(ax, 0) - a["bytes"].get(ax, 0)))
                      for ax in set(a["bytes"]) | set(b["bytes"])},
            "bubble": b["bubble"], "compile_s": a["compile_s"] + b["compile_s"], "depths": (unit, 2 * unit)}
-    # the split balances stages by cost: where it grouped the shallow models' blocks unevenly
-    # (a head heavier than a block), the extrapolation is not exact; say so (README, plan="auto")
-    uneven = [g for g in (a["grouped"], b["grouped"]) if g is not None and len(set(g)) > 1]
-    if uneven:
-        out["uneven"] = uneven
+    if split is not None:
+        from autopar.analysis import pipeline_cost as PC
+
+        grouped, names = split
+        if min(grouped) >= 1:
+            (one, _), shape = a["stages"]
+            (two, fixed), _ = b["stages"]
+            got = PC.compose_pipeline(shape, [x.at(y, n) for x, y, n in zip(one, two, grouped)], fixed, dev,
+                                     optimizer)
+            got = {"step_s": got["step_s"], "peak": got["step_peak"], "bubble": got["bubble"], "bytes": got["wire"]}
+        else:
+            # a stage without blocks (the head alone: a small model, a large vocabulary) is not the
+            # line through stages of one and two blocks (what its neighbours send and compute once
+            # changes): the whole model compiled with that grouping
+            got = compiled(replace(c, split=tuple(names)), info, dev, info.layers, precision=precision,
+                           optimizer=optimizer, fused=fused)
+            out["compile_s"] += got["compile_s"]
+            out["whole"] = True
+        out.update(step_s=got["step_s"], peak=got["peak"], bubble=got["bubble"],
+                   bytes={ax: int(v) for ax, v in got["bytes"].items()}, grouped=grouped, split=names)
     return out
 
 

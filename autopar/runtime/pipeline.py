@@ -160,6 +160,11 @@ class PipelineModule(Runtime):
         self.gathered_recv_wait = [sum(w) for _, w in out]
         return [[(a - t0, b - t0, act) for a, b, act in ev] for ev, _ in out]
 
+    def stage_collectives(self, s: int):
+        """Stage ``s``'s own collectives (one of this rank's): its program's per micro-batch and
+        its gradient sync's."""
+        return StageView(self, self.local[s]).collectives()
+
     def collectives(self):
         """Every collective (and point-to-point transfer) this rank performs per step."""
         from autopar.ir import CommRecord
