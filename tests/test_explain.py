@@ -290,9 +290,6 @@ def test_console_commands_leave_at_once_with_everything_written(tmp_path):
                                 "-o", str(tmp_path / "plan.json")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads((tmp_path / "plan.json").read_text())[0]["parameters"] > 0
-    out = subprocess.run(cmd + ["dump", "llama-tiny", "--mesh", "dp=2", "-q"], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0 and "collectives per step" in out.stdout.rstrip().splitlines()[-1], out.stdout[-500:]
     out = subprocess.run(cmd + ["plan", "llama-tiny", "--mesh", "dp=two", "-q"], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 2 and "needs a positive integer size" in out.stderr

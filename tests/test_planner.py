@@ -152,11 +152,11 @@ def test_a_pipelines_confirmation_is_its_whole_model_compile_with_the_splits_gro
     carried = PC.compose_pipeline(shape, [x.at(y, n) for x, y, n in zip(one, two, got["grouped"])], fixed, H100)
     whole = P.compiled(replace(c, split=tuple(got["split"])), info, H100, 12, precision="bf16")
     assert carried["step_s"] == pytest.approx(whole["step_s"], rel=1e-4) and carried["step_peak"] == whole["peak"]
-    equal = P.compiled(c, info, H100, 12, precision="bf16")
-    assert equal["grouped"] == [3, 3, 3, 3] and abs(equal["step_s"] / whole["step_s"] - 1) > 0.01
-    empty = P.confirm(c, P.model_info("llama-small", 16, 64, {"n_layers": 8, "vocab_size": 65536}), cpu,
-                      precision="bf16")
-    assert 0 in empty["grouped"] and empty["whole"]
+    equal_line = a["step_s"] + 2 * (b["step_s"] - a["step_s"])  # (equal stages of 3 blocks: what confirm gave before)
+    assert abs(equal_line / whole["step_s"] - 1) > 0.01
+    empty = P.confirm(P.Candidate(1, 1, 2, "ddp", None, "1f1b", 1, "none", 1, 4),
+                      P.model_info("llama-small", 8, 64, {"n_layers": 4, "vocab_size": 65536}), cpu, precision="bf16")
+    assert 0 in empty["grouped"] and empty["whole"], empty["grouped"]
 
 
 @pytest.mark.parametrize("axes,plan,accumulate", [

@@ -305,6 +305,9 @@ def whole_split(c: Candidate, info: ModelInfo, dev, *, precision: str) -> tuple[
     return grouped, [block_of(sp.modules[0]) or sp.modules[0] for sp in state.specs[1:]]
 
 
+_SPLITS: dict = {}  # whole_split's answers, by what they depend on (``confirm``)
+
+
 def confirm(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: str = "adamw",
             fused: bool = False) -> dict:
     """The compiled figures of ``c`` at the model's depth, from compiles at one and two blocks per
@@ -323,10 +326,20 @@ def confirm(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: st
     # the two depths side by side where this process can fork (autopar/forked.py): the shallower
     # (and a pipeline's whole-model split) in a child, the deeper here; a child that fails is
     # compiled here again
+    # the whole model's grouping, once per what it depends on (the capture and the split pass
+    # precede every per-axis strategy: candidates that differ in those share it)
+    key = (info.spec, info.layers, info.seq, repr(sorted(info.overrides.items())), c.pp, c.virtual, c.mbs * c.data,
+           c.cp, c.cp_strategy, c.ep, c.tp, c.tp_strategy, c.recompute, precision, dev.name)
+    known = _SPLITS.get(key)
+
     def theirs():
-        return at(unit), (whole_split(c, info, dev, precision=precision) if c.pp > 1 else None)
+        return at(unit), (whole_split(c, info, dev, precision=precision) if c.pp > 1 and known is None else None)
 
     (a, split), b = side_by_side(theirs, lambda: at(2 * unit))
+    if c.pp > 1:
+        if len(_SPLITS) > 256:
+            _SPLITS.clear()
+        split = _SPLITS.setdefault(key, split or known)
     k = info.layers / unit - 1
     out = {"step_s": a["step_s"] + k * (b["step_s"] - a["step_s"]),
            "peak": int(a["peak"] + k * (b["peak"] - a["peak"])) if a["programs"] is None else
