@@ -133,6 +133,8 @@ def test_a_pipelines_confirmation_is_its_whole_model_compile_with_the_splits_gro
     those split points gives the same step, peak and bytes. Before, the line through equal stages
     of one and two blocks missed such groupings (README: Llama-3-8B's by 4%). A grouping with a
     stage of no blocks (a 65,536-row head alone) is compiled whole instead."""
+    from autopar.planner.search import whole_split
+
     cpu = C.get_device("cpu")
     info = P.model_info("llama-small", 16, 64, {"n_layers": 12, "vocab_size": 8192})
     c = P.Candidate(1, 1, 4, "ddp", None, "1f1b", 1, "none", 1, 8)
@@ -156,7 +158,12 @@ def test_a_pipelines_confirmation_is_its_whole_model_compile_with_the_splits_gro
     assert abs(equal_line / whole["step_s"] - 1) > 0.01
     empty = P.confirm(P.Candidate(1, 1, 2, "ddp", None, "1f1b", 1, "none", 1, 4),
                       P.model_info("llama-small", 8, 64, {"n_layers": 4, "vocab_size": 65536}), cpu, precision="bf16")
-    assert 0 in empty["grouped"] and empty["whole"], empty["grouped"]
+    assert 0 in empty["grouped"] and empty["whole"] and empty["split"] is None and empty["balance"] == "cpu"
+    # Hugging Face's decoder: a stage's first op comes before its first block; named by the block
+    hf = P.model_info("hf-llama-tiny", 8, 32, dict(vocab_size=2048, hidden_size=64, intermediate_size=128,
+                                                  num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2))
+    assert whole_split(c, hf, H100, precision="fp32") == (
+        [2, 2, 2, 2], ["model.layers.2", "model.layers.4", "model.layers.6"])
 
 
 @pytest.mark.parametrize("axes,plan,accumulate", [

@@ -35,6 +35,7 @@ class Candidate:
     screened: tuple | None = None  # (step_s, peak) of the analytic composition, once confirmed
     confirmed: dict | None = None  # the compiled figures extrapolated in depth (``confirm``)
     split: tuple | None = None  # a pipeline's split points, once confirmed (the grouping ``confirm`` costed)
+    balance: str | None = None  # ... or, where no names can say that grouping, the device that balances it
 
     @property
     def world(self) -> int:
@@ -58,6 +59,8 @@ class Candidate:
                 sched["virtual"] = self.virtual
             if self.split:
                 sched["split"] = list(self.split)
+            elif self.balance:
+                sched["balance"] = self.balance
             out["pp"] = sched
         out["dp"] = self.dp_strategy
         if self.ep > 1:

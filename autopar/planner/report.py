@@ -110,7 +110,8 @@ def report(res: SearchResult, top: int = 8) -> str:
         lines.append(f"chosen: {c.label()}")
         if c.confirmed and c.confirmed.get("grouped"):
             lines.append(f"  stages of {'/'.join(map(str, c.confirmed['grouped']))} blocks (the split balanced by "
-                         f"{res.device}'s costs; confirmed with that grouping, its split points in the command)")
+                         f"{res.device}'s costs; confirmed with that grouping, "
+                         + ("its split points in the command)" if c.split else "the balance in the command)"))
         lines.append(f"  {command_line(c, info, res.precision, res.inductor)}")
         # plans the cost model cannot tell apart from the chosen one (zero1 and zero2 in a
         # pipeline: the same traffic and peak) are named, the runner-up is the next different one

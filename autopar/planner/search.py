@@ -194,6 +194,8 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
         c.step_s, c.peak, c.bubble = got["step_s"], got["peak"], got["bubble"] or c.bubble
         if got.get("split"):
             c.split = tuple(got["split"])
+        elif got.get("balance"):
+            c.balance = got["balance"]
         if limit is not None and c.peak > limit:
             c.rejected = (f"compiled peak {_size(c.peak)} > budget {_size(limit)} (screened at "
                           f"{_size(c.screened[1])})")
@@ -238,7 +240,8 @@ def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, 
     """Compile ``c`` for real at ``depth`` (fake process group, its full mesh, rank 0, every
     pipeline stage; the capture spliced from three blocks, autopar/splice.py) and read the cost
     model: step time, step peak, wire bytes per axis. A pipeline's stages hold equal numbers of
-    blocks, named split points (at the model's own depth, ``c.split`` where the search set it),
+    blocks, named split points (at the model's own depth, ``c.split`` or ``c.balance`` where the
+    search set them),
     and its per-stage figures come back too (``confirm`` carries them to the whole model's grouping)."""
     import autopar
     from autopar.analysis import cost as C
@@ -254,7 +257,7 @@ def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, 
         warnings.simplefilter("ignore")
         plan = c.plan()
         found = block_list(loaded.model) if c.pp > 1 else None
-        if found is not None and not (depth == info.layers and c.split):
+        if found is not None and not (depth == info.layers and (c.split or c.balance)):
             # equal blocks per stage, named: the split would balance a few blocks around a heavy
             # head unevenly, and ``confirm``'s per-stage lines need each stage at one and two blocks
             per = depth // (c.pp * c.virtual)
@@ -284,14 +287,15 @@ def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, 
             "grouped": grouped, "stages": stages}
 
 
-def whole_split(c: Candidate, info: ModelInfo, dev, *, precision: str) -> tuple[list[int], list[str]]:
+def whole_split(c: Candidate, info: ModelInfo, dev, *, precision: str) -> tuple[list[int], list[str] | None]:
     """How the split groups the whole model's blocks into ``c``'s stages, balanced by ``dev``'s
     costs as a run on that device (or ``autopar plan --device``) balances them: (blocks per
-    stage, the split points that name that grouping). Capture (spliced) and split only."""
+    stage, the split points that name that grouping: the first block of each stage after the
+    first; None where a stage holds no block). Capture (spliced) and split only."""
     from autopar.compiler import build
     from autopar.mesh import fake_mesh
     from autopar.modpath import block_of
-    from autopar.splice import spliced
+    from autopar.splice import block_list, spliced
 
     loaded = _load(c, info, info.layers)
     with fake_mesh(c.mesh(), 0) as mesh, warnings.catch_warnings(), spliced():
@@ -302,7 +306,12 @@ def whole_split(c: Candidate, info: ModelInfo, dev, *, precision: str) -> tuple[
                       loss_fn=loaded.loss_fn, plan=plan, precision=precision, recompute=c.recompute,
                       kernels="off", accumulate=1, pipeline_stages="all")
     grouped = [len({block_of(n) for n in (sp.param_names or sp.params) if block_of(n)}) for sp in state.specs]
-    return grouped, [block_of(sp.modules[0]) or sp.modules[0] for sp in state.specs[1:]]
+    found = block_list(loaded.model)
+    if min(grouped) < 1 or found is None:  # a stage without blocks starts at no block: no name says it
+        return grouped, None
+    # each stage after the first named by its first block, as ``compiled`` names equal stages (a
+    # stage's first op can come before its first block: Hugging Face's decoder loop)
+    return grouped, [f"{found[0]}.{sum(grouped[:s])}" for s in range(1, len(grouped))]
 
 
 _SPLITS: dict = {}  # whole_split's answers, by what they depend on (``confirm``)
@@ -360,11 +369,12 @@ def confirm(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: st
         else:
             # a stage without blocks (the head alone: a small model, a large vocabulary) is not the
             # line through stages of one and two blocks (what its neighbours send and compute once
-            # changes): the whole model compiled with that grouping
-            got = compiled(replace(c, split=tuple(names)), info, dev, info.layers, precision=precision,
+            # changes): the whole model compiled with that grouping, the split balanced by ``dev``
+            # as ``whole_split``'s was (no names can say it)
+            got = compiled(replace(c, split=None, balance=dev.name), info, dev, info.layers, precision=precision,
                            optimizer=optimizer, fused=fused)
             out["compile_s"] += got["compile_s"]
-            out["whole"] = True
+            out.update(whole=True, balance=dev.name)
         out.update(step_s=got["step_s"], peak=got["peak"], bubble=got["bubble"],
                    bytes={ax: int(v) for ax, v in got["bytes"].items()}, grouped=grouped, split=names)
     return out
