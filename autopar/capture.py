@@ -5,6 +5,9 @@ torch APIs used, and why (all private in torch 2.13, so they are wrapped here an
 - ``torch._dynamo.functional_export._dynamo_graph_capture_for_export``: dynamo capture of the
   user's Python into an FX graph with parameters lifted, keeping ``stack_trace`` and
   ``nn_module_stack`` so every node can name the user's source line.
+- ``torch._dynamo.functional_export._suggest_or_raise_constraint_violation``: skipped for
+  autopar's own captures, which have no dynamic shapes (``_NO_EXPORT_GUARDS``: it builds the
+  compiled frame's guards only to look for violated dynamic-shape constraints).
 - ``torch._functorch.aot_autograd.aot_export_joint_with_descriptors``: AOTAutograd traces the
   forward and the autograd backward together into one functional ATen graph under
   FakeTensorMode; each placeholder/output carries a descriptor (``ParamAOTInput``,
@@ -192,8 +195,13 @@ def _apply_no_guards():
 
     @functools.wraps(orig)
     def check(*args, **kwargs):
-        if _STATIC_CAPTURE.get() and sig.bind(*args, **kwargs).arguments.get("dynamic_shapes") is None:
-            return None
+        if _STATIC_CAPTURE.get():
+            try:
+                static = sig.bind(*args, **kwargs).arguments.get("dynamic_shapes") is None
+            except TypeError:  # (another torch's signature: check, as torch would)
+                static = False
+            if static:
+                return None
         return orig(*args, **kwargs)
 
     fe._suggest_or_raise_constraint_violation = check
