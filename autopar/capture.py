@@ -43,7 +43,7 @@ from torch.overrides import TorchFunctionMode
 from autopar.errors import CaptureError
 from autopar.ir import Program, info
 from autopar.modpath import get_attr as _get_attr
-from autopar.scoped import SharedPatch
+from autopar.scoped import SharedPatch, setting
 
 # ---- a model on meta tensors (planning a 70B model without its memory) must trace into the same
 # joint graph as with real weights (tests/test_explain.py compares the two). Two fixes, in force
@@ -223,14 +223,8 @@ def _undo_no_guards(orig) -> None:
 _NO_EXPORT_GUARDS = SharedPatch(_apply_no_guards, _undo_no_guards)
 
 
-@contextlib.contextmanager
 def _static_capture():
-    token = _STATIC_CAPTURE.set(True)
-    try:
-        with _NO_EXPORT_GUARDS():
-            yield
-    finally:
-        _STATIC_CAPTURE.reset(token)
+    return setting(_STATIC_CAPTURE, True, _NO_EXPORT_GUARDS)
 
 
 def _user_exception(wrapper: nn.Module, example_inputs: tuple):

@@ -25,7 +25,6 @@ misses per kind (the tests read it).
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import copy
 import enum
@@ -53,16 +52,13 @@ def enabled() -> bool:
     return not _OFF.get() and os.environ.get("AUTOPAR_CAPTURE_CACHE", "1") not in ("0", "false", "off")
 
 
-@contextlib.contextmanager
 def bypassed():
     """No lookups and no entries inside (this thread / context): for a caller that traces each
     model once (``autopar plan`` of one rank), where keying a graph and keeping a copy of it cost
     0.05-0.1 s a compile and nothing would ever read them."""
-    token = _OFF.set(True)
-    try:
-        yield
-    finally:
-        _OFF.reset(token)
+    from autopar.scoped import setting
+
+    return setting(_OFF, True)
 
 
 class _Unkeyable(Exception):

@@ -13,7 +13,23 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
+
+
+@contextlib.contextmanager
+def setting(var: ContextVar, value, *patches: "SharedPatch") -> Iterator[None]:
+    """``var`` set to ``value`` in this context (thread / task) and each of ``patches`` applied,
+    for the length of the block: the pairing every patch here needs (the change that other threads
+    can see consults ``var``, which only this block sets)."""
+    token = var.set(value)
+    try:
+        with contextlib.ExitStack() as stack:
+            for p in patches:
+                stack.enter_context(p())
+            yield
+    finally:
+        var.reset(token)
 
 
 class SharedPatch:

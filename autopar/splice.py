@@ -37,6 +37,7 @@ from torch import fx, nn
 from autopar.modpath import block_of as _block
 from autopar.modpath import get_attr as _get_attr
 from autopar.modpath import module_path as _path
+from autopar.scoped import setting
 
 _ON: contextvars.ContextVar[bool] = contextvars.ContextVar("autopar_splice", default=False)
 KEEP = 3  # blocks captured: the first (after the prologue), one inner, and the one repeated
@@ -46,11 +47,8 @@ STATS: dict[str, int] = {}
 @contextlib.contextmanager
 def spliced():
     """Captures inside splice deep block lists (module docstring)."""
-    token = _ON.set(True)
-    try:
+    with setting(_ON, True):
         yield
-    finally:
-        _ON.reset(token)
 
 
 def active() -> bool:

@@ -31,7 +31,7 @@ from autopar.experts import check_expert_parallel
 from autopar.layout import SequenceDims, check_context_parallel, heads_to_sequence
 from autopar.ir import Program, ShardSpec, fmt_placements, info, source_line, spec_of, tensor_args
 from autopar.rules import ATTENTION_OPS, RULES, RuleResult, pointwise_rule
-from autopar.scoped import SharedPatch
+from autopar.scoped import SharedPatch, setting
 
 VIEW_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
             torch.ops.aten.reshape.default}
@@ -309,12 +309,8 @@ _VIEW_FIX: contextvars.ContextVar[bool] = contextvars.ContextVar("autopar_view_f
 def fixed_views():
     """DTensor's view propagation with the split fix above, in this thread, inside the block
     (propagate's strategy choice; localize's trace, which dispatches views through DTensor)."""
-    token = _VIEW_FIX.set(True)
-    try:
-        with _SPLIT_FIX():
-            yield
-    finally:
-        _VIEW_FIX.reset(token)
+    with setting(_VIEW_FIX, True, _SPLIT_FIX):
+        yield
 
 
 @contextlib.contextmanager
@@ -326,12 +322,8 @@ def _choose_with(node: fx.Node):
     exit, also when a rule raises; nested and concurrent propagations share one replacement),
     and the replacement consults a ContextVar: other threads, and DTensor's own dispatch outside
     this block, get DTensor's selector."""
-    token = _CHOOSING.set(node)
-    try:
-        with _SELECTOR(), fixed_views():
-            yield
-    finally:
-        _CHOOSING.reset(token)
+    with setting(_CHOOSING, node, _SELECTOR), fixed_views():
+        yield
 
 
 def _select_strategy(node: fx.Node, strategy, op_schema=None):

@@ -433,13 +433,9 @@ def predict_pipeline_memory(pm, optimizer: str = "adamw") -> dict:
     flight = pm.predicted_in_flight()
     trans, acc, mem, sync_peak = {}, {}, {}, {}
     for s, sp in pm.local.items():
-        # the prologue's outputs held outside (counted once, below), as the executor holds them
-        mem[s] = program_memory(sp.program.local, sp.program.inputs, sp.program.outputs,
-                                frozenset(sp.prologue.outs) if sp.prologue is not None else frozenset())
-        trans[s] = max(0, mem[s].peak - sp.saved_bytes)
-        acc[s] = accumulator_bytes(sp.program)
-        if sp.sync is not None:
-            sync_peak[s] = program_memory(sp.sync.local, sp.sync.inputs, sp.sync.outputs).peak
+        mem[s], trans[s], acc[s], sync = stage_memory(sp)
+        if sync is not None:
+            sync_peak[s] = sync.peak
     once = sum(sp.prologue_bytes for sp in pm.local.values())  # the prologues' outputs: the whole schedule
     saved = {s: (sp.saved_bytes, sp.saved_after_i) for s, sp in pm.stages.items()}
     peak, at_stage, sync = _pipeline_peak(pm.schedule.actions[pm.pp_rank], saved, trans, acc, sync_peak, once)
@@ -460,6 +456,28 @@ def predict_pipeline_memory(pm, optimizer: str = "adamw") -> dict:
     out["peak_node"] = f"stage {at_stage}: {m.peak_node}" if at_stage is not None else ""
     out["alive_at_peak"] = m.alive_at_peak
     return out
+
+
+def stage_memory(sp) -> tuple[ProgramMemory, int, int, ProgramMemory | None]:
+    """One of this rank's pipeline stages: its joint program's liveness (the prologue's outputs
+    held outside, counted once for the schedule, as the executor holds them), the transient
+    beyond its saved values, its gradient sums' bytes, its gradient sync program's liveness."""
+    mem = program_memory(sp.program.local, sp.program.inputs, sp.program.outputs,
+                         frozenset(sp.prologue.outs) if sp.prologue is not None else frozenset())
+    sync = program_memory(sp.sync.local, sp.sync.inputs, sp.sync.outputs) if sp.sync is not None else None
+    return mem, max(0, mem.peak - sp.saved_bytes), accumulator_bytes(sp.program), sync
+
+
+def pipeline_hop(pm, links: dict) -> float:
+    """Seconds of the largest activation any stage sends to the next (alpha-beta on the pipeline axis)."""
+    alpha, bw = links[pm.pp_axis]
+    hop = 0.0
+    for sp in pm.stages.values():
+        graph = {x.name: x for x in sp.program.local.graph.nodes}
+        for (kind, _), o in zip(sp.program.outputs, sp.out_names):
+            if kind == "act" and o is not None:
+                hop = max(hop, alpha + _val_bytes(graph[o].meta.get("val")) / bw)
+    return hop
 
 
 def _pipeline_peak(actions, saved: dict, trans: dict, acc: dict, sync_peak: dict, once: int):
@@ -506,7 +524,6 @@ def predict_pipeline_time(pm, dev: Device, optimizer: str = "adamw", fused: bool
     n = len(pm.specs)
     per: dict[str, list[float | None]] = {k: [None] * n for k in ("F", "I", "W")}
     total = TimeEstimate()
-    hop = 0.0
     for s, sp in pm.stages.items():
         mine = pm.schedule.rank_of(s) == pm.pp_rank
         for kind, part in sp.parts.items():
@@ -526,11 +543,7 @@ def predict_pipeline_time(pm, dev: Device, optimizer: str = "adamw", fused: bool
                 for mine_, theirs in ((total.comm_by_axis, e.comm_by_axis), (total.exposed_by_axis, e.exposed_by_axis)):
                     for k, v in theirs.items():
                         mine_[k] = mine_.get(k, 0.0) + times * v
-        graph = {x.name: x for x in sp.program.local.graph.nodes}
-        for (kind, _), o in zip(sp.program.outputs, sp.out_names):
-            if kind == "act" and o is not None:
-                alpha, bw = links[pm.pp_axis]
-                hop = max(hop, alpha + _val_bytes(graph[o].meta.get("val")) / bw)
+    hop = pipeline_hop(pm, links)
     prologue = 0.0
     for sp in pm.local.values():  # each stage's prologue, once per step before the schedule
         if sp.prologue is not None and sp.prologue.gm is not None:

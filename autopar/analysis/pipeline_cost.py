@@ -10,9 +10,8 @@ import math
 from dataclasses import dataclass, field
 
 from autopar.analysis.cost import (OPTIMIZER_STATE, Device, ProgramMemory, _optimizer_bytes_per_element,
-                                   _pipeline_links, _pipeline_makespan, _pipeline_peak, _val_bytes,
-                                   accumulator_bytes, core_share, loaded_links, oversubscribed, program_memory,
-                                   simulate)
+                                   _pipeline_links, _pipeline_makespan, _pipeline_peak, core_share, loaded_links,
+                                   oversubscribed, pipeline_hop, simulate, stage_memory)
 
 
 # ------------------------------------------------------------ pipelines from per-stage figures
@@ -32,8 +31,7 @@ class StageCosts:
     prologue_s: float = 0.0
     sync_s: float = 0.0
     elems: int = 0  # parameter elements on this rank (the optimizer step's)
-    params: int = 0  # bytes: parameters, gradients as stored
-    grads: int = 0
+    params: int = 0  # bytes of parameters as stored
     trans: int = 0  # the running action's transient beyond its saved values
     acc: int = 0  # gradient sums
     sync_peak: int = -1  # the gradient sync program's peak (-1: none)
@@ -53,7 +51,7 @@ class StageCosts:
             return int(round(v)) if isinstance(a, int) and isinstance(b, int) else v
 
         out = StageCosts(**{f: line(getattr(self, f), getattr(other, f)) for f in (
-            "F", "I", "W", "saved", "saved_after_i", "prologue_s", "sync_s", "elems", "params", "grads", "trans",
+            "F", "I", "W", "saved", "saved_after_i", "prologue_s", "sync_s", "elems", "params", "trans",
             "acc", "prologue_bytes")})
         out.local = self.local
         out.sync_peak = -1 if self.sync_peak < 0 else line(self.sync_peak, other.sync_peak)
@@ -87,18 +85,12 @@ def pipeline_stage_costs(pm, dev: Device, optimizer: str = "adamw", fused: bool 
         links = loaded_links(links, dev)
     act_share = 1.0 if blocking else share
     out = [StageCosts() for _ in pm.specs]
-    hop = 0.0
     for s, sp in pm.stages.items():
         c = out[s]
         for kind, part in sp.parts.items():
             if part.gm is not None:
                 setattr(c, kind, simulate(part.gm, dev, links, act_share, fused, blocking).step_s)
         c.saved, c.saved_after_i = sp.saved_bytes, sp.saved_after_i
-        graph = {x.name: x for x in sp.program.local.graph.nodes}
-        for (kind, _), o in zip(sp.program.outputs, sp.out_names):
-            if kind == "act" and o is not None:
-                alpha, bw = links[pm.pp_axis]
-                hop = max(hop, alpha + _val_bytes(graph[o].meta.get("val")) / bw)
     mine = dict(pm.named_parameters())
     counted: set = set()
     for s, sp in pm.local.items():
@@ -115,13 +107,8 @@ def pipeline_stage_costs(pm, dev: Device, optimizer: str = "adamw", fused: bool 
             local = p._local_tensor if isinstance(p, DTensor) else p
             c.elems += local.numel()
             c.params += local.numel() * local.element_size()
-            c.grads += local.numel() * local.element_size() if p.requires_grad else 0
-        mem = program_memory(sp.program.local, sp.program.inputs, sp.program.outputs,
-                             frozenset(sp.prologue.outs) if sp.prologue is not None else frozenset())
-        c.trans, c.mem = max(0, mem.peak - sp.saved_bytes), mem
-        c.acc = accumulator_bytes(sp.program)
-        if sp.sync is not None:
-            c.sync_mem = program_memory(sp.sync.local, sp.sync.inputs, sp.sync.outputs)
+        c.mem, c.trans, c.acc, c.sync_mem = stage_memory(sp)
+        if c.sync_mem is not None:
             c.sync_peak = c.sync_mem.peak
         c.prologue_bytes = sp.prologue_bytes
         for r in pm.stage_collectives(s):
@@ -132,7 +119,7 @@ def pipeline_stage_costs(pm, dev: Device, optimizer: str = "adamw", fused: bool 
     for c in out:
         for k, v in c.wire.items():
             wire[k] -= v
-    return out, {"hop": hop, "wire": {k: v for k, v in wire.items() if v}}
+    return out, {"hop": pipeline_hop(pm, links), "wire": {k: v for k, v in wire.items() if v}}
 
 
 def pipeline_shape(pm) -> dict:

@@ -276,15 +276,17 @@ def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, 
             **{k: C.program_memory(p.local, p.inputs, p.outputs)
                for k, p in (("joint", pm.program), ("sync", pm.sync_program)) if p is not None}}
         stages = (PC.pipeline_stage_costs(pm, dev, optimizer, fused), PC.pipeline_shape(pm)) if pm.pipelined else None
-    grouped = None
-    if pm.pipelined:
-        from autopar.modpath import block_of
-
-        grouped = [len({block_of(n) for n in (sp.param_names or sp.params) if block_of(n)}) for sp in pm.specs]
+    grouped = _blocks_per_stage(pm.specs) if pm.pipelined else None
     # (collectives() lists the joint program once per micro-batch and the gradient sync program)
     return {"step_s": est.step_s, "peak": int(mem["step_peak"]), "bytes": by_axis,
             "bubble": est.bubble, "compile_s": time.perf_counter() - t0, "programs": programs,
             "grouped": grouped, "stages": stages}
+
+
+def _blocks_per_stage(specs) -> list[int]:
+    from autopar.modpath import block_of
+
+    return [len({block_of(n) for n in (sp.param_names or sp.params) if block_of(n)}) for sp in specs]
 
 
 def whole_split(c: Candidate, info: ModelInfo, dev, *, precision: str) -> tuple[list[int], list[str] | None]:
@@ -294,7 +296,6 @@ def whole_split(c: Candidate, info: ModelInfo, dev, *, precision: str) -> tuple[
     first; None where a stage holds no block). Capture (spliced) and split only."""
     from autopar.compiler import build
     from autopar.mesh import fake_mesh
-    from autopar.modpath import block_of
     from autopar.splice import block_list, spliced
 
     loaded = _load(c, info, info.layers)
@@ -305,7 +306,7 @@ def whole_split(c: Candidate, info: ModelInfo, dev, *, precision: str) -> tuple[
         state = build(loaded.model, mesh, stop_after="split", example_inputs=loaded.example_inputs,
                       loss_fn=loaded.loss_fn, plan=plan, precision=precision, recompute=c.recompute,
                       kernels="off", accumulate=1, pipeline_stages="all")
-    grouped = [len({block_of(n) for n in (sp.param_names or sp.params) if block_of(n)}) for sp in state.specs]
+    grouped = _blocks_per_stage(state.specs)
     found = block_list(loaded.model)
     if min(grouped) < 1 or found is None:  # a stage without blocks starts at no block: no name says it
         return grouped, None
@@ -327,6 +328,8 @@ def confirm(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: st
     or an embedding weighs), composed as the cost model composes a compiled pipeline
     (``pipeline_cost.compose_pipeline``); ``split`` names that grouping for the plan. The compiles run side
     by side where the process can fork."""
+    from autopar.analysis import pipeline_cost as PC
+
     unit = c.pp * c.virtual
 
     def at(depth: int) -> dict:
@@ -345,38 +348,33 @@ def confirm(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: st
         return at(unit), (whole_split(c, info, dev, precision=precision) if c.pp > 1 and known is None else None)
 
     (a, split), b = side_by_side(theirs, lambda: at(2 * unit))
-    if c.pp > 1:
-        if len(_SPLITS) > 256:
-            _SPLITS.clear()
-        split = _SPLITS.setdefault(key, split or known)
-    k = info.layers / unit - 1
-    out = {"step_s": a["step_s"] + k * (b["step_s"] - a["step_s"]),
-           "peak": int(a["peak"] + k * (b["peak"] - a["peak"])) if a["programs"] is None else
-           _spmd_peak(a["programs"], b["programs"], unit, info.layers),
-           "bytes": {ax: int(a["bytes"].get(ax, 0) + k * (b["bytes"].get(ax, 0) - a["bytes"].get(ax, 0)))
-                     for ax in set(a["bytes"]) | set(b["bytes"])},
-           "bubble": b["bubble"], "compile_s": a["compile_s"] + b["compile_s"], "depths": (unit, 2 * unit)}
-    if split is not None:
-        from autopar.analysis import pipeline_cost as PC
-
-        grouped, names = split
-        if min(grouped) >= 1:
-            (one, _), shape = a["stages"]
-            (two, fixed), _ = b["stages"]
-            got = PC.compose_pipeline(shape, [x.at(y, n) for x, y, n in zip(one, two, grouped)], fixed, dev,
-                                     optimizer)
-            got = {"step_s": got["step_s"], "peak": got["step_peak"], "bubble": got["bubble"], "bytes": got["wire"]}
-        else:
-            # a stage without blocks (the head alone: a small model, a large vocabulary) is not the
-            # line through stages of one and two blocks (what its neighbours send and compute once
-            # changes): the whole model compiled with that grouping, the split balanced by ``dev``
-            # as ``whole_split``'s was (no names can say it)
-            got = compiled(replace(c, split=None, balance=dev.name), info, dev, info.layers, precision=precision,
-                           optimizer=optimizer, fused=fused)
-            out["compile_s"] += got["compile_s"]
-            out.update(whole=True, balance=dev.name)
-        out.update(step_s=got["step_s"], peak=got["peak"], bubble=got["bubble"],
-                   bytes={ax: int(v) for ax, v in got["bytes"].items()}, grouped=grouped, split=names)
+    out = {"compile_s": a["compile_s"] + b["compile_s"], "depths": (unit, 2 * unit)}
+    if c.pp == 1:  # SPMD: each figure along its line, the peak point by point
+        k = info.layers / unit - 1
+        out.update(step_s=a["step_s"] + k * (b["step_s"] - a["step_s"]), bubble=b["bubble"],
+                   peak=_spmd_peak(a["programs"], b["programs"], unit, info.layers),
+                   bytes={ax: int(a["bytes"].get(ax, 0) + k * (b["bytes"].get(ax, 0) - a["bytes"].get(ax, 0)))
+                          for ax in set(a["bytes"]) | set(b["bytes"])})
+        return out
+    if len(_SPLITS) > 256:
+        _SPLITS.clear()
+    grouped, names = _SPLITS.setdefault(key, split or known)
+    if min(grouped) >= 1:
+        (one, _), shape = a["stages"]
+        (two, fixed), _ = b["stages"]
+        got = PC.compose_pipeline(shape, [x.at(y, n) for x, y, n in zip(one, two, grouped)], fixed, dev, optimizer)
+        got = {"step_s": got["step_s"], "peak": got["step_peak"], "bubble": got["bubble"], "bytes": got["wire"]}
+    else:
+        # a stage without blocks (the head alone: a small model, a large vocabulary) is not the
+        # line through stages of one and two blocks (what its neighbours send and compute once
+        # changes): the whole model compiled with that grouping, the split balanced by ``dev``
+        # as ``whole_split``'s was (no names can say it)
+        got = compiled(replace(c, split=None, balance=dev.name), info, dev, info.layers, precision=precision,
+                       optimizer=optimizer, fused=fused)
+        out["compile_s"] += got["compile_s"]
+        out.update(whole=True, balance=dev.name)
+    out.update(step_s=got["step_s"], peak=got["peak"], bubble=got["bubble"],
+               bytes={ax: int(v) for ax, v in got["bytes"].items()}, grouped=grouped, split=names)
     return out
 
 

@@ -48,7 +48,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from autopar.errors import InputError, PlanError
-from autopar.scoped import SharedPatch
+from autopar.scoped import SharedPatch, setting
 
 # ------------------------------------------------------------------------ building on meta
 _EMPTY = contextvars.ContextVar("autopar_init_empty_weights", default=False)
@@ -84,12 +84,8 @@ def init_empty_weights():
     buffers computed in ``__init__`` (rotary tables) keep their values. Compile the model, then
     ``pm.load_pretrained(path)``. ``nn.Module.register_parameter`` is patched while a block is
     open (in any thread: the patched function acts only in the thread that opened the block)."""
-    token = _EMPTY.set(True)
-    try:
-        with _REGISTER_PARAMETER():
-            yield
-    finally:
-        _EMPTY.reset(token)
+    with setting(_EMPTY, True, _REGISTER_PARAMETER):
+        yield
 
 
 # ------------------------------------------------------------------------ materializing
