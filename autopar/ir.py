@@ -236,6 +236,8 @@ class CompileState:
     lowered: dict = field(default_factory=dict)  # lower: rewrites into kernel ops, per rule
     stages: list[Stage] = field(default_factory=list)  # split: the stages compiled on this rank
     specs: list = field(default_factory=list)  # split (pipelines): every stage's StageSpec
+    # split: per tensor-parallel axis, the placements derived from ``gm`` (analysis/tensor_parallel.py)
+    tp_derived: dict = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     done: list[str] = field(default_factory=list)
 

@@ -30,29 +30,16 @@ from autopar.errors import PlanError
 
 R = Replicate()
 
-# Megatron-LM tensor parallelism, written as rules over the usual Llama/GPT/Qwen/Mistral names.
-# HF GPT-2 (Conv1D c_attn/c_fc/c_proj: [in, out] weights, fused qkv) is deliberately absent: its
-# parameters are a PlanError (no rule) rather than sharded along the wrong dim; plan["rest"] =
-# "replicate" or plan["rules"] say what to do with them.
-_COLUMN = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "wq", "wk", "wv", "w1", "w3",
-           "fc1", "query", "key", "value", "dense_h_to_4h"]
-_ROW = ["o_proj", "down_proj", "wo", "w2", "fc2", "out_proj", "dense_4h_to_h"]
-_VOCAB = ["embed_tokens", "tok_embeddings", "wte", "word_embeddings", "lm_head", "output", "embed_out"]
+# Megatron-LM tensor parallelism is derived from the captured program, not from layer names
+# (autopar/analysis/tensor_parallel.py: which matmul's output dim is followed to the matmul that
+# contracts it, through heads and activations): ``Plan.derived`` holds its decisions per axis, set
+# by the split pass. What remains here are hints for what the derivation does not decide yet.
 # Stacked experts [E, dim, ffn] / [E, ffn, dim] (autopar.models.llama.MoE): each expert's MLP split
-# as above, along ffn (one all-reduce after the experts); the router stays whole.
+# along ffn (one all-reduce after the experts); the router stays whole.
 _EXPERTS = [("*mlp.w_gate", Shard(2)), ("*mlp.w_up", Shard(2)), ("*mlp.w_down", Shard(1))]
-# replicated on purpose: small, and their ops need the whole hidden dim
-_REPLICATED_OK = ["*norm*", "*ln_*", "*ln_f*", "*layernorm*", "*layer_norm*", "*wpe*", "*position_embedding*",
-                  "*rotary*", "*router.weight", "*bias"]
-
-MEGATRON: list[tuple[str, Placement]] = (
-    [(f"*{m}.weight", Shard(0)) for m in _COLUMN]
-    + [(f"*{m}.bias", Shard(0)) for m in _COLUMN]
-    + [(f"*{m}.weight", Shard(1)) for m in _ROW]
-    + [(f"*{m}.weight", Shard(0)) for m in _VOCAB]
-    + _EXPERTS
-    + [(g, R) for g in _REPLICATED_OK]
-)
+MEGATRON: list[tuple[str, Placement]] = list(_EXPERTS)
+# the strategies whose placements come from the graph (Plan.derived)
+DERIVED_TP = {"megatron", "sequence"}
 
 # Data-parallel strategies: every parameter is replicated for compute; they differ in what each
 # rank STORES (the parameter placements the optimizer sees) and when gradients are reduced.
@@ -128,6 +115,9 @@ class Plan:
     axes: list[AxisPlan]
     overrides: dict[str, list[tuple[str, Placement]]] = field(default_factory=dict)
     rest: str = "error"  # a key of REST
+    # axis -> the tensor-parallel placements derived from the captured graph (autopar/analysis/
+    # tensor_parallel.py ``Derived``), for axes whose strategy is in DERIVED_TP; set by the split pass
+    derived: dict[str, object] = field(default_factory=dict)
 
     def describe(self) -> str:
         return ", ".join(f"{a.axis}={a.strategy}" for a in self.axes)
@@ -214,6 +204,8 @@ def place_parameters(plan: Plan, params: dict[str, torch.Tensor], axis_sizes) ->
                 hit = R
             if axis_sizes[i] == 1:  # one rank on this axis: every placement is the whole tensor
                 hit = R
+            elif _is_strided(hit):
+                hit = _checked_strided(hit, name, t, ap.axis, axis_sizes[i])
             elif isinstance(hit, Shard):
                 hit = _checked_shard(hit, name, t, ap.axis, axis_sizes[i], ap.strategy)
             elif not ap.data_parallel and not ap.context_parallel:
@@ -260,6 +252,8 @@ def _strategy_text(ap: AxisPlan) -> str:
 
 def _rule_text(ap: AxisPlan, glob: str, source: str) -> str:
     """Which rule placed a parameter, in words, for the reports."""
+    if source.startswith(DERIVED):
+        return source
     if not glob:
         return "plan['rest'] = 'replicate' (no rule matched)"
     if source == OVERRIDE:
@@ -279,6 +273,26 @@ def _check_experts(plan: Plan, params, compute, axis_sizes) -> None:
                             where=f"plan[{ap.axis!r}]",
                             fix=f"use a mixture-of-experts model, shard its stacked expert weights with plan['rules'] "
                             f"(e.g. {{'*my_experts.w1': {{'{ap.axis}': 'S(0)'}}}}), or use 'ddp' on that axis")
+
+
+def _is_strided(p: Placement) -> bool:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(p, _StridedShard)
+
+
+def _checked_strided(p, name: str, t: torch.Tensor, axis: str, size: int):
+    """A strided shard (k parts of a dim, each sharded): each part must divide by the axis."""
+    d = p.dim % t.ndim
+    if t.shape[d] % (p.split_factor * size):
+        raise PlanError(f"parameter {name!r} of shape {list(t.shape)} cannot be sharded on dim {d} in "
+                        f"{p.split_factor} parts over mesh axis '{axis}' of size {size}: not divisible",
+                        where=f"parameter {name}",
+                        fix=f"use a '{axis}' size that divides {t.shape[d] // p.split_factor}, "
+                        f"or add a rule {{'{name}': {{'{axis}': 'R'}}}} to plan['rules']")
+    if d == p.dim:
+        return p
+    return type(p)(d, split_factor=p.split_factor)
 
 
 def _checked_shard(p: Shard, name: str, t: torch.Tensor, axis: str, size: int, strategy: str = "") -> Shard:
@@ -311,7 +325,7 @@ def _shard_state(plan: Plan, params, compute, axis_sizes):
             pl = list(storage[name])
             if not isinstance(pl[i], Replicate):
                 continue
-            taken = {p.dim for p in pl if isinstance(p, Shard)}
+            taken = {p.dim for p in pl if isinstance(p, Shard) or _is_strided(p)}
             dims = [d for d in range(t.ndim) if d not in taken and t.shape[d] % axis_sizes[i] == 0]
             if not dims:
                 unsharded.setdefault(ap.axis, []).append(name)
@@ -326,12 +340,32 @@ OVERRIDE = "override (plan['rules'])"
 
 def _match(plan: Plan, ap: AxisPlan, name: str) -> tuple[Placement | None, str, str]:
     """The rule that places ``name`` on axis ``ap``: (placement, glob, source), where source is
-    OVERRIDE or the strategy's name; (None, "", "") when no rule matches."""
-    for source, rules in ((OVERRIDE, plan.overrides.get(ap.axis, [])), (ap.strategy, ap.rules)):
-        for glob, p in rules:
-            if fnmatch.fnmatchcase(name, glob):
-                return p, glob, source
+    OVERRIDE, the strategy's name, or (a derived placement: glob "") ``DERIVED`` + why; (None,
+    "", "") when no rule matches. Order: plan['rules'], a placement derived from the graph that
+    shards, the strategy's rules (hints), a derived replication."""
+    found = _first(plan.overrides.get(ap.axis, []), name)
+    if found:
+        return found[0], found[1], OVERRIDE
+    d = plan.derived.get(ap.axis)
+    decision = d.decisions.get(name) if d is not None else None
+    if decision is not None and not isinstance(decision.placement, Replicate):
+        return decision.placement, "", f"{DERIVED}: {decision.why}"
+    found = _first(ap.rules, name)
+    if found:
+        return found[0], found[1], ap.strategy
+    if decision is not None:
+        return decision.placement, "", f"{DERIVED}: {decision.why}"
     return None, "", ""
+
+
+def _first(rules, name: str):
+    for glob, p in rules:
+        if fnmatch.fnmatchcase(name, glob):
+            return p, glob
+    return None
+
+
+DERIVED = "derived from the graph"
 
 
 def placement_reasons(plan: Plan, name: str) -> list[tuple[str, str, str]]:

@@ -36,7 +36,10 @@ import contextlib
 import operator
 from dataclasses import dataclass, field
 
+import time
+
 import torch
+
 from torch import fx, nn
 
 from autopar.errors import CaptureError, PlanError
@@ -57,6 +60,7 @@ def split_pass(state: CompileState) -> CompileState:
     from autopar.plan import check_rules_cover
 
     o = state.options
+    derive_tensor_parallel(state)
     if o.pipeline is None:
         params = dict(state.model.named_parameters())
         ctx = make_context(state.mesh, o.parsed, params, o, o.accumulate, state)
@@ -83,6 +87,25 @@ def split_pass(state: CompileState) -> CompileState:
         state.stages.append(Stage(s, spec.gm, tuple(spec.example), list(params), ctx, spec=spec))
     find_twins(state, ids)  # stages that compile to the same program: compiled once (passes/twins.py)
     return state
+
+
+def derive_tensor_parallel(state: CompileState) -> None:
+    """Megatron's placements from the whole captured graph (autopar/analysis/tensor_parallel.py),
+    for every tensor-parallel axis of more than one rank whose strategy derives them; put on the
+    plan(s) the stages are placed with (``Plan.derived``)."""
+    from autopar.analysis.tensor_parallel import derive
+    from autopar.plan import DERIVED_TP
+
+    o = state.options
+    plans = [o.parsed] + ([o.pipeline.parsed] if o.pipeline is not None else [])
+    sizes = dict(zip(state.mesh.mesh_dim_names, state.mesh.shape))
+    for plan in plans:
+        for ap in plan.axes:
+            if ap.strategy in DERIVED_TP and sizes.get(ap.axis, 1) > 1 and ap.axis not in plan.derived:
+                t0 = time.perf_counter()
+                plan.derived[ap.axis] = state.tp_derived.get(ap.axis) or derive(state.gm, state.model, sizes[ap.axis])
+                state.tp_derived[ap.axis] = plan.derived[ap.axis]
+                state.timings["derive"] = state.timings.get("derive", 0.0) + time.perf_counter() - t0
 
 
 # ------------------------------------------------------------------------------------ splitting

@@ -93,11 +93,11 @@ def one_process(pools):
 
 
 CASES = [("gpt2", {"dp": 2}, {"dp": "fsdp"}, 2 * 3 + 1),  # per block: attention weights, attention out, MLP
-         ("gpt2", {"tp": 2}, {"tp": "megatron", "rest": "replicate"}, 2 * 3 + 1),  # + the embeddings
+         ("gpt2", {"tp": 2}, {"tp": "megatron"}, 2 * 3 + 1),  # fused q/k/v strided over tp, + the embeddings
          ("llama", {"tp": 2}, {"tp": "megatron"}, 2)]
 
 
-@pytest.mark.parametrize("name,axes,plan,masks", CASES, ids=["gpt2-fsdp", "gpt2-tp-replicated", "llama-megatron"])
+@pytest.mark.parametrize("name,axes,plan,masks", CASES, ids=["gpt2-fsdp", "gpt2-megatron", "llama-megatron"])
 def test_plans_draw_the_masks_one_process_draws(pools, one_process, name, axes, plan, masks):
     ref = one_process(name)
     out = pools(2).run(dropout_job, name, axes, plan)

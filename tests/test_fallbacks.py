@@ -48,10 +48,12 @@ def _params():
 
 
 def test_unmatched_parameters_are_an_error_naming_each():
+    """A rule list that misses parameters names each of them (with its shape) and what to do."""
+    plan = parse_plan({"tp": [("*up_proj.weight", "S(0)"), ("*down_proj.weight", "S(1)"), ("*norm*", "R")]}, ("tp",))
     with pytest.raises(autopar.PlanError) as e:
-        place_parameters(parse_plan({"tp": "megatron"}, ("tp",)), _params(), (2,))
+        place_parameters(plan, _params(), (2,))
     msg = str(e.value)
-    assert "'megatron' strategy has no rule for 2 parameter(s)" in msg and "mesh axis 'tp'" in msg
+    assert "rule list in plan['tp'] has no rule for 2 parameter(s)" in msg and "mesh axis 'tp'" in msg
     assert "gizmo [8]" in msg and "widget [3, 8]" in msg  # every one, with its shape
     assert "up_proj" not in msg and "norm" not in msg.split("what to do")[0]  # matched ones are not named
     assert e.value.where == "plan['tp']" and 'plan["rest"] = "replicate"' in e.value.fix
@@ -67,14 +69,15 @@ def test_unmatched_on_a_user_rule_list_and_on_a_size_one_axis():
 
 def test_rules_and_rest_say_what_to_do():
     params = _params()
+    base = [("*up_proj.weight", "S(0)"), ("*down_proj.weight", "S(1)"), ("*norm*", "R")]
     rules = {"gizmo": {"tp": "R"}, "widget": {"tp": "S(1)"}}
-    placed = place_parameters(parse_plan({"tp": "megatron", "rules": rules}, ("tp",)), params, (2,))
+    placed = place_parameters(parse_plan({"tp": base, "rules": rules}, ("tp",)), params, (2,))
     assert placed.unplaced == {} and placed.compute["widget"] == (Shard(1),)
-    placed = place_parameters(parse_plan({"tp": "megatron", "rest": "replicate"}, ("tp",)), params, (2,))
+    placed = place_parameters(parse_plan({"tp": base, "rest": "replicate"}, ("tp",)), params, (2,))
     assert placed.unplaced == {"tp": ["gizmo", "widget"]}
     assert placed.compute["gizmo"] == (Replicate(),) and placed.compute["up_proj.weight"] == (Shard(0),)
     why = dict(placed.replicated["tp"])
-    assert why == {"norm.weight": "megatron preset rule '*norm*'", "norm.bias": "megatron preset rule '*norm*'",
+    assert why == {"norm.weight": "plan['tp'] rule '*norm*'", "norm.bias": "plan['tp'] rule '*norm*'",
                    "gizmo": "plan['rest'] = 'replicate' (no rule matched)",
                    "widget": "plan['rest'] = 'replicate' (no rule matched)"}
 
@@ -86,40 +89,47 @@ def test_bad_rest_is_a_plan_error(rest):
     assert e.value.where == "plan['rest']"
 
 
-def test_megatron_preset_shards_stacked_experts():
+def test_megatron_preset_shards_stacked_experts(fake):
     """The built-in MoE's experts [E, dim, ffn] are split along ffn like a dense MLP (numerics
-    against one process: checked on gloo when the rule was added), the router replicated."""
-    from autopar.models.llama import Llama, LlamaConfig
+    against one process: checked on gloo when the rule was added), the router replicated (its
+    softmax is over the experts: derived from the graph)."""
+    from autopar.compiler import build
+    from autopar.models.llama import Llama, LlamaConfig, cross_entropy
 
-    with torch.device("meta"):
-        params = dict(Llama(LlamaConfig(n_experts=4, n_layers=1)).named_parameters())
-    placed = place_parameters(parse_plan({"tp": "megatron"}, ("tp",)), params, (2,))
+    model = Llama(LlamaConfig(n_experts=4, n_layers=1))
+    tokens = torch.randint(0, 64, (2, 8))
+    with fake(tp=2) as mesh:
+        st = build(model, mesh, example_inputs=(tokens, tokens), loss_fn=cross_entropy, plan={"tp": "megatron"},
+                   stop_after="split")
+        placed = st.stages[0].ctx.placed
     assert placed.compute["layers.0.mlp.w_gate"] == placed.compute["layers.0.mlp.w_up"] == (Shard(2),)
     assert placed.compute["layers.0.mlp.w_down"] == (Shard(1),)
     assert placed.compute["layers.0.mlp.router.weight"] == (Replicate(),)
+    assert "softmax" in st.tp_derived["tp"].decisions["layers.0.mlp.router.weight"].why
 
 
 def test_rest_compiles_and_reports_list_every_replicated_parameter(fake, capsys):
     model, inputs = odd()
+    base = [("*up_proj.weight", "S(0)"), ("*down_proj.weight", "S(1)"), ("*norm*", "R")]
     with fake(tp=2) as mesh:
-        pm = autopar.compile(model, mesh, example_inputs=inputs, plan={"tp": "megatron", "rest": "replicate"})
+        pm = autopar.compile(model, mesh, example_inputs=inputs, plan={"tp": base, "rest": "replicate"})
     assert pm.ctx.placed.unplaced == {"tp": ["gizmo", "widget"]}
     report = pm.report()
     assert "'tp' (whole tensor on each of its ranks): 4 parameter(s), 48 elements, 192 B in all" in report
     assert "widget" in report and "24 elements" in report and "96 B  <- plan['rest'] = 'replicate'" in report
     # the command line: an error without "rest", the same list (with sizes) in explain with it
     spec = f"{HERE}:odd"
-    assert cli(["explain", spec, "--mesh", "tp=2", "--plan", "tp=megatron", "-q"]) == 2
-    err = capsys.readouterr().err
-    assert "gizmo [8]" in err and "widget [3, 8]" in err
-    assert cli(["explain", spec, "--mesh", "tp=2", "--plan", "tp=megatron,rest=replicate", "-q"]) == 0
-    out = capsys.readouterr().out
-    assert "what tensor parallelism does not divide" in out and "48 elements, 192 B in all" in out
-    for line in ("gizmo", "widget", "norm.weight"):
-        assert any(line in ln and " B  <- " in ln for ln in out.splitlines())
-    assert "note: no rule matches 2 parameter(s) on 'tp'; plan['rest'] replicated them: gizmo, widget" in out
-    assert cli(["plan", spec, "--mesh", "tp=2", "--plan", "tp=megatron,rest=bogus", "-q"]) == 2
+    assert cli(["explain", spec, "--mesh", "tp=2", "--plan", "tp=megatron,rest=bogus", "-q"]) == 2
     assert "unknown plan['rest'] value 'bogus'" in capsys.readouterr().err
+    # megatron derives every placement from the graph: nothing is left without a rule, and each
+    # replicated parameter says why
+    assert cli(["explain", spec, "--mesh", "tp=2", "--plan", "tp=megatron", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "what tensor parallelism does not divide" in out
+    for line in ("gizmo", "widget", "norm.weight"):
+        assert any(line in ln and " B  <- derived from the graph: " in ln for ln in out.splitlines()), line
+    assert any("up_proj.weight" in ln and "column-parallel" in ln for ln in out.splitlines())
+    assert any("down_proj.weight" in ln and "row-parallel" in ln for ln in out.splitlines())
 
 
 def _broken_mm(monkeypatch):

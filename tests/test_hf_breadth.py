@@ -40,6 +40,9 @@ CASES = [  # (architecture, plan, config overrides, rules that must have decided
     # and values onto DynamicCache's empty 1-D start tensor, which torch.cat skips; it has no dim
     # to shard on tp (it failed in localize's chunk before the pass dropped it from the cat)
     ("Llama", "megatron", dict(ONE_LAYER, use_cache=True), set()),
+    # megatron derived from the graph: Conv1D weights [in, out], q / k / v fused in one matmul and
+    # split after it (strided shards: each rank holds its heads of each part), the dropout-free blocks
+    ("GPT-2", "megatron", ONE_LAYER, {"split of a strided shard into its parts", "cat of shards into a strided shard"}),
 ]
 
 

@@ -70,9 +70,10 @@ ARCHS: dict[str, tuple[str, dict]] = {
 }
 
 PLANS = {"fsdp": ({"dp": 2}, {"dp": "fsdp"}),
-         "megatron": ({"tp": 2}, {"tp": "megatron", "rest": "replicate"})}
+         "megatron": ({"tp": 2}, {"tp": "megatron"}),  # placements derived from the graph: no rules, no "rest"
+         "sequence": ({"tp": 2}, {"tp": "sequence"})}
 # beyond the sweep's two (tests/test_hf_breadth.py: tied embeddings under each)
-MORE_PLANS = {"fsdp+megatron": ({"dp": 2, "tp": 2}, {"dp": "fsdp", "tp": "megatron", "rest": "replicate"}),
+MORE_PLANS = {"fsdp+megatron": ({"dp": 2, "tp": 2}, {"dp": "fsdp", "tp": "megatron"}),
               "pp": ({"pp": 2}, {"pp": "1f1b"}),
               "ep": ({"ep": 2}, {"ep": "expert"}),  # MoE families whose experts autopar swaps (autopar/experts.py)
               "fsdp+ep": ({"dp": 2, "ep": 2}, {"dp": "fsdp", "ep": "expert"})}
@@ -186,7 +187,25 @@ def breadth_job(name: str, plan_name: str, debug: bool = True, **overrides) -> d
         return {"losses": losses, "grads": grads, "params": params, "eval": None, "rules": []}
     evaluated = _eval_logits(pm(batches[0][0]))
     rules = sorted({info(n).rule.name for n in pm.program.graph.nodes if info(n).rule is not None})
-    return {"losses": losses, "grads": grads, "params": params, "eval": evaluated, "rules": rules}
+    return {"losses": losses, "grads": grads, "params": params, "eval": evaluated, "rules": rules,
+            "tp_sharded": tp_sharded(pm)}
+
+
+def tp_sharded(pm) -> float | None:
+    """The share of the repeated blocks' matrix parameters (elements of those with 2+ dims) that
+    a tensor-parallel axis ("tp") shards; None without one."""
+    from torch.distributed.tensor.placement_types import Replicate
+
+    from autopar.modpath import block_of
+
+    ctx = pm.ctx
+    if "tp" not in ctx.axis_names:
+        return None
+    i = ctx.axis_names.index("tp")
+    mats = {n: p for n, p in pm.module.named_parameters() if p.dim() >= 2 and block_of(n)}
+    total = sum(p.numel() for p in mats.values())
+    sharded = sum(p.numel() for n, p in mats.items() if not isinstance(ctx.placed.compute[n][i], Replicate))
+    return sharded / total if total else None
 
 
 

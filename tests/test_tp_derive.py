@@ -1,0 +1,202 @@
+"""Megatron's plan derived from the captured graph (autopar/analysis/tensor_parallel.py), not from
+layer names: which matmul is column- or row-parallel, fused projections strided by parts, what is
+replicated and why, and Megatron's communication count. On the capture alone or a fake process
+group: seconds, no processes (the numerics against one process: tests/test_hf_breadth.py and
+benchmarks/hf_breadth.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+import autopar
+from autopar.analysis.tensor_parallel import derive
+from autopar.capture import capture_graph
+
+R = Replicate()
+
+
+def _derived(model, inputs, loss_fn=None, tp=2):
+    gm = capture_graph(model, inputs, loss_fn)
+    return derive(gm, model, tp).decisions
+
+
+def _hf(name, **overrides):
+    from autopar.models.hf_archs import build_hf
+
+    model, batches, loss_fn = build_hf(name, num_hidden_layers=1, **overrides)
+    return model, batches[0], loss_fn
+
+
+# (architecture, {parameter suffix: (placement, role)}) for block 0 and the ends of the model
+CASES = {
+    "Llama": {"self_attn.q_proj.weight": (Shard(0), "column"), "self_attn.k_proj.weight": (Shard(0), "column"),
+              "self_attn.o_proj.weight": (Shard(1), "row"), "mlp.gate_proj.weight": (Shard(0), "column"),
+              "mlp.down_proj.weight": (Shard(1), "row"), "input_layernorm.weight": (R, "replicated"),
+              "embed_tokens.weight": (Shard(0), "vocab"), "lm_head.weight": (Shard(0), "vocab")},
+    # Conv1D: weights stored [in, out] (addmm(b, x, W)); q, k, v fused and split after the matmul
+    "GPT-2": {"attn.c_attn.weight": (_StridedShard(1, split_factor=3), "column"),
+              "attn.c_attn.bias": (_StridedShard(0, split_factor=3), "with-column"),
+              "attn.c_proj.weight": (Shard(0), "row"), "attn.c_proj.bias": (R, "replicated"),
+              "mlp.c_fc.weight": (Shard(1), "column"), "mlp.c_proj.weight": (Shard(0), "row"),
+              "wpe.weight": (R, "replicated"), "wte.weight": (Shard(0), "vocab")},
+    # attention and MLP in parallel off one norm; partial rotary (slices of the head dim)
+    "GPT-J": {"attn.q_proj.weight": (Shard(0), "column"), "attn.out_proj.weight": (Shard(1), "row"),
+              "mlp.fc_in.weight": (Shard(0), "column"), "mlp.fc_in.bias": (Shard(0), "with-column"),
+              "mlp.fc_out.weight": (Shard(1), "row")},
+    # fused query_key_value viewed per head as [.., heads, 3 * head_dim]: a plain shard is per head
+    "GPT-NeoX": {"attention.query_key_value.weight": (Shard(0), "column"), "attention.dense.weight": (Shard(1), "row"),
+                 "embed_in.weight": (Shard(0), "vocab"), "lm_head.weight": (Shard(0), "vocab")},
+    # a norm over the whole projected q and k: sharded in the second pass, its statistic all-reduced
+    "OLMo2": {"self_attn.q_proj.weight": (Shard(0), "column"), "self_attn.q_norm.weight": (Shard(0), "with-column"),
+              "self_attn.o_proj.weight": (Shard(1), "row")},
+    # the router's softmax is over the experts: replicated, whatever it is called
+    "Mixtral": {"mlp.gate.weight": (R, "replicated"), "self_attn.q_proj.weight": (Shard(0), "column")},
+}
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_placements_come_from_the_graph(arch):
+    dec = _derived(*_hf(arch))
+    for suffix, (placement, role) in CASES[arch].items():
+        name = next(n for n in dec if n.endswith(suffix) and (".0." in n or "layers" not in n and ".h." not in n))
+        assert (dec[name].placement, dec[name].role) == (placement, role), (name, dec[name])
+        assert dec[name].why  # every decision says why
+    router = [d for n, d in dec.items() if n.endswith("mlp.gate.weight")]
+    assert all("softmax reduces over the sharded dim" in d.why for d in router)
+
+
+class Block(nn.Module):
+    """A transformer block with names no preset knows: a fused [gate | up] projection stored
+    [in, out] (multiplied as ``x @ w``), attention heads made by a view, a per-head bias."""
+
+    def __init__(self, dim=32, heads=4, ffn=64, names=("alpha", "beta", "gamma", "delta", "eps")):
+        super().__init__()
+        a, b, c, d, e = names
+        self.heads = heads
+        self.names = names
+        setattr(self, a, nn.Linear(dim, 3 * dim, bias=False))  # fused q, k, v
+        setattr(self, b, nn.Linear(dim, dim, bias=False))
+        setattr(self, c, nn.Parameter(torch.randn(dim, 2 * ffn) * 0.1))  # fused gate | up, [in, out]
+        setattr(self, d, nn.Parameter(torch.randn(ffn, dim) * 0.1))
+        setattr(self, e, nn.Parameter(torch.zeros(heads)))  # one scalar per head
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+
+    def forward(self, x):
+        a, b, c, d, e = (getattr(self, n) for n in self.names)
+        B, S, D = x.shape
+        q, k, v = a(self.norm1(x)).chunk(3, dim=-1)
+        q, k, v = (t.view(B, S, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        q = q + e.view(1, -1, 1, 1)
+        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + b(att.transpose(1, 2).reshape(B, S, D))
+        gate, up = (self.norm2(x) @ c).chunk(2, dim=-1)
+        return x + (nn.functional.silu(gate) * up) @ d
+
+
+class Net(nn.Module):
+    def __init__(self, names, vocab=64, dim=32):
+        super().__init__()
+        self.table = nn.Embedding(vocab, dim)
+        self.stack = nn.ModuleList([Block(names=names) for _ in range(2)])
+        self.out = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.table(tokens)
+        for blk in self.stack:
+            x = blk(x)
+        return self.out(x)
+
+
+def _ce(logits, targets):
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+
+
+def test_names_decide_nothing():
+    """The same program under two sets of names gets the same placements; parameters named
+    like Megatron's projections but used otherwise follow their use, not their names."""
+    tokens = torch.randint(0, 64, (2, 8))
+    runs = []
+    for names in (("alpha", "beta", "gamma", "delta", "eps"), ("o_proj", "q_proj", "down_proj", "up_proj", "norm")):
+        torch.manual_seed(0)
+        dec = _derived(Net(names), (tokens, tokens), _ce)
+        runs.append([(d.placement, d.role) for d in dec.values()])
+        blk = {n.split(".")[2]: d for n, d in dec.items() if n.startswith("stack.0.")}
+        fused, out_proj, gate_up, down, per_head = (blk[n] for n in names)
+        assert fused.placement == _StridedShard(0, split_factor=3) and fused.role == "column"
+        assert out_proj.placement == Shard(1) and out_proj.role == "row"
+        assert gate_up.placement == _StridedShard(1, split_factor=2)  # stored [in, out]: dim 1 is the output
+        assert down.placement == Shard(0) and down.role == "row"  # [in, out]: contracted dim 0
+        assert per_head.placement == Shard(0) and per_head.role == "with-column"
+        assert dec["table.weight"].placement == dec["out.weight"].placement == Shard(0)
+    assert runs[0] == runs[1]
+
+
+def _tp_collectives(model_fn, inputs, loss_fn, plan, layers):
+    counts = {}
+    from autopar.mesh import fake_mesh
+
+    with fake_mesh({"tp": 2}, 0) as mesh:
+        pm = autopar.compile(model_fn(layers), mesh, example_inputs=inputs, loss_fn=loss_fn, plan=plan,
+                             capture_eval=False)
+        for r in pm.collectives():
+            counts[(r.phase, r.kind)] = counts.get((r.phase, r.kind), 0) + 1
+    return counts
+
+
+def _hf_layers(arch):
+    from autopar.models.hf_archs import build_hf
+
+    def make(layers):
+        return build_hf(arch, num_hidden_layers=layers)[0]
+
+    return make, build_hf(arch, num_hidden_layers=1)[1][0], build_hf(arch, num_hidden_layers=1)[2]
+
+
+MEGATRON = {("forward", "all_reduce"): 2, ("backward", "all_reduce"): 2}
+SEQUENCE = {(p, k): 2 for p in ("forward", "backward") for k in ("all_gather", "reduce_scatter")}
+COUNTS = [("Llama", "megatron", MEGATRON), ("GPT-2", "megatron", MEGATRON),
+          # one norm feeds both branches: their input gradients are summed before one all-reduce
+          ("GPT-J", "megatron", {("forward", "all_reduce"): 2, ("backward", "all_reduce"): 1}),
+          ("Llama", "sequence", SEQUENCE), ("GPT-2", "sequence", SEQUENCE)]
+
+
+@pytest.mark.parametrize("arch,strategy,expected", COUNTS, ids=[f"{a}-{s}" for a, s, _ in COUNTS])
+def test_megatrons_communication_per_block(arch, strategy, expected):
+    """Per block (the difference between 2 and 1 blocks): two all-reduces forward and two
+    backward under megatron; under sequence, reduce-scatter / all-gather pairs instead, no
+    all-reduce. GPT-2's q, k, v are one fused Conv1D matmul; GPT-J's attention and MLP run in
+    parallel off one norm."""
+    make, inputs, loss_fn = _hf_layers(arch)
+    one, two = (_tp_collectives(make, inputs, loss_fn, {"tp": strategy}, n) for n in (1, 2))
+    per_block = {k: two.get(k, 0) - one.get(k, 0) for k in set(one) | set(two)}
+    assert {k: v for k, v in per_block.items() if v} == expected
+
+
+def gpt2():
+    """``autopar explain tests/test_tp_derive.py:gpt2``: Hugging Face GPT-2, 1 block (a factory)."""
+    model, inputs, loss_fn = _hf("GPT-2")
+    return model, inputs, loss_fn
+
+
+def test_explain_names_the_graph_fact_behind_every_placement(capsys):
+    import pathlib
+
+    from autopar.tools.cli import main as cli
+
+    spec = f"{pathlib.Path(__file__).resolve()}:gpt2"
+    assert cli(["explain", spec, "--mesh", "tp=2", "--plan", "tp=megatron", "-q"]) == 0
+    out = capsys.readouterr().out
+    rows = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith("  transformer.") or ln.startswith("  lm_head")}
+    assert "_S(1, 3)" in rows["transformer.h.0.attn.c_attn.weight"]
+    assert "column-parallel: output dim sharded, split into 3 parts" in rows["transformer.h.0.attn.c_attn.weight"]
+    assert "contracted back by transformer.h.0.attn.c_proj.weight" in rows["transformer.h.0.attn.c_attn.weight"]
+    assert "row-parallel" in rows["transformer.h.0.attn.c_proj.weight"]
+    assert "vocabulary-parallel" in rows["lm_head.weight"] and "cross_entropy" in rows["lm_head.weight"]
+    assert "positions" in rows["transformer.wpe.weight"]
+    # what tensor parallelism does not divide, each with its reason
+    replicated = out.split("what tensor parallelism does not divide")[1].split("\n\n")[0]
+    assert "transformer.wpe.weight" in replicated and "transformer.h.0.ln_1.weight" in replicated
+    assert "transformer.h.0.attn.c_proj.bias" in replicated and "bias added to a whole (reduced) output" in replicated
