@@ -45,8 +45,9 @@ class TrainingError(AutoparError):
 
 
 class RankFailure(AutoparError):
-    """Another rank (or this one, mid-step) failed, stopped responding or timed out: raised on
-    every rank within seconds (autopar/runtime/failure.py). ``rank``: the rank that failed
+    """Another rank failed, stopped responding or timed out: raised on every other rank within
+    seconds (autopar/runtime/failure.py; the rank whose own code raised mid-step gets its own
+    exception, and this on any later call of the broken program). ``rank``: the rank that failed
     (None when unknown), ``error``: its exception's first line as that rank reported it,
     ``unusable``: True once collectives were under way (the process groups are abandoned; fix
     the cause and restart every rank, from the last checkpoint)."""

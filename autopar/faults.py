@@ -5,6 +5,11 @@ benchmarks/faults.py; the mechanism: autopar/runtime/failure.py).
 process groups, so a shared pool could not run another job after it) and returns what every
 rank raised and when it exited; ``recoverable_faults_job`` runs on a shared pool the failures
 that leave the program usable.
+
+``own_one`` / ``own_zero``: the failing rank's own exception (``own_error``: an instance of the
+user's own type, or torch's out-of-memory error) must reach it as that very object; it catches
+it, calls ``train_step`` again and lives on ``linger`` seconds, while its peer raises
+``RankFailure`` naming it.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import torch
 
 from autopar.testing import _free_port, build_model, parent_environment, process_context, worker_environment
 
-FAULT_PLANS = {"fsdp": ({"dp": 2}, {"dp": "fsdp"}), "pp": ({"pp": 2}, {"pp": "1f1b"})}
+FAULT_PLANS = {"fsdp": ({"dp": 2}, {"dp": "fsdp"}), "pp": ({"pp": 2}, {"pp": "1f1b"}),
+               "ddp": ({"dp": 2}, {"dp": "ddp"}), "megatron": ({"tp": 2}, {"tp": "megatron"}),
+               "inductor": ({"dp": 2}, {"dp": "ddp"})}  # (inductor: compiled with inductor=True)
 
 FAULT_CASES = {  # name: what happens (on rank 1 unless said)
     "token_one": "token id 300 >= vocab 256 in rank 1's batch only",
@@ -30,6 +37,8 @@ FAULT_CASES = {  # name: what happens (on rank 1 unless said)
     "kill_zero": "rank 0 (the store's host) SIGKILLed in the loss, mid-step",
     "short_one": "rank 1 runs one step fewer and exits",
     "compile_one": "the loss function raises while tracing on rank 1 only",
+    "own_one": "the user's own exception in the loss on rank 1, mid-step; rank 1 catches it and lives on",
+    "own_zero": "the same on rank 0 (the store's host)",
     "clip_late": "between steps: rank 1 busy (until rank 0 has its result) while rank 0 waits in clip_grad_norm_'s all_reduce",
     "plan_bad": "unknown strategy in the plan (every rank)",
     "plan_batch": "batch not divisible by the data-parallel ranks / micro-batches (every rank)",
@@ -38,6 +47,27 @@ FAULT_CASES = {  # name: what happens (on rank 1 unless said)
 
 def _fault_loss_error(loss):
     raise RuntimeError("injected: the loss failed on this rank")
+
+
+class InjectedFailure(Exception):
+    """An exception type of the user's own (``own_one``: the failing rank must get it as it is)."""
+
+
+OWN_ERROR = InjectedFailure("injected: the user's code failed on this rank")  # (one object per process)
+OWN_OOM = torch.OutOfMemoryError("injected: out of memory in the loss (code that catches it shrinks the batch)")
+
+
+def own_error(plan_name: str) -> BaseException:
+    """The very object the failing rank's code raises in ``own_*`` under ``plan_name``."""
+    return OWN_OOM if plan_name == "fsdp" else OWN_ERROR
+
+
+def _fault_own_error(loss):
+    raise OWN_ERROR
+
+
+def _fault_own_oom(loss):
+    raise OWN_OOM
 
 
 def _fault_kill(loss):
@@ -70,7 +100,8 @@ def inject_at_loss(pm, fn) -> None:
         out = next(n for n in pm.program.local.graph.nodes if n.op == "output")
         nodes = [a for (k, _), a in zip(pm.program.outputs, out.args[0]) if k == "loss"]
         spots = [(pm.program.local, nodes[0].name)] if nodes else []
-    pm.executor._guarded.clear()  # (the guarded copies are made from the programs as they are now)
+    pm.executor._guarded.clear()  # (the guarded and compiled copies are made from the programs as they are now)
+    pm.executor._compiled.clear()
     for gm, name in spots:
         node = next(n for n in gm.graph.nodes if n.name == name)
         with gm.graph.inserting_after(node):
@@ -78,10 +109,11 @@ def inject_at_loss(pm, fn) -> None:
         gm.recompile()
 
 
-def fault_job(case: str, plan_name: str, timeout: float, report, peer_done=None) -> str:
+def fault_job(case: str, plan_name: str, timeout: float, report, peer_done=None, linger: float = 0.0):
     """One rank's side of a fault case: compile the tiny Llama under the plan, inject the fault,
-    train; returns what happened ("ok: ..."), or raises what the rank raised. ``peer_done``: an
-    event rank 0 sets once it has its result (``clip_late``'s busy rank waits for it)."""
+    train; returns what happened ("ok: ..."; the failing rank of ``own_*``: a dict, ``_own_error``),
+    or raises what the rank raised. ``peer_done``: an event rank 0 sets once it has its result
+    (``clip_late``'s busy rank waits for it)."""
     import torch.distributed as dist
 
     import autopar
@@ -89,7 +121,7 @@ def fault_job(case: str, plan_name: str, timeout: float, report, peer_done=None)
     rank = dist.get_rank()
     axes, plan = FAULT_PLANS[plan_name]
     model, batches, loss_fn = build_model("llama")
-    if plan_name == "fsdp":  # one block compiles faster (a pipeline of 2 stages wants 2)
+    if plan_name != "pp":  # one block compiles faster (a pipeline of 2 stages wants 2)
         from autopar.models.llama import Llama, LlamaConfig
 
         torch.manual_seed(0)
@@ -106,8 +138,10 @@ def fault_job(case: str, plan_name: str, timeout: float, report, peer_done=None)
     if case in ("plan_bad", "plan_batch", "compile_one"):
         report("fault", time.time())
     pm = autopar.compile(model, autopar.mesh(**axes), example_inputs=(x, y), loss_fn=loss_fn, plan=plan,
-                         capture_eval=False, timeout=timeout)
+                         capture_eval=False, timeout=timeout, inductor=plan_name == "inductor")
     pm.train_step(x, y)  # one good step first: every rank is running when the fault comes
+    if case in ("own_one", "own_zero"):
+        return _own_error(pm, x, y, int(case == "own_one"), plan_name, linger, report)
     bad_x = x
     if case == "token_all" or (case == "token_one" and rank == 1):
         bad_x = x.clone()
@@ -143,6 +177,41 @@ def fault_job(case: str, plan_name: str, timeout: float, report, peer_done=None)
             return "ok: InputError on every rank, then a good step"
     pm.train_step(bad_x, y)
     return "ok"
+
+
+def _own_error(pm, x, y, failing: int, plan_name: str, linger: float, report):
+    """``own_*``: rank ``failing`` raises ``own_error(plan_name)`` in its loss, mid-step. The
+    peer's ``train_step`` raises (what it raised is its result). The failing rank returns what it
+    caught: its type, whether it is the very object raised, the innermost frame of its traceback,
+    its notes; what a second ``train_step`` raised; then it lives on ``linger`` seconds."""
+    import traceback
+
+    import torch.distributed as dist
+
+    if dist.get_rank() != failing:
+        report("fault", time.time())
+        pm.train_step(x, y)
+        return "ok: no error"
+    own = own_error(plan_name)
+    inject_at_loss(pm, _fault_own_oom if own is OWN_OOM else _fault_own_error)
+    report("fault", time.time())
+    try:
+        pm.train_step(x, y)
+        return "ok: no error"
+    except BaseException as e:  # noqa: BLE001 - what this rank caught is the result
+        report("raised", time.time())
+        out = {"type": type(e).__name__, "type_is": type(e) is type(own), "same": e is own, "message": str(e),
+               "innermost": traceback.extract_tb(e.__traceback__)[-1].name, "notes": getattr(e, "__notes__", [])}
+    t = time.monotonic()
+    try:
+        pm.train_step(x, y)
+        out["again"] = "no error"
+    except BaseException as e:  # noqa: BLE001
+        out["again"] = f"{type(e).__name__}: {e}"
+    out["again_s"] = time.monotonic() - t
+    time.sleep(linger)
+    report("linger_end", time.time())
+    return out
 
 
 def recoverable_faults_job() -> list:
@@ -186,7 +255,8 @@ def recoverable_faults_job() -> list:
     return everyone
 
 
-def _fault_worker(rank: int, world: int, port: int, case: str, plan_name: str, timeout: float, results, done, parent):
+def _fault_worker(rank: int, world: int, port: int, case: str, plan_name: str, timeout: float, results, done, parent,
+                  linger: float = 0.0):
     import warnings
 
     worker_environment(parent)
@@ -201,7 +271,7 @@ def _fault_worker(rank: int, world: int, port: int, case: str, plan_name: str, t
         results.put((rank, kind, value))
 
     try:
-        out = fault_job(case, plan_name, timeout, report, done)
+        out = fault_job(case, plan_name, timeout, report, done, linger)
         report("result", (time.time(), out))
     except BaseException as e:  # noqa: BLE001 - what this rank raised is the result
         report("result", (time.time(), f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
@@ -211,18 +281,23 @@ def _fault_worker(rank: int, world: int, port: int, case: str, plan_name: str, t
             done.set()
 
 
-def run_fault_case(case: str, plan_name: str, timeout: float = 5.0, world: int = 2, limit: float = 120.0) -> dict:
+def run_fault_case(case: str, plan_name: str, timeout: float = 5.0, world: int = 2, limit: float = 120.0,
+                   linger: float = 0.0, spawn: bool = False) -> dict:
     """Run ``case`` on ``world`` fresh processes; what every rank raised (first line), and the
-    seconds from the fault to each rank's exit (None: still running at ``limit``, then killed)."""
+    seconds from the fault to each rank's exit (None: still running at ``limit``, then killed).
+    ``linger``: how long the failing rank of ``own_*`` lives on after its error; ``spawn``: the
+    processes are spawned (a fresh interpreter that exits as a script does: atexit handlers,
+    finalization), not forked from the fork server (whose children end in ``os._exit``)."""
+    import multiprocessing as mp
     from multiprocessing.connection import wait as wait_any
 
-    ctx = process_context()
+    ctx = mp.get_context("spawn") if spawn else process_context()
     results = ctx.Queue()
     port = _free_port()
     done = ctx.Event()  # rank 0 has its result
     parent = parent_environment()
-    procs = [ctx.Process(target=_fault_worker, args=(r, world, port, case, plan_name, timeout, results, done, parent),
-                         daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_fault_worker, args=(r, world, port, case, plan_name, timeout, results, done, parent,
+                                                     linger), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     exited: dict[int, float] = {}
@@ -254,6 +329,10 @@ def run_fault_case(case: str, plan_name: str, timeout: float = 5.0, world: int =
     for r in range(world):
         res = [v for rr, k, v in msgs if rr == r and k == "result"]
         text = [v for rr, k, v in msgs if rr == r and k == "error_text"]
+        caught = [v for rr, k, v in msgs if rr == r and k == "raised"]  # (own_*: raised, caught, lived on)
+        lived = [v for rr, k, v in msgs if rr == r and k == "linger_end"]
+        if caught and res:
+            res = [(caught[0], res[0][1])]
         out["ranks"][r] = {
             "said": res[0][1] if res else ("(killed)" if procs[r].exitcode == -9 else f"(no result; exit code "
                                                                                       f"{procs[r].exitcode})"),
@@ -261,5 +340,6 @@ def run_fault_case(case: str, plan_name: str, timeout: float = 5.0, world: int =
             "raised_s": (res[0][0] - t0) if res and t0 is not None else None,
             "exit_s": (exited[r] - t0) if r in exited and t0 is not None else None,
             "exitcode": procs[r].exitcode,
+            "lived_s": (lived[0] - t0) if lived and t0 is not None else None,
         }
     return out

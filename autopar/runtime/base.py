@@ -15,7 +15,8 @@ One training step, the same for both (``train_step``):
    plain tensors on plain parameters; accumulating as autograd does).
 
 Every wait of a step is bounded by ``timeout`` and woken by another rank's failure; an
-exception on one rank becomes ``RankFailure`` on every rank (autopar/runtime/failure.py).
+exception on one rank is raised there as it is, and as ``RankFailure`` naming it on every other
+rank (autopar/runtime/failure.py).
 
 Each rank times its steps, compute against waiting, and every ``straggler_window`` steps the
 ranks compare them (autopar/runtime/steptimes.py).

@@ -16,8 +16,11 @@ So the runtime never blocks for long in one call:
   the default group (``_get_default_store()``, a TCPStore: no collective): the number of
   failure records. A rank whose ``train_step`` (or eval call) raises posts a record there
   (its rank, the step, its exception) before raising; a rank blocked in that step sees it
-  within a slice and raises ``RankFailure`` naming the failing rank and its exception. A wait
-  that runs past ``timeout`` seconds raises too, after a census (below).
+  within a slice and raises ``RankFailure`` naming the failing rank and its exception. The
+  failing rank itself raises its own exception, the very object with its traceback (and a
+  note, where Python has ``add_note``), as torch.distributed's own tools do: code that catches
+  ``torch.OutOfMemoryError`` or its own exception type still sees it. A wait that runs past
+  ``timeout`` seconds raises too, after a census (below).
 - **Lost peers.** A killed rank's connections close: gloo reports "Connection closed by peer"
   to the ranks waiting on it within milliseconds. If no rank posted a record, the ranks that
   noticed take a census on the store: every rank that is still inside autopar answers within a
@@ -27,7 +30,8 @@ So the runtime never blocks for long in one call:
   groups, and the ranks no longer agree on which collective is next): the process groups are
   abandoned (never destroyed: destroying a gloo group joins its worker threads, which wait for
   the pending collective, so the process would not exit), the helper's transfers are closed,
-  and every later call raises the same ``RankFailure``. One exception: a failure before this
+  and every later call raises ``RankFailure`` (on the failing rank too, which may live on after
+  catching its error: nothing of its waits for a peer). One exception: a failure before this
   rank's first collective of the step (the per-rank batch checks) re-raises the rank's own
   error; if every rank failed the same checks, nothing was sent and the program is still usable.
 - **Compile** (``agree``): before the first collective of a new program (its parameters'
@@ -407,7 +411,8 @@ def wait(work, what: str, timeout: float | None = None, p2p: bool = False, guard
 class Call:
     """One communicating call of a runtime (``with failure.call(pm, "train_step") as c``): the
     code before ``c.communicating()`` checks the batch; an exception there is posted for the
-    peers and re-raised as it is; after it, any exception breaks the program on every rank."""
+    peers and re-raised as it is; after it, any exception breaks the program on every rank: it is
+    posted, passes on as it is on this rank, and the peers raise ``RankFailure`` naming it."""
 
     def __init__(self, w: World, what: str, step: int, timeout: float):
         self.w, self.what, self.step, self.timeout = w, what, step, timeout
@@ -451,11 +456,19 @@ class Call:
         w.post(rec)
         if not self.sending:  # the batch checks: nothing was sent, this rank's own error says it best
             return False
-        failure = w.from_record({**rec, "rank": w.rank}, None)
-        w.abandon(failure)
-        if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: posted, passed on as they are
-            return False
-        raise failure from e
+        # this rank's own error (the user's, torch's: an out-of-memory, a kernel's IndexError;
+        # KeyboardInterrupt, SystemExit too) passes on as it is, the very object with its
+        # traceback, as torch.distributed's tools do: the peers raise RankFailure naming this rank
+        w.abandon(w.from_record({**rec, "rank": w.rank}, None))
+        _note(e, f"autopar: rank {w.rank} raised this in {where}; the other ranks were told and raise RankFailure "
+              f"naming it. {FIX[0].upper()}{FIX[1:]}")
+        return False
+
+
+def _note(e: BaseException, note: str) -> None:
+    """``e.add_note(note)`` where Python has it (3.11+), once per exception object."""
+    if hasattr(e, "add_note") and note not in getattr(e, "__notes__", ()):
+        e.add_note(note)
 
 
 def _communication_error(e: BaseException) -> bool:
