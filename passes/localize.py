@@ -143,6 +143,11 @@ def _run_node(n: fx.Node, env, ctx):
     in_specs = [spec_of(a) for a in tensor_args(n)]
     if rule is None or rule.name != "dtensor" or all(
             all(isinstance(p, Replicate) for p in s.placements) for s in in_specs):
+        if n.target is torch.ops.aten.view.default and not args[0].is_contiguous():
+            # the global trace's strides may allow a view that the local value's do not (a rule's
+            # local implementation or a redistribution laid it out otherwise): reshape is the view
+            # where the strides allow one, else the same values copied
+            return torch.ops.aten.reshape.default(*args)
         return n.target(*args, **kwargs)  # local shards need no shape changes
     if _FAST and _local_as_is(n, in_specs):
         return _checked(n, n.target(*args, **kwargs), ctx)
