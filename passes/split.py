@@ -93,7 +93,7 @@ def derive_tensor_parallel(state: CompileState) -> None:
     """Megatron's placements from the whole captured graph (autopar/analysis/tensor_parallel.py),
     for every tensor-parallel axis of more than one rank whose strategy derives them; put on the
     plan(s) the stages are placed with (``Plan.derived``)."""
-    from autopar.analysis.tensor_parallel import derive
+    from autopar.analysis.tensor_parallel import R, Decision, Derived, derive
     from autopar.plan import DERIVED_TP
 
     o = state.options
@@ -101,11 +101,17 @@ def derive_tensor_parallel(state: CompileState) -> None:
     sizes = dict(zip(state.mesh.mesh_dim_names, state.mesh.shape))
     for plan in plans:
         for ap in plan.axes:
-            if ap.strategy in DERIVED_TP and sizes.get(ap.axis, 1) > 1 and ap.axis not in plan.derived:
+            if ap.strategy not in DERIVED_TP or ap.axis in plan.derived:
+                continue
+            if ap.axis not in state.tp_derived:
                 t0 = time.perf_counter()
-                plan.derived[ap.axis] = state.tp_derived.get(ap.axis) or derive(state.gm, state.model, sizes[ap.axis])
-                state.tp_derived[ap.axis] = plan.derived[ap.axis]
+                if sizes.get(ap.axis, 1) > 1:
+                    state.tp_derived[ap.axis] = derive(state.gm, state.model, sizes[ap.axis])
+                else:  # one rank: every placement is the whole tensor
+                    state.tp_derived[ap.axis] = Derived(1, {n: Decision(R, "replicated", "one rank on this axis")
+                                                            for n, _ in state.model.named_parameters()})
                 state.timings["derive"] = state.timings.get("derive", 0.0) + time.perf_counter() - t0
+            plan.derived[ap.axis] = state.tp_derived[ap.axis]
 
 
 # ------------------------------------------------------------------------------------ splitting

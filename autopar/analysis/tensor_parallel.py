@@ -136,9 +136,10 @@ def _where(n: fx.Node) -> str:
 
 
 class _Fail(Exception):
-    def __init__(self, why: str, outer: int | None = None):
+    def __init__(self, why: str, outer: int | None = None, indivisible: bool = False):
         super().__init__(why)
         self.why, self.outer = why, outer  # outer: the split factor that would make it hold
+        self.indivisible = indivisible  # it would hold on an axis whose size divides the dims
 
 
 # --------------------------------------------------------------------------------- the graph
@@ -162,6 +163,7 @@ class _Graph:
                 if kind == "param":
                     self.param[n] = name
         self.params = {n for n, _ in model.named_parameters()}
+        self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         self.grad: set[fx.Node] = set()
         self.from_input: set[fx.Node] = set()
         for n in self.nodes:
@@ -269,7 +271,7 @@ def _reshape_track(src: tuple, dst: tuple, d: int, o: int, tp: int) -> tuple[int
                 if sh:  # the sharded digit is split: its outer part (rem) lands in dim j
                     if rem % tp:
                         raise _Fail(f"a view from {list(src)} to {list(dst)} that would put the shards across a "
-                                    f"dim of size {rem}, not divisible by {tp}", outer=rem)
+                                    f"dim of size {rem}, not divisible by {tp}", outer=rem, indivisible=True)
                     out_dim, out_outer = j, before
                 digits[k] = [dsz // rem, False]
                 rem = 1
@@ -332,7 +334,7 @@ def _run_flow(g: _Graph, flow: _Flow, tp: int) -> None:
     n_out = shape[-1]
     if (n_out // flow.outer) % tp or n_out % flow.outer:
         raise _Fail(f"its output dim {n_out} does not divide into {tp} shards"
-                    + (f" of each of {flow.outer} parts" if flow.outer > 1 else ""))
+                    + (f" of each of {flow.outer} parts" if flow.outer > 1 else ""), indivisible=True)
     flow.tracks[start] = (len(shape) - 1, flow.outer)
     heap = []
     seen = set()
@@ -359,7 +361,6 @@ def _track(flow: _Flow, a):
 def _step(g: _Graph, flow: _Flow, u: fx.Node, tp: int):
     """The track of ``u``'s output given its tracked inputs; None when u ends the flow."""
     name = op_name(u)
-    where = _where(u)
     if u.op == "output":
         raise _Fail("the sharded values reach the program's output")
     x = u.args[0] if u.args else None
@@ -376,18 +377,18 @@ def _step(g: _Graph, flow: _Flow, u: fx.Node, tp: int):
     if name in _RESHAPE and tx is not None:
         d, o = _reshape_track(_shape(x), _shape(u), *tx, tp)
         if _shape(u)[d] != _shape(x)[tx[0]] and len(flow.trail) < 4:
-            flow.trail.append(f"viewed as {list(_shape(u))} (sharded dim {d}){where}")
+            flow.trail.append(f"viewed as {list(_shape(u))} (sharded dim {d}){_where(u)}")
         return d, o
     if (name in _EXPAND or name == "repeat") and tx is not None:  # new leading dims; the sharded one kept
         src, dst = _shape(x), _shape(u)
         d = tx[0] + len(dst) - len(src)
         if dst[d] != src[tx[0]]:
-            raise _Fail(f"{name} along the sharded dim{where}")
+            raise _Fail(f"{name} along the sharded dim{_where(u)}")
         return d, tx[1]
     if name == "repeat_interleave" and tx is not None:
         dim = _dims_arg(u, 2, len(_shape(x)))
         if dim is None or (tx[0] in dim and tx[1] != 1):
-            raise _Fail(f"repeat_interleave over the sharded dim{where}")
+            raise _Fail(f"repeat_interleave over the sharded dim{_where(u)}")
         return tx
     if name in _PERMUTE and tx is not None:
         return _permuted(u, tx)
@@ -399,15 +400,15 @@ def _step(g: _Graph, flow: _Flow, u: fx.Node, tp: int):
         ns = u.args[1] if len(u.args) > 1 else u.kwargs.get("normalized_shape")
         k = len(ns) if isinstance(ns, (list, tuple)) else 1
         if tx[0] >= len(_shape(x)) - k:
-            raise _Fail(f"{name} normalizes over the sharded dim{where}")
+            raise _Fail(f"{name} normalizes over the sharded dim{_where(u)}")
         return tx
     if name in ("cross_entropy", "nll_loss") and tx is not None:
         if tx[0] == 1 and tx[1] == 1 and x is u.args[0] and _track(flow, u.args[1]) is None:
             if name == "nll_loss" and x not in flow.logp:
-                raise _Fail(f"nll_loss over values that are not log-probabilities{where}")
+                raise _Fail(f"nll_loss over values that are not log-probabilities{_where(u)}")
             flow.vocab.append(u)
             return None
-        raise _Fail(f"{name} reads the sharded values other than as classes{where}")
+        raise _Fail(f"{name} reads the sharded values other than as classes{_where(u)}")
     if name in _REDUCE and tx is not None:
         nd = len(_shape(x))
         dims = _dims_arg(u, 1, nd)
@@ -415,19 +416,19 @@ def _step(g: _Graph, flow: _Flow, u: fx.Node, tp: int):
             dims = _dims_arg(u, 2, nd) or {nd - 1}
         if dims is not None and tx[0] in dims and flow.relaxed and name in _STATISTICS:
             if len(flow.trail) < 4:
-                flow.trail.append(f"{name} over the sharded dim{where} (each rank's part, then all-reduced)")
+                flow.trail.append(f"{name} over the sharded dim{_where(u)} (each rank's part, then all-reduced)")
             return None
         if dims is None or tx[0] in dims:
             if name in ("log_softmax", "_log_softmax") and dims == {tx[0]} and tx[1] == 1 and tx[0] == nd - 1:
                 flow.logp.add(u)  # a vocab-parallel log_softmax, if nll_loss reads it
                 return tx
-            raise _Fail(f"{name} reduces over the sharded dim{where}")
+            raise _Fail(f"{name} reduces over the sharded dim{_where(u)}")
         out = _val(u)
         res = out[0] if isinstance(out, (tuple, list)) else out
         d = tx[0] - sum(1 for q in dims if q < tx[0]) if res.dim() < nd else tx[0]
         return [(d, tx[1])] * len(out) if isinstance(out, (tuple, list)) else (d, tx[1])
     if name == "embedding":
-        raise _Fail(f"an embedding lookup indexed by the sharded values{where}")
+        raise _Fail(f"an embedding lookup indexed by the sharded values{_where(u)}")
     if name in _MATMUL:
         return _matmul(g, flow, u, name, tp)
     if name == "scaled_dot_product_attention":
@@ -439,7 +440,7 @@ def _step(g: _Graph, flow: _Flow, u: fx.Node, tp: int):
         return [t] * len(val) if isinstance(val, (tuple, list)) else t
     if _pointwise(name) or name in ("where", "masked_fill"):
         return _elementwise(g, flow, u)
-    raise _Fail(f"{name}{where}: an op whose sharding autopar does not derive")
+    raise _Fail(f"{name}{_where(u)}: an op whose sharding autopar does not derive")
 
 
 def _elementwise_function(g: _Graph, u: fx.Node) -> bool:
@@ -689,15 +690,27 @@ def derive(gm: fx.GraphModule, model: torch.nn.Module, tp: int) -> Derived:
     g = _Graph(gm, model)
     out = Derived(tp)
     failed: dict[str, str] = {}  # weight -> why it is no column
+    indivisible: dict[str, str] = {}  # weight -> the dim the axis size does not divide
     used: set[fx.Node] = set()
     for relaxed in (False, True):
-        flows = _flows(g, tp, relaxed, used, failed)
+        flows = _flows(g, tp, relaxed, used, failed, indivisible)
         _accept(g, flows, used, failed, out)
-    _decide_rest(g, out, failed)
+    _decide_rest(g, out, failed, indivisible)
+    left = {n: why for n, why in indivisible.items() if isinstance(out.decisions[n].placement, Replicate)}
+    if left:
+        from autopar.errors import PlanError
+
+        first = next(iter(left))
+        raise PlanError(f"tensor parallelism over {tp} ranks cannot shard {len(left)} parameter(s) that it would "
+                        "shard over a size that divides their dims:\n" + "\n".join(
+                            f"    {n} {list(g.shapes[n])}: {why}" for n, why in left.items()),
+                        where="the tensor-parallel axis size",
+                        fix=f"use a tensor-parallel size that divides them (heads, hidden and vocabulary sizes), or "
+                        f"replicate them with plan['rules'], e.g. {{'{first}': {{'tp': 'R'}}}}")
     return out
 
 
-def _flows(g: _Graph, tp: int, relaxed: bool, used: set, failed: dict) -> list[_Flow]:
+def _flows(g: _Graph, tp: int, relaxed: bool, used: set, failed: dict, indivisible: dict) -> list[_Flow]:
     flows = []
     for n in g.nodes:
         mw = _matmul_weight(g, n) if n.op in ("call_function", "call_method") and n not in used else None
@@ -718,10 +731,29 @@ def _flows(g: _Graph, tp: int, relaxed: bool, used: set, failed: dict) -> list[_
             break
         if fl.fail is None and not fl.rows and not fl.vocab:
             fl.fail = _Fail("nothing that contracts it back")
+        if fl.fail is not None and fl.fail.indivisible and tp > 1 and not relaxed and _holds(g, n, wname, out_pdim, bias):
+            indivisible.setdefault(wname, fl.fail.why)
         flows.append(fl)
         if fl.fail is not None:
             failed.setdefault(wname, f"not sharded: as a column-parallel weight its output would reach {fl.fail.why}")
     return flows
+
+
+def _holds(g: _Graph, n: fx.Node, wname: str, out_pdim: int, bias) -> bool:
+    """The flow from ``n`` holds on an axis whose size divides every dim (tp = 1)."""
+    outer, tried = 1, set()
+    while outer not in tried:
+        tried.add(outer)
+        fl = _Flow(n, wname, out_pdim, bias, outer)
+        try:
+            _run_flow(g, fl, 1)
+            return bool(fl.rows or fl.vocab)
+        except _Fail as e:
+            if e.outer and e.outer > 1:
+                outer *= e.outer
+                continue
+            return False
+    return False
 
 
 def _accept(g: _Graph, flows: list[_Flow], used: set, failed: dict, out: Derived) -> None:
@@ -804,7 +836,7 @@ def _put(dec: dict, name: str, d: Decision) -> None:
     dec[name] = Decision(R, "replicated", f"used two ways: {prev.why} / {d.why}")
 
 
-def _decide_rest(g: _Graph, out: Derived, failed: dict[str, str]) -> None:
+def _decide_rest(g: _Graph, out: Derived, failed: dict[str, str], indivisible: dict[str, str]) -> None:
     dec = out.decisions
     first_use: dict[str, fx.Node] = {}
     lookups: dict[str, list[fx.Node]] = {}
@@ -828,7 +860,9 @@ def _decide_rest(g: _Graph, out: Derived, failed: dict[str, str]) -> None:
                     why = dec[name].why + "; and " + why
                 dec[name] = Decision(Shard(0), "vocab", why)
             else:
-                dec.setdefault(name, Decision(R, "replicated", f"lookup table of {rows} rows, not divisible by {out.tp}"))
+                indivisible.setdefault(name, f"a lookup indexed by the program's input (vocabulary-parallel) of {rows} "
+                                             f"rows, not divisible by {out.tp}")
+                dec.setdefault(name, Decision(R, "replicated", indivisible[name]))
         elif name not in dec:
             dec[name] = Decision(R, "replicated", f"lookup indexed by values the program computes (positions), "
                                  f"not by an input{_where(uses[0])}")
