@@ -311,8 +311,8 @@ def _matmul_weight(g: _Graph, n: fx.Node):
         pv = g.param_view(w)
         if pv is None or len(pv[1]) != 2:
             return None
-        return x, pv[0], pv[1][1], pv[1][0], g.param.get(b) if isinstance(b, fx.Node) and b in g.param else \
-            (g.param_view(b)[0] if isinstance(b, fx.Node) and g.param_view(b) else None)
+        bias = g.param_view(b) if isinstance(b, fx.Node) else None
+        return x, pv[0], pv[1][1], pv[1][0], bias[0] if bias else None
     if name in ("addmm", "mm", "matmul"):
         args = list(n.args)
         b = args.pop(0) if name == "addmm" else None
@@ -322,8 +322,8 @@ def _matmul_weight(g: _Graph, n: fx.Node):
         pv = g.param_view(w)
         if pv is None or len(pv[1]) != 2 or g.param_view(x) is not None:
             return None
-        bias = g.param_view(b)[0] if isinstance(b, fx.Node) and g.param_view(b) else None
-        return x, pv[0], pv[1][0], pv[1][1], bias
+        bias = g.param_view(b) if isinstance(b, fx.Node) else None
+        return x, pv[0], pv[1][0], pv[1][1], bias[0] if bias else None
     return None
 
 
