@@ -106,7 +106,7 @@ def derive_tensor_parallel(state: CompileState) -> None:
             if ap.axis not in state.tp_derived:
                 t0 = time.perf_counter()
                 if sizes.get(ap.axis, 1) > 1:
-                    state.tp_derived[ap.axis] = derive(state.gm, state.model, sizes[ap.axis])
+                    state.tp_derived[ap.axis] = derive(state.gm, state.model, sizes[ap.axis], ap.axis)
                 else:  # one rank: every placement is the whole tensor
                     state.tp_derived[ap.axis] = Derived(1, {n: Decision(R, "replicated", "one rank on this axis")
                                                             for n, _ in state.model.named_parameters()})

@@ -17,7 +17,9 @@ def _compile(mesh, plan, **cfg):
 
 
 def test_heads_not_divisible_by_tp(fake):
-    with fake(tp=4) as mesh, pytest.raises(autopar.ShardingError) as e:
+    """The derivation (autopar/analysis/tensor_parallel.py) finds the K/V heads view that tp=4 cannot
+    split: a PlanError naming the parameters, the view's line and what to do."""
+    with fake(tp=4) as mesh, pytest.raises(autopar.PlanError) as e:
         _compile(mesh, {"tp": "megatron"}, n_kv_heads=2)
     msg = str(e.value)
     assert "heads" in msg and "'tp'" in msg
@@ -73,10 +75,18 @@ class UsesMystery(torch.nn.Module):
 
 
 def test_op_without_rule(fake):
+    """Rules that shard a value into an op nobody wrote a rule for: a ShardingError naming the op and
+    the user's line. The megatron preset does not shard through it: it replicates the weights around
+    it and says so."""
+    rules = [("up_proj.weight", "S(0)"), ("down_proj.weight", "S(1)")]
     with fake(tp=2) as mesh, pytest.raises(autopar.ShardingError) as e:
-        autopar.compile(UsesMystery(), mesh, example_inputs=(torch.randn(4, 8),), plan={"tp": "megatron"})
+        autopar.compile(UsesMystery(), mesh, example_inputs=(torch.randn(4, 8),), plan={"tp": rules})
     msg = str(e.value)
     assert "autopar_test.mystery" in msg and "test_errors.py" in msg and "autopar/rules.py" in msg
+    with fake(tp=2) as mesh:
+        pm = autopar.compile(UsesMystery(), mesh, example_inputs=(torch.randn(4, 8),), plan={"tp": "megatron"})
+        why = dict(pm.ctx.placed.replicated["tp"])
+    assert "mystery" in why["up_proj.weight"] and "test_errors.py" in why["up_proj.weight"]
 
 
 def test_batch_shape_mismatch(fake):

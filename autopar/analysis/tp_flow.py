@@ -1,0 +1,425 @@
+"""One flow of the tensor-parallel derivation (autopar/analysis/tensor_parallel.py): a weight's
+output dim followed op by op until a matmul contracts it, the loss reads it as classes, or an op
+would need it whole."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from autopar.analysis.tp_graph import (CAT, EXPAND, Fail, Graph, MATMUL, NORM, PERMUTE, REDUCE, RESHAPE, SAME, SPLIT, STATISTICS, apply_permute, dims_arg, op_name, pointwise, reshape_track, shape_of, val_of, where_of)
+
+# --------------------------------------------------------------------------------- one flow
+@dataclass
+class Flow:
+    start: fx.Node
+    weight: str
+    out_pdim: int  # the weight's dim the start's output dim comes from
+    bias: str | None
+    outer: int
+    tracks: dict = field(default_factory=dict)  # node -> (dim, outer) | list of those (tuples)
+    rows: list = field(default_factory=list)  # (node, param, param dim, outer)
+    vocab: list = field(default_factory=list)  # nodes: the loss reading the sharded class dim
+    extra: dict = field(default_factory=dict)  # param -> (param dim, outer, node): biases, sinks
+    needs: list = field(default_factory=list)  # (node, operand, track) another flow must provide
+    fail: Fail | None = None
+    trail: list = field(default_factory=list)  # the graph facts worth printing
+    logp: set = field(default_factory=set)  # log_softmax over the sharded dim (nll_loss may read them)
+    # a statistic over the sharded dim (a norm's mean of squares) allowed: each rank reduces its
+    # part and the small result is all-reduced (the second pass, for starts the first left out)
+    relaxed: bool = False
+
+
+def matmul_weight(g: Graph, n: fx.Node):
+    """(activation, weight name, the weight's contracted dim, its output dim, bias name) of a
+    matmul with a 2-D weight; None for others."""
+    name = op_name(n)
+    if name in ("linear", "linear_act"):  # (autopar::linear_act: the lower pass's linear + activation)
+        x, w = n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs.get("weight")
+        b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+        pv = g.param_view(w)
+        if pv is None or len(pv[1]) != 2:
+            return None
+        bias = g.param_view(b) if isinstance(b, fx.Node) else None
+        return x, pv[0], pv[1][1], pv[1][0], bias[0] if bias else None
+    if name in ("addmm", "mm", "matmul"):
+        args = list(n.args)
+        b = args.pop(0) if name == "addmm" else None
+        if len(args) < 2:
+            return None
+        x, w = args[0], args[1]
+        pv = g.param_view(w)
+        if pv is None or len(pv[1]) != 2 or g.param_view(x) is not None:
+            return None
+        bias = g.param_view(b) if isinstance(b, fx.Node) else None
+        return x, pv[0], pv[1][0], pv[1][1], bias[0] if bias else None
+    return None
+
+
+def run_flow(g: Graph, flow: Flow, tp: int) -> None:
+    """Follow the start's sharded output dim through the graph (see the module docstring)."""
+    start = flow.start
+    v = val_of(start)
+    shape = tuple(v[0].shape) if isinstance(v, (tuple, list)) else shape_of(start)
+    n_out = shape[-1]
+    if (n_out // flow.outer) % tp or n_out % flow.outer:
+        raise Fail(f"its output dim {n_out} does not divide into {tp} shards"
+                    + (f" of each of {flow.outer} parts" if flow.outer > 1 else ""), indivisible=True)
+    out = val_of(start)
+    flow.tracks[start] = (len(shape) - 1, flow.outer)
+    if isinstance(out, (tuple, list)):  # linear_act: (activation, pre-activation), both [.., out]
+        flow.tracks[start] = [(len(shape) - 1, flow.outer)] * len(out)
+    heap = []
+    seen = set()
+
+    def push(v):
+        for u in v.users:
+            if u not in seen:
+                seen.add(u)
+                heapq.heappush(heap, (g.index[u], u))
+
+    push(start)
+    while heap:
+        _, u = heapq.heappop(heap)
+        out = _step(g, flow, u, tp)
+        if out is not None:
+            flow.tracks[u] = out
+            push(u)
+
+
+def _track(flow: Flow, a):
+    return flow.tracks.get(a) if isinstance(a, fx.Node) else None
+
+
+def _step(g: Graph, flow: Flow, u: fx.Node, tp: int):
+    """The track of ``u``'s output given its tracked inputs; None when u ends the flow."""
+    name = op_name(u)
+    if u.op == "output":
+        raise Fail("the sharded values reach the program's output")
+    x = u.args[0] if u.args else None
+    tx = _track(flow, x)
+    val = val_of(u)
+    if name == "getitem" and isinstance(tx, list):
+        return tx[u.args[1]]
+    if not isinstance(val, (torch.Tensor, tuple, list)):
+        return None  # metadata (x.size(), x.dim()): no data moves
+    if name in SAME and tx is not None:
+        return tx
+    if name == "getattr" and tx is not None and u.args[1] in ("T", "mT"):
+        return _permuted(u, tx)
+    if name in RESHAPE and tx is not None:
+        try:
+            d, o = reshape_track(shape_of(x), shape_of(u), *tx, tp)
+        except Fail as e:
+            raise Fail(e.why + where_of(u), e.outer, e.indivisible) from None
+        if shape_of(u)[d] != shape_of(x)[tx[0]] and len(flow.trail) < 4:
+            flow.trail.append(f"viewed as {list(shape_of(u))} (sharded dim {d}){where_of(u)}")
+        return d, o
+    if (name in EXPAND or name == "repeat") and tx is not None:  # new leading dims; the sharded one kept
+        src, dst = shape_of(x), shape_of(u)
+        d = tx[0] + len(dst) - len(src)
+        if dst[d] != src[tx[0]]:
+            raise Fail(f"{name} along the sharded dim{where_of(u)}")
+        return d, tx[1]
+    if name == "repeat_interleave" and tx is not None:
+        dim = dims_arg(u, 2, len(shape_of(x)))
+        if dim is None or (tx[0] in dim and tx[1] != 1):
+            raise Fail(f"repeat_interleave over the sharded dim{where_of(u)}")
+        return tx
+    if name in PERMUTE and tx is not None:
+        return _permuted(u, tx)
+    if name in SPLIT and tx is not None:
+        return _split(u, name, tx, tp)
+    if name == "getitem" and tx is not None:
+        return _index(u, tx)
+    if name in NORM and tx is not None:
+        ns = u.args[1] if len(u.args) > 1 else u.kwargs.get("normalized_shape")
+        k = len(ns) if isinstance(ns, (list, tuple)) else 1
+        if tx[0] >= len(shape_of(x)) - k:
+            raise Fail(f"{name} normalizes over the sharded dim{where_of(u)}")
+        return tx
+    if name in ("cross_entropy", "nll_loss") and tx is not None:
+        if tx[0] == 1 and tx[1] == 1 and x is u.args[0] and _track(flow, u.args[1]) is None:
+            if name == "nll_loss" and x not in flow.logp:
+                raise Fail(f"nll_loss over values that are not log-probabilities{where_of(u)}")
+            flow.vocab.append(u)
+            return None
+        raise Fail(f"{name} reads the sharded values other than as classes{where_of(u)}")
+    if name in REDUCE and tx is not None:
+        nd = len(shape_of(x))
+        dims = dims_arg(u, 1, nd)
+        if name == "normalize":
+            dims = dims_arg(u, 2, nd) or {nd - 1}
+        if dims is not None and tx[0] in dims and flow.relaxed and name in STATISTICS:
+            if len(flow.trail) < 4:
+                flow.trail.append(f"{name} over the sharded dim{where_of(u)} (each rank's part, then all-reduced)")
+            return None
+        if dims is None or tx[0] in dims:
+            if name in ("log_softmax", "_log_softmax") and dims == {tx[0]} and tx[1] == 1 and tx[0] == nd - 1:
+                flow.logp.add(u)  # a vocab-parallel log_softmax, if nll_loss reads it
+                return tx
+            raise Fail(f"{name} reduces over the sharded dim{where_of(u)}")
+        out = val_of(u)
+        res = out[0] if isinstance(out, (tuple, list)) else out
+        d = tx[0] - sum(1 for q in dims if q < tx[0]) if res.dim() < nd else tx[0]
+        return [(d, tx[1])] * len(out) if isinstance(out, (tuple, list)) else (d, tx[1])
+    if name == "embedding":
+        raise Fail(f"an embedding lookup indexed by the sharded values{where_of(u)}")
+    if name in MATMUL:
+        return _matmul(g, flow, u, name, tp)
+    if name in ("scaled_dot_product_attention", "flash_attention"):  # (autopar::flash_attention: (out, lse))
+        t = _attention(g, flow, u)
+        return [t, t] if name == "flash_attention" else t
+    if name in CAT:
+        return _cat(g, flow, u, name)
+    if _elementwise_function(g, u):
+        t = _elementwise(g, flow, u)
+        return [t] * len(val) if isinstance(val, (tuple, list)) else t
+    if pointwise(name) or name in ("where", "masked_fill"):
+        return _elementwise(g, flow, u)
+    raise Fail(f"{name}{where_of(u)}: an op whose sharding autopar does not derive")
+
+
+def _elementwise_function(g: Graph, u: fx.Node) -> bool:
+    """A custom autograd function (``autograd_function_apply``) whose forward body is elementwise
+    ops only (BLOOM's GeLUFunction): an elementwise op."""
+    if op_name(u) != "autograd_function_apply" or not u.args or not isinstance(u.args[0], fx.Node):
+        return False
+    from autopar.modpath import get_attr
+
+    body = get_attr(g.gm, u.args[0].target) if u.args[0].op == "get_attr" else None
+    if not isinstance(body, fx.GraphModule):
+        return False
+    ops = [n for n in body.graph.nodes if n.op in ("call_function", "call_method")]
+    return bool(ops) and all(pointwise(op_name(n)) or op_name(n) in SAME or op_name(n) == "_set_grad_enabled"
+                             for n in ops)
+
+
+def _permuted(u: fx.Node, tx):
+    nd = len(shape_of(u))
+    labels = [None] * nd
+    labels[tx[0]] = "S"
+    out = apply_permute(u, labels)
+    if out is None:
+        raise Fail(f"{op_name(u)}{where_of(u)}: a permutation autopar cannot follow")
+    return out.index("S"), tx[1]
+
+
+def _split(u: fx.Node, name: str, tx, tp: int):
+    src = shape_of(u.args[0])
+    nd = len(src)
+    if name == "unbind":
+        dim = dims_arg(u, 1, nd) or {0}
+        (dim,) = dim
+        if dim == tx[0]:
+            raise Fail(f"unbind over the sharded dim{where_of(u)}")
+        return [(tx[0] - (dim < tx[0]), tx[1])] * src[dim]
+    dim = dims_arg(u, 2, nd) or {0}
+    (dim,) = dim
+    parts = [int(_shape_of(v)[dim]) for v in val_of(u)]
+    if dim != tx[0]:
+        return [tx] * len(parts)
+    n, o = src[dim], tx[1]
+    m = n // o
+    if all(p % m == 0 for p in parts):
+        return [(dim, p // m) for p in parts]
+    unit = math.gcd(math.gcd(*parts), m)
+    raise Fail(f"{name} into parts {parts}{where_of(u)} crosses the shards", outer=n // unit // o)
+
+
+def _shape_of(v):
+    return tuple(v.shape)
+
+
+def _index(u: fx.Node, tx):
+    """x[idx] with slices, None, ints and Ellipsis: the sharded dim must be kept whole."""
+    idx = u.args[1] if isinstance(u.args[1], tuple) else (u.args[1],)
+    src = shape_of(u.args[0])
+    if any(isinstance(i, (fx.Node, list, torch.Tensor)) for i in idx):
+        raise Fail(f"indexing with tensors{where_of(u)}")
+    n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
+    expanded = []
+    for i in idx:
+        if i is Ellipsis:
+            expanded += [slice(None)] * (len(src) - n_real)
+        else:
+            expanded.append(i)
+    expanded += [slice(None)] * (len(src) - sum(1 for i in expanded if i is not None))
+    d_in, d_out = 0, 0
+    for i in expanded:
+        if i is None:
+            d_out += 1
+            continue
+        if d_in == tx[0]:
+            if isinstance(i, slice) and i == slice(None):
+                return d_out, tx[1]
+            if not isinstance(i, slice) or i.step not in (None, 1):
+                raise Fail(f"indexing into the sharded dim{where_of(u)}")
+            n, o = src[d_in], tx[1]
+            lo, hi, _ = i.indices(n)
+            m = n // o
+            if lo % m == 0 and hi % m == 0 and hi > lo:  # whole parts: [q | k | v][..., :q_size]
+                return d_out, (hi - lo) // m
+            unit = math.gcd(math.gcd(lo, hi), math.gcd(n, m))
+            raise Fail(f"a slice [{lo}:{hi}] of the sharded dim{where_of(u)} crosses the shards", outer=n // unit // o)
+        d_in += 1
+        if not isinstance(i, int):
+            d_out += 1
+    raise Fail(f"indexing autopar cannot follow{where_of(u)}")
+
+
+def _operand_needs(g: Graph, flow: Flow, u: fx.Node, a, dim: int, o: int, what: str) -> None:
+    """An untracked operand ``a`` holding the sharded dim's full extent at its dim ``dim``: a
+    parameter is sharded with it; a value that needs no gradient (a mask, rotary tables) is
+    sliced locally; a value that needs one must come sharded the same way from another flow."""
+    pv = _param_back(g, a, dim, o)
+    if pv is not None:
+        pname, pdim, o = pv
+        perm = {dim: pdim}
+        prev = flow.extra.get(pname)
+        if prev is not None and prev[:2] != (perm[dim], o):
+            raise Fail(f"parameter {pname} combined with the sharded values along two different dims")
+        flow.extra[pname] = (perm[dim], o, u)
+        return
+    if a in g.grad:
+        flow.needs.append((u, a, (dim, o)))
+
+
+def _param_back(g: Graph, a, dim: int, o: int):
+    """(parameter, its dim, outer parts) if ``a`` is a parameter seen through casts, transposes,
+    views and expands (per-head attention sinks broadcast to [B, H, S, 1]) whose dim ``dim`` comes
+    from that parameter dim; else None."""
+    pv = g.param_view(a)
+    if pv is not None:
+        return pv[0], pv[1][dim], o
+    if not isinstance(a, fx.Node) or a.op not in ("call_function", "call_method") or not a.args:
+        return None
+    name, src = op_name(a), a.args[0]
+    if not isinstance(src, fx.Node) or shape_of(src) is None:
+        return None
+    s_in, s_out = shape_of(src), shape_of(a)
+    try:
+        if name in SAME:
+            return _param_back(g, src, dim, o)
+        if name in EXPAND:
+            d = dim - (len(s_out) - len(s_in))
+            return _param_back(g, src, d, o) if d >= 0 and s_in[d] == s_out[dim] else None
+        if name in RESHAPE:
+            d, o2 = reshape_track(s_out, s_in, dim, o, 1)
+            return _param_back(g, src, d, o2)
+    except Fail:
+        return None
+    return None
+
+
+def _elementwise(g: Graph, flow: Flow, u: fx.Node):
+    v = val_of(u)
+    out = tuple(v[0].shape) if isinstance(v, (tuple, list)) else shape_of(u)
+    nd = len(out)
+    tensors = [a for a in list(u.args) + list(u.kwargs.values()) if isinstance(a, fx.Node)
+               and isinstance(val_of(a), torch.Tensor)]
+    tracked = [(a, flow.tracks[a]) for a in tensors if _track(flow, a) is not None]
+    outs = {(t[0] + nd - len(shape_of(a)), t[1]) for a, t in tracked}
+    if len(outs) != 1:
+        raise Fail(f"{op_name(u)}{where_of(u)} combines values sharded along different dims")
+    ((d, o),) = outs
+    for a in tensors:
+        if _track(flow, a) is not None:
+            continue
+        s = shape_of(a)
+        da = d - (nd - len(s))
+        if da >= 0 and s[da] == out[d] and out[d] > 1:
+            _operand_needs(g, flow, u, a, da, o, op_name(u))
+    return d, o
+
+
+def _cat(g: Graph, flow: Flow, u: fx.Node, name: str):
+    tensors = u.args[0]
+    ref = next(a for a in tensors if _track(flow, a) is not None)
+    src = shape_of(ref)
+    nd = len(src)
+    dim = (dims_arg(u, 1, nd + (name == "stack")) or {0}).pop()
+    d, o = flow.tracks[ref]
+    if name != "stack" and dim == d:
+        raise Fail(f"{name} along the sharded dim{where_of(u)}")
+    for a in tensors:
+        t = _track(flow, a)
+        if t is None:
+            _operand_needs(g, flow, u, a, d, o, name)
+        elif t != (d, o):
+            raise Fail(f"{name}{where_of(u)} joins values sharded differently")
+    return (d + (1 if name == "stack" and dim <= d else 0)), o
+
+
+def _matmul(g: Graph, flow: Flow, u: fx.Node, name: str, tp: int):
+    mw = matmul_weight(g, u)
+    if mw is not None:
+        x, wname, contracted, _, _ = mw
+        tx = _track(flow, x)
+        if tx is None:
+            raise Fail(f"a weight{where_of(u)} multiplied by the sharded values")
+        nd = len(shape_of(x))
+        if tx[0] == nd - 1:  # contracts the sharded dim: row-parallel, the flow ends here
+            flow.rows.append((u, wname, contracted, tx[1]))
+            return None
+        return tx  # the matmul acts along another dim (per head): the sharded dim passes through
+    args = [a for a in list(u.args) + [u.kwargs.get(k) for k in ("input", "batch1", "batch2", "other")]
+            if isinstance(a, fx.Node)]
+    if name == "baddbmm":
+        inp, a, b = args[:3]
+        for v in (a, b):
+            if _track(flow, v) is None:
+                _operand_needs(g, flow, u, v, 0, (_track(flow, a) or _track(flow, b))[1], name)
+        ta, tb = _track(flow, a), _track(flow, b)
+        t = ta or tb
+        if t[0] != 0 or (ta and tb and ta != tb):
+            raise Fail(f"{name}{where_of(u)} over the sharded dim")
+        if _track(flow, inp) is None and shape_of(inp)[0] == shape_of(u)[0]:
+            _operand_needs(g, flow, u, inp, 0, t[1], name)
+        return t
+    a, b = args[:2]
+    sa, sb, so = shape_of(a), shape_of(b), shape_of(u)
+    ta, tb = _track(flow, a), _track(flow, b)
+    if len(sa) < 3 or len(sb) < 3:
+        raise Fail(f"{name}{where_of(u)}: a matmul of the sharded values autopar cannot follow")
+    outs = set()
+    for v, t, s in ((a, ta, sa), (b, tb, sb)):
+        if t is not None:
+            if t[0] >= len(s) - 2:
+                raise Fail(f"{name}{where_of(u)} contracts or keeps the sharded dim as a matrix dim")
+            outs.add((t[0] + len(so) - len(s), t[1]))
+    if len(outs) != 1:
+        raise Fail(f"{name}{where_of(u)} multiplies values sharded differently")
+    ((d, o),) = outs
+    for v, t, s in ((a, ta, sa), (b, tb, sb)):
+        if t is None:
+            dv = d - (len(so) - len(s))
+            if dv >= 0 and s[dv] == so[d]:
+                _operand_needs(g, flow, u, v, dv, o, name)
+    return d, o
+
+
+def _attention(g: Graph, flow: Flow, u: fx.Node):
+    q, k, v = u.args[:3]
+    mask = u.args[3] if len(u.args) > 3 else u.kwargs.get("attn_mask")
+    if isinstance(mask, fx.Node) and _track(flow, mask) is not None:
+        raise Fail(f"the attention mask is sharded{where_of(u)}")
+    ts = [_track(flow, a) for a in (q, k, v)]
+    t = next(x for x in ts if x is not None)
+    nd = len(shape_of(q))
+    if t[0] != nd - 3 or any(x is not None and x != t for x in ts):
+        raise Fail(f"attention{where_of(u)} over values not sharded by heads")
+    for a, x in zip((q, k, v), ts):
+        if x is None:
+            _operand_needs(g, flow, u, a, nd - 3, t[1], "attention")
+    if len(flow.trail) < 4:
+        flow.trail.append(f"attention over heads{where_of(u)}")
+    if isinstance(mask, fx.Node) and mask in g.grad and shape_of(mask)[nd - 3 - (nd - len(shape_of(mask)))] > 1:
+        raise Fail(f"a trained attention bias per head{where_of(u)}")
+    return t
+
+
