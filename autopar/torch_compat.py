@@ -32,9 +32,12 @@ DTensor._op_dispatcher._random_ops / _custom_op_h..    -                    ever
 distributed.tensor._dtensor_spec DTensorSpec, TensorM  -                    TorchVersionError
 distributed.tensor._op_schema.OpSchema                 -                    TorchVersionError (propagate)
 distributed.tensor._utils.compute_local_shape_and_..   -                    TorchVersionError
-distributed.tensor._ops._view_ops._ViewShardingProp.. missing in 2.11      no split fix: torch's own views
-  (._find_shard_for_split, ._expected_split_factor)                         (dp x cp on fewer sequences than
-                                                                            dp x cp ranks: ShardingError)
+distributed.tensor._ops._view_ops._ViewShardingProp.. missing in 2.11      no split fix: torch's own views;
+  (._find_shard_for_split, ._expected_split_factor)                         a view of a dim sharded on two
+                                                                            mesh axes that torch refuses (dp x
+                                                                            cp on 2.11: every such flatten; on
+                                                                            2.13: the fix's case) raises
+                                                                            TorchVersionError
 distributed.tensor._ops._view_ops._split_factor_ma..  missing in 2.11/12   never read: autopar's own predicate
 distributed.tensor.placement_types._StridedShard       -                    a class nothing is an instance of
 utils._python_dispatch.TorchDispatchMode               -                    measuring raises TorchVersionError
@@ -50,7 +53,8 @@ _ops.OpOverload                                        -                    Torc
 _ops.OpOverloadPacket                                  -                    no capture cache (each compile traces)
 fx.graph_module._WrappedCall                           -                    TorchVersionError (twins)
 distributed.device_mesh.DeviceMesh._flatten            -                    a new group over the mesh's ranks
-testing._internal.distributed.fake_pg (FakeStore)      -                    TorchVersionError (fake meshes)
+testing._internal.distributed.fake_pg                  -                    TorchVersionError (fake meshes)
+testing._internal.distributed.fake_pg.FakeStore        -                    a HashStore
 _prims_common.make_contiguous_strides_for              -                    never read: ``contiguous_strides``
 ====================================================  ===================  ====================================
 

@@ -183,8 +183,8 @@ ok = (torch.ops._c10d_functional.wait_tensor, torch.ops.aten._to_copy, Shard(0),
 """
     assert private_torch_uses(src) == {
         "torch._dynamo", "torch.distributed.tensor._sharding_prop",
-        "torch.distributed.tensor.placement_types._StridedShard", "torch.utils._python_dispatch.TorchDispatchMode", "torch._C", "DTensor._op_dispatcher",
-        "dist.distributed_c10d._world"}
+        "torch.distributed.tensor.placement_types._StridedShard", "torch.utils._python_dispatch.TorchDispatchMode",
+        "torch._C", "DTensor._op_dispatcher", "dist.distributed_c10d._world"}
 
 
 def test_only_the_boundary_patches_torch():

@@ -170,7 +170,8 @@ def fake_meshes(fake):
 # name -> what reads it
 CASES = {
     "dynamo_graph_capture_for_export": compiles, "constraint_check": compiles, "functional_export": compiles,
-    "aot_export_joint_with_descriptors": compiles, "aot_descriptors": compiles, "FakeTensorMode": compiles_with_inductor,
+    "aot_export_joint_with_descriptors": compiles, "aot_descriptors": compiles,
+    "FakeTensorMode": compiles_with_inductor,
     "FakeTensor": compiles_twin_stages, "reparametrize_module": generation_step_in_bf16,
     "library_destroy": compiles_on_meta, "c_nn": compiles_on_meta, "select_min_cost_strategy": compiles,
     "op_dispatcher": compiles, "random_ops": compiles, "custom_op_handlers": compiles, "DTensorSpec": compiles,
@@ -178,7 +179,8 @@ CASES = {
     "find_shard_for_split": dp_cp_views, "expected_split_factor": dp_cp_views, "StridedShard": compiles,
     "TorchDispatchMode": measuring, "get_current_dispatch_mode": reusing_bucket_buffers,
     "has_foreach_support": clipping_gradients, "device_has_foreach_support": clipping_gradients,
-    "foreach_norm": clipping_gradients, "foreach_mul_": clipping_gradients, "resolve_process_group": running_collectives,
+    "foreach_norm": clipping_gradients, "foreach_mul_": clipping_gradients,
+    "resolve_process_group": running_collectives,
     "storage_use_count": reusing_bucket_buffers, "has_kernel_for_dispatch_key": counting_collectives,
     "DispatchKey": counting_collectives, "compile_fx_inner": compiles_with_inductor,
     "select_decomp_table": compiles_with_inductor, "TracingContext": compiles_with_inductor,
