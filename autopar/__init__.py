@@ -5,7 +5,7 @@
 # from torch's globals it installs for the length of a compile step and removes after.
 from autopar.compiler import compile  # noqa: A004 - the public name is compile
 from autopar.errors import (AutoparError, CaptureError, InputError, MemoryBudgetError, PlanError, RankFailure,
-                            ShardingError, StragglerWarning, TrainingError)
+                            ShardingError, StragglerWarning, TorchVersionError, TrainingError)
 from autopar.mesh import mesh
 from autopar.runtime.checkpoint import CheckpointManager
 from autopar.runtime.weights import init_empty_weights
@@ -13,4 +13,4 @@ from autopar.verify import VerifyReport, verify
 
 __all__ = ["compile", "mesh", "CheckpointManager", "init_empty_weights", "verify", "VerifyReport", "AutoparError",
            "PlanError", "MemoryBudgetError", "ShardingError", "InputError", "CaptureError", "TrainingError", "RankFailure",
-           "StragglerWarning"]
+           "StragglerWarning", "TorchVersionError"]

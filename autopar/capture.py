@@ -1,13 +1,15 @@
 """Front end: an unmodified nn.Module (+ loss) becomes a joint forward+backward ATen graph.
 
-torch APIs used, and why (all private in torch 2.13, so they are wrapped here and nowhere else):
+torch APIs used, and why. All but torch.export are private; like every private torch name
+autopar uses, they are looked up in autopar/torch_compat.py (the torch boundary), which says
+what autopar does on a torch that lacks one:
 
 - ``torch._dynamo.functional_export._dynamo_graph_capture_for_export``: dynamo capture of the
   user's Python into an FX graph with parameters lifted, keeping ``stack_trace`` and
   ``nn_module_stack`` so every node can name the user's source line.
 - ``torch._dynamo.functional_export._suggest_or_raise_constraint_violation``: skipped for
-  autopar's own captures, which have no dynamic shapes (``_NO_EXPORT_GUARDS``: it builds the
-  compiled frame's guards only to look for violated dynamic-shape constraints).
+  autopar's own captures, which have no dynamic shapes (``torch_compat.static_export``: it builds
+  the compiled frame's guards only to look for violated dynamic-shape constraints).
 - ``torch._functorch.aot_autograd.aot_export_joint_with_descriptors``: AOTAutograd traces the
   forward and the autograd backward together into one functional ATen graph under
   FakeTensorMode; each placeholder/output carries a descriptor (``ParamAOTInput``,
@@ -27,23 +29,20 @@ that the sharding rules can see.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
-import inspect
 import warnings
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.nn.utils.stateless import _reparametrize_module
 from torch.export.graph_signature import OutputKind
 from torch.overrides import TorchFunctionMode
 
-from autopar.errors import CaptureError
+from autopar import torch_compat as tc
+from autopar.errors import CaptureError, TorchVersionError
 from autopar.ir import Program, info
 from autopar.modpath import get_attr as _get_attr
-from autopar.scoped import SharedPatch, setting
 
 # ---- a model on meta tensors (planning a 70B model without its memory) must trace into the same
 # joint graph as with real weights (tests/test_explain.py compares the two). Two fixes, in force
@@ -54,19 +53,11 @@ def _nll_loss_via_forward(self, target, weight=None, reduction=1, ignore_index=-
     return torch.ops.aten.nll_loss_forward(self, target, weight, reduction, ignore_index)[0]
 
 
-def _register_nll_loss_fix() -> torch.library.Library:
-    """On the meta device aten::nll_loss dispatches straight to a meta kernel with no autograd
-    formula, so AOTAutograd traced a cross-entropy loss on meta with no backward (every gradient
-    None). An AutogradMeta kernel routes it through nll_loss_forward, as the CPU/CUDA composite
-    does. A registration on torch's dispatcher is process-wide while it exists (no thread-local
-    form), so it is made for the length of the trace and destroyed after (``Library._destroy``)."""
-    lib = torch.library.Library("aten", "IMPL")
-    lib.impl("nll_loss", _nll_loss_via_forward, "AutogradMeta")
-    return lib
-
-
-_META_NLL_LOSS = SharedPatch(_register_nll_loss_fix, lambda lib: lib._destroy())
-_SDPA = torch._C._nn.scaled_dot_product_attention  # what torch.nn.functional exports; modes see this
+# On the meta device aten::nll_loss dispatches straight to a meta kernel with no autograd
+# formula, so AOTAutograd traced a cross-entropy loss on meta with no backward (every gradient
+# None). An AutogradMeta kernel routes it through nll_loss_forward, as the CPU/CUDA composite
+# does; registered for the length of the trace only (torch_compat.dispatcher_kernel).
+_META_NLL_LOSS = tc.dispatcher_kernel("aten", "nll_loss", _nll_loss_via_forward, "AutogradMeta")
 
 
 def _sdpa_as_on_cpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -82,8 +73,9 @@ def _sdpa_as_on_cpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
                                     torch.scalar_tensor(float("-inf"), dtype=query.dtype, device=query.device))
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
-    return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                 enable_gqa=enable_gqa)
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        enable_gqa=enable_gqa)
 
 
 class _MetaAttention(TorchFunctionMode):
@@ -95,7 +87,7 @@ class _MetaAttention(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _SDPA:
+        if func in tc.native_nn("scaled_dot_product_attention"):
             return _sdpa_as_on_cpu(*args, **kwargs)
         return func(*args, **kwargs)
 
@@ -129,6 +121,8 @@ class _WithLoss(nn.Module):
         self.loss_fn = loss_fn
         self.compute_dtype = compute_dtype
         self.call = call  # ``call(model, *inputs)`` instead of ``model(*inputs)`` (generation's steps)
+        if call is not None and compute_dtype is not None:
+            tc.reparametrize_module  # noqa: B018 - looked up before dynamo traces ``_model`` (or raises)
 
     def _model(self, *inputs):
         run = self.model if self.call is None else functools.partial(self.call, self.model)
@@ -139,7 +133,7 @@ class _WithLoss(nn.Module):
         if self.call is None:
             out = _unwrap_output(torch.func.functional_call(self.model, cast, inputs))
         else:  # functional_call calls only ``forward``: its context, around ``call``
-            with _reparametrize_module(self.model, cast):
+            with tc.reparametrize_module(self.model, cast):
                 out = _unwrap_output(run(*inputs))
         if self.loss_fn is not None and isinstance(out, torch.Tensor) and out.is_floating_point():
             out = out.float()
@@ -167,64 +161,9 @@ def _tensor_names(module: nn.Module) -> dict[int, tuple[str, str]]:
     return names
 
 
-@contextlib.contextmanager
-def _no_compiled_fn_globals():
-    """dynamo installs each traced frame's compiled function as a global of the frame's module
-    (``__compiled_fn_<n>_<uuid>`` in torch._dynamo.functional_export for an export capture), and
-    that function holds the captured GraphModule with the model's parameters: every capture kept
-    its model alive for the life of the process. autopar uses the graph, never that function, so
-    the globals a capture adds are removed when it ends."""
-    import torch._dynamo.functional_export as fe
-
-    before = set(vars(fe))
-    try:
-        yield
-    finally:
-        for k in [k for k in vars(fe) if k not in before and k.startswith("__compiled_fn")]:
-            delattr(fe, k)
-
-
-_STATIC_CAPTURE: contextvars.ContextVar[bool] = contextvars.ContextVar("autopar_static_capture", default=False)
-
-
-def _apply_no_guards():
-    import torch._dynamo.functional_export as fe
-
-    orig = fe._suggest_or_raise_constraint_violation
-    sig = inspect.signature(orig)
-
-    @functools.wraps(orig)
-    def check(*args, **kwargs):
-        if _STATIC_CAPTURE.get():
-            try:
-                static = sig.bind(*args, **kwargs).arguments.get("dynamic_shapes") is None
-            except TypeError:  # (another torch's signature: check, as torch would)
-                static = False
-            if static:
-                return None
-        return orig(*args, **kwargs)
-
-    fe._suggest_or_raise_constraint_violation = check
-    return orig
-
-
-def _undo_no_guards(orig) -> None:
-    import torch._dynamo.functional_export as fe
-
-    fe._suggest_or_raise_constraint_violation = orig
-
-
-# After its trace, an export capture builds the frame's guards (the checks a compiled frame runs
-# before each call) only to find violated constraints on dynamic dimensions. autopar's captures
-# have none (every shape static; autopar never runs dynamo's compiled frame), and building them
-# was 0.15 s of each capture of a 3-5 block Llama-3-8B (35-40% of dynamo's time, mostly
-# unparsing the shape guards' source). Skipped for autopar's own captures only: the ContextVar
-# is set by ``capture_graph`` alone, so another thread's export still checks.
-_NO_EXPORT_GUARDS = SharedPatch(_apply_no_guards, _undo_no_guards)
-
-
 def _static_capture():
-    return setting(_STATIC_CAPTURE, True, _NO_EXPORT_GUARDS)
+    """autopar's captures (no dynamic shapes) skip export's constraint check (torch_compat.static_export)."""
+    return tc.static_export()
 
 
 def _user_exception(wrapper: nn.Module, example_inputs: tuple):
@@ -233,10 +172,12 @@ def _user_exception(wrapper: nn.Module, example_inputs: tuple):
     the user's frame it came from. None if it does not raise that way."""
     import traceback
 
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     try:
-        with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
+        fake_mode = tc.FakeTensorMode
+    except TorchVersionError:
+        return None
+    try:
+        with warnings.catch_warnings(), fake_mode(allow_non_fake_inputs=True):
             warnings.simplefilter("ignore")
             wrapper(*example_inputs)
     except Exception as err:  # noqa: BLE001 - what the user's code raised
@@ -252,8 +193,6 @@ def capture_graph(model: nn.Module, example_inputs: tuple, loss_fn: Callable | N
     """Trace model (+ loss) with dynamo into a torch-level graph (the capture pass). SDPA calls
     stay as written, also on meta (the lower pass rewrites them; ``_meta_autograd`` fixes the rest).
     ``dropless``: Hugging Face experts modules traced as autopar::moe_experts (autopar/experts.py)."""
-    from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
-
     from autopar import capture_cache as cc
     from autopar import splice
     from autopar.experts import dropless_experts
@@ -268,12 +207,13 @@ def capture_graph(model: nn.Module, example_inputs: tuple, loss_fn: Callable | N
                 return out
             splice.STATS["refused"] = splice.STATS.get("refused", 0) + 1
     wrapper = _WithLoss(model, loss_fn, compute_dtype)
+    dynamo_capture = tc.dynamo_graph_capture_for_export
 
     def trace():
-        with (warnings.catch_warnings(), _no_compiled_fn_globals(), dropless_experts(model, dropless),
+        with (warnings.catch_warnings(), tc.no_compiled_fn_globals(), dropless_experts(model, dropless),
               _static_capture()):
             warnings.simplefilter("ignore")
-            return _dynamo_graph_capture_for_export(wrapper)(*example_inputs)
+            return dynamo_capture(wrapper)(*example_inputs)
 
     try:
         return cc.cached("capture", lambda: cc.module_key("capture", wrapper, example_inputs, dropless), trace,
@@ -316,8 +256,7 @@ def joint_program(gm: fx.GraphModule, example_inputs: tuple, model: nn.Module, s
 
 
 def _joint_program(gm, example_inputs, model, stage, device) -> Program:
-    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-
+    aot_export_joint_with_descriptors = tc.aot_export_joint_with_descriptors
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -341,7 +280,7 @@ def capture_joint(model: nn.Module, example_inputs: tuple, loss_fn: Callable | N
 
 def _describe(graph: fx.Graph, gm: fx.GraphModule, ids, model, stage: str | None = None) -> Program:
     """Turn AOT descriptors into autopar's placeholder/output roles, with user names."""
-    from torch._functorch._aot_autograd import descriptors as d
+    d = tc.aot_descriptors
 
     def real_name(target: str) -> tuple[str, str]:
         t = _get_attr(gm, target)
@@ -405,7 +344,7 @@ def _constants_as_buffers(graph: fx.Graph) -> dict[fx.Node, tuple[str, torch.Ten
     consts = [n for n in graph.nodes if n.op == "get_attr"]
     if not consts:
         return {}
-    from torch._functorch._aot_autograd import descriptors as d
+    d = tc.aot_descriptors
 
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     state = [n for n in placeholders if isinstance(n.meta.get("desc"), (d.ParamAOTInput, d.BufferAOTInput))]

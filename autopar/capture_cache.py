@@ -40,6 +40,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from autopar import torch_compat as tc
+
 _SIZE = 8  # entries kept per kind (least recently used dropped)
 _DEPTH = 8  # how deep the fingerprint walks into attribute objects before it gives up (no caching)
 STATS: dict[str, int] = {}
@@ -134,7 +136,7 @@ class _Fingerprint:
         if isinstance(obj, nn.Module):  # a module held outside the module tree: by identity
             return self.ident(obj)
         if isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
-                            types.ModuleType, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+                            types.ModuleType, tc.OpOverload, tc.OpOverloadPacket)):
             fp = self.ident(getattr(obj, "__func__", obj))
             if isinstance(obj, types.MethodType):
                 fp += (self.value(obj.__self__, depth + 1),)

@@ -22,6 +22,11 @@ class PlanError(AutoparError):
     """The plan, mesh or a rule in it is invalid (unknown strategy, unknown axis, bad glob)."""
 
 
+class TorchVersionError(PlanError):
+    """The running torch lacks a private torch feature that autopar needs for what was asked
+    (autopar/torch_compat.py lists them, with the supported torch range)."""
+
+
 class MemoryBudgetError(PlanError):
     """The cost model's predicted per-rank step peak exceeds ``autopar.compile(memory_budget=...)``:
     raised at compile time, before the parameters are distributed (autopar/analysis/budget.py)."""

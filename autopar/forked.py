@@ -48,9 +48,11 @@ def shared_heap():
     each child, and this process's objects frozen out of the cyclic collector's reach while the
     children start. A fork shares the parent's pages until someone writes to them, and a full
     collection in a child would write to every object (copying every page)."""
-    import torch._dynamo  # noqa: F401
-    import torch._functorch.aot_autograd  # noqa: F401
     import torch.fx.experimental.proxy_tensor  # noqa: F401
+
+    from autopar import torch_compat
+
+    torch_compat.preload()  # dynamo and AOTAutograd
 
     gc.freeze()
     try:

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from autopar import torch_compat as tc
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class ShardSpec:
         dims after it) holds as many elements of its dim as a plain shard does."""
         shape = list(self.shape)
         for p, n in zip(self.placements, axis_sizes):
-            if isinstance(p, (Shard, _StridedShard)):
+            if isinstance(p, (Shard, tc.StridedShard)):
                 shape[p.dim] = math.ceil(shape[p.dim] / n)
         return tuple(shape)
 

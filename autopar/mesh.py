@@ -91,12 +91,13 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def fake_mesh(axes: dict[str, int], rank: int):
     """A DeviceMesh of ``axes`` on a fake process group, as seen by ``rank`` (nothing is sent)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from autopar import torch_compat as tc
 
+    store = tc.fake_store()  # (registers torch's "fake" backend)
     if dist.is_initialized():
         dist.destroy_process_group()
     hook = sys.excepthook  # init_process_group wraps it to prefix "[rank0]:"; once per fake mesh
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=math.prod(axes.values()))
+    dist.init_process_group("fake", store=store, rank=rank, world_size=math.prod(axes.values()))
     try:
         yield init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
     finally:

@@ -25,8 +25,9 @@ import autopar.passes  # noqa: E402,F401
 import autopar.runtime.module  # noqa: E402,F401
 import autopar.runtime.pipeline  # noqa: E402,F401
 import autopar.testing  # noqa: E402,F401
-import torch._dynamo  # noqa: E402,F401
-import torch._functorch.aot_autograd  # noqa: E402,F401
+import autopar.torch_compat  # noqa: E402
+
+autopar.torch_compat.preload()  # dynamo and AOTAutograd
 import torch.distributed  # noqa: E402,F401
 import torch.distributed.tensor  # noqa: E402,F401
 with contextlib.suppress(ImportError):  # (an optional dependency: the tests' Hugging Face models)

@@ -21,8 +21,9 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from autopar import torch_compat as tc
 from autopar.errors import PlanError
 from autopar.ir import ShardSpec, source_line
 from autopar.experts import MOE_OPS, ep_impl, expert_axes
@@ -216,7 +217,7 @@ def linear_act_backward_rule(node, in_specs, ctx):
 def _rows_or_classes(x: ShardSpec) -> tuple[Placement, ...]:
     """Shard(class) and Shard(row) survive, and rows strided-sharded (``[b, s, V]`` flattened with
     its sequence sharded: context parallelism); Partial must be reduced first (log is not linear)."""
-    return tuple(p if isinstance(p, Shard) or (isinstance(p, _StridedShard) and p.dim < len(x.shape) - 1)
+    return tuple(p if isinstance(p, Shard) or (isinstance(p, tc.StridedShard) and p.dim < len(x.shape) - 1)
                  else R for p in x.placements)
 
 
@@ -264,7 +265,7 @@ def _nll_layout(x: ShardSpec, target: ShardSpec | None):
     for p in x.placements:
         if isinstance(p, Shard) and p.dim == 0 and len(x.shape) == 2:
             kinds.append("row"), xs.append(Shard(0)), ts.append(Shard(0))
-        elif isinstance(p, _StridedShard) and p.dim == 0 and len(x.shape) == 2:
+        elif isinstance(p, tc.StridedShard) and p.dim == 0 and len(x.shape) == 2:
             # rows of a flattened [b, s, V] whose sequence is sharded (context parallelism): the
             # targets, flattened the same way, hold the same rows
             kinds.append("row"), xs.append(p), ts.append(p)

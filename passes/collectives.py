@@ -14,8 +14,9 @@ from __future__ import annotations
 import math
 
 import torch.fx as fx
-from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
+from autopar import torch_compat as tc
 from autopar.layout import sequence_reason, ulysses_reason
 from autopar.ir import CommRecord, Program, ShardSpec, fmt_placements, info, phase_of, redistribute, source_line, spec_of
 
@@ -30,10 +31,10 @@ def plan_steps(src, dst) -> list[tuple[int, object, object]]:
     cur = list(src)
     for a in reversed(range(len(src))):
         if cur[a] != dst[a] and not isinstance(cur[a], Replicate) and (
-                isinstance(cur[a], _StridedShard) or isinstance(dst[a], _StridedShard)):
+                isinstance(cur[a], tc.StridedShard) or isinstance(dst[a], tc.StridedShard)):
             steps.append((a, cur[a], Replicate()))
             cur[a] = Replicate()
-        if cur[a] != dst[a] and not (isinstance(cur[a], Replicate) and isinstance(dst[a], (Shard, _StridedShard))):
+        if cur[a] != dst[a] and not (isinstance(cur[a], Replicate) and isinstance(dst[a], (Shard, tc.StridedShard))):
             steps.append((a, cur[a], dst[a]))
             cur[a] = dst[a]
     for a in range(len(src)):
@@ -48,7 +49,7 @@ def step_kind(p, q) -> str:
         return "all_reduce"
     if isinstance(p, Partial) and isinstance(q, Shard):
         return "reduce_scatter"
-    if isinstance(p, (Shard, _StridedShard)) and isinstance(q, (Replicate, Partial)):
+    if isinstance(p, (Shard, tc.StridedShard)) and isinstance(q, (Replicate, Partial)):
         return "all_gather"
     if isinstance(p, Shard) and isinstance(q, Shard):
         return "all_to_all" if p.dim != q.dim else "local"  # localize: one all-to-all

@@ -25,13 +25,12 @@ import os
 import torch
 import torch.fx.traceback as fx_traceback
 from autopar.passes.collectives import plan_steps
-from autopar.passes.propagate import fixed_views
 from torch import fx
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from autopar import torch_compat as tc
 from autopar.errors import ShardingError
 from autopar.experts import EP_KIND, ep_record_bytes
 from autopar.layout import ring_axes, zigzag_order, zigzag_take, zigzag_unorder
@@ -79,7 +78,7 @@ def localize_pass(program: Program, ctx) -> Program:
                 else:
                     env[n] = _run_node(n, env, ctx)
 
-    with fx_traceback.preserve_node_meta(), torch.no_grad(), fixed_views():
+    with fx_traceback.preserve_node_meta(), torch.no_grad(), tc.fixed_views():
         gm = make_fx(run, tracing_mode="fake")(*example)
     _annotate_collectives(gm.graph, origins, ctx)
     program.local = gm
@@ -153,7 +152,7 @@ def _run_node(n: fx.Node, env, ctx):
         return _checked(n, n.target(*args, **kwargs), ctx)
     def wrap(a: fx.Node):
         s, v = spec_of(a), a.meta["val"]
-        dspec = DTensorSpec(ctx.mesh, s.placements, TensorMeta(v.shape, v.stride(), v.dtype))
+        dspec = tc.DTensorSpec(ctx.mesh, s.placements, tc.TensorMeta(v.shape, v.stride(), v.dtype))
         local = env[a]
         if n.target in VIEW_OPS:  # local strides can differ from the global value's
             local = local.contiguous()
@@ -183,10 +182,6 @@ def _run_node(n: fx.Node, env, ctx):
 # sends every op through DTensor (its placement check included).
 _FAST = os.environ.get("AUTOPAR_LOCALIZE_FAST", "1") != "0"
 _PLAIN = (Replicate, Shard, Partial)
-# the ops DTensor's dispatcher handles itself (random ops: its RNG offsets; custom handlers:
-# convolution, argmax, as_strided...), read from it rather than copied; views reshape local strides
-_DTENSOR_SPECIAL = (set(DTensor._op_dispatcher._random_ops) | set(DTensor._op_dispatcher._custom_op_handlers)
-                    | set(VIEW_OPS))
 _SIZE_FREE: dict = {}
 
 
@@ -194,7 +189,10 @@ def _size_free(op) -> bool:
     """No argument of the op's schema holds a size (a SymInt, alone, in a list or optional)."""
     if op not in _SIZE_FREE:
         schema = getattr(op, "_schema", None)
-        _SIZE_FREE[op] = schema is not None and not schema.is_mutable and op not in _DTENSOR_SPECIAL and \
+        # not the ops DTensor's dispatcher handles itself (read from it, not copied), nor views
+        # (they reshape local strides)
+        special = op in VIEW_OPS or tc.dtensor_handles_itself(op)
+        _SIZE_FREE[op] = schema is not None and not schema.is_mutable and not special and \
             not getattr(torch.Tag, "nondeterministic_seeded", None) in getattr(op, "tags", ()) and \
             "SymInt" not in str(schema).split(") ->")[0]
     return _SIZE_FREE[op]
@@ -206,7 +204,7 @@ def _plain(spec) -> bool:
 
 
 def _local_as_is(n: fx.Node, in_specs) -> bool:
-    if not isinstance(n.target, torch._ops.OpOverload) or not _size_free(n.target):
+    if not isinstance(n.target, tc.OpOverload) or not _size_free(n.target):
         return False
     out = spec_of(n)
     outs = out if isinstance(out, (tuple, list)) else [out]
@@ -229,12 +227,10 @@ def _dropout(n: fx.Node, x: torch.Tensor, ctx):
     block's elements (autopar/runtime/dropout.py): replicas draw the same mask, shards their part
     of one mask. The key names the dropout by its node in the torch-level capture, which every
     rank, stage and plan shares."""
-    from torch._prims_common import make_contiguous_strides_for
-
     from autopar.runtime.dropout import local_dropout, node_key
 
     spec = spec_of(n.args[0])
-    odd = [p for p in spec.placements if isinstance(p, (Partial, _StridedShard))]
+    odd = [p for p in spec.placements if isinstance(p, (Partial, tc.StridedShard))]
     if odd:
         raise ShardingError(f"dropout on a value placed {fmt_placements(spec.placements)}: its mask cannot be "
                             "drawn by position on this layout", where=source_line(n),
@@ -249,7 +245,7 @@ def _dropout(n: fx.Node, x: torch.Tensor, ctx):
             lo = min(ctx.coord[a] * piece, extent[p.dim])
             starts[p.dim] += lo
             extent[p.dim] = min(piece, extent[p.dim] - lo)
-    strides = list(make_contiguous_strides_for(shape))  # the element's global linear index
+    strides = list(tc.contiguous_strides(shape))  # the element's global linear index
     src = n.meta.get("from_node") or []
     origin = src[0].name if src and getattr(src[0], "name", None) else n.name
     return local_dropout(x, float(n.args[1]), [int(v) for v in starts], strides, node_key(origin))
@@ -274,14 +270,14 @@ def apply_redistribute(x: torch.Tensor, src, dst, spec, ctx) -> torch.Tensor:
                 x = x.reshape(*shape[:d], n, shape[d] // n, *shape[d + 1:]).movedim(d, 0).reshape(
                     n * shape[0], *shape[1:d], shape[d] // n, *shape[d + 1:])
             x = c10d.wait_tensor(c10d.reduce_scatter_tensor(x.contiguous(), _reduce_op(p), n, group))
-        elif isinstance(p, _StridedShard) and isinstance(q, Replicate):
+        elif isinstance(p, tc.StridedShard) and isinstance(q, Replicate):
             # each rank holds its 1/n of every one of the split_factor blocks of dim d: gathered
             # pieces [n, ..., sf, block/n, ...] interleave back to [..., sf, n, block/n, ...]
             d, sf, local = p.dim, p.split_factor, tuple(x.shape)
             g = c10d.wait_tensor(c10d.all_gather_into_tensor(x.contiguous(), n, group))
             g = g.view(n, *local[:d], sf, local[d] // sf, *local[d + 1:]).movedim(0, d + 1)
             x = g.reshape(*local[:d], n * local[d], *local[d + 1:])
-        elif isinstance(p, Replicate) and isinstance(q, _StridedShard):
+        elif isinstance(p, Replicate) and isinstance(q, tc.StridedShard):
             d, sf, shape = q.dim, q.split_factor, tuple(x.shape)
             blocks = x.reshape(*shape[:d], sf, shape[d] // sf, *shape[d + 1:])
             x = torch.chunk(blocks, n, dim=d + 1)[ctx.coord[a]].reshape(*shape[:d], shape[d] // n, *shape[d + 1:])
@@ -318,9 +314,9 @@ def _ring_redistribute(x: torch.Tensor, p, q, n: int, a: int, group: str, ctx) -
         return t.reshape(*shape[:d], sf, shape[d] // sf, *shape[d + 1:])
 
     def sf_of(pl):
-        return pl.split_factor if isinstance(pl, _StridedShard) else 1
+        return pl.split_factor if isinstance(pl, tc.StridedShard) else 1
 
-    if isinstance(p, Replicate) and isinstance(q, (Shard, _StridedShard)):
+    if isinstance(p, Replicate) and isinstance(q, (Shard, tc.StridedShard)):
         shape = list(x.shape)
         shape[q.dim] //= n
         return zigzag_take(blocks(x, q.dim, sf_of(q)), q.dim + 1, n, r).reshape(shape).contiguous()
@@ -332,7 +328,7 @@ def _ring_redistribute(x: torch.Tensor, p, q, n: int, a: int, group: str, ctx) -
             x = x.reshape(*shape[:d], n, shape[d] // n, *shape[d + 1:]).movedim(d, 0).reshape(
                 n * shape[0], *shape[1:d], shape[d] // n, *shape[d + 1:])
         return c10d.wait_tensor(c10d.reduce_scatter_tensor(x.contiguous(), _reduce_op(p), n, group))
-    if isinstance(p, (Shard, _StridedShard)) and isinstance(q, (Replicate, Partial)):
+    if isinstance(p, (Shard, tc.StridedShard)) and isinstance(q, (Replicate, Partial)):
         d, sf, local = p.dim, sf_of(p), tuple(x.shape)
         g = c10d.wait_tensor(c10d.all_gather_into_tensor(x.contiguous(), n, group))
         # [n, ..., sf, block/n, ...] -> [..., sf, n·block/n, ...] with the ranks' parts in rank order

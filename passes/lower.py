@@ -34,9 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-_SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
-_LINEAR = {F.linear, torch._C._nn.linear}
-_ACTS = {F.gelu: "gelu", torch._C._nn.gelu: "gelu", F.silu: "silu", torch.nn.functional.silu: "silu"}
+from autopar import torch_compat as tc
+
+_SDPA = tc.native_nn("scaled_dot_product_attention")
+_LINEAR = tc.native_nn("linear")
+_ACTS = {**dict.fromkeys(tc.native_nn("gelu"), "gelu"), F.silu: "silu"}
 _MATMUL = {torch.matmul, operator.matmul}
 _SOFTMAX = {F.softmax, torch.softmax, torch.nn.functional.softmax}
 

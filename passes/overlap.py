@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from autopar import torch_compat as tc
 from autopar.ir import Program
 from autopar.passes.bucket import DEFAULT_BUCKET_MB, PASS_THROUGH, bucket_gradient_reductions
 from autopar.passes.gather import DEFAULT_PREFETCH, bucket_parameter_gathers
@@ -142,7 +143,7 @@ def _issue_batch_statistics_first(gm: fx.GraphModule, inputs) -> None:
             if n in chain or n in data:
                 continue
             target = n.target
-            ok = (n.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target not in COLLECTIVES
+            ok = (n.op == "call_function" and isinstance(target, tc.OpOverload) and target not in COLLECTIVES
                   and target is not c10d.wait_tensor.default and not target._schema.is_mutable
                   and torch.Tag.nondeterministic_seeded not in target.tags)
             chain.add(n)

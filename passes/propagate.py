@@ -20,18 +20,15 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import _sharding_prop
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from autopar.errors import ShardingError
+from autopar import torch_compat as tc
+from autopar.errors import ShardingError, TorchVersionError
 from autopar.experts import check_expert_parallel
 from autopar.layout import SequenceDims, check_context_parallel, heads_to_sequence
 from autopar.ir import Program, ShardSpec, fmt_placements, info, source_line, spec_of, tensor_args
 from autopar.rules import ATTENTION_OPS, RULES, RuleResult, pointwise_rule
-from autopar.scoped import SharedPatch, setting
+from autopar.scoped import setting
 
 VIEW_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
             torch.ops.aten.reshape.default}
@@ -185,10 +182,9 @@ def _dtensor_rule(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResult:
 
 
 def _dtensor_rule_uncached(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResult:
-    prop = DTensor._op_dispatcher.sharding_propagator
+    prop = tc.sharding_propagator()
     op = n.target
-    known = (op in prop.op_strategy_funcs or op in prop.op_to_rules
-             or op in getattr(prop, "op_single_dim_strategy_funcs", {}))
+    known = tc.dtensor_knows(op)
     if all(all(isinstance(p, Replicate) for p in s.placements) for s in in_specs if s):
         # every rank holds the whole value: any op runs as is (also ops DTensor lacks)
         return RuleResult([s.placements for s in in_specs], _replicated_outputs(n, ctx), None,
@@ -203,10 +199,12 @@ def _dtensor_rule_uncached(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResul
             fix="replicate its inputs with a plan rule, or add a rule for this op in autopar/rules.py",
         )
 
+    spec_type, meta_type = tc.DTensorSpec, tc.TensorMeta
+
     def to_dspec(a):
         s = (read_as or {}).get(a) or spec_of(a)
         v = a.meta["val"]
-        return DTensorSpec(ctx.mesh, s.placements, TensorMeta(v.shape, v.stride(), v.dtype))
+        return spec_type(ctx.mesh, s.placements, meta_type(v.shape, v.stride(), v.dtype))
 
     def conv(x):
         if isinstance(x, fx.Node):
@@ -215,15 +213,13 @@ def _dtensor_rule_uncached(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResul
             return type(x)(conv(i) for i in x)
         return x
 
-    # as DTensor's dispatch does: ops with a single-dim strategy keep their schema info apart (without
-    # it, list arguments such as index.Tensor's indices are not flattened and no strategy matches)
-    schema_info = (prop.op_to_schema_info.get(op)
-                   or getattr(prop, "op_to_schema_info_for_single_dim_strategy", {}).get(op))
-    schema = OpSchema(op, tuple(conv(a) for a in n.args), {k: conv(v) for k, v in n.kwargs.items()},
-                      schema_info=schema_info)
+    schema = tc.OpSchema(op, tuple(conv(a) for a in n.args), {k: conv(v) for k, v in n.kwargs.items()},
+                         schema_info=tc.dtensor_schema_info(op))
     try:
         with _choose_with(n):
             out = prop.propagate_op_sharding_non_cached(schema)
+    except TorchVersionError:
+        raise
     except Exception as e:  # noqa: BLE001
         if n.target in VIEW_OPS:
             _view_error(n, in_specs[0], ctx, e)
@@ -257,60 +253,14 @@ INVENT = 1e6
 _CHOOSING: contextvars.ContextVar[fx.Node | None] = contextvars.ContextVar("autopar_choosing", default=None)
 
 
-def _install_selector():
-    """Put a dispatching selector in DTensor's module: ``_select_strategy`` for the node autopar
-    is choosing for in this thread, DTensor's own selector for every other caller."""
-    dtensor_select = _sharding_prop._select_min_cost_strategy
-
-    def select(strategy, op_schema=None):
-        node = _CHOOSING.get()
-        return dtensor_select(strategy, op_schema) if node is None else _select_strategy(node, strategy, op_schema)
-
-    _sharding_prop._select_min_cost_strategy = select
-    return dtensor_select
+def _autopars_choice(strategy, op_schema):
+    """DTensor's selector asks this first (torch_compat.strategy_selector): ``_select_strategy``
+    for the node autopar is choosing for in this thread, None (DTensor's own) for every other caller."""
+    node = _CHOOSING.get()
+    return None if node is None else _select_strategy(node, strategy, op_schema)
 
 
-_SELECTOR = SharedPatch(_install_selector, lambda dtensor_select: setattr(
-    _sharding_prop, "_select_min_cost_strategy", dtensor_select))
-
-
-def _install_split_fix():
-    """torch 2.13's view propagation, unflattening a dim that one mesh axis shards plainly and a
-    later one strided ([b*s] with the batch on dp and the sequence on cp -> [b, s]), matches the
-    plain Shard again for the second split and never the strided one, so the strided axis is
-    judged by the first split's size alone and the view refused (dp=2 x cp=4 on 2 sequences). A
-    plain Shard of a flattened dim splits its leading output dim only: for the later splits it is
-    skipped, inside autopar's propagation; every other caller gets torch's method."""
-    from torch.distributed.tensor._ops._view_ops import _split_factor_matches, _ViewShardingPropagator
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    torch_find = _ViewShardingPropagator._find_shard_for_split
-
-    def find(self, current_dim, cmd, placements):
-        if not _VIEW_FIX.get() or cmd.split_id == 0:
-            return torch_find(self, current_dim, cmd, placements)
-        for mesh_dim, p in enumerate(placements):
-            if (isinstance(p, _StridedShard) and p.dim == current_dim
-                    and mesh_dim not in self.matched_strided_mesh_dims):
-                if _split_factor_matches(self._expected_split_factor(cmd, current_dim, mesh_dim, placements),
-                                         p.split_factor):
-                    return mesh_dim, p
-        return None, None
-
-    _ViewShardingPropagator._find_shard_for_split = find
-    return _ViewShardingPropagator, torch_find
-
-
-_SPLIT_FIX = SharedPatch(_install_split_fix, lambda undo: setattr(undo[0], "_find_shard_for_split", undo[1]))
-_VIEW_FIX: contextvars.ContextVar[bool] = contextvars.ContextVar("autopar_view_fix", default=False)
-
-
-@contextlib.contextmanager
-def fixed_views():
-    """DTensor's view propagation with the split fix above, in this thread, inside the block
-    (propagate's strategy choice; localize's trace, which dispatches views through DTensor)."""
-    with setting(_VIEW_FIX, True, _SPLIT_FIX):
-        yield
+_SELECTOR = tc.strategy_selector(_autopars_choice)
 
 
 @contextlib.contextmanager
@@ -322,7 +272,7 @@ def _choose_with(node: fx.Node):
     exit, also when a rule raises; nested and concurrent propagations share one replacement),
     and the replacement consults a ContextVar: other threads, and DTensor's own dispatch outside
     this block, get DTensor's selector."""
-    with setting(_CHOOSING, node, _SELECTOR), fixed_views():
+    with setting(_CHOOSING, node, _SELECTOR), tc.fixed_views():
         yield
 
 
@@ -367,13 +317,15 @@ def _select_strategy(node: fx.Node, strategy, op_schema=None):
     return best
 
 
-def _flat_specs(args) -> list[DTensorSpec]:
+def _flat_specs(args) -> list:
+    """The DTensorSpecs among ``args`` (lists flattened)."""
+    spec_type = tc.DTensorSpec
     out = []
     for a in args:
-        if isinstance(a, DTensorSpec):
+        if isinstance(a, spec_type):
             out.append(a)
         elif isinstance(a, (list, tuple)):
-            out.extend(x for x in a if isinstance(x, DTensorSpec))
+            out.extend(x for x in a if isinstance(x, spec_type))
     return out
 
 
@@ -394,6 +346,11 @@ def _check_view_keeps_shards(n: fx.Node, have: ShardSpec, want, ctx) -> None:
 
 
 def _view_error(n: fx.Node, have: ShardSpec, ctx, cause, axis: int | None = None):
+    if cause is not None and sum(isinstance(p, (Shard, tc.StridedShard)) for p in have.placements) > 1 \
+            and not tc.views_fixed():
+        # torch 2.11's view propagation refuses a view of a dim sharded on several mesh axes (dp x cp)
+        what = f"reshaping {have} -> {list(n.meta['val'].shape)} at {source_line(n) or n.name}"
+        raise tc.unavailable("DTensor view propagation (_ViewShardingPropagator)", what) from cause
     if axis is None:
         axis = next((a for a, p in enumerate(have.placements) if isinstance(p, Shard)), 0)
     p = have.placements[axis]

@@ -41,6 +41,7 @@ import re
 import torch
 from torch import fx
 
+from autopar import torch_compat as tc
 from autopar.ir import CommRecord, NodeInfo, Program
 from autopar.modpath import block_of, get_attr, module_path
 
@@ -114,7 +115,7 @@ def _tensor_key(t, fp) -> object:
     where it has values; a parameter's values are trained, not part of the program."""
     if not isinstance(t, torch.Tensor):
         return ("id", id(t))
-    return fp.tensor(t, values=not isinstance(t, (torch.nn.Parameter, torch._subclasses.FakeTensor)))
+    return fp.tensor(t, values=not isinstance(t, (torch.nn.Parameter, tc.FakeTensor)))
 
 
 def _random(n: fx.Node) -> bool:
@@ -262,11 +263,9 @@ def _sibling_class(cls: type) -> type:
     """A class of its own for a clone, with the original's generated ``forward``: a GraphModule's
     code lives on its class (one class per instance), so a later ``recompile()`` of the clone must
     not rewrite the original's. Set up as ``GraphModule.recompile`` sets up a class."""
-    from torch.fx.graph_module import _WrappedCall
-
     base = next(t for t in cls.__mro__ if t.__qualname__.split(".")[-1] != "GraphModuleImpl")
     sibling = type("GraphModuleImpl", (base,), {"forward": cls.forward})
-    sibling._wrapped_call = _WrappedCall(sibling, None)
+    sibling._wrapped_call = tc.WrappedCall(sibling, None)
 
     def call_wrapped(self, *args, **kwargs):
         return self._wrapped_call(self, *args, **kwargs)

@@ -81,7 +81,7 @@ def test_ulysses_lowers_activation_memory(fake):
 def test_fewer_sequences_than_cp_ranks_under_data_parallelism(fake, strategy):
     """dp=2 x cp=4 on 2 sequences: the [b*s] rows of a linear, the batch sharded on dp and the
     sequence strided on cp, unflattened back to [b, s] (torch 2.13's view propagation refused it:
-    passes/propagate.py ``fixed_views``). Parity on 8 gloo ranks with accumulate=2 was checked by
+    autopar/torch_compat.py ``fixed_views``). Parity on 8 gloo ranks with accumulate=2 was checked by
     hand (2 sequences per micro-batch; the suite's machine has 2 cores)."""
     _, batches, _ = build_model("llama")
     pm = _compile(fake, "llama", {"dp": 2, "cp": 4}, {"dp": "ddp", "cp": strategy}, batch=tuple(t[:2] for t in batches[0]))

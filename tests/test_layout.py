@@ -1,4 +1,5 @@
-"""The layout keeps its promises: no import cycles between autopar's modules, small files.
+"""The layout keeps its promises: no import cycles between autopar's modules, small files, and
+torch's private names used only through the torch boundary (autopar/torch_compat.py).
 
 Imports are read from the source (module level and inside functions alike: a function-level
 import is still a dependency, it only moves the cycle to run time)."""
@@ -96,3 +97,98 @@ def test_files_are_small():
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     unexpected = {p: n for p, n in long.items() if p not in TOO_LONG_FOR_NOW}
     assert not unexpected, f"files over {MAX_LINES} lines (split them): {unexpected}"
+
+
+# ------------------------------------------------------------------------------ the torch boundary
+# autopar/torch_compat.py is the one module that reads torch's private names (and patches torch).
+# Private: a module path or an imported name with a component starting with "_" (torch._dynamo,
+# torch.distributed.tensor._ops, _StridedShard), and attribute chains with such a component rooted
+# at torch or at a name imported from torch (torch._C._nn.linear, torch._ops.OpOverload,
+# DTensor._op_dispatcher, dist.distributed_c10d._world). Not private: torch.ops.<namespace>.<op>
+# (the dispatcher's op registry: torch.ops._c10d_functional, aten._to_copy), dunders, and
+# attributes of objects autopar holds (gm.graph._codegen, p._local_tensor, module._parameters).
+BOUNDARY = "autopar/torch_compat.py"
+# where the rule is not kept yet, each with its reason
+NOT_YET = {
+    # rewritten on another branch (failure handling): move these to the boundary after it lands
+    "autopar/runtime/failure.py": {"dist.distributed_c10d._get_default_store", "dist.distributed_c10d._world"},
+    "autopar/runtime/executor.py": {"fx.graph._BoxedCodeGen"},
+}
+
+
+def _private(parts) -> bool:
+    return any(p.startswith("_") and not p.startswith("__") for p in parts)
+
+
+def private_torch_uses(source: str) -> set[str]:
+    """The private torch names ``source`` imports or reaches by attribute (the rule above)."""
+    tree = ast.parse(source)
+    torch_names, found = {"torch"}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "torch":
+                    torch_names.add((a.asname or a.name).split(".")[0])
+                    if _private(a.name.split(".")):
+                        found.add(a.name)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "torch":
+            for a in node.names:
+                torch_names.add(a.asname or a.name)
+                if _private(node.module.split(".") + [a.name]):
+                    found.add(f"{node.module}.{a.name}")
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        chain, root = [], node
+        while isinstance(root, ast.Attribute):
+            chain.append(root.attr)
+            root = root.value
+        if not isinstance(root, ast.Name) or root.id not in torch_names:
+            continue
+        chain = [root.id, *reversed(chain)]
+        if chain[:2] == ["torch", "ops"]:
+            continue
+        cut = next((i for i, p in enumerate(chain[1:], 1) if _private([p])), None)
+        if cut is not None:
+            found.add(".".join(chain[:cut + 1]))
+    return found
+
+
+def test_private_torch_names_only_in_the_boundary():
+    found = {}
+    for path in modules().values():
+        rel = str(path.relative_to(ROOT))
+        if rel == BOUNDARY:
+            continue
+        uses = private_torch_uses(path.read_text()) - NOT_YET.get(rel, set())
+        if uses:
+            found[rel] = sorted(uses)
+    assert not found, f"private torch names outside {BOUNDARY} (look them up there): {found}"
+    stale = {p: sorted(u - private_torch_uses((ROOT / p).read_text())) for p, u in NOT_YET.items()}
+    assert not any(stale.values()), f"NOT_YET names no longer used there (remove them): {stale}"
+
+
+def test_boundary_rule_can_fail():
+    src = """
+import torch
+import torch._dynamo
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, _sharding_prop
+from torch.distributed.tensor.placement_types import Shard, _StridedShard
+from torch.utils._python_dispatch import TorchDispatchMode
+x = torch._C._nn.linear
+y = DTensor._op_dispatcher.sharding_propagator
+z = dist.distributed_c10d._world.pg_map
+ok = (torch.ops._c10d_functional.wait_tensor, torch.ops.aten._to_copy, Shard(0), gm.graph._codegen, t.__class__)
+"""
+    assert private_torch_uses(src) == {
+        "torch._dynamo", "torch.distributed.tensor._sharding_prop",
+        "torch.distributed.tensor.placement_types._StridedShard", "torch.utils._python_dispatch.TorchDispatchMode",
+        "torch._C", "DTensor._op_dispatcher", "dist.distributed_c10d._world"}
+
+
+def test_only_the_boundary_patches_torch():
+    """SharedPatch (autopar/scoped.py) is how autopar changes torch's process-wide state."""
+    users = sorted(str(p.relative_to(ROOT)) for p in modules().values()
+                   if "SharedPatch(" in p.read_text() and p.name != "scoped.py")
+    assert users == [BOUNDARY]

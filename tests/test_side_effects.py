@@ -17,10 +17,10 @@ import torch
 from torch import fx
 from torch._dynamo import functional_export
 from torch.distributed.tensor import _sharding_prop
-from torch.distributed.tensor._ops._view_ops import _ViewShardingPropagator
 from torch.utils import flop_counter
 
 import autopar
+from autopar import torch_compat
 from autopar.models.llama import Llama, LlamaConfig, cross_entropy
 
 aten = torch.ops.aten
@@ -86,7 +86,7 @@ def torch_state() -> dict:
     return {
         "sdpa": torch.nn.functional.scaled_dot_product_attention,
         "selector": _sharding_prop._select_min_cost_strategy,
-        "view split": _ViewShardingPropagator._find_shard_for_split,
+        "view split": torch_compat.find("find_shard_for_split", None),  # (none in torch 2.11)
         "export's constraint check": functional_export._suggest_or_raise_constraint_violation,
         "nll_loss AutogradMeta kernel": torch._C._dispatch_has_kernel_for_dispatch_key("aten::nll_loss", "AutogradMeta"),
         "torch function modes": torch._C._len_torch_function_stack(),
@@ -96,7 +96,7 @@ def torch_state() -> dict:
 
 
 PRISTINE = {"sdpa": torch._C._nn.scaled_dot_product_attention, "selector": _sharding_prop._select_min_cost_strategy,
-            "view split": _ViewShardingPropagator._find_shard_for_split,
+            "view split": torch_compat.find("find_shard_for_split", None),
             "export's constraint check": functional_export._suggest_or_raise_constraint_violation,
             "nll_loss AutogradMeta kernel": False, "torch function modes": 0, "cpu flash FLOP formulas": [False, False],
             "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET")}
@@ -172,7 +172,7 @@ def test_autopars_selector_is_seen_only_by_the_propagating_thread(monkeypatch):
 
     calls = []
     monkeypatch.setattr(_sharding_prop, "_select_min_cost_strategy", lambda s, o=None: calls.append(("dtensor", s)))
-    monkeypatch.setattr(propagate, "_select_strategy", lambda node, s, o=None: calls.append(("autopar", s)))
+    monkeypatch.setattr(propagate, "_select_strategy", lambda node, s, o=None: calls.append(("autopar", s)) or s)
     dtensor_select = _sharding_prop._select_min_cost_strategy
     node = fx.Graph().placeholder("x")
     with propagate._choose_with(node):

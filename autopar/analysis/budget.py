@@ -59,9 +59,9 @@ def parse_budget(value) -> int | None:
 
 def _local_param(p: torch.Tensor, mesh, placements) -> torch.Tensor:
     """A meta tensor of this rank's shard of ``p`` under ``placements`` (what the runtime will hold)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from autopar import torch_compat as tc
 
-    shape, _ = compute_local_shape_and_global_offset(p.shape, mesh, placements)
+    shape, _ = tc.compute_local_shape_and_global_offset(p.shape, mesh, placements)
     t = torch.empty(shape, dtype=p.dtype, device="meta")
     t.requires_grad_(p.requires_grad)
     return t

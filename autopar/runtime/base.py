@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from autopar import torch_compat as tc
 from autopar.errors import TrainingError
 from autopar.runtime import dropout, failure, steptimes
 from autopar.runtime.common import LossScaler, check_indices, local_inputs, local_tensor
@@ -251,7 +251,7 @@ class Runtime:
         for name, g in grads:
             p = params[name]
             d = g.detach() if not isinstance(p, DTensor) else DTensor(
-                g.detach(), DTensorSpec(p.device_mesh, p.placements, TensorMeta(p.shape, p.stride(), p.dtype)),
+                g.detach(), tc.DTensorSpec(p.device_mesh, p.placements, tc.TensorMeta(p.shape, p.stride(), p.dtype)),
                 requires_grad=False)
             p.grad = d if p.grad is None else p.grad + d
 

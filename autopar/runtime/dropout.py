@@ -34,7 +34,8 @@ import zlib
 
 import torch
 from torch import Tensor
-from torch._prims_common import make_contiguous_strides_for
+
+from autopar import torch_compat as tc
 
 _M64 = (1 << 64) - 1
 # seed, step, micro-batch of the program about to run (set by the runtime before each action)
@@ -120,6 +121,6 @@ def local_dropout(x: Tensor, p: float, starts: list[int], strides: list[int], ke
 
 def eager_dropout(x: Tensor, p: float, key: int, seed: int, step: int, micro: int = 0) -> Tensor:
     """The same draw for a whole (global) tensor in eager code: a single-process reference."""
-    strides = list(make_contiguous_strides_for(tuple(x.shape)))
+    strides = list(tc.contiguous_strides(x.shape))
     mask = keep_mask(tuple(x.shape), [0] * x.ndim, strides, p, call_key(seed, step, micro, key), x.device)
     return x * mask * (1.0 / (1.0 - p))

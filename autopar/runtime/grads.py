@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate
-from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
 
+from autopar import torch_compat as tc
 from autopar.errors import PlanError, TrainingError
 from autopar.runtime.common import local_tensor
 
@@ -50,7 +50,7 @@ def _world_group(pm):
         return None  # the default group
     group = getattr(pm, "_norm_group", None)
     if group is None:
-        group = pm._norm_group = mesh._flatten().get_group() if mesh.ndim > 1 else mesh.get_group()
+        group = pm._norm_group = tc.whole_mesh_group(mesh) if mesh.ndim > 1 else mesh.get_group()
     return group
 
 
@@ -67,11 +67,8 @@ def _norms(tensors: list[torch.Tensor], p: float, foreach: bool | None) -> list[
     """Per-tensor p-norms, with torch's foreach rules (clip_grad_norm_'s ``foreach``)."""
     if not tensors:
         return []
-    device = tensors[0].device
-    if (foreach is None and _has_foreach_support(tensors, device)) or (foreach and _device_has_foreach_support(device)):
-        return list(torch._foreach_norm(tensors, p))
-    if foreach:
-        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+    if tc.foreach_ok(tensors, tensors[0].device, foreach):
+        return list(tc.foreach_norm(tensors, p))
     return [torch.linalg.vector_norm(t, p) for t in tensors]
 
 
@@ -81,10 +78,8 @@ def _scale_(tensors: list[torch.Tensor], coef: torch.Tensor, foreach: bool | Non
         groups.setdefault((t.device, t.dtype), []).append(t)
     for (device, _), ts in groups.items():
         c = coef.to(device)
-        if (foreach is None and _has_foreach_support(ts, device)) or (foreach and _device_has_foreach_support(device)):
-            torch._foreach_mul_(ts, c)
-        elif foreach:
-            raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+        if tc.foreach_ok(ts, device, foreach):
+            tc.foreach_mul_(ts, c)
         else:
             for t in ts:
                 t.mul_(c)

@@ -22,8 +22,8 @@ import sys
 import torch
 import torch.distributed as dist
 from torch import fx
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from autopar import torch_compat as tc
 from autopar.runtime.failure import _pending, wait
 
 _groups: dict[str, dist.ProcessGroup] = {}
@@ -35,7 +35,7 @@ _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp
 def _group(name: str):
     pg = _groups.get(name)
     if pg is None:
-        pg = _groups[name] = torch._C._distributed_c10d._resolve_process_group(name)
+        pg = _groups[name] = tc.resolve_process_group(name)
     return pg
 
 
@@ -76,10 +76,10 @@ def _bucket_cat():
 
     def bucket_cat(xs, dim=0):
         buf = box[0]
-        if (buf is not None and _get_current_dispatch_mode() is None and buf.dtype == xs[0].dtype
+        if (buf is not None and not tc.dispatch_mode_active() and buf.dtype == xs[0].dtype
                 and buf.device == xs[0].device and buf.shape == _cat_shape(xs, dim) and buf.is_contiguous()
                 and sys.getrefcount(buf) <= 3  # (box, buf, getrefcount's argument)
-                and torch._C._storage_Use_Count(buf.untyped_storage()._cdata) <= 2):  # (buf, the storage object)
+                and tc.storage_use_count(buf) <= 2):  # (buf, the storage object)
             return torch.cat(xs, dim, out=buf)
         box[0] = buf = None
         box[0] = torch.cat(xs, dim)

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from autopar import torch_compat as tc
 from autopar.runtime.guarded import reduces_in_place
 
 aten = torch.ops.aten
@@ -79,7 +80,7 @@ def opaque(n: fx.Node) -> bool:
     t = n.target
     if t is operator.getitem:
         return False
-    if not isinstance(t, torch._ops.OpOverload) or t.namespace not in ("aten", "prims"):
+    if not isinstance(t, tc.OpOverload) or t.namespace not in ("aten", "prims"):
         return True  # collectives, waits, autopar's custom ops (dropout masks, kernels), Python functions
     if torch.Tag.nondeterministic_seeded in t.tags or t._schema.is_mutable:
         return True
@@ -137,14 +138,16 @@ def _segment_module(run, inputs, outputs) -> fx.GraphModule:
     return fx.GraphModule(torch.nn.Module(), g)
 
 
+def _inductor_api() -> tuple:
+    """torch's private names this module compiles with (a TorchVersionError if this torch lacks one)."""
+    return tc.compile_fx_inner, tc.select_decomp_table, tc.TracingContext, tc.tracing, tc.FakeTensorMode
+
+
 def _compile(seg: fx.GraphModule, inputs: list[fx.Node], device, stats: InductorStats):
-    from torch._inductor.compile_fx import compile_fx_inner
-    from torch._inductor.decomposition import select_decomp_table
-    from torch._guards import TracingContext, tracing
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+    compile_fx_inner, select_decomp_table, TracingContext, tracing, FakeTensorMode = _inductor_api()  # noqa: N806
     vals = [a.meta["val"] for a in inputs]
     key = (seg.code, tuple((tuple(v.shape), tuple(v.stride()), v.dtype) for v in vals), str(device))
     hit = _COMPILED.get(key)
@@ -182,6 +185,7 @@ def compile_program(gm: fx.GraphModule, device, stats: InductorStats) -> fx.Grap
     """``gm`` with its compute compiled: a new GraphModule whose nodes are the compiled segments'
     calls and the nodes left as Python calls, in ``gm``'s order; ``gm`` is left as it was."""
     t0 = time.perf_counter()
+    _inductor_api()  # (before the loop below, which runs a segment uncompiled where compiling it fails)
     runs = []
     for run in _segments(gm):
         inputs, outputs = _interface(run)

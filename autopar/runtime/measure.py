@@ -37,12 +37,10 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from autopar import torch_compat as tc
 from autopar.experts import EP_KIND, EP_OPS
 from autopar.ir import ring_bytes
-
-_DK = torch._C.DispatchKey
 
 # c10d op -> (kind, the argument holding this rank's payload). The payload is what the prediction
 # (autopar/ir.py ring_bytes) calls it: the tensor reduced (all_reduce), this rank's input to a
@@ -90,7 +88,7 @@ def mesh_axes(mesh) -> dict[str, str]:
     return {mesh.get_group(i).group_name: name for i, name in enumerate(mesh.mesh_dim_names)}
 
 
-class CommMeter(TorchDispatchMode):
+class CommMeter(tc.TorchDispatchMode):
     """Bytes this process hands to the process group, per collective kind and mesh axis.
 
     ``axes``: process-group name -> axis name (``mesh_axes``); a group not in it is ``"world"``
@@ -154,15 +152,15 @@ class CommMeter(TorchDispatchMode):
         kwargs = kwargs or {}
         ns = func.namespace
         ep = ns == "autopar" and func._opname in EP_OPS  # expert parallelism's op: its all-to-alls are inside
-        if (ep or ns in _FUNCTIONAL) and torch._C._dispatch_has_kernel_for_dispatch_key(
-                func.name(), _DK.CompositeExplicitAutograd):
-            TorchDispatchMode.__enter__(self)  # back on the stack: see the c10d op the kernel calls
+        composite = tc.composite_kernel(func) if ep or ns in _FUNCTIONAL else None
+        if composite is not None:
+            tc.TorchDispatchMode.__enter__(self)  # back on the stack: see the c10d op the kernel calls
             self._in_ep += ep
             try:
-                return func._op_dk(_DK.CompositeExplicitAutograd, *args, **kwargs)
+                return composite(*args, **kwargs)
             finally:
                 self._in_ep -= ep
-                TorchDispatchMode.__exit__(self, None, None, None)
+                tc.TorchDispatchMode.__exit__(self, None, None, None)
         if ns == "c10d" and func._opname in C10D_OPS:
             self._count(func, args, kwargs)
         return func(*args, **kwargs)

@@ -42,8 +42,8 @@ import weakref
 import torch
 from torch import fx
 from torch.utils import flop_counter
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from autopar import torch_compat as tc
 from autopar.ir import tensor_args
 from autopar.runtime.executor import call
 from autopar.runtime.measure import AllocatorPeak, optimizer_state_bytes, tensor_bytes  # noqa: F401 (re-exported)
@@ -96,7 +96,7 @@ def categorize(gm: fx.GraphModule, roles: list[tuple[str, object]], outputs: lis
     return cat
 
 
-class ProgramMeter(TorchDispatchMode):
+class ProgramMeter(tc.TorchDispatchMode):
     """One run of a per-rank program: the storages its ops create, by category, alive op by op;
     and the FLOPs of its ops.
 

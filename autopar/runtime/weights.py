@@ -41,39 +41,29 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch._prims_common import make_contiguous_strides_for
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
+from autopar import torch_compat as tc
 from autopar.errors import InputError, PlanError
-from autopar.scoped import SharedPatch, setting
+from autopar.scoped import setting
 
 # ------------------------------------------------------------------------ building on meta
 _EMPTY = contextvars.ContextVar("autopar_init_empty_weights", default=False)
 
 
-def _install_register_parameter():
-    orig = nn.Module.register_parameter
-
-    def register_parameter(module, name, param):
-        orig(module, name, param)
-        if _EMPTY.get() and param is not None and not param.is_meta:
-            p = module._parameters[name]
-            new = type(p)(p.to("meta"), requires_grad=p.requires_grad)
-            new.__dict__.update(p.__dict__)  # attributes libraries set on parameters
-            module._parameters[name] = new
-
-    nn.Module.register_parameter = register_parameter
-    return orig
+def _to_meta(module, name, param) -> None:
+    """After ``nn.Module.register_parameter``, inside ``init_empty_weights`` (this thread only):
+    the parameter just registered moved to meta."""
+    if _EMPTY.get() and param is not None and not param.is_meta:
+        p = module._parameters[name]
+        new = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+        new.__dict__.update(p.__dict__)  # attributes libraries set on parameters
+        module._parameters[name] = new
 
 
-def _restore_register_parameter(orig) -> None:
-    nn.Module.register_parameter = orig
-
-
-_REGISTER_PARAMETER = SharedPatch(_install_register_parameter, _restore_register_parameter)
+_REGISTER_PARAMETER = tc.register_parameter_hook(_to_meta)
 
 
 @contextlib.contextmanager
@@ -90,13 +80,13 @@ def init_empty_weights():
 
 # ------------------------------------------------------------------------ materializing
 def _global_stride(shape) -> tuple[int, ...]:
-    return tuple(make_contiguous_strides_for(tuple(int(s) for s in shape)))
+    return tc.contiguous_strides(shape)
 
 
 def empty_dtensor(p: torch.Tensor, mesh, placements, device) -> DTensor:
     """A DTensor of ``p``'s global shape and dtype with ``placements`` on ``mesh`` whose local
     shard is uninitialised memory on ``device`` (the parameter of a model built on meta)."""
-    local_shape, _ = compute_local_shape_and_global_offset(tuple(p.shape), mesh, placements)
+    local_shape, _ = tc.compute_local_shape_and_global_offset(tuple(p.shape), mesh, placements)
     local = torch.empty(local_shape, dtype=p.dtype, device=device)
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape, stride=_global_stride(p.shape))
 
@@ -296,7 +286,7 @@ def _local_slices(p: DTensor):
     """The slices of ``p``'s global tensor this rank holds, or None (no contiguous block)."""
     if not all(type(pl) in (Shard, Replicate) for pl in p.placements):
         return None
-    shape, offset = compute_local_shape_and_global_offset(tuple(p.shape), p.device_mesh, p.placements)
+    shape, offset = tc.compute_local_shape_and_global_offset(tuple(p.shape), p.device_mesh, p.placements)
     return tuple(slice(o, o + s) for o, s in zip(offset, shape)), tuple(shape)
 
 

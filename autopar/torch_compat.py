@@ -1,0 +1,540 @@
+"""The torch boundary: every private torch name autopar reads, and every change it makes to torch.
+
+Supported: torch 2.11 to 2.13 (``SUPPORTED``). Nothing here is imported from torch when autopar is
+imported: a name is looked up on first use, by ``_lookup`` (the one place that reads torch's
+private namespace), with feature detection. Where a name is missing the table below says what
+autopar does instead; where nothing can stand in, using the feature raises ``TorchVersionError``
+(a PlanError) naming the running torch. tests/test_torch_compat.py hides each name in turn;
+tests/test_layout.py fails on a private torch import (or ``torch._x`` use) anywhere else.
+
+Private names (``PRIVATE``), by where autopar uses them; "-" = present in 2.11, 2.12 and 2.13:
+
+====================================================  ===================  ====================================
+name (torch module)                                    differs              without it
+====================================================  ===================  ====================================
+_dynamo.functional_export._dynamo_graph_capture_...   -                    TorchVersionError (capture)
+_dynamo.functional_export._suggest_or_raise_...       -                    torch's check runs (slower capture)
+_dynamo.functional_export (its compiled-fn globals)    -                    not cleaned (captures kept alive)
+_functorch.aot_autograd.aot_export_joint_with_desc..  -                    TorchVersionError (autograd pass)
+_functorch._aot_autograd.descriptors                   -                    TorchVersionError (autograd pass)
+_subclasses.fake_tensor.FakeTensorMode / FakeTensor    -                    TorchVersionError (inductor, twins);
+                                                                            capture errors lose the user frame
+nn.utils.stateless._reparametrize_module               -                    TorchVersionError (mixed-precision
+                                                                            generation steps)
+library.Library._destroy                               -                    the registration is dropped with
+                                                                            its last reference (torch's finalizer)
+_C._nn.<fn> (SDPA, linear, gelu)                       -                    torch.nn.functional's
+distributed.tensor._sharding_prop._select_min_cost..  -                    TorchVersionError (propagate:
+                                                                            DTensor's greedy choice alone made
+                                                                            plans localize cannot run)
+DTensor._op_dispatcher.sharding_propagator (+ tables)  -                    TorchVersionError (propagate)
+DTensor._op_dispatcher._random_ops / _custom_op_h..    -                    every op dispatched through DTensor
+distributed.tensor._dtensor_spec DTensorSpec, TensorM  -                    TorchVersionError
+distributed.tensor._op_schema.OpSchema                 -                    TorchVersionError (propagate)
+distributed.tensor._utils.compute_local_shape_and_..   -                    TorchVersionError
+distributed.tensor._ops._view_ops._ViewShardingProp.. missing in 2.11      no split fix: torch's own views;
+  (._find_shard_for_split, ._expected_split_factor)                         a view of a dim sharded on two
+                                                                            mesh axes that torch refuses (dp x
+                                                                            cp on 2.11: every such flatten; on
+                                                                            2.13: the fix's case) raises
+                                                                            TorchVersionError
+distributed.tensor._ops._view_ops._split_factor_ma..  missing in 2.11/12   never read: autopar's own predicate
+distributed.tensor.placement_types._StridedShard       -                    a class nothing is an instance of
+utils._python_dispatch.TorchDispatchMode               -                    measuring raises TorchVersionError
+utils._python_dispatch._get_current_dispatch_mode      -                    bucket buffers never reused
+utils._foreach_utils._has_foreach_support (+ device)   -                    per-tensor loops (clip_grad_norm_)
+torch._foreach_norm / torch._foreach_mul_              -                    per-tensor loops
+_C._distributed_c10d._resolve_process_group            -                    TorchVersionError (runtime)
+_C._storage_Use_Count                                  -                    bucket buffers never reused
+_C._dispatch_has_kernel_for_dispatch_key, DispatchKey  -                    TorchVersionError (pm.measure())
+_inductor.compile_fx.compile_fx_inner,                 -                    TorchVersionError (inductor=True)
+  _inductor.decomposition.select_decomp_table, _guards
+_ops.OpOverload                                        -                    TorchVersionError
+_ops.OpOverloadPacket                                  -                    no capture cache (each compile traces)
+fx.graph_module._WrappedCall                           -                    TorchVersionError (twins)
+distributed.device_mesh.DeviceMesh._flatten            -                    a new group over the mesh's ranks
+testing._internal.distributed.fake_pg                  -                    TorchVersionError (fake meshes)
+testing._internal.distributed.fake_pg.FakeStore        -                    a HashStore
+_prims_common.make_contiguous_strides_for              -                    never read: ``contiguous_strides``
+====================================================  ===================  ====================================
+
+Changes to torch's process-wide state (autopar/scoped.py's rules: in force only while autopar's
+step runs, seen only by the thread that runs it), all made here: DTensor's strategy selector
+(``strategy_selector``), the view split fix (``fixed_views``), export's constraint check
+(``static_export``), export's compiled-function globals (``no_compiled_fn_globals``), a dispatcher
+kernel (``dispatcher_kernel``: nll_loss's AutogradMeta on meta) and ``nn.Module.register_parameter``
+(``register_parameter_hook``). The selector stays a patch: choosing in autopar from DTensor's
+strategy list would mean re-implementing what ``propagate_op_sharding_non_cached`` does after the
+choice (shape-argument rewrites, tuple strategies, single-dim expansion), which differs by version.
+
+Not counted as private: ``torch.ops.<namespace>.<op>`` (the dispatcher's op registry, e.g.
+``torch.ops._c10d_functional``, ``aten._to_copy``) and attributes of objects autopar holds
+(``._schema``, ``._parameters``, ``graph._codegen``, ``DTensor._local_tensor``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from autopar.errors import TorchVersionError
+from autopar.scoped import SharedPatch, setting
+
+SUPPORTED = ("2.11", "2.13")  # the oldest and the newest torch minor version autopar is tested on
+
+
+def torch_version() -> str:
+    return torch.__version__
+
+
+def unavailable(what: str, needed_for: str) -> TorchVersionError:
+    """The error for a missing private torch name that nothing stands in for."""
+    lo, hi = SUPPORTED
+    return TorchVersionError(
+        f"{needed_for} needs torch's {what}, which torch {torch_version()} does not have",
+        where="autopar/torch_compat.py",
+        fix=f"use a torch from {lo} to {hi} (autopar's supported range)")
+
+
+@dataclass(frozen=True)
+class Private:
+    module: str
+    attr: str | None  # a dotted path inside ``module``; None: the module itself
+    needed_for: str
+    fallback: str | None = None  # what autopar does without it; None: TorchVersionError
+
+    @property
+    def what(self) -> str:
+        return f"{self.module}.{self.attr}" if self.attr else self.module
+
+
+_DT = "torch.distributed.tensor"
+_FE = "torch._dynamo.functional_export"
+_VIEW = f"{_DT}._ops._view_ops._ViewShardingPropagator"
+PRIVATE: dict[str, Private] = {
+    "dynamo_graph_capture_for_export": Private(_FE, "_dynamo_graph_capture_for_export", "capturing a model"),
+    "constraint_check": Private(_FE, "_suggest_or_raise_constraint_violation", "a fast capture",
+                                "torch's constraint check runs"),
+    "functional_export": Private(_FE, None, "freeing a capture's compiled-function globals", "they are kept"),
+    "aot_export_joint_with_descriptors": Private("torch._functorch.aot_autograd", "aot_export_joint_with_descriptors",
+                                                 "the joint forward+backward trace"),
+    "aot_descriptors": Private("torch._functorch._aot_autograd.descriptors", None, "naming the traced graph's inputs"),
+    "FakeTensorMode": Private("torch._subclasses.fake_tensor", "FakeTensorMode", "fake-tensor tracing"),
+    "FakeTensor": Private("torch._subclasses.fake_tensor", "FakeTensor", "fake-tensor tracing"),
+    "reparametrize_module": Private("torch.nn.utils.stateless", "_reparametrize_module",
+                                    "a mixed-precision generation step"),
+    "library_destroy": Private("torch.library", "Library._destroy", "removing a dispatcher registration",
+                               "dropped with its last reference"),
+    "c_nn": Private("torch._C._nn", None, "recognising torch.nn.functional's builtins", "torch.nn.functional's"),
+    "select_min_cost_strategy": Private(f"{_DT}._sharding_prop", "_select_min_cost_strategy",
+                                        "autopar's choice among DTensor's strategies"),
+    "op_dispatcher": Private(_DT, "DTensor._op_dispatcher", "DTensor's sharding strategies"),
+    "random_ops": Private(_DT, "DTensor._op_dispatcher._random_ops", "localize's fast path", "no fast path"),
+    "custom_op_handlers": Private(_DT, "DTensor._op_dispatcher._custom_op_handlers", "localize's fast path",
+                                  "no fast path"),
+    "DTensorSpec": Private(f"{_DT}._dtensor_spec", "DTensorSpec", "DTensor's sharding specs"),
+    "TensorMeta": Private(f"{_DT}._dtensor_spec", "TensorMeta", "DTensor's sharding specs"),
+    "OpSchema": Private(f"{_DT}._op_schema", "OpSchema", "asking DTensor for a strategy"),
+    "compute_local_shape_and_global_offset": Private(f"{_DT}._utils", "compute_local_shape_and_global_offset",
+                                                     "a shard's shape and offset"),
+    "find_shard_for_split": Private(_VIEW.rpartition(".")[0], "_ViewShardingPropagator._find_shard_for_split",
+                                    "the view split fix", "torch's own view propagation"),
+    "expected_split_factor": Private(_VIEW.rpartition(".")[0], "_ViewShardingPropagator._expected_split_factor",
+                                     "the view split fix", "torch's own view propagation"),
+    "StridedShard": Private(f"{_DT}.placement_types", "_StridedShard", "strided shards",
+                            "a class nothing is an instance of"),
+    "TorchDispatchMode": Private("torch.utils._python_dispatch", "TorchDispatchMode", "measuring a program"),
+    "get_current_dispatch_mode": Private("torch.utils._python_dispatch", "_get_current_dispatch_mode",
+                                         "reusing a gradient bucket's buffer", "a fresh buffer each step"),
+    "has_foreach_support": Private("torch.utils._foreach_utils", "_has_foreach_support", "foreach gradient clipping",
+                                   "per-tensor loops"),
+    "device_has_foreach_support": Private("torch.utils._foreach_utils", "_device_has_foreach_support",
+                                          "foreach gradient clipping", "per-tensor loops"),
+    "foreach_norm": Private("torch", "_foreach_norm", "foreach gradient clipping", "per-tensor loops"),
+    "foreach_mul_": Private("torch", "_foreach_mul_", "foreach gradient clipping", "per-tensor loops"),
+    "resolve_process_group": Private("torch._C._distributed_c10d", "_resolve_process_group",
+                                     "running a program's collectives"),
+    "storage_use_count": Private("torch._C", "_storage_Use_Count", "reusing a gradient bucket's buffer",
+                                 "a fresh buffer each step"),
+    "has_kernel_for_dispatch_key": Private("torch._C", "_dispatch_has_kernel_for_dispatch_key",
+                                           "counting collectives (pm.measure())"),
+    "DispatchKey": Private("torch._C", "DispatchKey", "counting collectives (pm.measure())"),
+    "compile_fx_inner": Private("torch._inductor.compile_fx", "compile_fx_inner", "inductor=True"),
+    "select_decomp_table": Private("torch._inductor.decomposition", "select_decomp_table", "inductor=True"),
+    "TracingContext": Private("torch._guards", "TracingContext", "inductor=True"),
+    "tracing": Private("torch._guards", "tracing", "inductor=True"),
+    "OpOverload": Private("torch._ops", "OpOverload", "telling ATen ops apart"),
+    "OpOverloadPacket": Private("torch._ops", "OpOverloadPacket", "keying the capture cache",
+                                "the capture cache keeps nothing (every compile traces)"),
+    "WrappedCall": Private("torch.fx.graph_module", "_WrappedCall", "cloning a GraphModule's class"),
+    "mesh_flatten": Private("torch.distributed.device_mesh", "DeviceMesh._flatten", "a whole-mesh process group",
+                            "a new group over the mesh's ranks"),
+    "fake_pg": Private("torch.testing._internal.distributed.fake_pg", None, "fake process groups"),
+    "FakeStore": Private("torch.testing._internal.distributed.fake_pg", "FakeStore", "fake process groups",
+                         "a HashStore"),
+}
+_MISSING = object()
+
+
+def _lookup(module: str, attr: str | None):
+    """torch's ``module`` or the attribute ``attr`` of it; ImportError / AttributeError where this
+    torch lacks it. Every private name autopar uses is read through here (nowhere else)."""
+    obj = importlib.import_module(module)
+    for part in attr.split(".") if attr else ():
+        obj = getattr(obj, part)
+    return obj
+
+
+def find(name: str, default=_MISSING):
+    """``PRIVATE[name]`` from torch; ``default`` where this torch lacks it (a TorchVersionError
+    if no default is given)."""
+    p = PRIVATE[name]
+    try:
+        return _lookup(p.module, p.attr)
+    except (ImportError, AttributeError):
+        if default is _MISSING:
+            raise unavailable(p.what, p.needed_for) from None
+        return default
+
+
+def has(name: str) -> bool:
+    return find(name, None) is not None
+
+
+class _NoStridedShard:
+    """Stands in for ``_StridedShard`` on a torch without it: nothing is an instance of it."""
+
+
+class _NoDispatchMode:
+    """Stands in for ``TorchDispatchMode`` on a torch without it (a subclass cannot be used)."""
+
+    def __init__(self, *args, **kwargs):
+        p = PRIVATE["TorchDispatchMode"]
+        raise unavailable(p.what, p.needed_for)
+
+
+# names other modules read as attributes (``torch_compat.DTensorSpec``), looked up on first use
+_FALLBACKS: dict[str, Any] = {"StridedShard": _NoStridedShard, "TorchDispatchMode": _NoDispatchMode}
+_ATTRIBUTES = {"FakeTensorMode", "FakeTensor", "DTensorSpec", "TensorMeta", "OpSchema",
+               "compute_local_shape_and_global_offset", "StridedShard", "TorchDispatchMode", "OpOverload",
+               "OpOverloadPacket", "WrappedCall", "compile_fx_inner", "select_decomp_table", "TracingContext",
+               "tracing", "aot_export_joint_with_descriptors", "aot_descriptors", "dynamo_graph_capture_for_export",
+               "reparametrize_module"}
+
+
+def __getattr__(name: str):
+    if name not in _ATTRIBUTES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = find(name, _FALLBACKS.get(name, _MISSING))
+    globals()[name] = value  # found once (forget() drops it again)
+    return value
+
+
+def forget() -> None:
+    """Drop what was looked up (tests that hide a name, then show it again)."""
+    for name in _ATTRIBUTES:
+        globals().pop(name, None)
+    _dispatcher_special.cache_clear()
+    native_nn.cache_clear()
+
+
+# ---------------------------------------------------------------- small helpers with fallbacks
+@functools.cache
+def native_nn(name: str) -> frozenset:
+    """torch.nn.functional's ``name`` and the builtin behind it (``torch._C._nn``): the targets a
+    traced graph (or a torch function mode) may name it by."""
+    import torch.nn.functional as F
+
+    return frozenset(f for f in (getattr(F, name, None), getattr(find("c_nn", None), name, None)) if f is not None)
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (as torch's ``make_contiguous_strides_for``:
+    a dim of size 0 counts as 1)."""
+    strides, step = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(int(size), 1)
+    return tuple(reversed(strides))
+
+
+def storage_use_count(t: torch.Tensor) -> int:
+    """References to ``t``'s storage (C++); a large number where torch cannot say."""
+    count = find("storage_use_count", None)
+    return count(t.untyped_storage()._cdata) if count is not None else 1 << 30
+
+
+def dispatch_mode_active() -> bool:
+    """Whether a TorchDispatchMode is watching (True where torch cannot say)."""
+    current = find("get_current_dispatch_mode", None)
+    return current is None or current() is not None
+
+
+def foreach_ok(tensors: list[torch.Tensor], device: torch.device, foreach: bool | None) -> bool:
+    """clip_grad_norm_'s ``foreach`` rule: ``None``: where torch supports it; ``True``: required."""
+    ok_all, ok_device = find("has_foreach_support", None), find("device_has_foreach_support", None)
+    usable = None not in (ok_all, ok_device, find("foreach_norm", None), find("foreach_mul_", None))
+    if foreach is None:
+        return usable and ok_all(tensors, device)
+    if foreach and not (usable and ok_device(device)):
+        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+    return bool(foreach)
+
+
+def foreach_norm(tensors, p):
+    return find("foreach_norm")(tensors, p)
+
+
+def foreach_mul_(tensors, c) -> None:
+    find("foreach_mul_")(tensors, c)
+
+
+def resolve_process_group(name: str):
+    return find("resolve_process_group")(name)
+
+
+def composite_kernel(func):
+    """``func``'s CompositeExplicitAutograd kernel as a callable, or None if it has none."""
+    key = find("DispatchKey").CompositeExplicitAutograd
+    if not find("has_kernel_for_dispatch_key")(func.name(), key):
+        return None
+    return functools.partial(func._op_dk, key)
+
+
+def whole_mesh_group(mesh):
+    """A process group over every rank of ``mesh`` (collective: call on every rank)."""
+    flatten = find("mesh_flatten", None)
+    if flatten is not None:
+        return flatten(mesh).get_group()
+    import torch.distributed as dist
+
+    return dist.new_group(mesh.mesh.flatten().tolist())
+
+
+def fake_store():
+    """A store for ``init_process_group("fake")``; importing torch's fake_pg registers that backend."""
+    find("fake_pg")  # (registers the backend; TorchVersionError without it)
+    store = find("FakeStore", None)
+    if store is not None:
+        return store()
+    import torch.distributed as dist
+
+    return dist.HashStore()
+
+
+def preload() -> None:
+    """Import what every compile imports on first use (a server's workers fork after this)."""
+    for module in ("torch._dynamo", "torch._functorch.aot_autograd"):
+        with contextlib.suppress(ImportError):
+            importlib.import_module(module)
+
+
+# ---------------------------------------------------------------- DTensor's sharding propagator
+def sharding_propagator():
+    return find("op_dispatcher").sharding_propagator
+
+
+def dtensor_knows(op) -> bool:
+    """Whether DTensor has a strategy (or a rule) for ``op``."""
+    prop = sharding_propagator()
+    return any(op in getattr(prop, table, {}) for table in
+               ("op_strategy_funcs", "op_to_rules", "op_single_dim_strategy_funcs"))
+
+
+def dtensor_schema_info(op):
+    """What DTensor's dispatch passes as an OpSchema's ``schema_info`` for ``op``: ops with a
+    single-dim strategy keep theirs apart (without it, list arguments such as index.Tensor's
+    indices are not flattened and no strategy matches)."""
+    prop = sharding_propagator()
+    return (getattr(prop, "op_to_schema_info", {}).get(op)
+            or getattr(prop, "op_to_schema_info_for_single_dim_strategy", {}).get(op))
+
+
+@functools.lru_cache(maxsize=1)
+def _dispatcher_special() -> frozenset | None:
+    random_ops, handlers = find("random_ops", None), find("custom_op_handlers", None)
+    if random_ops is None or handlers is None:
+        return None
+    return frozenset(random_ops) | frozenset(handlers)
+
+
+def dtensor_handles_itself(op) -> bool:
+    """Ops DTensor's dispatcher handles itself (random ops: its RNG offsets; custom handlers:
+    convolution, argmax, as_strided...); every op, where torch does not list them."""
+    special = _dispatcher_special()
+    return special is None or op in special
+
+
+# ---------------------------------------------------------------- patches of torch
+def strategy_selector(choose: Callable) -> SharedPatch:
+    """While applied, DTensor's module-level ``_select_min_cost_strategy`` (which it calls with no
+    hook to pass another) asks ``choose(strategy, op_schema)`` first; a None answer (every other
+    caller: ``choose`` consults state only autopar's step sets) gets DTensor's own choice.
+    Without the name (another torch), a TorchVersionError: DTensor's choice alone is not
+    program-aware, and gave plans that localize could not run."""
+    def apply():
+        dtensor_select = find("select_min_cost_strategy")
+        module = _lookup(PRIVATE["select_min_cost_strategy"].module, None)
+
+        def select(strategy, op_schema=None):
+            picked = choose(strategy, op_schema)
+            return dtensor_select(strategy, op_schema) if picked is None else picked
+
+        module._select_min_cost_strategy = select
+        return module, dtensor_select
+
+    return SharedPatch(apply, lambda undo: setattr(undo[0], "_select_min_cost_strategy", undo[1]))
+
+
+def _same_split_factor(expected, actual) -> bool:
+    """torch 2.13's ``_split_factor_matches`` for autopar's static shapes (2.12 compares with ``==``;
+    2.11 has neither)."""
+    if expected is None:
+        return False
+    try:
+        return int(expected) == int(actual)
+    except (TypeError, ValueError):
+        return bool(expected == actual)
+
+
+def _apply_split_fix():
+    """torch 2.12/2.13's view propagation, unflattening a dim that one mesh axis shards plainly and
+    a later one strided ([b*s] with the batch on dp and the sequence on cp -> [b, s]), matches the
+    plain Shard again for the second split and never the strided one, so the strided axis is
+    judged by the first split's size alone and the view refused (dp=2 x cp=4 on 2 sequences). A
+    plain Shard of a flattened dim splits its leading output dim only: for the later splits it is
+    skipped, inside autopar's steps (``fixed_views``); every other caller gets torch's method.
+    torch 2.11 has no ``_ViewShardingPropagator``: its views are left as they are."""
+    torch_find = find("find_shard_for_split", None)
+    if torch_find is None or not has("expected_split_factor"):
+        return None
+    cls = _lookup(PRIVATE["find_shard_for_split"].module, "_ViewShardingPropagator")
+    strided = find("StridedShard", _NoStridedShard)
+
+    def find_shard(self, current_dim, cmd, placements):
+        if not _VIEW_FIX.get() or cmd.split_id == 0:
+            return torch_find(self, current_dim, cmd, placements)
+        for mesh_dim, p in enumerate(placements):
+            if (isinstance(p, strided) and p.dim == current_dim
+                    and mesh_dim not in getattr(self, "matched_strided_mesh_dims", ())):
+                if _same_split_factor(self._expected_split_factor(cmd, current_dim, mesh_dim, placements),
+                                      p.split_factor):
+                    return mesh_dim, p
+        return None, None
+
+    cls._find_shard_for_split = find_shard
+    return cls, torch_find
+
+
+_SPLIT_FIX = SharedPatch(_apply_split_fix, lambda undo: undo and setattr(undo[0], "_find_shard_for_split", undo[1]))
+_VIEW_FIX: contextvars.ContextVar[bool] = contextvars.ContextVar("autopar_view_fix", default=False)
+
+
+def views_fixed() -> bool:
+    """Whether ``fixed_views`` fixes anything on this torch (2.12 and later)."""
+    return has("find_shard_for_split") and has("expected_split_factor")
+
+
+def fixed_views():
+    """DTensor's view propagation with the split fix above, in this thread, inside the block
+    (propagate's strategy choice; localize's trace, which dispatches views through DTensor)."""
+    return setting(_VIEW_FIX, True, _SPLIT_FIX)
+
+
+_STATIC_CAPTURE: contextvars.ContextVar[bool] = contextvars.ContextVar("autopar_static_capture", default=False)
+
+
+def _apply_no_guards():
+    module = find("functional_export", None)
+    orig = getattr(module, "_suggest_or_raise_constraint_violation", None) if has("constraint_check") else None
+    if orig is None:
+        return None
+    sig = inspect.signature(orig)
+
+    @functools.wraps(orig)
+    def check(*args, **kwargs):
+        if _STATIC_CAPTURE.get():
+            try:
+                static = sig.bind(*args, **kwargs).arguments.get("dynamic_shapes") is None
+            except TypeError:  # (another torch's signature: check, as torch would)
+                static = False
+            if static:
+                return None
+        return orig(*args, **kwargs)
+
+    module._suggest_or_raise_constraint_violation = check
+    return module, orig
+
+
+# After its trace, an export capture builds the frame's guards (the checks a compiled frame runs
+# before each call) only to find violated constraints on dynamic dimensions. autopar's captures
+# have none (every shape static; autopar never runs dynamo's compiled frame), and building them
+# was 0.15 s of each capture of a 3-5 block Llama-3-8B (35-40% of dynamo's time, mostly
+# unparsing the shape guards' source). Skipped for autopar's own captures only.
+_NO_EXPORT_GUARDS = SharedPatch(_apply_no_guards, lambda undo: undo and setattr(
+    undo[0], "_suggest_or_raise_constraint_violation", undo[1]))
+
+
+def static_export():
+    """Inside the block, this thread's export captures skip the dynamic-shape constraint check
+    when they have no dynamic shapes."""
+    return setting(_STATIC_CAPTURE, True, _NO_EXPORT_GUARDS)
+
+
+@contextlib.contextmanager
+def no_compiled_fn_globals():
+    """dynamo installs each traced frame's compiled function as a global of the frame's module
+    (``__compiled_fn_<n>_<uuid>`` in torch._dynamo.functional_export for an export capture), and
+    that function holds the captured GraphModule with the model's parameters: every capture kept
+    its model alive for the life of the process. autopar uses the graph, never that function, so
+    the globals a capture adds are removed when it ends."""
+    module = find("functional_export", None)
+    before = set(vars(module)) if module is not None else set()
+    try:
+        yield
+    finally:
+        if module is not None:
+            for k in [k for k in vars(module) if k not in before and k.startswith("__compiled_fn")]:
+                delattr(module, k)
+
+
+def dispatcher_kernel(namespace: str, op: str, fn: Callable, key: str) -> SharedPatch:
+    """A kernel for ``namespace::op`` under dispatch ``key`` while applied. A registration on
+    torch's dispatcher is process-wide while it exists (no thread-local form), so it is made on
+    the first entry and destroyed on the last exit (``Library._destroy``; without it, by dropping
+    the library, whose finalizer deregisters)."""
+    def apply():
+        lib = torch.library.Library(namespace, "IMPL")
+        lib.impl(op, fn, key)
+        return [lib]
+
+    def undo(box):
+        lib = box.pop()
+        if has("library_destroy"):
+            lib._destroy()
+        del lib
+
+    return SharedPatch(apply, undo)
+
+
+def register_parameter_hook(after: Callable) -> SharedPatch:
+    """While applied, ``nn.Module.register_parameter`` calls ``after(module, name, param)`` after
+    torch's own (``after`` acts only for the thread that asked for it: it consults a ContextVar)."""
+    def apply():
+        orig = torch.nn.Module.register_parameter
+
+        def register_parameter(module, name, param):
+            orig(module, name, param)
+            after(module, name, param)
+
+        torch.nn.Module.register_parameter = register_parameter
+        return orig
+
+    return SharedPatch(apply, lambda orig: setattr(torch.nn.Module, "register_parameter", orig))
