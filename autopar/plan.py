@@ -276,9 +276,9 @@ def _check_experts(plan: Plan, params, compute, axis_sizes) -> None:
 
 
 def _is_strided(p: Placement) -> bool:
-    from torch.distributed.tensor.placement_types import _StridedShard
+    from autopar import torch_compat as tc
 
-    return isinstance(p, _StridedShard)
+    return isinstance(p, tc.StridedShard)
 
 
 def _checked_strided(p, name: str, t: torch.Tensor, axis: str, size: int):

@@ -500,9 +500,9 @@ def strided_split_rule(node, in_specs, ctx):
     dim, parts = _split_parts(node, x)
     k = len(parts)
     axes = [a for a, p in enumerate(x.placements)
-            if isinstance(p, _StridedShard) and p.dim == dim and p.split_factor == k]
+            if isinstance(p, tc.StridedShard) and p.dim == dim and p.split_factor == k]
     if not axes or len(set(parts)) != 1 or any(
-            isinstance(p, (Shard, _StridedShard)) and p.dim == dim and a not in axes for a, p in enumerate(x.placements)):
+            isinstance(p, (Shard, tc.StridedShard)) and p.dim == dim and a not in axes for a, p in enumerate(x.placements)):
         return None
     out = tuple(Shard(dim) if a in axes else p for a, p in enumerate(x.placements))
 
@@ -526,9 +526,9 @@ def strided_cat_rule(node, in_specs, ctx):
     axes = [a for a, p in enumerate(first) if isinstance(p, Shard) and p.dim == dim]
     if not axes or any(tuple(s.placements) != tuple(first) or s.shape != specs[0].shape for s in specs):
         return None
-    if any(isinstance(p, _StridedShard) or isinstance(p, Partial) for p in first) or len(axes) > 1:
+    if any(isinstance(p, tc.StridedShard) or isinstance(p, Partial) for p in first) or len(axes) > 1:
         return None
-    out = tuple(_StridedShard(dim, split_factor=len(specs)) if a in axes else p for a, p in enumerate(first))
+    out = tuple(tc.StridedShard(dim, split_factor=len(specs)) if a in axes else p for a, p in enumerate(first))
     return RuleResult([tuple(first) for _ in in_specs], out, None, "cat of shards into a strided shard")
 
 

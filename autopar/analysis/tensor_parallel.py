@@ -49,9 +49,9 @@ def strided(dim: int, outer: int) -> Placement:
     """Shard(dim), or dim strided-sharded with ``outer`` parts (each rank holds 1/tp of each)."""
     if outer == 1:
         return Shard(dim)
-    from torch.distributed.tensor.placement_types import _StridedShard
+    from autopar import torch_compat as tc
 
-    return _StridedShard(dim, split_factor=outer)
+    return tc.StridedShard(dim, split_factor=outer)
 
 
 @dataclass
