@@ -550,6 +550,11 @@ def summary_md(record: dict) -> str:
                   "over the timed steps; predicted peak: the cost model's step peak (parameters + AdamW state + "
                   "the program's liveness peak).", ""]
         lines += _step_lines(record)
+        row = env.get("cost_model_row", "h100")
+        lines += ["", "The cost model's figures without a GPU (meta tensors, the model compiled at depths 3-5 and "
+                  f"extrapolated): `autopar plan llama-tiny --set {','.join(f'{k}={v}' for k, v in m.items())} "
+                  f"--mesh dp=1 --batch {meta['batch']} --seq {meta['seq']} --precision bf16 --device {row} "
+                  "[--inductor] [--kernels on]`."]
     failed = {n: s for n, s in record["sections"].items() if s.get("error")}
     if "error" in env:
         failed = {"env": env, **failed}
