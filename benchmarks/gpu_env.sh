@@ -29,7 +29,7 @@ if ! _ap_here; then
     ln -s "$_ap_root/passes" "$_ap_shim/autopar/passes"
     ln -s "$_ap_root/kernels" "$_ap_shim/autopar/kernels"
     export PYTHONPATH="$_ap_shim${PYTHONPATH:+:$PYTHONPATH}"
-    echo "gpu_env: pip could not install ($(grep -m 1 'error: ' /tmp/autopar-pip.log || tail -n 1 /tmp/autopar-pip.log)); PYTHONPATH=$_ap_shim"
+    echo "gpu_env: pip could not install ($(grep 'error: ' /tmp/autopar-pip.log | sed 's/^ *//' | head -n 3 | paste -sd ';' -)); PYTHONPATH=$_ap_shim"
   fi
 fi
 (cd / && "$_ap_py" -c "import autopar.passes, torch
