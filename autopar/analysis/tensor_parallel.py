@@ -162,9 +162,13 @@ def _accept(g: Graph, flows: list[Flow], used: set, failed: dict, out: Derived) 
         return i
 
     unmet: dict[int, str] = {}
+    holders: dict[fx.Node, list] = {}  # value -> the flows that track it, with its track
+    for f in ok:
+        for node, t in f.tracks.items():
+            holders.setdefault(node, []).append((f, t))
     for f in ok:
         for u, a, t in f.needs:
-            other = next((h for h in ok if h is not f and h.tracks.get(a) == t), None)
+            other = next((h for h, th in holders.get(a, ()) if h is not f and th == t), None)
             if other is None:
                 unmet[id(f)] = (f"not sharded: its output meets a value that is not sharded the same way "
                                 f"({op_name(u)}{where_of(u)})")
