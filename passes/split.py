@@ -34,12 +34,10 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import time
 from dataclasses import dataclass, field
 
-import time
-
 import torch
-
 from torch import fx, nn
 
 from autopar.errors import CaptureError, PlanError
@@ -91,8 +89,8 @@ def split_pass(state: CompileState) -> CompileState:
 
 def derive_tensor_parallel(state: CompileState) -> None:
     """Megatron's placements from the whole captured graph (autopar/analysis/tensor_parallel.py),
-    for every tensor-parallel axis of more than one rank whose strategy derives them; put on the
-    plan(s) the stages are placed with (``Plan.derived``)."""
+    once per axis whose strategy derives them (every parameter replicated on a one-rank axis),
+    put on the plan(s) the stages are placed with (``Plan.derived``)."""
     from autopar.analysis.tensor_parallel import R, Decision, Derived, derive
     from autopar.plan import DERIVED_TP
 

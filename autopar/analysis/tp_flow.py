@@ -85,7 +85,12 @@ def run_flow(g: Graph, flow: Flow, tp: int) -> None:
     push(start)
     while heap:
         _, u = heapq.heappop(heap)
-        out = _step(g, flow, u, tp)
+        try:
+            out = _step(g, flow, u, tp)
+        except Fail:
+            raise
+        except Exception as e:  # noqa: BLE001 - an op's arguments this analysis did not expect: not followed
+            raise Fail(f"{op_name(u)}{where_of(u)}: arguments the analysis cannot read ({type(e).__name__})") from None
         if out is not None:
             flow.tracks[u] = out
             push(u)
@@ -149,6 +154,8 @@ def _step(g: Graph, flow: Flow, u: fx.Node, tp: int):
             flow.vocab.append(u)
             return None
         raise Fail(f"{name} reads the sharded values other than as classes{where_of(u)}")
+    if name in ("max", "min") and len(u.args) > 1 and isinstance(u.args[1], fx.Node):  # torch.max(a, b)
+        return _elementwise(g, flow, u)
     if name in REDUCE and tx is not None:
         nd = len(shape_of(x))
         dims = dims_arg(u, 1, nd)
