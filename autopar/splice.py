@@ -3,8 +3,9 @@
 dynamo traces the user's Python block by block, so capturing Llama-3-70B's 80 blocks costs 80
 times one block (about 0.2 s each on this machine), and the planner captures deep models again
 and again (every confirmed candidate at two depths). Inside ``spliced()`` (entered by the planner,
-``autopar/planner/search.py``), ``capture_graph`` captures a model whose largest ``nn.ModuleList``
-has more than three blocks with only its first three, and builds the graph of all L blocks from
+``autopar/planner/search.py``), ``capture_graph`` captures a model whose block list (``find_blocks``:
+an ``nn.ModuleList`` or ``nn.Sequential`` of alike blocks) has more than three blocks with only its
+first three, and builds the graph of all L blocks from
 that one: the prologue, block 0 and block 1 as captured, then block 2's nodes repeated for blocks
 2 .. L-1 (each copy reading its own block's parameters and the previous copy's values where block
 2 read block 1's), then the epilogue reading the last copy.
@@ -12,15 +13,17 @@ that one: the prologue, block 0 and block 1 as captured, then block 2's nodes re
 What is checked first (any failure: the whole model is captured as usual, nothing is guessed):
 
 - every block of the list has the same class and the same parameters and buffers (names within
-  the block, shapes, dtypes, requires_grad; buffer values where they have values);
+  the block, shapes, dtypes, requires_grad; buffer values where they have values) and the same
+  plain attributes in every submodule but a layer index (``_difference``: Hugging Face's
+  per-layer attention type and sliding window are such attributes);
 - in the three-block capture, the blocks' nodes are contiguous runs in block order, nothing but
   block 2 reads block 1, nothing but block 1 reads block 0 (beyond the prologue), the epilogue
   reads nothing of blocks 0 and 1, and block 2 is block 1 node for node (op, target, arguments,
   shapes; a read of block 0 in block 1 is the same position's read of block 1 in block 2).
 
 It is for planning: the planner's figures already assume identical blocks (its composition
-multiplies one block's). A model whose blocks differ by their index alone (a sliding window on
-every other layer, a layer index in the code) passes the checks above but not that assumption;
+multiplies one block's). A model whose blocks differ by their index alone, in code rather than in
+an attribute (``if i % 4 == 3`` in the model's loop), passes the checks above but not that assumption;
 ``autopar.compile`` never splices. ``tests/test_splice.py`` compares spliced captures with whole
 ones and the compiled figures of both.
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import re
 
 import torch
@@ -55,38 +59,104 @@ def active() -> bool:
     return _ON.get()
 
 
-def block_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    """The model's longest ModuleList of more than KEEP alike blocks, with its path; None if none."""
-    best = None
-    for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > KEEP and (best is None or len(m) > len(best[1])):
-            best = (name, m)
-    if best is None or not all(_alike(best[1][0], b) for b in best[1]):
-        return None
-    return best
+def block_list(model: nn.Module, min_blocks: int = KEEP + 1) -> tuple[str, nn.Module] | None:
+    """The model's repeated block list with its path (``find_blocks``), if it has at least
+    ``min_blocks`` blocks; None if not."""
+    found = find_blocks(model, min_blocks)
+    return None if isinstance(found, str) else found
 
 
-def _alike(a: nn.Module, b: nn.Module) -> bool:
+def find_blocks(model: nn.Module, min_blocks: int = KEEP + 1) -> tuple[str, nn.Module] | str:
+    """The model's repeated block list and its path, or why it has none (one line).
+
+    A block list is an ``nn.ModuleList`` or ``nn.Sequential`` of at least ``min_blocks`` blocks
+    alike (``_alike``: one class, the same parameters and buffers, the same plain attributes but
+    a layer index): Hugging Face's ``model.layers``, GPT-2's ``transformer.h``, torchtitan's
+    ``layers``, a user's own. A list inside a block of another list of blocks of one class (the
+    experts of a decoder layer) is part of that block, not the model's list. Of several (an
+    encoder's and a decoder's), the one holding the most parameters."""
+    lists = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2]
+    inner = set()  # paths of the blocks of lists whose children share a class
+    for name, m in lists:
+        kinds = [type(b) for b in m]
+        for k, b in zip(m._modules, m):
+            if kinds.count(type(b)) > 1:
+                inner.add(f"{name}.{k}" if name else k)
+    outer = [(n, m) for n, m in lists if not any(n.startswith(p + ".") for p in inner)]
+    alike = [(n, m) for n, m in outer if all(_alike(m[0], b, 0, i) for i, b in enumerate(m))]
+    deep = [(n, m) for n, m in alike if len(m) >= min_blocks]
+    if deep:
+        return max(deep, key=lambda nm: (sum(p.numel() for p in nm[1].parameters()), len(nm[1])))
+    if alike:
+        n, m = max(alike, key=lambda nm: len(nm[1]))
+        return f"its longest list of alike blocks, {n or '(the model)'}, has {len(m)} (fewer than {min_blocks})"
+    if outer:
+        n, m = max(outer, key=lambda nm: len(nm[1]))
+        i = next(i for i, b in enumerate(m) if not _alike(m[0], b, 0, i))
+        return (f"the blocks of its list {n or '(the model)'} are not alike: block {i} ({type(m[i]).__name__}) differs "
+                f"from block 0 ({type(m[0]).__name__}) in {_difference(m[0], m[i], 0, i)}")
+    return "no nn.ModuleList or nn.Sequential of blocks (one class, the same parameter shapes)"
+
+
+def _alike(a: nn.Module, b: nn.Module, i: int = 0, j: int = 0) -> bool:
+    """Blocks ``i`` and ``j`` of a list are alike (``_difference`` is empty)."""
+    return not _difference(a, b, i, j)
+
+
+def _difference(a: nn.Module, b: nn.Module, i: int, j: int) -> str:
+    """How block ``j`` differs from block ``i`` ("" where it does not): class, parameters and
+    buffers (names, shapes, dtypes, requires_grad; buffer values where they have values), and
+    the plain attributes of each submodule (numbers, strings: a per-layer attention type or
+    sliding window), except an integer that differs by the blocks' distance (a layer index)."""
     if type(a) is not type(b):
-        return False
+        return "class"
     ta = list(a.named_parameters()) + list(a.named_buffers())
     tb = list(b.named_parameters()) + list(b.named_buffers())
     if [n for n, _ in ta] != [n for n, _ in tb]:
-        return False
-    for (_, x), (_, y) in zip(ta, tb):
+        return "parameter names"
+    for (n, x), (_, y) in zip(ta, tb):
         if (x.shape, x.dtype, x.requires_grad, x.device.type) != (y.shape, y.dtype, y.requires_grad, y.device.type):
-            return False
+            return f"{n}'s shape or dtype"
         if not isinstance(x, nn.Parameter) and x.device.type != "meta" and not torch.equal(x, y):
-            return False
-    return True
+            return f"{n}'s values"
+    ma, mb = dict(a.named_modules()), dict(b.named_modules())
+    if ma.keys() != mb.keys():
+        return "submodules"
+    for name, sa in ma.items():
+        sb = mb[name]
+        if type(sa) is not type(sb):
+            return f"{name or 'the block'}'s class"
+        va, vb = _plain(sa), _plain(sb)
+        for k in va.keys() | vb.keys():
+            x, y = va.get(k), vb.get(k)
+            if x != y and not (type(x) is int and type(y) is int and y - x == j - i):
+                return f"{name + '.' if name else ''}{k} ({x!r} / {y!r})"
+    return ""
+
+
+def _plain(m: nn.Module) -> dict:
+    return {k: v for k, v in vars(m).items()
+            if not k.startswith("_") and k != "training" and isinstance(v, (bool, int, float, str, type(None)))}
 
 
 @contextlib.contextmanager
-def truncated(model: nn.Module, path: str, blocks: nn.ModuleList):
-    """``model`` with its block list ``path`` cut to the first KEEP blocks (the same modules)."""
+def truncated(model: nn.Module, path: str, blocks: nn.Module, keep: int = KEEP):
+    """``model`` with its block list ``path`` cut to its first ``keep`` blocks (the same modules,
+    in a shallow copy of the list: its class and attributes kept)."""
+    kept = dict(list(blocks._modules.items())[:keep])
+    if not path:  # the model is the list
+        whole, model._modules = model._modules, kept
+        try:
+            yield
+        finally:
+            model._modules = whole
+        return
     parent = model.get_submodule(path.rpartition(".")[0]) if "." in path else model
     attr = path.rpartition(".")[2]
-    setattr(parent, attr, nn.ModuleList(list(blocks)[:KEEP]))
+    short = copy.copy(blocks)
+    short._modules = kept
+    setattr(parent, attr, short)
     try:
         yield
     finally:

@@ -43,7 +43,7 @@ def test_extrapolated_plan_equals_every_block_compiled(monkeypatch):
             "--batch", "4", "--seq", "32"]
     monkeypatch.setenv("AUTOPAR_PLAN_FORK", "always")
     fast, full = _plan_json(*argv), _plan_json(*argv, "--full-depth")
-    assert fast["extrapolated"] == {"depths": [3, 4, 5], "layers": 8, "field": "n_layers", "forked": [3, 4]}
+    assert fast["extrapolated"] == {"depths": [3, 4, 5], "layers": 8, "blocks": "layers", "forked": [3, 4]}
     assert "extrapolated" not in full
     for key in ("parameters", "comm_bytes", "comm_calls", "flops"):
         assert fast[key] == full[key], key

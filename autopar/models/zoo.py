@@ -174,9 +174,17 @@ def _load_factory(spec: str) -> Loaded:
         if mod_name.endswith(".py") or os.sep in mod_name:
             if not os.path.exists(mod_name):
                 raise PlanError(f"no such file {mod_name!r}", where=where)
-            module_spec = importlib.util.spec_from_file_location(os.path.basename(mod_name)[:-3], mod_name)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
+            path = os.path.abspath(mod_name)
+            name = os.path.basename(mod_name)[:-3]
+            module = sys.modules.get(name)
+            if getattr(module, "__file__", None) != path:
+                if module is not None:  # another module by that name: this file's under its own
+                    name = f"autopar_factory_{abs(hash(path)):x}_{name}"
+                module_spec = importlib.util.spec_from_file_location(name, path)
+                module = importlib.util.module_from_spec(module_spec)
+                # registered as imported modules are: dynamo and pickle look a function's module up by name
+                sys.modules[name] = module
+                module_spec.loader.exec_module(module)
         else:
             if os.getcwd() not in sys.path and "" not in sys.path:
                 sys.path.insert(0, os.getcwd())

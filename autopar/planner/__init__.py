@@ -6,8 +6,9 @@ block, not from a compile of the whole model per candidate:
 1. **Block coefficients, compiled.** For every choice of the block's own axes (tp size and
    strategy: megatron or sequence; cp size and strategy: ulysses or context; ep size) and
    recompute choice (none / selective / full), the
-   model is built at depth 1 and depth 2 (its own config with ``n_layers`` /
-   ``num_hidden_layers`` overridden) and compiled on a fake ep x cp x tp mesh; the cost model runs on
+   model is compiled at depth 1 and depth 2 (its repeated block list cut to that many blocks in a
+   copy on the meta device, ``autopar.depth``: any model with such a list, no config read) on a
+   fake ep x cp x tp mesh; the cost model runs on
    each per-rank program. The difference of the two is one block (its parameters, its saved
    activations by category at the program's peak, its forward and backward time with its own
    tensor-parallel collectives as the simulator overlaps them); depth 1 minus one block is the
@@ -47,12 +48,12 @@ on the last pipeline stage and its parameters split between first (embeddings) a
 from __future__ import annotations
 
 from autopar.planner.blocks import (DP_STRATEGIES, RECOMPUTE, SCHEDULES, TP_STRATEGIES, Coefficients, Figures,
-                                     ModelInfo, block_coefficients, figures_of, model_info)
+                                     ModelInfo, block_coefficients, figures_of, info_of, model_info)
 from autopar.planner.compose import AXES, CP_STRATEGIES, Candidate, candidates, cost, model_flops_per_step
 from autopar.planner.report import command_line, report, result_json
 from autopar.planner.search import SearchResult, compiled, confirm, same_programs, search, verify
 
 __all__ = ["AXES", "CP_STRATEGIES", "DP_STRATEGIES", "RECOMPUTE", "SCHEDULES", "TP_STRATEGIES", "Candidate", "Coefficients", "Figures",
            "ModelInfo", "SearchResult", "block_coefficients", "candidates", "command_line", "compiled", "confirm",
-           "cost", "figures_of", "model_flops_per_step", "model_info", "report", "result_json", "same_programs", "search",
+           "cost", "figures_of", "info_of", "model_flops_per_step", "model_info", "report", "result_json", "same_programs", "search",
            "verify"]

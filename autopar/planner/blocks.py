@@ -180,12 +180,12 @@ class Coefficients:
 @dataclass
 class ModelInfo:
     spec: str
-    depth_field: str
+    depth_field: str  # the block list's path (the model's depth is its length)
     layers: int
-    heads: int
+    heads: int  # 0: unknown (tensor parallelism's divisibility then left to the compile)
     kv_heads: int
     hidden: int
-    vocab: int
+    vocab: int  # 0: unknown
     batch: int
     seq: int
     embed_share: float  # of the non-block parameters: the part on the first pipeline stage
@@ -193,46 +193,78 @@ class ModelInfo:
     overrides: dict = field(default_factory=dict)
     experts: int = 0  # experts per MoE layer (0: a dense model)
     no_ep: str = ""  # why expert parallelism cannot apply ("" where it can)
+    # the model itself, whose block list is cut to the depths the search compiles (autopar/depth.py)
+    source: object = field(default=None, repr=False, compare=False)
+
+    def at(self, depth: int, batch: int):
+        """The model with ``depth`` blocks and a global batch of ``batch`` (a ``zoo.Loaded``, on meta)."""
+        return self.source.at(depth, batch)
 
 
 def model_info(spec: str, batch: int | None, seq: int | None, overrides: dict | None) -> ModelInfo:
+    """``info_of`` a model by name: a built-in (``batch``, ``seq``, ``overrides`` change it) or
+    ``package.module:factory`` (``batch`` changes its inputs' first dimension)."""
     from autopar.models import zoo
 
-    if ":" in spec or spec not in zoo.BUILTINS:
-        raise PlanError(f"plan='auto' needs a built-in model, got {spec!r}", where="MODEL argument",
-                        fix="use a built-in name (autopar plan --list-models): the search rebuilds the model at "
-                            "depths 1-3 from its config; give a fixed --plan for a package.module:factory model")
-    family, fields, b, s, _ = zoo.BUILTINS[spec]
-    fields = {**fields, **(overrides or {})}
     loaded = zoo.load(spec, batch=batch, seq=seq, overrides=overrides)
-    if family == "llama":
-        from autopar.models.llama import LlamaConfig
+    return info_of(loaded.model, loaded.example_inputs, loaded.loss_fn, spec=spec, batch=batch, overrides=overrides)
 
-        cfg = LlamaConfig(**{k: v for k, v in fields.items()})
-        depth, layers, heads, kv, hidden, vocab = "n_layers", cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.dim, \
-            cfg.vocab_size
-        experts = cfg.n_experts or 0
-        no_ep = ("its MoE dispatches by capacity (GShard einsums need every expert); expert parallelism needs "
-                 "--set moe_dispatch=dropless") if experts and cfg.moe_dispatch != "dropless" else ""
-    else:
-        cfg = loaded.model.config
-        depth, layers, heads, hidden, vocab = ("num_hidden_layers", cfg.num_hidden_layers, cfg.num_attention_heads,
-                                               cfg.hidden_size, cfg.vocab_size)
-        kv = getattr(cfg, "num_key_value_heads", None) or heads
-        experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or 0
-        no_ep = ""
-    embed = other = 0
-    for name, p in loaded.model.named_parameters():
-        if ".layers." in f".{name}":
-            continue
-        if is_embedding(name):
-            embed += p.numel()
-        else:
-            other += p.numel()
-    tokens = loaded.example_inputs[0]
-    return ModelInfo(spec, depth, layers, heads, kv, hidden, vocab, tokens.shape[0], tokens.shape[1],
-                     embed / max(1, embed + other), sum(p.numel() for p in loaded.model.parameters()),
-                     dict(overrides or {}), experts, no_ep if experts else "the model has no experts")
+
+# where a model says its shapes (its config's fields, or its blocks' attributes): the screen's
+# divisibility checks and throughput; unknown ones are left to the compiles
+_HEADS = ("num_attention_heads", "n_heads", "n_head", "num_heads", "nhead")
+_KV_HEADS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_kv_head")
+_HIDDEN = ("hidden_size", "dim", "n_embd", "d_model", "embed_dim")
+_VOCAB = ("vocab_size", "n_vocab", "padded_vocab_size")
+_EXPERTS = ("num_local_experts", "n_experts", "num_experts")
+
+
+def info_of(model, example_inputs, loss_fn=None, *, spec: str, batch: int | None = None,
+            overrides: dict | None = None) -> ModelInfo:
+    """What the search needs of ``model`` (any ``nn.Module`` with a repeated block list,
+    ``splice.find_blocks``; its example inputs' first dimension is the batch, the second the
+    sequence): its depth, shapes and parameters; the search compiles it at other depths by
+    cutting that list (autopar/depth.py). A ``PlanError`` saying what to do where it has no such list."""
+    import torch
+
+    from autopar.depth import meta_inputs, repeated
+
+    if batch is not None:
+        example_inputs = meta_inputs(example_inputs, batch)
+    rep = repeated(model, example_inputs, loss_fn, min_blocks=2, name=spec)
+    if isinstance(rep, str):
+        raise PlanError(f"plan='auto' cannot search {spec}: {rep}", where="plan='auto'",
+                        fix="give a fixed plan (autopar plan MODEL --mesh dp=8,tp=8 --plan dp=fsdp,tp=megatron, or "
+                            "autopar.compile(plan={...})): it compiles the whole model; the search needs the model's "
+                            "repeated blocks in one nn.ModuleList or nn.Sequential")
+    cfg = getattr(model, "config", None) or getattr(model, "cfg", None)
+    holders = [h for h in (cfg, *rep.blocks[0].modules()) if h is not None]
+
+    def first(names) -> int:
+        for h in holders:
+            for n in names:
+                v = getattr(h, n, None)
+                if type(v) is int and v > 0:
+                    return v
+        return 0
+
+    outside = [(n, p) for n, p in model.named_parameters() if not (n.startswith(rep.path + ".") or not rep.path)]
+    tables = [m for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)
+              and not (n.startswith(rep.path + ".") or not rep.path)]
+    heads = first(_HEADS)
+    experts = first(_EXPERTS)
+    dispatch = getattr(cfg, "moe_dispatch", None)
+    no_ep = ("its MoE dispatches by capacity (GShard einsums need every expert); expert parallelism needs "
+             "--set moe_dispatch=dropless") if experts and dispatch not in (None, "dropless") else ""
+    embed = sum(p.numel() for n, p in outside if is_embedding(n))
+    other = sum(p.numel() for n, p in outside if not is_embedding(n))
+    tokens = rep.example_inputs[0]
+    return ModelInfo(spec, rep.path, rep.layers, heads, first(_KV_HEADS) or heads,
+                     first(_HIDDEN) or max((m.embedding_dim for m in tables), default=0),
+                     first(_VOCAB) or max((m.num_embeddings for m in tables), default=0),
+                     tokens.shape[0], tokens.shape[1] if tokens.ndim > 1 else 1, embed / max(1, embed + other),
+                     sum(p.numel() for p in model.parameters()), dict(overrides or {}), experts,
+                     no_ep if experts else "the model has no experts", rep)
 
 
 def block_coefficients(info: ModelInfo, tp: int, tp_strategy: str | None, recompute: str, mbs: int, *,
@@ -245,7 +277,6 @@ def block_coefficients(info: ModelInfo, tp: int, tp_strategy: str | None, recomp
     per-step matter (a pipeline or accumulation reduces the gradients after the micro-batches), and
     would otherwise be counted as one micro-batch's activations."""
     import autopar
-    from autopar.models import zoo
     from autopar.mesh import fake_mesh
 
     t0 = time.perf_counter()
@@ -257,8 +288,7 @@ def block_coefficients(info: ModelInfo, tp: int, tp_strategy: str | None, recomp
         plan["ep"] = "expert"
     figs = []
     for depth in (1, 2, 3) if check else (1, 2):
-        loaded = zoo.load(info.spec, batch=mbs * ep, seq=info.seq,
-                          overrides={**info.overrides, info.depth_field: depth})
+        loaded = info.at(depth, mbs * ep)
         with fake_mesh(axes, 0) as mesh, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             pm = autopar.compile(loaded.model, mesh, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,

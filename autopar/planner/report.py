@@ -35,11 +35,21 @@ def _cli_plan(c: Candidate, split: bool = True) -> str:
 
 
 def command_line(c: Candidate, info: ModelInfo, precision: str, inductor: bool = False) -> str:
-    """The fixed-plan command that compiles the chosen candidate (``autopar plan`` / ``explain``)."""
+    """The fixed-plan command that compiles the chosen candidate (``autopar plan`` / ``explain``);
+    for a model given as a Python object (``autopar.plan``), the ``autopar.compile`` call."""
+    from autopar.models import zoo
+
+    accumulate = c.microbatches if c.pp == 1 and c.microbatches > 1 else 1
+    if info.spec not in zoo.BUILTINS and ":" not in info.spec:
+        mesh = ", ".join(f"{k}={v}" for k, v in c.mesh().items())
+        return (f"autopar.compile(model, autopar.mesh({mesh}), plan={c.plan()!r}, precision={precision!r}, "
+                f"recompute={c.recompute!r}" + (f", accumulate={accumulate}" if accumulate > 1 else "")
+                + (", inductor=True" if inductor else "") + ")")
     mesh = ",".join(f"{k}={v}" for k, v in c.mesh().items())
     return (f"autopar plan {info.spec} --mesh {mesh} --plan {_cli_plan(c)} --precision {precision} "
-            f"--recompute {c.recompute} --batch {c.mbs * c.data * c.microbatches} --seq {info.seq}"
-            + (f" --accumulate {c.microbatches}" if c.pp == 1 and c.microbatches > 1 else "")
+            f"--recompute {c.recompute}"
+            + (f" --batch {c.mbs * c.data * c.microbatches} --seq {info.seq}" if info.spec in zoo.BUILTINS else "")
+            + (f" --accumulate {accumulate}" if accumulate > 1 else "")
             + (" --inductor" if inductor else ""))
 
 
@@ -76,9 +86,10 @@ def report(res: SearchResult, top: int = 8) -> str:
                  f"global batch {info.batch} x seq {info.seq}) on {world or '?'} ranks, device {res.device}, budget "
                  + (f"{_in_unit(res.budget, unit)} {uname} per rank" if res.budget else "none")
                  + ("; per-rank programs costed as compile(inductor=True) runs them" if res.inductor else ""))
+    checked = "checked identical at depths 1-3" if res.linear_check == ["identical"] else "; ".join(res.linear_check)
     lines.append(f"searched {res.considered} candidates in {res.seconds:.1f} s ({res.compiles} compiles: "
-                 f"{res.coefficient_seconds:.1f} s for one block's figures per tp/recompute choice; blocks checked "
-                 f"identical at depths 1-3); confirmed (listed first) = compiled at 1 and 2 blocks per stage, "
+                 f"{res.coefficient_seconds:.1f} s for one block's figures per tp/recompute choice; the blocks of "
+                 f"{info.depth_field or 'the model'} {checked}); confirmed (listed first) = compiled at 1 and 2 blocks per stage, "
                  "extrapolated in depth (a pipeline: each stage to its blocks in the whole model's split); "
                  "screened = the analytic composition only")
     lines.append("")

@@ -35,13 +35,16 @@ class SearchResult:
     inductor: bool = False  # the programs costed as compile(inductor=True) runs them
 
 
-def search(spec: str, world: int, *, device: str = "h100", budget: int | str | None = None,
+def search(spec: str | ModelInfo, world: int, *, device: str = "h100", budget: int | str | None = None,
            batch: int | None = None, seq: int | None = None, overrides: dict | None = None,
            mesh: dict | None = None, precision: str = "bf16", optimizer: str = "adamw",
            mbs_choices=(1, 2), dp_strategies=DP_STRATEGIES, tp_strategies=TP_STRATEGIES,
            recompute=RECOMPUTE, schedules=SCHEDULES, cp_strategies=None, expert: bool | None = None,
            confirm_top: int = 2, inductor: bool = False, progress=None) -> SearchResult:
     """Rank every candidate plan for ``world`` ranks by predicted step time, under ``budget``.
+
+    ``spec``: a model by name (``model_info``: a built-in, ``package.module:factory``) or a
+    ``ModelInfo`` (``info_of``: any module with a repeated block list).
 
     ``cp_strategies``: context parallelism's strategies to search (None: ulysses and context from
     ``CP_FROM_SEQ`` tokens on, none below: at shorter sequences attention's activations rarely
@@ -57,7 +60,8 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
         raise PlanError(f"world size must be >= 1, got {world}", where="--world")
     dev = C.get_device(device)
     limit = parse_budget(budget) if budget is not None else None
-    info = model_info(spec, batch, seq, overrides)
+    info = spec if isinstance(spec, ModelInfo) else model_info(spec, batch, seq, overrides)
+    spec = info.spec
     fixed = mesh or {}
     cp_default = cp_strategies is None
     if cp_default:
@@ -113,8 +117,10 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
         if not coeffs and co.linear:
             raise PlanError(f"{spec}: its blocks are not identical (depth 3 - depth 2 differs from depth 2 - depth 1: "
                             + "; ".join(co.linear) + ")", where="plan='auto'",
-                            fix="give a fixed plan (the search extrapolates one block to the model's depth)")
-        linear = linear or ["identical"]
+                            fix="give a fixed plan (the search extrapolates one block to the model's depth; a fixed "
+                                "plan compiles every block)")
+        linear = linear or (["identical"] if info.layers >= 3 else
+                            [f"not checked (the model has {info.layers} blocks, the check compiles 3)"])
         coeffs[key] = co
 
     # the first block choice that compiles is also checked at depth 3 (identical blocks); the rest
@@ -122,7 +128,7 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
     rest = list(enumerate(keys))
     while rest and not coeffs:
         i, key = rest.pop(0)
-        take(key, figures_of(i, key, True, progress))
+        take(key, figures_of(i, key, info.layers >= 3, progress))
     mine, theirs = (rest[0::2], rest[1::2]) if len(rest) > 1 and can_fork() else (rest, [])
 
     def figures(which, report):
@@ -148,7 +154,7 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
         else:
             fits.append(c)
     fits.sort(key=lambda c: (c.step_s, c.peak))
-    n_compiles = sum(3 if i == 0 else 2 for i in range(len(coeffs)))
+    n_compiles = sum(3 if i == 0 and info.layers >= 3 else 2 for i in range(len(coeffs)))
     # confirm the best screened candidates by compiling them (two depths each) and re-rank those:
     # the top ``confirm_top``, and the best of each data-parallel strategy (the screen's error is
     # largest between strategies: their extra ops and collective latencies are not in one block)
@@ -189,7 +195,7 @@ def search(spec: str, world: int, *, device: str = "h100", budget: int | str | N
                 c.rejected = f"compile failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
                 over.append(c)
                 continue
-            n_compiles += 3 if got.get("whole") else 2
+            n_compiles += len(got["depths"]) + bool(got.get("whole"))
         c.screened, c.confirmed = (c.step_s, c.peak), got
         c.step_s, c.peak, c.bubble = got["step_s"], got["peak"], got["bubble"] or c.bubble
         if got.get("split"):
@@ -229,10 +235,7 @@ def _size(n: float) -> str:
 
 
 def _load(c: Candidate, info: ModelInfo, depth: int):
-    from autopar.models import zoo
-
-    return zoo.load(info.spec, batch=c.mbs * c.microbatches * c.data, seq=info.seq,
-                    overrides={**info.overrides, info.depth_field: depth})
+    return info.at(depth, c.mbs * c.microbatches * c.data)
 
 
 def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, optimizer: str = "adamw",
@@ -280,7 +283,7 @@ def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, 
     # (collectives() lists the joint program once per micro-batch and the gradient sync program)
     return {"step_s": est.step_s, "peak": int(mem["step_peak"]), "bytes": by_axis,
             "bubble": est.bubble, "compile_s": time.perf_counter() - t0, "programs": programs,
-            "grouped": grouped, "stages": stages}
+            "grouped": grouped, "stages": stages, "split": plan["pp"].get("split") if c.pp > 1 else None}
 
 
 def _blocks_per_stage(specs) -> list[int]:
@@ -340,13 +343,19 @@ def confirm(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: st
     # compiled here again
     # the whole model's grouping, once per what it depends on (the capture and the split pass
     # precede every per-axis strategy: candidates that differ in those share it)
-    key = (info.spec, info.layers, info.seq, repr(sorted(info.overrides.items())), c.pp, c.virtual, c.mbs * c.data,
+    key = (info.spec, id(info.source), info.layers, info.seq, repr(sorted(info.overrides.items())), c.pp, c.virtual,
+           c.mbs * c.data,
            c.cp, c.cp_strategy, c.ep, c.tp, c.tp_strategy, c.recompute, precision, dev.name)
     known = _SPLITS.get(key)
 
     def theirs():
         return at(unit), (whole_split(c, info, dev, precision=precision) if c.pp > 1 and known is None else None)
 
+    if 2 * unit > info.layers:  # one block per (virtual) stage is the whole model: compiled as it is
+        got = at(info.layers)
+        return {"compile_s": got["compile_s"], "depths": (info.layers,), "step_s": got["step_s"], "peak": got["peak"],
+                "bubble": got["bubble"], "bytes": {ax: int(v) for ax, v in got["bytes"].items()},
+                **({"grouped": got["grouped"], "split": got["split"]} if c.pp > 1 else {})}
     (a, split), b = side_by_side(theirs, lambda: at(2 * unit))
     out = {"compile_s": a["compile_s"] + b["compile_s"], "depths": (unit, 2 * unit)}
     if c.pp == 1:  # SPMD: each figure along its line, the peak point by point

@@ -237,8 +237,9 @@ def dump_after(args, rank: int, progress: Progress) -> str:
         return state_text(state)
 
 
-def analyse(args, rank: int, progress: Progress) -> Analysis:
-    """Build the model, compile it for ``rank`` of a fake process group, run the cost model."""
+def analyse(args, rank: int, progress: Progress, loaded=None) -> Analysis:
+    """Build the model (or take ``loaded``, a ``zoo.Loaded``), compile it for ``rank`` of a fake
+    process group, run the cost model."""
     import autopar
     from autopar.analysis import cost
     from autopar.models import zoo
@@ -249,9 +250,10 @@ def analyse(args, rank: int, progress: Progress) -> Analysis:
         cost.load_devices(args.devices)
     dev = cost.get_device(args.device)
     t0 = time.perf_counter()
-    progress(f"rank {rank}: building {args.model}")
-    loaded = zoo.load(args.model, meta=not args.real, batch=args.batch, seq=args.seq,
-                      overrides=zoo.parse_overrides(args.set))
+    if loaded is None:
+        progress(f"rank {rank}: building {args.model}")
+        loaded = zoo.load(args.model, meta=not args.real, batch=args.batch, seq=args.seq,
+                          overrides=zoo.parse_overrides(args.set))
     n_params = sum(p.numel() for p in loaded.model.parameters())
     notes = []
     with fake_mesh(axes, rank) as mesh:
@@ -326,8 +328,9 @@ def _run(command: str, argv) -> int:
                        help="cost the per-rank programs as compile(inductor=True) runs them (elementwise chains "
                             "fused into one kernel each; default: op by op, as eager)")
         p.add_argument("--full-depth", action="store_true",
-                       help="compile every block of a built-in model (default: compile it at depths 3-5, check "
-                            "that each block adds the same figures and extrapolate to its depth)")
+                       help="compile every block (default, for a model with a repeated block list of more than 5 "
+                            "blocks: compile it with the list cut to 3, 4 and 5 blocks, check that each block adds "
+                            "the same figures and extrapolate to its depth)")
     try:
         args = p.parse_args(argv)
     except SystemExit as e:
@@ -392,7 +395,8 @@ def _run(command: str, argv) -> int:
     elif command == "dump":
         text = {"text": dump_text, "json": dump_json, "dot": dump_dot, "svg": dump_svg}[args.format](results[0])
     elif command == "plan":
-        text = (json.dumps([summary(a) for a in results], indent=1, default=str) + "\n") if args.json \
+        text = (json.dumps([{**summary(a), "notes": a.notes} for a in results], indent=1, default=str) + "\n") \
+            if args.json \
             else plan_table(results)
     else:
         text = "\n".join(explain_text(a) for a in results)

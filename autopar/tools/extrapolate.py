@@ -1,4 +1,4 @@
-"""``autopar plan`` of a deep built-in model for the price of three shallow ones.
+"""``autopar plan`` of a deep model for the price of three shallow ones.
 
 A decoder's figures (bytes and calls per collective, FLOPs, parameters, predicted time) grow by
 the same amount with each identical block. So instead of compiling all L blocks, the plan is
@@ -28,17 +28,23 @@ child per depth, three processes shared the cores and each paid the first compil
 costs (dynamo, DTensor's strategy choices, the model code); the child's second compile finds
 them warm. If the child fails, its depths are compiled here instead.
 
-Where it applies: built-in models (their config names the depth: ``n_layers`` /
-``num_hidden_layers``) deeper than 5 blocks, under plans without a pipeline axis (a pipeline's
-stage boundaries move with the depth) and without parameters left to ``plan['rest']`` (their list
-grows with the depth). ``autopar plan --full-depth`` compiles every block regardless;
-``tests/test_extrapolate.py`` checks the extrapolated table against the full compile.
+Where it applies: any model with a repeated block list (``splice.find_blocks``: Hugging Face's
+``model.layers``, GPT-2's ``transformer.h``, a factory's own ``nn.ModuleList``) of more than 5
+blocks, the built-in models included: the shallow depths are that list cut in a copy of the
+model on the meta device (autopar/depth.py), not the model rebuilt from a config. Not under plans
+with a pipeline axis (a pipeline's stage boundaries move with the depth; its capture is spliced
+instead, autopar/splice.py). The per-parameter lists the table's notes give (parameters left to
+``plan['rest']``, or stored whole) are each block's names repeated for every block, where every
+block's are the same. A model without such a list, or whose blocks fail the check, is compiled
+whole, with the reason as one note. ``autopar plan --full-depth`` compiles every block regardless;
+``tests/test_extrapolate.py`` and ``tests/test_depth.py`` check the extrapolated table against the
+full compile.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
+import time
 
 from autopar.forked import Forked, can_fork, shared_heap
 from autopar.tools.render import Analysis, summary
@@ -46,21 +52,6 @@ from autopar.tools.render import Analysis, summary
 DEPTHS = (3, 4, 5)
 # relative tolerance on (L - 5) * (increment 5 - increment 4), against the extrapolated figure
 _EXACT, _TIME = 0.0, 1e-2
-
-
-def depth_field(spec: str, overrides: dict) -> tuple[str, int] | None:
-    """The config field that sets a built-in model's depth, and its depth; None for factories."""
-    from autopar.models import zoo
-
-    if ":" in spec or spec not in zoo.BUILTINS:
-        return None
-    family, fields, *_ = zoo.BUILTINS[spec]
-    fields = {**fields, **overrides}
-    if family == "llama":
-        from autopar.models.llama import LlamaConfig
-
-        return "n_layers", int(fields.get("n_layers", LlamaConfig.n_layers))
-    return ("num_hidden_layers", int(fields["num_hidden_layers"])) if "num_hidden_layers" in fields else None
 
 
 def _tolerance(path: tuple[str, ...]) -> float:
@@ -135,34 +126,58 @@ def _memory(figs: list[dict], out: dict, layers: int) -> str:
 
 def _figures(r: Analysis) -> dict | None:
     """What the extrapolation reads of one depth's analysis (plain data: a forked child sends it
-    back); None when the plan does not qualify (stage boundaries or per-parameter lists that move
-    with the depth)."""
+    back); None for a pipeline (its stage boundaries move with the depth)."""
     from autopar.analysis.liveness import program_memory
 
     placed = r.pm.ctx.placed
-    if r.pm.pipelined or any(placed.unplaced.values()) or any(placed.unsharded.values()):
+    if r.pm.pipelined:
         return None
     mems = {what: program_memory(p.local, p.inputs, p.outputs)
             for what, p in (("joint", r.pm.program), ("sync", r.pm.sync_program)) if p is not None}
-    return {"summary": summary(r), "mems": mems, "seconds": dict(r.seconds)}
+    # the per-parameter lists the table's notes name (plan['rest']'s, those stored whole)
+    lists = {kind: {axis: list(names) for axis, names in getattr(placed, kind).items() if names}
+             for kind in ("unplaced", "unsharded")}
+    return {"summary": summary(r), "mems": mems, "seconds": dict(r.seconds), "lists": lists}
 
 
-def analyse_by_depth(args, plan: dict, rank: int, progress, analyse) -> Analysis | None:
-    """``analyse(args, rank)`` at depths 3-5 (``plan``: the parsed ``--plan``) and the summary
-    extrapolated to the model's depth; None when the model or plan does not qualify or the blocks are not identical (the caller then
-    compiles every block; the reason is in ``args.depth_note``)."""
-    from autopar.models import zoo
+def _all_blocks(lists: dict, path: str, depth: int, layers: int) -> dict | None:
+    """Per-parameter lists of the model at ``depth`` blocks as the model at ``layers`` has them:
+    every block's names as each block has them; None where its blocks' names differ."""
+    out: dict = {}
+    for kind, by_axis in lists.items():
+        out[kind] = {}
+        for axis, names in by_axis.items():
+            before, after, blocks = [], [], [[] for _ in range(depth)]
+            for n in names:
+                head, _, tail = n[len(path) + 1:].partition(".") if n.startswith(path + ".") else ("", "", "")
+                if head.isdigit() and int(head) < depth:
+                    blocks[int(head)].append(tail)
+                else:
+                    (after if any(blocks) else before).append(n)
+            if any(b != blocks[0] for b in blocks):
+                return None
+            out[kind][axis] = before + [f"{path}.{i}.{t}" for i in range(layers) for t in blocks[0]] + after
+    return out
+
+
+def analyse_by_depth(args, plan: dict, rank: int, progress, analyse, loaded) -> Analysis | None:
+    """``analyse(args, rank, report, loaded=)`` of ``loaded`` (``zoo.Loaded``: the model, whole) with
+    its block list cut to depths 3-5 (``plan``: the parsed ``--plan``) and the summary extrapolated
+    to the model's depth; None when the model or plan does not qualify or the blocks are not
+    identical (the caller then compiles every block; the reason is in ``args.depth_note``)."""
+    from autopar.depth import repeated
     from autopar.pipeline_plan import is_pipeline_strategy
 
-    found = depth_field(args.model, zoo.parse_overrides(args.set))
-    if found is None or found[1] <= DEPTHS[-1] or any(is_pipeline_strategy(v) for v in plan.values()):
+    if any(is_pipeline_strategy(v) for v in plan.values()):
         return None
-    name, layers = found
+    rep = repeated(loaded.model, loaded.example_inputs, loaded.loss_fn, min_blocks=DEPTHS[-1] + 1, name=loaded.name)
+    if isinstance(rep, str):
+        args.depth_note = f"compiled every block, not extrapolated in depth: {rep}"
+        return None
+    layers = rep.layers
 
     def at(d: int, report) -> Analysis:
-        sub = copy.copy(args)
-        sub.set = list(args.set) + [f"{name}={d}"]
-        return analyse(sub, rank, lambda s: report(f"{s} (depth {d} of {layers})"))
+        return analyse(args, rank, lambda s: report(f"{s} (depth {d} of {layers})"), loaded=rep.at(d))
 
     # the shallower depths one after the other in one forked child (started first; the second
     # compile finds dynamo, DTensor's strategies and the model code warm), the deepest here: two
@@ -196,6 +211,11 @@ def analyse_by_depth(args, plan: dict, rank: int, progress, analyse) -> Analysis
     figs.append(deepest)
     if any(f is None for f in figs):
         return None
+    lists = [_all_blocks(f["lists"], rep.path, d, layers) for f, d in zip(figs, DEPTHS)]
+    if lists[0] is None or any(x != lists[0] for x in lists):
+        args.depth_note = ("compiled every block, not extrapolated in depth: the parameters left to plan['rest'] or "
+                           "stored whole differ from block to block")
+        return None
     sums = [f["summary"] for f in figs]
     for s in sums:
         s.pop("seconds")
@@ -210,9 +230,12 @@ def analyse_by_depth(args, plan: dict, rank: int, progress, analyse) -> Analysis
         args.depth_note = (f"blocks not identical at depths {DEPTHS} ({'; '.join(bad[:3])}"
                            + (f" and {len(bad) - 3} more" if len(bad) > 3 else "") + "): compiled every block")
         return None
+    placed = last.pm.ctx.placed  # (the table's notes name the whole model's parameters)
+    for kind, by_axis in lists[0].items():
+        getattr(placed, kind).update(by_axis)
     seconds = {k: sum(f["seconds"].get(k, 0.0) for f in figs) for k in ("build", "compile", "cost_model", "total")}
     out["seconds"] = seconds
-    out["extrapolated"] = {"depths": list(DEPTHS), "layers": layers, "field": name,
+    out["extrapolated"] = {"depths": list(DEPTHS), "layers": layers, "blocks": rep.path,
                            "forked": shallow if child is not None else []}
     return Analysis(last.model, last.axes, last.plan, rank, last.coord, last.options, last.pm, last.memory,
                     last.time, last.device, last.links, seconds, last.notes, int(out["parameters"]),
@@ -221,22 +244,29 @@ def analyse_by_depth(args, plan: dict, rank: int, progress, analyse) -> Analysis
 
 def plan_analysis(args, plan: dict, rank: int, progress, analyse) -> Analysis:
     """What ``autopar plan`` reports for ``rank``: extrapolated in depth where that applies, else
-    every block compiled (with the reason when the blocks turned out not identical)."""
+    every block compiled (with the reason as a note)."""
     from autopar import splice
     from autopar.models import zoo
 
     args.depth_note = None
-    a = analyse_by_depth(args, plan, rank, progress, analyse)
+    t0 = time.perf_counter()
+    progress(f"rank {rank}: building {args.model}")
+    loaded = zoo.load(args.model, meta=not args.real, batch=args.batch, seq=args.seq,
+                      overrides=zoo.parse_overrides(args.set))
+    built = time.perf_counter() - t0
+    a = analyse_by_depth(args, plan, rank, progress, analyse, loaded)
     if a is None:
-        # a built-in model's blocks are alike by construction: where every block is compiled (a
-        # pipeline), its capture is spliced from three of them (autopar/splice.py), checked first
-        splicing = depth_field(args.model, zoo.parse_overrides(args.set)) is not None and not args.depth_note
+        # where every block is compiled (a pipeline) a model's capture is spliced from three of its
+        # blocks (autopar/splice.py, which checks them), unless its blocks failed the depth check
+        splicing = not (args.depth_note and "not identical" in args.depth_note)
         before = dict(splice.STATS)
         with splice.spliced() if splicing else contextlib.nullcontext():
-            a = analyse(args, rank, progress)
+            a = analyse(args, rank, progress, loaded=loaded)
         if args.depth_note:
             a.notes.append(args.depth_note)
         if splice.STATS.get("spliced", 0) > before.get("spliced", 0):
             a.notes.append("the model's capture was spliced from its first three blocks, the third repeated (blocks "
                            "checked alike; --full-depth traces every block)")
+    a.seconds["build"] = a.seconds.get("build", 0.0) + built
+    a.seconds["total"] = a.seconds.get("total", 0.0) + built
     return a

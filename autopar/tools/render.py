@@ -472,8 +472,8 @@ def plan_table(results: list[Analysis]) -> str:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)))
     lines += ["", f"analysis time (rank {a0.rank}): " + ", ".join(
         f"{k} {v:.1f}s" for k, v in a0.seconds.items() if k in ("build", "compile", "cost_model", "total"))
-        + (f"; figures extrapolated from the model compiled at {ex['field']} = "
-           f"{', '.join(map(str, ex['depths']))} to {ex['layers']} (every block's increment checked equal; "
+        + (f"; figures extrapolated from the model compiled with {ex['blocks']} cut to "
+           f"{', '.join(map(str, ex['depths']))} blocks to its {ex['layers']} (every block's increment checked equal; "
            "--full-depth compiles every block"
            + (f"; depth(s) {', '.join(map(str, ex['forked']))} compiled in a forked process beside this one, "
               "the times above their sum" if ex.get("forked") else "") + ")"

@@ -1,0 +1,135 @@
+"""Planning a model nobody here wrote (autopar/depth.py, ``splice.find_blocks``): its repeated block
+list found in the module itself and cut in a copy on the meta device, for Hugging Face Llama,
+Qwen2, Mistral, GPT-2 and Mixtral built from their configs (tiny, and Llama-3-70B's full-size
+shapes at 6 blocks), torch's own ``nn.TransformerEncoder``, and a model whose blocks are not all
+alike. ``autopar plan``'s fixed plan extrapolated from depths 3-5 equals the whole compile figure for
+figure; the model without one repeated block list is compiled whole, saying why; the search
+refuses it, saying what to do instead."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+
+import pytest
+
+from autopar import splice
+from autopar.depth import repeated
+from autopar.tools.explain import plan_main
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _spec(name: str) -> str:
+    return f"{os.path.join(HERE, 'foreign_models.py')}:{name}"
+
+
+def _factory(name: str):
+    from autopar.models import zoo
+
+    return zoo.load(_spec(name))
+
+
+def _plan(*argv: str) -> tuple[dict, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert plan_main(["-q", "--json", *argv]) == 0
+    return json.loads(out.getvalue())[0]
+
+
+@pytest.mark.parametrize("name,path,heads,kv,hidden,vocab", [
+    ("hf_llama", "model.layers", 4, 2, 64, 128),
+    ("hf_qwen2", "model.layers", 8, 4, 1024, 32000),
+    ("hf_mistral", "model.layers", 4, 2, 64, 128),
+    ("hf_gpt2", "transformer.h", 8, 4, 1024, 32000),
+    ("hf_mixtral", "model.layers", 4, 2, 64, 128),
+    ("hf_llama70b_shapes", "model.layers", 64, 8, 8192, 128256),
+    ("torch_encoder", "encoder.layers", 8, 8, 1024, 32000),
+])
+def test_the_block_list_is_found_and_cut_in_a_meta_copy(name, path, heads, kv, hidden, vocab):
+    from autopar.planner import info_of
+
+    loaded = _factory(name)
+    rep = repeated(loaded.model, loaded.example_inputs, loaded.loss_fn, min_blocks=6)
+    assert rep.path == path and rep.layers == 6
+    three = rep.at(3, batch=2)
+    assert len(three.model.get_submodule(path)) == 3 and len(loaded.model.get_submodule(path)) == 6
+    assert all(p.is_meta for p in three.model.parameters()) and three.example_inputs[0].shape[0] == 2
+    mine = {n for n, _ in loaded.model.named_parameters()}
+    assert {n for n, _ in three.model.named_parameters()} <= mine  # the same names, fewer blocks
+    assert not any(p is q for p in three.model.parameters() for q in loaded.model.parameters())
+    info = info_of(loaded.model, loaded.example_inputs, loaded.loss_fn, spec=name)
+    assert (info.depth_field, info.layers, info.heads, info.kv_heads, info.hidden, info.vocab) == (
+        path, 6, heads, kv, hidden, vocab)
+
+
+def test_blocks_that_differ_are_no_block_list():
+    """A list of one class whose blocks differ in a shape, or in a plain attribute other than a
+    layer index (Qwen2's per-layer sliding window), is not a repeated block list; a list inside a
+    block of another (experts in a decoder layer) is that block's."""
+    loaded = _factory("unalike")
+    why = splice.find_blocks(loaded.model, 6)
+    assert why == ("the blocks of its list blocks are not alike: block 4 (_Block) differs from block 0 (_Block) in "
+                   "up.weight's shape or dtype")
+    qwen = _factory("hf_qwen2").model
+    assert splice.block_list(qwen) is not None  # layer_idx differs block to block: an index, allowed
+    qwen.model.layers[4].self_attn.sliding_window = 8
+    assert "self_attn.sliding_window (None / 8)" in splice.find_blocks(qwen, 6)
+    from torch import nn
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.ModuleDict({"experts": nn.ModuleList(nn.Linear(2, 2) for _ in range(8))})
+                                        for _ in range(2))
+
+    assert "has 2 (fewer than 4)" in splice.find_blocks(Experts())
+
+
+# Every figure of the plan table (bytes and calls per collective, FLOPs, parameters, memory) equal
+# to the whole compile's, times within 1% (tests/test_extrapolate.py's check, on foreign models).
+# torch's encoder fails the check (its first block compiles to more ops at depth 3 than at 4 and 5:
+# a relayout autopar adds there) and is compiled whole, saying so: the same table.
+@pytest.mark.parametrize("name,mesh,plan,extra", [
+    ("hf_llama", "dp=2,tp=2", "dp=fsdp,tp=megatron", ()),
+    ("hf_qwen2", "dp=2,tp=2", "dp=zero2,tp=megatron", ()),  # its q/k/v biases stored whole on dp: listed per block
+    ("hf_mistral", "dp=2", "dp=fsdp", ()),
+    ("hf_gpt2", "dp=2", "dp=fsdp", ()),
+    ("hf_mixtral", "dp=2,tp=2", "dp=fsdp,tp=megatron", ()),
+    ("hf_llama70b_shapes", "dp=4,tp=8", "dp=fsdp,tp=megatron", ("--precision", "bf16")),
+    ("torch_encoder", "dp=2", "dp=fsdp", ()),
+])
+def test_a_fixed_plan_extrapolated_equals_the_whole_compile(monkeypatch, name, mesh, plan, extra):
+    from test_extrapolate import _close
+
+    monkeypatch.setenv("AUTOPAR_PLAN_FORK", "always")  # depths 3 and 4 beside, as on the command line
+    argv = [_spec(name), "--mesh", mesh, "--plan", plan, *extra]
+    fast, full = _plan(*argv), _plan(*argv, "--full-depth")
+    if name == "torch_encoder":
+        assert fast["notes"][0].startswith("blocks not identical at depths (3, 4, 5) (") and "extrapolated" not in fast
+    else:
+        assert fast["extrapolated"] == {"depths": [3, 4, 5], "layers": 6, "blocks": fast["extrapolated"]["blocks"],
+                                        "forked": [3, 4]}, fast["notes"]
+    assert "extrapolated" not in full
+    for key in ("parameters", "comm_bytes", "comm_calls", "flops"):
+        assert fast[key] == full[key], key
+    full["memory"].pop("peak_node")
+    fast["memory"].pop("peak_node", None)
+    assert fast["memory"] == full["memory"]
+    _close({k: v for k, v in fast["time"].items() if k != "stage_seconds"},
+           {k: v for k, v in full["time"].items() if k != "stage_seconds"}, 1e-2, "time")
+    assert [n for n in fast["notes"] if "stored whole" in n] == [n for n in full["notes"] if "stored whole" in n]
+
+
+def test_a_model_without_one_block_list_plans_whole_and_the_search_says_what_to_do(capsys):
+    from autopar.tools.explain import plan_main as main
+
+    assert main(["-q", _spec("unalike"), "--mesh", "dp=2", "--plan", "dp=fsdp"]) == 0
+    out = capsys.readouterr().out
+    assert ("note: compiled every block, not extrapolated in depth: the blocks of its list blocks are not alike: "
+            "block 4") in out
+    assert main(["-q", _spec("unalike"), "--plan", "auto", "--world", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot search" in err and "not alike" in err and "give a fixed plan" in err
