@@ -45,7 +45,7 @@ def compile(
     *,
     example_inputs: tuple | None = None,
     loss_fn: Callable | None = None,
-    plan: dict | None = None,
+    plan: dict | str | None = None,
     inputs: str = "global",
     precision: str = "fp32",
     reduce_dtype: str | None = None,
@@ -112,6 +112,13 @@ def compile(
     custom ops stay uncompiled. The compile seconds are ``pm.ctx.timings["inductor"]``, apart from
     the step's; ``pm.inductor`` says what was compiled.
 
+    ``plan="auto"``: autopar chooses the plan on ``mesh`` (its axes, named among pp, dp, ep, cp,
+    tp, and their sizes as given), the recompute policy (unless ``recompute`` names one) and
+    ``accumulate``, by predicted step time under ``memory_budget`` (default: the device's memory),
+    as ``autopar.plan`` ranks them (rank 0 searches, the others take its choice); it prints what it
+    chose and why in one line, which ``pm.report()`` repeats. The device row is the mesh's (a
+    CUDA device's name: h100 / h200 / a100; "cpu").
+
     As a decorator (``@autopar.compile(mesh=..., example_inputs=..., plan=...)``) on a model
     class or a model-building function, the class/function then returns ParallelModules.
     """
@@ -125,6 +132,9 @@ def compile(
     if model is None or (isinstance(model, type) or (callable(model) and not isinstance(model, nn.Module))):
         return _decorator(model, **opts)
     capture_eval = opts.pop("capture_eval")
+    chose = None
+    if plan == "auto" and mesh is not None and example_inputs is not None:
+        chose = _auto(model, opts)
     try:
         state = build(model, **opts)
     except BaseException as e:
@@ -132,7 +142,35 @@ def compile(
         # first collective (distributing the parameters): autopar/runtime/failure.py
         failure.agree(e, _wait_s(timeout))
         raise
-    return runtime_for(state, capture_eval=capture_eval)
+    pm = runtime_for(state, capture_eval=capture_eval)
+    if chose is not None:
+        pm.auto_plan = chose
+    return pm
+
+
+def _auto(model, opts: dict) -> str:
+    """``plan="auto"``: the search's choice on ``opts["mesh"]`` (autopar/planner/api.py) written
+    into ``opts`` (plan, recompute, accumulate), printed in one line (rank 0), and returned."""
+    import torch.distributed as dist
+
+    from autopar.planner import api
+
+    if opts["accumulate"] != 1:
+        raise PlanError("plan='auto' chooses accumulate (the micro-batches) itself", where="autopar.compile(accumulate=...)",
+                        fix="leave accumulate out, or give a fixed plan")
+    remade = api.REMADE["fake"]
+    best, line = api.choose(model, opts["mesh"], example_inputs=opts["example_inputs"], loss_fn=opts["loss_fn"],
+                            precision=opts["precision"], recompute=opts["recompute"],
+                            memory_budget=opts["memory_budget"], inductor=opts["inductor"])
+    opts.update(best.compile_options())
+    if api.REMADE["fake"] != remade:  # the search made this process's fake group again: a mesh on the new one
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = opts["mesh"]
+        opts["mesh"] = init_device_mesh(mesh.device_type, tuple(mesh.shape), mesh_dim_names=mesh.mesh_dim_names)
+    if not dist.is_initialized() or dist.get_rank() == 0 or dist.get_backend() == "fake":
+        print(line, flush=True)
+    return line
 
 
 def _wait_s(timeout) -> float:

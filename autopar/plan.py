@@ -131,10 +131,10 @@ def parse_plan(plan, axis_names: tuple[str, ...]) -> Plan:
     if plan is None:
         plan = {a: "ddp" for a in axis_names}
     if plan == "auto":
-        raise PlanError('plan="auto" chooses a mesh as well as a plan, so it runs before the mesh exists',
-                        where="autopar.compile(plan=...)",
-                        fix="run `autopar plan MODEL --plan auto --world N --budget 80GiB` (or autopar.planner.search) "
-                            "and pass the plan and mesh it prints")
+        raise PlanError('plan="auto" is resolved by autopar.compile (it searches on the mesh it is given)',
+                        where="plan=...",
+                        fix="autopar.compile(model, mesh, plan='auto', ...), or autopar.plan(model, inputs, loss_fn, "
+                            "world=N) and pass plans.best.compile_options()")
     if not isinstance(plan, dict):
         raise PlanError(f"plan must be a dict mapping mesh axes to strategies, got {type(plan).__name__}",
                         fix='e.g. plan={"dp": "ddp", "tp": "megatron"}')

@@ -294,7 +294,7 @@ def test_auto_errors():
     from autopar.mesh import fake_mesh
 
     with fake_mesh({"dp": 2}, 0) as mesh:
-        with pytest.raises(PlanError, match='plan="auto"'):
+        with pytest.raises(PlanError, match="plan='auto' found no plan: plan='auto' cannot search Linear: no nn."):
             autopar.compile(torch.nn.Linear(2, 2), mesh, example_inputs=(torch.zeros(2, 2),), plan="auto")
 
 

@@ -124,7 +124,10 @@ class ParallelModule(Runtime):
         opts += [f"accumulate {ctx.accumulate}", f"recompute {ctx.recompute}"
                  + (f" ({self.program.recomputed} values recomputed)" if getattr(self.program, "recomputed", 0) else "")]
         lines = [f"autopar program on mesh {dict(zip(ctx.axis_names, ctx.axis_sizes))}, rank coord {ctx.coord}",
-                 f"plan: {ctx.plan.describe()}; " + ", ".join(opts), "", "parameters (as stored):"]
+                 f"plan: {ctx.plan.describe()}; " + ", ".join(opts)]
+        if getattr(self, "auto_plan", None):  # autopar.compile(plan="auto"): what it chose, and why
+            lines.append(self.auto_plan)
+        lines += ["", "parameters (as stored):"]
         for name, p in self.module.named_parameters():
             local = local_tensor(p).shape
             lines.append(f"  {name:48s} {list(p.shape)!s:>14s} {fmt_placements(ctx.placed.placements[name]):>12s}"

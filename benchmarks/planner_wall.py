@@ -1,0 +1,94 @@
+"""Wall time of `autopar plan` on a factory's model against the built-in with the same shapes.
+
+    python benchmarks/planner_wall.py [--rounds 2] [--only fixed|auto]
+
+The factories below build Hugging Face ``LlamaForCausalLM`` on the meta device from Llama-3's
+configs, as a user's ``mypkg.models:llama70b`` would (this file is their module:
+``autopar plan benchmarks/planner_wall.py:hf_llama70b ...``). Each round runs, one after the
+other (the machine's speed drifts with the hour: compare within a round), ``autopar plan --help``
+(Python, torch and autopar starting: the yardstick), then each command of a pair: the built-in
+and the factory. Prints each wall time and its ratio to the round's ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def _hf(batch: int, seq: int, **fields):
+    import transformers
+
+    cfg = transformers.LlamaConfig(use_cache=False, tie_word_embeddings=False, max_position_embeddings=8192,
+                                   rope_theta=500000.0, vocab_size=128256, num_key_value_heads=8, **fields)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    tokens = torch.empty((batch, seq), dtype=torch.long, device="meta")
+
+    def loss(logits, targets):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+    return model, (tokens, torch.empty_like(tokens)), loss
+
+
+def hf_llama70b():
+    """Llama-3-70B's shapes, batch 128 x 4096 tokens (the issue's factory)."""
+    return _hf(128, 4096, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)
+
+
+def hf_llama8b():
+    """Llama-3-8B's shapes, batch 8 x 2048 (hf-llama3-8b's defaults)."""
+    return _hf(8, 2048, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32)
+
+
+HERE = os.path.abspath(__file__)
+BF16 = ["--precision", "bf16"]
+PAIRS = {
+    "fixed": [
+        ("70B fixed, 1,024 ranks",
+         ["llama3-70b", "--batch", "128", "--seq", "4096", "--mesh", "dp=128,tp=8", "--plan", "dp=fsdp,tp=megatron", *BF16],
+         [f"{HERE}:hf_llama70b", "--mesh", "dp=128,tp=8", "--plan", "dp=fsdp,tp=megatron", *BF16]),
+        ("8B fixed, 64 ranks",
+         ["hf-llama3-8b", "--mesh", "dp=8,tp=8", "--plan", "dp=fsdp,tp=megatron", *BF16],
+         [f"{HERE}:hf_llama8b", "--mesh", "dp=8,tp=8", "--plan", "dp=fsdp,tp=megatron", *BF16]),
+    ],
+    "auto": [
+        ("70B --plan auto, 1,024 ranks",
+         ["llama3-70b", "--batch", "128", "--seq", "4096", "--plan", "auto", "--world", "1024", "--budget", "80GiB",
+          "--device", "h100", *BF16],
+         [f"{HERE}:hf_llama70b", "--plan", "auto", "--world", "1024", "--budget", "80GiB", "--device", "h100", *BF16]),
+    ],
+}
+
+
+def _wall(argv: list[str]) -> float:
+    exe = os.path.join(os.path.dirname(sys.executable), "autopar")
+    t0 = time.perf_counter()
+    subprocess.run([exe, "plan", *argv, "-q"], check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--only", choices=list(PAIRS), default=None)
+    args = p.parse_args()
+    for kind, pairs in PAIRS.items():
+        if args.only and kind != args.only:
+            continue
+        for what, builtin, factory in pairs:
+            for r in range(args.rounds):
+                help_s = _wall(["--help"])
+                b = _wall(builtin)
+                f = _wall(factory)
+                print(f"{what} (round {r + 1}): --help {help_s:.1f} s; built-in {b:.1f} s ({b / help_s:.1f}x --help); "
+                      f"factory {f:.1f} s ({f / help_s:.1f}x --help, {f / b:.2f}x the built-in)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
