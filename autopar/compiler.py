@@ -148,29 +148,20 @@ def compile(
     return pm
 
 
+# plan="auto": the planner's entry, registered by autopar/planner/api.py when it is imported (as
+# ``import autopar`` does). The planner compiles through this module, so this module does not import
+# it: a hook keeps the layers one-way (tests/test_layout.py: no import cycles).
+AUTO_PLANNER: Callable | None = None
+
+
 def _auto(model, opts: dict) -> str:
-    """``plan="auto"``: the search's choice on ``opts["mesh"]`` (autopar/planner/api.py) written
-    into ``opts`` (plan, recompute, accumulate), printed in one line (rank 0), and returned."""
-    import torch.distributed as dist
-
-    from autopar.planner import api
-
-    if opts["accumulate"] != 1:
-        raise PlanError("plan='auto' chooses accumulate (the micro-batches) itself", where="autopar.compile(accumulate=...)",
-                        fix="leave accumulate out, or give a fixed plan")
-    remade = api.REMADE["fake"]
-    best, line = api.choose(model, opts["mesh"], example_inputs=opts["example_inputs"], loss_fn=opts["loss_fn"],
-                            precision=opts["precision"], recompute=opts["recompute"],
-                            memory_budget=opts["memory_budget"], inductor=opts["inductor"])
-    opts.update(best.compile_options())
-    if api.REMADE["fake"] != remade:  # the search made this process's fake group again: a mesh on the new one
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = opts["mesh"]
-        opts["mesh"] = init_device_mesh(mesh.device_type, tuple(mesh.shape), mesh_dim_names=mesh.mesh_dim_names)
-    if not dist.is_initialized() or dist.get_rank() == 0 or dist.get_backend() == "fake":
-        print(line, flush=True)
-    return line
+    """``plan="auto"``: the search's choice on ``opts["mesh"]`` written into ``opts`` (plan,
+    recompute, accumulate), printed in one line (rank 0), and returned (autopar/planner/api.py
+    ``resolve_auto``)."""
+    if AUTO_PLANNER is None:
+        raise PlanError("plan='auto' needs autopar's planner, which is not loaded", where="autopar.compile(plan=...)",
+                        fix="import autopar (it loads autopar.planner), or give a fixed plan")
+    return AUTO_PLANNER(model, opts)
 
 
 def _wait_s(timeout) -> float:

@@ -538,3 +538,22 @@ def register_parameter_hook(after: Callable) -> SharedPatch:
         return orig
 
     return SharedPatch(apply, lambda orig: setattr(torch.nn.Module, "register_parameter", orig))
+
+
+_KEPT_GROUPS: list = []  # a forked child's inherited process groups, never destroyed there
+
+
+def forget_process_groups() -> None:
+    """In a forked child: c10d's registries emptied without shutting the groups down (their
+    threads are the parent's; ``autopar.compile(plan="auto")`` searches on fake groups there)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    w = c10d._world
+    maps = (w.pg_map, w.pg_names, w.pg_group_ranks, w.pg_backend_config, w.pg_to_tag, w.tags_to_pg,
+            w.pg_coalesce_state)
+    _KEPT_GROUPS.append((w.default_pg, [dict(m) for m in maps]))
+    c10d._update_default_pg(None)
+    for m in maps:
+        m.clear()
+    c10d._unregister_all_process_groups()
+    w.group_count = 0

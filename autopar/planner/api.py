@@ -126,7 +126,7 @@ def beside_process_groups(fn):
         return fn()
     if not can_fork() and dist.get_backend() == "fake":
         # a planning process group (no threads, nothing sent): replaced, then made again as it was
-        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from autopar import torch_compat as tc
 
         rank, world = dist.get_rank(), dist.get_world_size()
         dist.destroy_process_group()
@@ -134,7 +134,7 @@ def beside_process_groups(fn):
         try:
             return fn()
         finally:
-            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+            dist.init_process_group("fake", store=tc.fake_store(), rank=rank, world_size=world)
     if not can_fork():
         raise PlanError("plan='auto' searches on fake process groups, which cannot be made beside this process's "
                         "own without forking it, and this process cannot fork (other threads run)",
@@ -143,7 +143,9 @@ def beside_process_groups(fn):
                             "its best plan: autopar.compile(model, mesh, **plans.best.compile_options())")
 
     def child():
-        _forget_process_groups()
+        from autopar import torch_compat as tc
+
+        tc.forget_process_groups()
         try:
             return "ok", fn()
         except PlanError as e:  # the search's own error, sent back whole
@@ -159,22 +161,6 @@ def beside_process_groups(fn):
 
 
 REMADE = {"fake": 0}  # fake process groups destroyed and made again (``compile`` then makes its mesh again)
-_KEPT: list = []  # a forked child's inherited process groups, never destroyed there
-
-
-def _forget_process_groups() -> None:
-    """In a forked child: c10d's registries emptied without shutting the groups down."""
-    import torch.distributed.distributed_c10d as c10d
-
-    w = c10d._world
-    maps = (w.pg_map, w.pg_names, w.pg_group_ranks, w.pg_backend_config, w.pg_to_tag, w.tags_to_pg,
-            w.pg_coalesce_state)
-    _KEPT.append((w.default_pg, [dict(m) for m in maps]))
-    c10d._update_default_pg(None)
-    for m in maps:
-        m.clear()
-    c10d._unregister_all_process_groups()
-    w.group_count = 0
 
 
 # ------------------------------------------------------------------------- autopar.compile(plan="auto")
@@ -232,3 +218,36 @@ def _line(plans: Plans, axes: dict) -> str:
             + (f" of {plans.budget / 2**30:.2f} GiB" if plans.budget else "") + f") of {len(plans.ranked)} plans that fit"
             + (f"; runner-up {rest[0].label} at {rest[0].step_s / best.step_s:.3f}x" if rest else "")
             + f" (searched in {plans.seconds:.1f} s; autopar.plan(...).report() shows the table)")
+
+
+def resolve_auto(model, opts: dict) -> str:
+    """``autopar.compile(plan="auto")``: the search's choice on ``opts["mesh"]`` written into
+    ``opts`` (plan, recompute, accumulate), printed in one line (rank 0), and returned
+    (registered as ``autopar.compiler.AUTO_PLANNER``)."""
+    import torch.distributed as dist
+
+    if opts["accumulate"] != 1:
+        raise PlanError("plan='auto' chooses accumulate (the micro-batches) itself", where="autopar.compile(accumulate=...)",
+                        fix="leave accumulate out, or give a fixed plan")
+    remade = REMADE["fake"]
+    best, line = choose(model, opts["mesh"], example_inputs=opts["example_inputs"], loss_fn=opts["loss_fn"],
+                            precision=opts["precision"], recompute=opts["recompute"],
+                            memory_budget=opts["memory_budget"], inductor=opts["inductor"])
+    opts.update(best.compile_options())
+    if REMADE["fake"] != remade:  # the search made this process's fake group again: a mesh on the new one
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = opts["mesh"]
+        opts["mesh"] = init_device_mesh(mesh.device_type, tuple(mesh.shape), mesh_dim_names=mesh.mesh_dim_names)
+    if not dist.is_initialized() or dist.get_rank() == 0 or dist.get_backend() == "fake":
+        print(line, flush=True)
+    return line
+
+
+def _register() -> None:
+    from autopar import compiler
+
+    compiler.AUTO_PLANNER = resolve_auto
+
+
+_register()

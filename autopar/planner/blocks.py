@@ -276,7 +276,7 @@ def block_coefficients(info: ModelInfo, tp: int, tp_strategy: str | None, recomp
     per ep rank. Gradient buckets are left out (``bucket_mb=0``): a bucket's flat buffer is a
     per-step matter (a pipeline or accumulation reduces the gradients after the micro-batches), and
     would otherwise be counted as one micro-batch's activations."""
-    import autopar
+    from autopar.compiler import compile as autopar_compile
     from autopar.mesh import fake_mesh
 
     t0 = time.perf_counter()
@@ -291,7 +291,7 @@ def block_coefficients(info: ModelInfo, tp: int, tp_strategy: str | None, recomp
         loaded = info.at(depth, mbs * ep)
         with fake_mesh(axes, 0) as mesh, warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            pm = autopar.compile(loaded.model, mesh, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
+            pm = autopar_compile(loaded.model, mesh, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
                                  plan=plan, precision=precision, recompute=recompute, capture_eval=False,
                                  kernels=kernels, bucket_mb=0)
             figs.append(figures_of(pm, dev, fused))

@@ -246,9 +246,9 @@ def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, 
     blocks, named split points (at the model's own depth, ``c.split`` or ``c.balance`` where the
     search set them),
     and its per-stage figures come back too (``confirm`` carries them to the whole model's grouping)."""
-    import autopar
     from autopar.analysis import cost as C
     from autopar.analysis import pipeline_cost as PC
+    from autopar.compiler import compile as autopar_compile
     from autopar.mesh import fake_mesh
     from autopar.splice import block_list, spliced
 
@@ -265,7 +265,7 @@ def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, 
             # head unevenly, and ``confirm``'s per-stage lines need each stage at one and two blocks
             per = depth // (c.pp * c.virtual)
             plan["pp"] = {**plan["pp"], "split": [f"{found[0]}.{i}" for i in range(per, depth, per)]}
-        pm = autopar.compile(loaded.model, mesh, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
+        pm = autopar_compile(loaded.model, mesh, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
                              plan=plan, precision=precision, recompute=c.recompute, capture_eval=False,
                              kernels="off", accumulate=c.microbatches if c.pp == 1 else 1, pipeline_stages="all")
         mem = C.predict_memory(pm, optimizer)
