@@ -113,7 +113,8 @@ def compile(
     the step's; ``pm.inductor`` says what was compiled.
 
     ``plan="auto"``: autopar chooses the plan on ``mesh`` (its axes, named among pp, dp, ep, cp,
-    tp, and their sizes as given), the recompute policy (unless ``recompute`` names one) and
+    tp, and their sizes as given), the recompute policy (unless ``recompute`` is "selective" or "full":
+    the default "none" lets the search choose) and
     ``accumulate``, by predicted step time under ``memory_budget`` (default: the device's memory),
     as ``autopar.plan`` ranks them (rank 0 searches, the others take its choice); it prints what it
     chose and why in one line, which ``pm.report()`` repeats. The device row is the mesh's (a
@@ -158,10 +159,7 @@ def _auto(model, opts: dict) -> str:
     """``plan="auto"``: the search's choice on ``opts["mesh"]`` written into ``opts`` (plan,
     recompute, accumulate), printed in one line (rank 0), and returned (autopar/planner/api.py
     ``resolve_auto``)."""
-    if AUTO_PLANNER is None:
-        raise PlanError("plan='auto' needs autopar's planner, which is not loaded", where="autopar.compile(plan=...)",
-                        fix="import autopar (it loads autopar.planner), or give a fixed plan")
-    return AUTO_PLANNER(model, opts)
+    return AUTO_PLANNER(model, opts)  # (set whenever autopar is imported: autopar/__init__.py imports the planner)
 
 
 def _wait_s(timeout) -> float:

@@ -21,7 +21,7 @@ increments to be equal, the search requires depth 3 - depth 2 = depth 2 - depth 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -40,6 +40,9 @@ class Repeated:
     path: str
     blocks: nn.Module
     name: str = ""
+    # the planner's whole-model pipeline groupings for this model, by what else they depend on
+    # (planner/search.py ``confirm``): cached with the model, so another model never reads them
+    splits: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def layers(self) -> int:

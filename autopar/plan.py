@@ -31,13 +31,10 @@ from autopar.errors import PlanError
 R = Replicate()
 
 # Megatron-LM tensor parallelism is derived from the captured program, not from layer names
-# (autopar/analysis/tensor_parallel.py: which matmul's output dim is followed to the matmul that
-# contracts it, through heads and activations): ``Plan.derived`` holds its decisions per axis, set
-# by the split pass. What remains here are hints for what the derivation does not decide yet.
-# Stacked experts [E, dim, ffn] / [E, ffn, dim] (autopar.models.llama.MoE): each expert's MLP split
-# along ffn (one all-reduce after the experts); the router stays whole.
-_EXPERTS = [("*mlp.w_gate", Shard(2)), ("*mlp.w_up", Shard(2)), ("*mlp.w_down", Shard(1))]
-MEGATRON: list[tuple[str, Placement]] = list(_EXPERTS)
+# (autopar/analysis/tensor_parallel.py: which matmul's or einsum's output dim is followed to the one
+# that contracts it, through heads and activations): ``Plan.derived`` holds its decisions per axis,
+# set by the split pass. The preset itself has no rules.
+MEGATRON: list[tuple[str, Placement]] = []
 # the strategies whose placements come from the graph (Plan.derived)
 DERIVED_TP = {"megatron", "sequence"}
 
@@ -342,7 +339,7 @@ def _match(plan: Plan, ap: AxisPlan, name: str) -> tuple[Placement | None, str, 
     """The rule that places ``name`` on axis ``ap``: (placement, glob, source), where source is
     OVERRIDE, the strategy's name, or (a derived placement: glob "") ``DERIVED`` + why; (None,
     "", "") when no rule matches. Order: plan['rules'], a placement derived from the graph that
-    shards, the strategy's rules (hints), a derived replication."""
+    shards, the strategy's rules, a derived replication."""
     found = _first(plan.overrides.get(ap.axis, []), name)
     if found:
         return found[0], found[1], OVERRIDE

@@ -160,11 +160,11 @@ def _nvidia_smi() -> str | None:
 
 
 def device_row(device_name: str | None) -> str:
-    """The cost model's row for this device: h200, h100 (any other CUDA device too, said in the
-    summary), or cpu."""
-    if device_name is None:
-        return "cpu"
-    return "h200" if "H200" in device_name.upper() else "h100"
+    """The cost model's row for this device (autopar's ``row_for``: h200, h100, a100 by name, any
+    other GPU costed as h100, said in the summary; cpu without one)."""
+    from autopar.analysis.devices import row_for
+
+    return row_for(device_name)
 
 
 def environment(commit: str | None) -> dict:

@@ -192,6 +192,7 @@ def split_stages(gm: fx.GraphModule, n_stages: int, split: list[str] | None, dev
                  dev_name: str | None = None) -> list[StageSpec]:
     """The stage-split pass over the captured graph; see the module docstring."""
     from autopar.analysis import cost
+    from autopar.analysis.devices import row_for
 
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -244,7 +245,7 @@ def split_stages(gm: fx.GraphModule, n_stages: int, split: list[str] | None, dev
             raise PlanError(f"the model has {n_seg} splittable segments (blocks of its layer lists plus what runs "
                             f"before and after them) but the pipeline wants {n_stages} stages",
                             where="plan['pp']", fix="use fewer pipeline stages (pp x virtual) or a deeper model")
-        dev = cost.get_device(dev_name or ("h100" if torch.cuda.is_available() else "cpu"))
+        dev = cost.get_device(dev_name or row_for(torch.cuda.get_device_name() if torch.cuda.is_available() else None))
         fake_mode = gm.meta.get("fake_mode") or contextlib.nullcontext()
         seg_cost = [0.0] * n_seg
         seg_bytes = [0] * n_seg

@@ -200,3 +200,14 @@ def test_explain_names_the_graph_fact_behind_every_placement(capsys):
     replicated = out.split("what tensor parallelism does not divide")[1].split("\n\n")[0]
     assert "transformer.wpe.weight" in replicated and "transformer.h.0.ln_1.weight" in replicated
     assert "transformer.h.0.attn.c_proj.bias" in replicated and "bias added to a whole (reduced) output" in replicated
+
+
+def test_stacked_experts_through_einsum_against_one_process(pools, references):
+    """The built-in MoE's capacity dispatch multiplies stacked experts by einsum ("becd,edf->becf",
+    then "becf,efd->becd"): the derivation shards w_gate / w_up on f (dim 2) and w_down on f (dim 1)
+    from the equations, the router stays whole; 3 AdamW steps on tp=2 match one process."""
+    from autopar.testing import parity_job
+    from test_parity import assert_parity
+
+    out = pools(2).run(parity_job, "moe", {"tp": 2}, {"tp": "megatron"})
+    assert_parity(references("moe"), out, "moe")

@@ -63,6 +63,16 @@ DEVICES["h200"] = replace(DEVICES["h100"], name="h200", mem_bw=4.8e12, mem_bytes
                                  "5 us launch gap per op (asynchronous)")
 
 
+def row_for(device_name: str | None) -> str:
+    """The cost model's row for a device as torch names it (``torch.cuda.get_device_name()``;
+    None: no GPU, the ``cpu`` row): the row whose name the device's contains (h200, h100, a100),
+    else ``h100`` (an assumption for any other GPU: callers that report the row say which)."""
+    if device_name is None:
+        return "cpu"
+    name = device_name.lower()
+    return next((row for row in ("h200", "h100", "a100") if row in name), "h100")
+
+
 def load_devices(path: str) -> None:
     """Add or replace rows of DEVICES from a JSON file written by ``autopar calibrate``."""
     with open(path) as f:

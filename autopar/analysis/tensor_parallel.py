@@ -5,7 +5,8 @@ decides, for every parameter, its placement on a tensor-parallel axis of ``tp`` 
 graph fact that decided it:
 
 - **column-parallel**: a matmul with a weight (``linear``, ``addmm``/``mm``/``matmul`` with a
-  weight stored either way round: what is contracted decides, not the class) whose output
+  weight stored either way round: what is contracted decides, not the class; an ``einsum`` that
+  keeps one of the weight's letters, as stacked experts ``becd,edf->becf``) whose output
   dim can be followed, op by op, to a matmul with another weight that contracts it, through ops
   that need no communication when that dim is sharded: casts, views that split it into heads
   (the heads dim is then the one sharded), transposes, elementwise ops and activations,
@@ -39,7 +40,7 @@ import torch
 from torch import fx
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from autopar.analysis.tp_flow import Flow, matmul_weight, run_flow
+from autopar.analysis.tp_flow import Flow, run_flow, start_of
 from autopar.analysis.tp_graph import Fail, Graph, NORM, op_name, pointwise, shape_of, where_of
 
 R = Replicate()
@@ -57,7 +58,7 @@ def strided(dim: int, outer: int) -> Placement:
 @dataclass
 class Decision:
     placement: Placement
-    role: str  # column | row | vocab | embedding | with-column | replicated
+    role: str  # column | row | vocab | with-column | replicated
     why: str
 
 
@@ -67,9 +68,6 @@ class Derived:
 
     tp: int
     decisions: dict[str, Decision] = field(default_factory=dict)
-
-    def sharded(self) -> dict[str, Decision]:
-        return {n: d for n, d in self.decisions.items() if not isinstance(d.placement, Replicate)}
 
 
 # --------------------------------------------------------------------------------- regions
@@ -103,50 +101,46 @@ def derive(gm: fx.GraphModule, model: torch.nn.Module, tp: int, axis: str = "tp"
 def _flows(g: Graph, tp: int, relaxed: bool, used: set, failed: dict, indivisible: dict) -> list[Flow]:
     flows = []
     for n in g.nodes:
-        mw = matmul_weight(g, n) if n.op in ("call_function", "call_method") and n not in used else None
-        if mw is None:
+        start = start_of(g, n) if n.op in ("call_function", "call_method") and n not in used else None
+        if start is None:
             continue
-        x, wname, _, out_pdim, bias = mw
-        outer, tried, first = 1, set(), None
-        while outer not in tried:
-            tried.add(outer)
-            fl = Flow(n, wname, out_pdim, bias, outer, relaxed=relaxed)
-            try:
-                run_flow(g, fl, tp)
-            except Fail as e:
-                fl.fail = e
-                first = first or e
-                if e.outer and e.outer > 1:
-                    outer *= e.outer
-                    continue
-            break
+        fl, first = _follow(g, n, start, tp, relaxed)
         if fl.fail is not None and first.indivisible:  # parts tried in vain: the axis size was the problem
             fl.fail = first
         if fl.fail is None and not fl.rows and not fl.vocab:
             fl.fail = Fail("nothing that contracts it back")
-        if fl.fail is not None and fl.fail.indivisible and tp > 1 and not relaxed and _holds(g, n, wname, out_pdim, bias):
-            indivisible.setdefault(wname, fl.fail.why)
+        if fl.fail is not None and fl.fail.indivisible and tp > 1 and not relaxed and _holds(g, n, start):
+            indivisible.setdefault(fl.weight, fl.fail.why)
         flows.append(fl)
         if fl.fail is not None:
-            failed.setdefault(wname, f"not sharded: as a column-parallel weight its output would reach {fl.fail.why}")
+            failed.setdefault(fl.weight, f"not sharded: as a column-parallel weight its output would reach {fl.fail.why}")
     return flows
 
 
-def _holds(g: Graph, n: fx.Node, wname: str, out_pdim: int, bias) -> bool:
-    """The flow from ``n`` holds on an axis whose size divides every dim (tp = 1)."""
-    outer, tried = 1, set()
+def _follow(g: Graph, n: fx.Node, start: tuple, tp: int, relaxed: bool = False) -> tuple[Flow, Fail | None]:
+    """The flow from ``n``, run again with the split factor a failure asks for (a fused projection's
+    parts) until it holds or asks nothing new; and its first failure."""
+    wname, out_pdim, bias, out_dim = start
+    outer, tried, first = 1, set(), None
     while outer not in tried:
         tried.add(outer)
-        fl = Flow(n, wname, out_pdim, bias, outer)
+        fl = Flow(n, wname, out_pdim, bias, outer, out_dim=out_dim, relaxed=relaxed)
         try:
-            run_flow(g, fl, 1)
-            return bool(fl.rows or fl.vocab)
+            run_flow(g, fl, tp)
         except Fail as e:
+            fl.fail = e
+            first = first or e
             if e.outer and e.outer > 1:
                 outer *= e.outer
                 continue
-            return False
-    return False
+        break
+    return fl, first
+
+
+def _holds(g: Graph, n: fx.Node, start: tuple) -> bool:
+    """The flow from ``n`` holds on an axis whose size divides every dim (tp = 1)."""
+    fl, _ = _follow(g, n, start, 1)
+    return fl.fail is None and bool(fl.rows or fl.vocab)
 
 
 def _accept(g: Graph, flows: list[Flow], used: set, failed: dict, out: Derived) -> None:
@@ -225,12 +219,10 @@ def _decide_region(g: Graph, fs: list[Flow], out: Derived) -> None:
 
 
 def _put(dec: dict, name: str, d: Decision) -> None:
-    prev = dec.get(name)
-    if prev is None or prev.placement == d.placement:
-        if prev is None:
-            dec[name] = d
-        return
-    dec[name] = Decision(R, "replicated", f"used two ways: {prev.why} / {d.why}")
+    """Record ``d``; a parameter two regions want placed differently is replicated, with both reasons."""
+    prev = dec.setdefault(name, d)
+    if prev.placement != d.placement:
+        dec[name] = Decision(R, "replicated", f"used two ways: {prev.why} / {d.why}")
 
 
 def _decide_rest(g: Graph, out: Derived, failed: dict[str, str], indivisible: dict[str, str]) -> None:
@@ -248,7 +240,6 @@ def _decide_rest(g: Graph, out: Derived, failed: dict[str, str], indivisible: di
     for name, uses in lookups.items():
         if name in dec and dec[name].role != "vocab":
             continue
-        ids = uses[0].args[0]
         if all(u.args[0] in g.from_input for u in uses):
             rows = shape_of(uses[0].args[1])[0] if shape_of(uses[0].args[1]) else 0
             if rows % out.tp == 0:
@@ -263,8 +254,7 @@ def _decide_rest(g: Graph, out: Derived, failed: dict[str, str], indivisible: di
         elif name not in dec:
             dec[name] = Decision(R, "replicated", f"lookup indexed by values the program computes (positions), "
                                  f"not by an input{where_of(uses[0])}")
-        del ids
-    for name in g.params:
+    for name in g.shapes:
         if name in dec:
             continue
         if name in failed:
@@ -276,7 +266,7 @@ def _decide_rest(g: Graph, out: Derived, failed: dict[str, str], indivisible: di
             continue
         what = op_name(n)
         if what in NORM:
-            why = f"norm weight over the whole hidden dim ({what}{where_of(n)})"
+            why = f"norm weight over dims no region shards ({what}{where_of(n)})"
         elif what in ("linear", "addmm") and _is_bias(g, n, name):
             why = f"bias added to a whole (reduced) output ({what}{where_of(n)})"
         elif pointwise(what):
@@ -290,12 +280,3 @@ def _is_bias(g: Graph, n: fx.Node, name: str) -> bool:
     b = (n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")) if op_name(n) == "linear" else n.args[0]
     pv = g.param_view(b) if isinstance(b, fx.Node) else None
     return pv is not None and pv[0] == name
-
-
-def fraction_sharded(derived: Derived, params: dict[str, torch.Tensor], names=None) -> float:
-    """The share of ``names``' elements (default: every parameter) that the derivation shards."""
-    names = list(params) if names is None else names
-    total = sum(params[n].numel() for n in names)
-    sh = sum(params[n].numel() for n in names if not isinstance(derived.decisions[n].placement, Replicate))
-    return sh / total if total else 0.0
-

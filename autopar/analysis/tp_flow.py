@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from autopar.analysis.tp_graph import (CAT, EXPAND, Fail, Graph, MATMUL, NORM, PERMUTE, REDUCE, RESHAPE, SAME, SPLIT, STATISTICS, apply_permute, dims_arg, op_name, pointwise, reshape_track, shape_of, val_of, where_of)
+from autopar.analysis.tp_graph import (CAT, EXPAND, MATMUL, NORM, PERMUTE, REDUCE, RESHAPE, SAME, SPLIT, STATISTICS,
+                                       Fail, Graph, apply_permute, dims_arg, op_name, pointwise, reshape_track,
+                                       shape_of, val_of, where_of)
+
 
 # --------------------------------------------------------------------------------- one flow
 @dataclass
@@ -21,6 +24,7 @@ class Flow:
     out_pdim: int  # the weight's dim the start's output dim comes from
     bias: str | None
     outer: int
+    out_dim: int = -1  # the start's output dim that holds it (einsum: where the equation puts it)
     tracks: dict = field(default_factory=dict)  # node -> (dim, outer) | list of those (tuples)
     rows: list = field(default_factory=list)  # (node, param, param dim, outer)
     vocab: list = field(default_factory=list)  # nodes: the loss reading the sharded class dim
@@ -60,19 +64,59 @@ def matmul_weight(g: Graph, n: fx.Node):
     return None
 
 
+def start_of(g: Graph, n: fx.Node) -> tuple | None:
+    """(weight, its dim the output dim comes from, bias, the output's dim holding it) where ``n``
+    multiplies an activation by a weight: a matmul (the output's last dim), or an einsum where
+    exactly one of the weight's letters is kept and not the activation's (``becd,edf->becf``:
+    ``f``, stacked experts); None for anything else."""
+    mw = matmul_weight(g, n)
+    if mw is not None:
+        _, wname, _, out_pdim, bias = mw
+        return wname, out_pdim, bias, -1
+    parsed = _einsum(n)
+    if parsed is None or len(parsed[2]) != 2:
+        return None
+    ins, out, ops = parsed
+    views = [g.param_view(a) for a in ops]
+    if sum(v is not None for v in views) != 1:
+        return None
+    w = 0 if views[0] is not None else 1
+    (wname, perm), x_letters = views[w], ins[1 - w]
+    kept = [c for c in ins[w] if c in out and c not in x_letters]
+    if len(kept) != 1:
+        return None
+    return wname, perm[ins[w].index(kept[0])], None, out.index(kept[0])
+
+
+def _einsum(n: fx.Node) -> tuple[list[str], str, list] | None:
+    """(the operands' subscripts, the output's, the operands) of ``torch.einsum(eq, *ops)``
+    (explicit ``->``, no ellipsis); None otherwise."""
+    if op_name(n) != "einsum" or not n.args or not isinstance(n.args[0], str):
+        return None
+    eq = n.args[0].replace(" ", "")
+    ops = list(n.args[1]) if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else list(n.args[1:])
+    if "->" not in eq or "." in eq:
+        return None
+    lhs, out = eq.split("->")
+    ins = lhs.split(",")
+    if len(ins) != len(ops) or any(len(s) != len(shape_of(a) or ()) for s, a in zip(ins, ops)):
+        return None
+    return ins, out, ops
+
+
 def run_flow(g: Graph, flow: Flow, tp: int) -> None:
     """Follow the start's sharded output dim through the graph (see the module docstring)."""
     start = flow.start
-    v = val_of(start)
-    shape = tuple(v[0].shape) if isinstance(v, (tuple, list)) else shape_of(start)
-    n_out = shape[-1]
+    out = val_of(start)
+    shape = tuple(out[0].shape) if isinstance(out, (tuple, list)) else shape_of(start)
+    d = flow.out_dim % len(shape)
+    n_out = shape[d]
     if (n_out // flow.outer) % tp or n_out % flow.outer:
         raise Fail(f"its output dim {n_out} does not divide into {tp} shards"
                     + (f" of each of {flow.outer} parts" if flow.outer > 1 else ""), indivisible=True)
-    out = val_of(start)
-    flow.tracks[start] = (len(shape) - 1, flow.outer)
+    flow.tracks[start] = (d, flow.outer)
     if isinstance(out, (tuple, list)):  # linear_act: (activation, pre-activation), both [.., out]
-        flow.tracks[start] = [(len(shape) - 1, flow.outer)] * len(out)
+        flow.tracks[start] = [(d, flow.outer)] * len(out)
     heap = []
     seen = set()
 
@@ -178,6 +222,8 @@ def _step(g: Graph, flow: Flow, u: fx.Node, tp: int):
         raise Fail(f"an embedding lookup indexed by the sharded values{where_of(u)}")
     if name in MATMUL:
         return _matmul(g, flow, u, name, tp)
+    if name == "einsum":
+        return _einsum_step(g, flow, u)
     if name in ("scaled_dot_product_attention", "flash_attention"):  # (autopar::flash_attention: (out, lse))
         t = _attention(g, flow, u)
         return [t, t] if name == "flash_attention" else t
@@ -227,7 +273,7 @@ def _split(u: fx.Node, name: str, tx, tp: int):
         return [(tx[0] - (dim < tx[0]), tx[1])] * src[dim]
     dim = dims_arg(u, 2, nd) or {0}
     (dim,) = dim
-    parts = [int(_shape_of(v)[dim]) for v in val_of(u)]
+    parts = [int(v.shape[dim]) for v in val_of(u)]
     if dim != tx[0]:
         return [tx] * len(parts)
     n, o = src[dim], tx[1]
@@ -236,10 +282,6 @@ def _split(u: fx.Node, name: str, tx, tp: int):
         return [(dim, p // m) for p in parts]
     unit = math.gcd(math.gcd(*parts), m)
     raise Fail(f"{name} into parts {parts}{where_of(u)} crosses the shards", outer=n // unit // o)
-
-
-def _shape_of(v):
-    return tuple(v.shape)
 
 
 def _index(u: fx.Node, tx):
@@ -279,18 +321,16 @@ def _index(u: fx.Node, tx):
     raise Fail(f"indexing autopar cannot follow{where_of(u)}")
 
 
-def _operand_needs(g: Graph, flow: Flow, u: fx.Node, a, dim: int, o: int, what: str) -> None:
+def _operand_needs(g: Graph, flow: Flow, u: fx.Node, a, dim: int, o: int) -> None:
     """An untracked operand ``a`` holding the sharded dim's full extent at its dim ``dim``: a
     parameter is sharded with it; a value that needs no gradient (a mask, rotary tables) is
     sliced locally; a value that needs one must come sharded the same way from another flow."""
     pv = _param_back(g, a, dim, o)
     if pv is not None:
         pname, pdim, o = pv
-        perm = {dim: pdim}
-        prev = flow.extra.get(pname)
-        if prev is not None and prev[:2] != (perm[dim], o):
+        prev = flow.extra.setdefault(pname, (pdim, o, u))
+        if prev[:2] != (pdim, o):
             raise Fail(f"parameter {pname} combined with the sharded values along two different dims")
-        flow.extra[pname] = (perm[dim], o, u)
         return
     if a in g.grad:
         flow.needs.append((u, a, (dim, o)))
@@ -340,7 +380,7 @@ def _elementwise(g: Graph, flow: Flow, u: fx.Node):
         s = shape_of(a)
         da = d - (nd - len(s))
         if da >= 0 and s[da] == out[d] and out[d] > 1:
-            _operand_needs(g, flow, u, a, da, o, op_name(u))
+            _operand_needs(g, flow, u, a, da, o)
     return d, o
 
 
@@ -356,7 +396,7 @@ def _cat(g: Graph, flow: Flow, u: fx.Node, name: str):
     for a in tensors:
         t = _track(flow, a)
         if t is None:
-            _operand_needs(g, flow, u, a, d, o, name)
+            _operand_needs(g, flow, u, a, d, o)
         elif t != (d, o):
             raise Fail(f"{name}{where_of(u)} joins values sharded differently")
     return (d + (1 if name == "stack" and dim <= d else 0)), o
@@ -380,13 +420,13 @@ def _matmul(g: Graph, flow: Flow, u: fx.Node, name: str, tp: int):
         inp, a, b = args[:3]
         for v in (a, b):
             if _track(flow, v) is None:
-                _operand_needs(g, flow, u, v, 0, (_track(flow, a) or _track(flow, b))[1], name)
+                _operand_needs(g, flow, u, v, 0, (_track(flow, a) or _track(flow, b))[1])
         ta, tb = _track(flow, a), _track(flow, b)
         t = ta or tb
         if t[0] != 0 or (ta and tb and ta != tb):
             raise Fail(f"{name}{where_of(u)} over the sharded dim")
         if _track(flow, inp) is None and shape_of(inp)[0] == shape_of(u)[0]:
-            _operand_needs(g, flow, u, inp, 0, t[1], name)
+            _operand_needs(g, flow, u, inp, 0, t[1])
         return t
     a, b = args[:2]
     sa, sb, so = shape_of(a), shape_of(b), shape_of(u)
@@ -406,8 +446,33 @@ def _matmul(g: Graph, flow: Flow, u: fx.Node, name: str, tp: int):
         if t is None:
             dv = d - (len(so) - len(s))
             if dv >= 0 and s[dv] == so[d]:
-                _operand_needs(g, flow, u, v, dv, o, name)
+                _operand_needs(g, flow, u, v, dv, o)
     return d, o
+
+
+def _einsum_step(g: Graph, flow: Flow, u: fx.Node):
+    """An einsum reading the sharded values: a letter the output keeps passes through (the other
+    operands holding it follow, as in an elementwise op); a letter contracted with a weight's
+    ends the flow there (row-parallel, that weight sharded on the letter's dim)."""
+    parsed = _einsum(u)
+    if parsed is None:
+        raise Fail(f"einsum{where_of(u)}: an equation autopar cannot follow (ellipsis or implicit output)")
+    ins, out, ops = parsed
+    tracked = {(ins[i][flow.tracks[a][0]], flow.tracks[a][1]) for i, a in enumerate(ops) if _track(flow, a) is not None}
+    if len(tracked) != 1:
+        raise Fail(f"einsum{where_of(u)} combines values sharded along different letters")
+    ((letter, o),) = tracked
+    if letter not in out:
+        weights = [(g.param_view(a), s) for a, s in zip(ops, ins) if letter in s and _track(flow, a) is None]
+        if len(weights) != 1 or weights[0][0] is None:
+            raise Fail(f"einsum{where_of(u)} contracts the sharded dim between values that are not a weight")
+        (wname, perm), letters = weights[0]
+        flow.rows.append((u, wname, perm[letters.index(letter)], o))
+        return None
+    for a, s in zip(ops, ins):
+        if _track(flow, a) is None and letter in s:
+            _operand_needs(g, flow, u, a, s.index(letter), o)
+    return out.index(letter), o
 
 
 def _attention(g: Graph, flow: Flow, u: fx.Node):
@@ -422,11 +487,13 @@ def _attention(g: Graph, flow: Flow, u: fx.Node):
         raise Fail(f"attention{where_of(u)} over values not sharded by heads")
     for a, x in zip((q, k, v), ts):
         if x is None:
-            _operand_needs(g, flow, u, a, nd - 3, t[1], "attention")
+            _operand_needs(g, flow, u, a, nd - 3, t[1])
     if len(flow.trail) < 4:
         flow.trail.append(f"attention over heads{where_of(u)}")
-    if isinstance(mask, fx.Node) and mask in g.grad and shape_of(mask)[nd - 3 - (nd - len(shape_of(mask)))] > 1:
-        raise Fail(f"a trained attention bias per head{where_of(u)}")
+    if isinstance(mask, fx.Node) and mask in g.grad:
+        heads = nd - 3 - (nd - len(shape_of(mask)))  # the mask's heads dim, if it has one
+        if heads >= 0 and shape_of(mask)[heads] > 1:
+            raise Fail(f"a trained attention bias per head{where_of(u)}")
     return t
 
 

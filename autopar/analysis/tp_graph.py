@@ -4,6 +4,8 @@ which values need a gradient) and how a sharded dim moves through a reshape."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import fx
 
@@ -11,22 +13,22 @@ from autopar.ir import source_line
 
 # --------------------------------------------------------------------------------- op tables
 SAME = {"to", "type", "float", "half", "bfloat16", "double", "contiguous", "clone", "detach", "dropout",
-         "alpha_dropout", "feature_alpha_dropout", "type_as", "requires_grad_", "_to_copy", "cpu", "cuda"}
+        "alpha_dropout", "feature_alpha_dropout", "type_as", "requires_grad_", "_to_copy", "cpu", "cuda"}
 RESHAPE = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "_unsafe_view", "view_as",
-            "reshape_as"}
+           "reshape_as"}
 EXPAND = {"expand", "expand_as", "broadcast_to"}
 PERMUTE = {"transpose", "swapaxes", "swapdims", "permute", "t", "movedim", "moveaxis"}
 SPLIT = {"split", "chunk", "split_with_sizes", "tensor_split", "unbind"}
 REDUCE = {"softmax", "log_softmax", "sum", "mean", "amax", "amin", "max", "min", "var", "std", "norm", "logsumexp",
-           "cumsum", "cumprod", "argmax", "argmin", "topk", "sort", "prod", "all", "any", "var_mean", "std_mean",
-           "normalize", "_softmax", "_log_softmax"}
+          "cumsum", "cumprod", "argmax", "argmin", "topk", "sort", "prod", "all", "any", "var_mean", "std_mean",
+          "normalize", "_softmax", "_log_softmax"}
 NORM = {"layer_norm", "rms_norm"}
 STATISTICS = {"mean", "sum", "var", "amax", "norm"}  # reductions whose result is small and linear-ish to combine
 MATMUL = {"linear", "addmm", "mm", "matmul", "bmm", "baddbmm"}
 CAT = {"cat", "concat", "concatenate", "stack"}
 OPERATOR = {"truediv": "div", "floordiv": "floor_divide", "iadd": "add", "isub": "sub", "imul": "mul",
-             "itruediv": "div", "ipow": "pow", "and_": "bitwise_and", "or_": "bitwise_or", "invert": "bitwise_not",
-             "getitem": "getitem", "matmul": "matmul", "neg": "neg", "pos": "positive"}
+            "itruediv": "div", "ipow": "pow", "and_": "bitwise_and", "or_": "bitwise_or", "invert": "bitwise_not",
+            "getitem": "getitem", "matmul": "matmul", "neg": "neg", "pos": "positive"}
 
 
 def op_name(n: fx.Node) -> str:
@@ -40,7 +42,9 @@ def op_name(n: fx.Node) -> str:
     return name.split(".")[0]  # an aten overload in a torch-level graph: add.Tensor
 
 
+@functools.lru_cache(maxsize=None)
 def pointwise(name: str) -> bool:
+    """An op name whose ATen op carries torch's ``pointwise`` tag (``mul_``: ``mul``'s)."""
     base = name[:-1] if name.endswith("_") and not name.startswith("_") else name
     p = getattr(torch.ops.aten, base, None)
     try:
@@ -98,8 +102,7 @@ class Graph:
                 kind, name = ids.get(id(t), (None, None))
                 if kind == "param":
                     self.param[n] = name
-        self.params = {n for n, _ in model.named_parameters()}
-        self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}  # every parameter
         self.grad: set[fx.Node] = set()
         self.from_input: set[fx.Node] = set()
         for n in self.nodes:

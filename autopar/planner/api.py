@@ -165,13 +165,21 @@ REMADE = {"fake": 0}  # fake process groups destroyed and made again (``compile`
 
 # ------------------------------------------------------------------------- autopar.compile(plan="auto")
 def device_row(mesh) -> str:
-    """The cost model's row for the devices ``mesh`` runs on."""
+    """The cost model's row for the devices ``mesh`` runs on (analysis/devices.py ``row_for``)."""
     import torch
 
-    if mesh.device_type != "cuda":
-        return "cpu"
-    name = torch.cuda.get_device_name().lower()
-    return next((row for row in ("h200", "h100", "a100") if row in name), "h100")
+    from autopar.analysis.devices import row_for
+
+    return row_for(torch.cuda.get_device_name() if mesh.device_type == "cuda" else None)
+
+
+def _device_memory(mesh) -> int | None:
+    """The memory of the GPU ``mesh`` runs on (None on CPU): the budget where none is given, not
+    the cost-model row's (an unlisted GPU is costed as an H100 but has its own memory)."""
+    import torch
+
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory \
+        if mesh.device_type == "cuda" else None
 
 
 def choose(model, mesh, *, example_inputs, loss_fn, precision: str, recompute: str, memory_budget,
@@ -187,20 +195,25 @@ def choose(model, mesh, *, example_inputs, loss_fn, precision: str, recompute: s
                         where="autopar.compile(plan='auto')", fix="name the mesh's axes among pp, dp, ep, cp, tp")
     device = device_row(mesh)
     shared = dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"
-    got = None
+    got, own = None, None
     if not shared or dist.get_rank() == 0:
         try:
+            budget = memory_budget if memory_budget is not None else _device_memory(mesh)
             plans = plan(model, example_inputs, loss_fn, world=math.prod(axes.values()), device=device,
-                         budget=memory_budget, mesh=axes, precision=precision,
+                         budget=budget, mesh=axes, precision=precision,
                          recompute=None if recompute == "none" else recompute, inductor=inductor)
             got = ("ok", plans.best, _line(plans, axes)) if plans.best else (
                 "error", "no candidate fits the budget", plans.report())
         except PlanError as e:
             got = ("error", e.problem, e.fix)
+        except BaseException as e:  # noqa: BLE001 - the others are told first (they wait in the broadcast), then raised
+            got, own = ("error", f"the search raised {type(e).__name__}: {e}", "see rank 0's error; or give a fixed plan"), e
     if shared:
         box = [got]
         dist.broadcast_object_list(box, src=0)
         got = box[0]
+    if own is not None:  # rank 0 keeps its own exception (as a failing rank does in a step)
+        raise own
     if got[0] != "ok":
         raise PlanError(f"plan='auto' found no plan{'' if not shared or dist.get_rank() == 0 else ' (on rank 0)'}: "
                         + got[1], where="autopar.compile(plan='auto')", fix=got[2] or "give a fixed plan")

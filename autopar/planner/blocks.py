@@ -256,8 +256,9 @@ def info_of(model, example_inputs, loss_fn=None, *, spec: str, batch: int | None
     dispatch = getattr(cfg, "moe_dispatch", None)
     no_ep = ("its MoE dispatches by capacity (GShard einsums need every expert); expert parallelism needs "
              "--set moe_dispatch=dropless") if experts and dispatch not in (None, "dropless") else ""
-    embed = sum(p.numel() for n, p in outside if is_embedding(n))
-    other = sum(p.numel() for n, p in outside if not is_embedding(n))
+    # the lookup tables outside the blocks (modules that are embeddings, whatever they are called)
+    embed = sum(p.numel() for m in tables for p in m.parameters(recurse=False))
+    other = sum(p.numel() for _, p in outside) - embed
     tokens = rep.example_inputs[0]
     return ModelInfo(spec, rep.path, rep.layers, heads, first(_KV_HEADS) or heads,
                      first(_HIDDEN) or max((m.embedding_dim for m in tables), default=0),

@@ -318,7 +318,7 @@ def whole_split(c: Candidate, info: ModelInfo, dev, *, precision: str) -> tuple[
     return grouped, [f"{found[0]}.{sum(grouped[:s])}" for s in range(1, len(grouped))]
 
 
-_SPLITS: dict = {}  # whole_split's answers, by what they depend on (``confirm``)
+_SPLITS: dict = {}  # whole_split's answers for a model without a source (else its ``Repeated.splits``)
 
 
 def confirm(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: str = "adamw",
@@ -343,10 +343,11 @@ def confirm(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: st
     # compiled here again
     # the whole model's grouping, once per what it depends on (the capture and the split pass
     # precede every per-axis strategy: candidates that differ in those share it)
-    key = (info.spec, id(info.source), info.layers, info.seq, repr(sorted(info.overrides.items())), c.pp, c.virtual,
+    splits = info.source.splits if info.source is not None else _SPLITS
+    key = (info.spec, info.layers, info.seq, repr(sorted(info.overrides.items())), c.pp, c.virtual,
            c.mbs * c.data,
            c.cp, c.cp_strategy, c.ep, c.tp, c.tp_strategy, c.recompute, precision, dev.name)
-    known = _SPLITS.get(key)
+    known = splits.get(key)
 
     def theirs():
         return at(unit), (whole_split(c, info, dev, precision=precision) if c.pp > 1 and known is None else None)
@@ -365,9 +366,9 @@ def confirm(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: st
                    bytes={ax: int(a["bytes"].get(ax, 0) + k * (b["bytes"].get(ax, 0) - a["bytes"].get(ax, 0)))
                           for ax in set(a["bytes"]) | set(b["bytes"])})
         return out
-    if len(_SPLITS) > 256:
-        _SPLITS.clear()
-    grouped, names = _SPLITS.setdefault(key, split or known)
+    if len(splits) > 256:
+        splits.clear()
+    grouped, names = splits.setdefault(key, split or known)
     if min(grouped) >= 1:
         (one, _), shape = a["stages"]
         (two, fixed), _ = b["stages"]

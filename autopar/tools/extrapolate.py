@@ -227,6 +227,7 @@ def analyse_by_depth(args, plan: dict, rank: int, progress, analyse, loaded) -> 
         why = _memory(figs, out, layers)
         bad = [why] if why else []
     if bad:
+        args.blocks_differ = True
         args.depth_note = (f"blocks not identical at depths {DEPTHS} ({'; '.join(bad[:3])}"
                            + (f" and {len(bad) - 3} more" if len(bad) > 3 else "") + "): compiled every block")
         return None
@@ -249,6 +250,7 @@ def plan_analysis(args, plan: dict, rank: int, progress, analyse) -> Analysis:
     from autopar.models import zoo
 
     args.depth_note = None
+    args.blocks_differ = False  # analyse_by_depth: the depth check found blocks that are not alike
     t0 = time.perf_counter()
     progress(f"rank {rank}: building {args.model}")
     loaded = zoo.load(args.model, meta=not args.real, batch=args.batch, seq=args.seq,
@@ -258,7 +260,7 @@ def plan_analysis(args, plan: dict, rank: int, progress, analyse) -> Analysis:
     if a is None:
         # where every block is compiled (a pipeline) a model's capture is spliced from three of its
         # blocks (autopar/splice.py, which checks them), unless its blocks failed the depth check
-        splicing = not (args.depth_note and "not identical" in args.depth_note)
+        splicing = not args.blocks_differ
         before = dict(splice.STATS)
         with splice.spliced() if splicing else contextlib.nullcontext():
             a = analyse(args, rank, progress, loaded=loaded)
