@@ -1,4 +1,4 @@
-"""Kernel accuracy for the README: autopar's Triton kernels (Triton's interpreter on CPU) against
+"""Kernel accuracy for docs/kernels.md: autopar's Triton kernels (Triton's interpreter on CPU) against
 their reference paths, max |error| relative to max |reference|, per output and gradient.
 
     .venv/bin/python benchmarks/kernels_report.py

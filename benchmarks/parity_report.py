@@ -1,4 +1,5 @@
-"""Parity figures for the README: every plan against one eager process, max differences.
+"""Parity figures for docs/results.md (--cost: docs/cost-model.md; --pipeline: docs/pipelines.md):
+every plan against one eager process, max differences.
 
     .venv/bin/python benchmarks/parity_report.py [--state | --cost | --pipeline]
 

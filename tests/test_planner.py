@@ -132,7 +132,7 @@ def test_a_pipelines_confirmation_is_its_whole_model_compile_with_the_splits_gro
     model's split makes (balanced by the device's costs: on this CPU's row, 12 blocks and the
     head of an 8,192-word vocabulary go 3/4/4/1), and names it: a compile of all 12 blocks with
     those split points gives the same step, peak and bytes. Before, the line through equal stages
-    of one and two blocks missed such groupings (README: Llama-3-8B's by 4%). A grouping with a
+    of one and two blocks missed such groupings (docs/planner.md: Llama-3-8B's by 4%). A grouping with a
     stage of no blocks (a 65,536-row head alone) is compiled whole instead."""
     from autopar.planner.search import whole_split
 

@@ -76,8 +76,9 @@ def test_sequence_collectives_against_megatron(fake, name, tp):
 
 
 def test_sequence_lowers_activation_memory(fake):
-    # llama_deep's figures (8 layers, seq 128) are in README.md; here the 2-layer Llama at its longest
-    # sequence (64), where activations dominate as well, compiles in a third of the time
+    # llama_deep's figures (8 layers, seq 128) are in docs/plans.md (`sequence`); here the 2-layer
+    # Llama at its longest sequence (64), where activations dominate as well, compiles in a third of
+    # the time
     x = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
     meg = predict_memory(_compile(fake, "llama", "megatron", batch=(x, x)))
     seq = predict_memory(_compile(fake, "llama", "sequence", batch=(x, x)))

@@ -177,7 +177,7 @@ def search(spec: str | ModelInfo, world: int, *, device: str = "h100", budget: i
         # screened stays screened. (Not against the confirmed time: the screen errs either way,
         # by up to 20% and by different amounts between data-parallel strategies, whose extra ops
         # and collective latencies one block does not show; a screen against another candidate's
-        # compiled time mixes two errors. README, plan="auto": 70B's zero2 was left unconfirmed so.)
+        # compiled time mixes two errors. docs/planner.md: 70B's zero2 was left unconfirmed so.)
         best = min((d.screened[0] for d in done), default=math.inf)
         if c.step_s > 1.1 * best and len(done) >= min(want, confirm_top):
             skipped.append(c)

@@ -1,7 +1,7 @@
 """Weights from outside into a compiled program's shards: a model built on the meta device,
 compiled, then loaded from a Hugging Face checkpoint with every rank reading only its shards.
 
-The workflow (README, "Pretrained weights")::
+The workflow (docs/api.md, "Pretrained weights")::
 
     with autopar.init_empty_weights():           # parameters on meta, buffers real (or: torch.device("meta"))
         model = AutoModelForCausalLM.from_config(cfg)
