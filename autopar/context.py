@@ -39,6 +39,7 @@ class Context:
         # a pipeline stage's program: (per input, per output) whether dim 0 is the batch
         self.boundary: tuple[list[bool], list[bool]] | None = None
         self.lowered: dict[str, int] = {}  # what the lower pass rewrote into kernel ops, per rule
+        self.masks: list[str] = []  # what the masks pass did with each attention mask (passes/masks.py)
         # generation's programs (autopar/runtime/generate.py): the KV cache inputs' placements, by
         # input index (role ("cache", i)); a cache input or output not listed is replicated
         self.cache_layout: dict[int, tuple[Placement, ...]] = {}
@@ -148,6 +149,7 @@ def make_context(mesh: DeviceMesh, parsed: Plan, params: dict, options, accumula
     if state is not None:  # what the earlier passes recorded, seen from the stage
         ctx.timings = state.timings
         ctx.lowered = state.lowered
+        ctx.masks = state.masks
     return ctx
 
 

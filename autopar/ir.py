@@ -235,6 +235,7 @@ class CompileState:
     example_inputs: tuple  # the global example batch, as given
     micro_inputs: tuple  # one micro-batch of it: what capture traces
     gm: fx.GraphModule | None = None  # capture: the torch-level graph of model + loss
+    masks: list = field(default_factory=list)  # masks: per attention mask, what was done and why (one line each)
     lowered: dict = field(default_factory=dict)  # lower: rewrites into kernel ops, per rule
     stages: list[Stage] = field(default_factory=list)  # split: the stages compiled on this rank
     specs: list = field(default_factory=list)  # split (pipelines): every stage's StageSpec

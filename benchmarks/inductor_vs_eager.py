@@ -24,8 +24,8 @@ def job(pair: str, steps: int, warmup: int, batch: int, seq: int) -> dict:
     from autopar.tools.bench import bench_model, build_autopar
 
     world = dist.get_world_size()
-    _, cfg, _ = bench_model()
-    data = random_batches(cfg, 4, batch, seq)
+    _, vocab, _ = bench_model()
+    data = random_batches(vocab, 4, batch, seq)
     systems = {name: build_autopar(pair, world, data[0], compiled=name == "inductor")
                for name in ("eager", "inductor")}
     times = {k: [] for k in systems}

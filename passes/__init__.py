@@ -1,6 +1,7 @@
 """The pass pipeline: every pass autopar runs, in order (``autopar dump --passes`` prints it).
 
     capture      dynamo: model + loss -> one torch-level FX graph at a micro-batch's global shapes
+    masks        an attention mask computed from no input that is the causal mask -> is_causal=True
     lower        attention / linear + activation -> autopar's kernel ops (kernels="on")
     split        stages: a pipeline's cut at module boundaries; otherwise one stage, the whole graph;
                  a stage that compiles to an earlier stage's program is its twin (passes/twins.py):
@@ -34,6 +35,7 @@ from autopar.ir import CompileState, Program, check_invariants, check_local
 from autopar.passes.capture import autograd_pass, capture_pass
 from autopar.passes.collectives import collectives_pass
 from autopar.passes.localize import localize_pass
+from autopar.passes.masks import masks_pass
 from autopar.passes.lower import lower_pass
 from autopar.passes.overlap import overlap_pass
 from autopar.passes.propagate import propagate_pass
@@ -83,6 +85,7 @@ def _first_sentence(doc: str) -> str:
 
 PASSES: list[Pass] = [
     _pass("capture", capture_pass),
+    _pass("masks", masks_pass, required=False),
     _pass("lower", lower_pass, required=False),
     _pass("split", split_pass),
     _pass("autograd", autograd_pass),

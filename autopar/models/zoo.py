@@ -34,6 +34,8 @@ _HF = "hf"
 LLAMA_SMALL = dict(vocab_size=2048, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=256)
 HF_TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=64)  # tests' HF models too (testing.build_model)
+HF_SMALL = dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                num_key_value_heads=4, max_position_embeddings=256)  # LLAMA_SMALL's shapes (autopar bench --model)
 _LLAMA3 = dict(vocab_size=128256, n_kv_heads=8, max_seq_len=8192, rope_theta=500000.0)
 
 
@@ -66,6 +68,8 @@ BUILTINS: dict[str, tuple[str, dict, int, int, str]] = {
                         "transformers MistralForCausalLM, tiny config"),
     "hf-qwen2-tiny": (_HF, _hf("Qwen2Config", "Qwen2ForCausalLM", **HF_TINY), 4, 16,
                       "transformers Qwen2ForCausalLM, tiny config (q/k/v biases)"),
+    "hf-qwen2-small": (_HF, _hf("Qwen2Config", "Qwen2ForCausalLM", **HF_SMALL), 8, 128,
+                       "transformers Qwen2ForCausalLM with llama-small's shapes (4.2M parameters)"),
 }
 
 
@@ -216,10 +220,12 @@ def _load_factory(spec: str) -> Loaded:
 
 
 def random_batches(cfg, n: int, batch: int, seq: int):
-    """``n`` (tokens, next tokens) pairs of shape [batch, seq], the same on every call."""
+    """``n`` (tokens, next tokens) pairs of shape [batch, seq], the same on every call. ``cfg``: a
+    config with ``vocab_size``, or the vocabulary size."""
+    vocab = getattr(cfg, "vocab_size", cfg)
     g = torch.Generator().manual_seed(1234)
     out = []
     for _ in range(n):
-        x = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
+        x = torch.randint(0, vocab, (batch, seq + 1), generator=g)
         out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
     return out

@@ -127,6 +127,7 @@ class ParallelModule(Runtime):
                  f"plan: {ctx.plan.describe()}; " + ", ".join(opts)]
         if getattr(self, "auto_plan", None):  # autopar.compile(plan="auto"): what it chose, and why
             lines.append(self.auto_plan)
+        lines += [f"attention masks: {m}" for m in ctx.masks]  # (passes/masks.py)
         lines += ["", "parameters (as stored):"]
         for name, p in self.module.named_parameters():
             local = local_tensor(p).shape

@@ -241,7 +241,9 @@ class PipelineModule(Runtime):
         head = (f"autopar pipeline on mesh {dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))}: "
                 f"{self.schedule.name}, {len(self.specs)} stages on {self.pp_size} ranks, {self.microbatches} "
                 f"micro-batches; inside each stage: {self.plan.describe()}")
-        lines = [head] + ([self.auto_plan] if getattr(self, "auto_plan", None) else []) + ["", "stages:"]
+        lines = [head] + ([self.auto_plan] if getattr(self, "auto_plan", None) else [])
+        some = next(iter(self.local.values()), None)  # (the masks pass ran before the split: one list)
+        lines += [f"attention masks: {m}" for m in (some.ctx.masks if some is not None else [])] + ["", "stages:"]
         for r in self.describe_stages():
             lines.append(f"  stage {r['stage']} (pp rank {r['rank']}): {r['first']} .. {r['last']}, "
                          f"{r['parameters']:,} B of parameters")

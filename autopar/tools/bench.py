@@ -67,14 +67,35 @@ BASELINE_NAMES = {"ddp": "DistributedDataParallel", "fsdp": "FSDP2 fully_shard",
 
 
 # ----------------------------------------------------------------------------------------- the systems
-def bench_model(seed: int = 0):
-    """A Llama big enough that compute dominates Python overhead on a CPU, small enough for 2 cores."""
-    from autopar.models.llama import Llama, LlamaConfig, cross_entropy
-    from autopar.models.zoo import LLAMA_SMALL
+MODEL = "llama-small"  # the default model; ``--model`` names any built-in (autopar dump --list-models) or factory
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(**LLAMA_SMALL)
-    return Llama(cfg), cfg, cross_entropy
+
+def bench_model(name: str = MODEL, seed: int = 0):
+    """The benchmark's model, its vocabulary size and loss. The default (a Llama, 4.2M parameters) is
+    big enough that compute dominates Python overhead on a CPU, small enough for 2 cores;
+    ``hf-qwen2-small`` is Hugging Face's Qwen2 with its shapes."""
+    from autopar.models import zoo
+
+    loaded = zoo.load(name, meta=False, seed=seed)
+    vocab = getattr(getattr(loaded.model, "config", None), "vocab_size", None)
+    if vocab is None:
+        vocab = loaded.model.cfg.vocab_size
+    return loaded.model, vocab, loaded.loss_fn or zoo._ce
+
+
+def _logits(out):
+    """A Hugging Face model's output object holds the logits; the built-in models return them."""
+    return getattr(out, "logits", out)
+
+
+def _blocks(model):
+    """The model's repeated block list (found from its structure, as autopar's planner does)."""
+    from autopar.splice import find_blocks
+
+    found = find_blocks(model, min_blocks=2)
+    if isinstance(found, str):
+        raise SystemExit(f"autopar bench: the model has no repeated block list for the baselines: {found}")
+    return found[1]
 
 
 def _axes(pair: str, world: int) -> dict[str, int]:
@@ -85,13 +106,13 @@ def _axes(pair: str, world: int) -> dict[str, int]:
     return {"dp": world}
 
 
-def build_autopar(pair: str, world: int, example, foreach=None, compiled=False, **options):
+def build_autopar(pair: str, world: int, example, foreach=None, compiled=False, model_name=MODEL, **options):
     import autopar
 
     axes = _axes(pair, world)
     plan = {"ddp": {"dp": "ddp"}, "fsdp": {"dp": "fsdp"}, "megatron": {"tp": "megatron"},
             "2d": {"dp": "fsdp", "tp": "megatron"}}[pair]
-    model, _, loss_fn = bench_model()
+    model, _, loss_fn = bench_model(model_name)
     pm = autopar.compile(model, autopar.mesh(**axes), example_inputs=example, loss_fn=loss_fn, plan=plan,
                          capture_eval=False, inductor=compiled, **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=foreach)
@@ -112,11 +133,11 @@ def _tp_plan(model, tp_mesh):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    parallelize_module(model, tp_mesh, {
-        "embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
-    })
-    for layer in model.layers:
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.embed_tokens
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else model.lm_head
+    parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
+    parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+    for layer in _blocks(model):  # Llama's projection names (the built-in's and Hugging Face's)
         parallelize_module(layer, tp_mesh, {
             "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
@@ -125,10 +146,11 @@ def _tp_plan(model, tp_mesh):
         })
 
 
-def build_baseline(pair: str, world: int, example, foreach=None, compiled=False):
+def build_baseline(pair: str, world: int, example, foreach=None, compiled=False, model_name=MODEL):
     from torch.distributed.device_mesh import init_device_mesh
 
-    model, cfg, loss_fn = bench_model()
+    model, _, loss_fn = bench_model(model_name)
+    layers = _blocks(model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device)
     local_batch = False
@@ -145,7 +167,7 @@ def build_baseline(pair: str, world: int, example, foreach=None, compiled=False)
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(device, (world,), mesh_dim_names=("dp",))
-        for layer in model.layers:
+        for layer in layers:
             if compiled:  # the block's forward, FSDP2's hooks around it run eagerly (torchtitan's way)
                 layer.forward = torch.compile(layer.forward)
             fully_shard(layer, mesh=mesh)
@@ -159,12 +181,12 @@ def build_baseline(pair: str, world: int, example, foreach=None, compiled=False)
         mesh = init_device_mesh(device, tuple(axes.values()), mesh_dim_names=tuple(axes))
         _tp_plan(model, mesh["tp"])
         if compiled:
-            for layer in model.layers:
+            for layer in layers:
                 layer.compile()
         if pair == "2d":
             from torch.distributed.fsdp import fully_shard
 
-            for layer in model.layers:
+            for layer in layers:
                 fully_shard(layer, mesh=mesh["dp"])
             fully_shard(model, mesh=mesh["dp"])
             local_batch = True
@@ -180,11 +202,11 @@ def build_baseline(pair: str, world: int, example, foreach=None, compiled=False)
         x, y = x.to(device), y.to(device)
         if loss_ctx is not None:
             with loss_ctx():
-                loss = loss_fn(model(x), y)
+                loss = loss_fn(_logits(model(x)), y)
                 loss.backward()
             loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
         else:
-            loss = loss_fn(model(x), y)
+            loss = loss_fn(_logits(model(x)), y)
             loss.backward()
         opt.step()
         if zero_grad:
@@ -200,19 +222,19 @@ def build_baseline(pair: str, world: int, example, foreach=None, compiled=False)
 
 # ----------------------------------------------------------------------------------------- the run
 def pair_job(pair: str, steps: int, warmup: int, batch: int, seq: int, options: dict | None = None,
-             foreach: bool | None = None, compiled: bool = False):
+             foreach: bool | None = None, compiled: bool = False, model_name: str = MODEL):
     """On every rank: build both systems, then alternate their steps; rank 0's figures come back.
     ``compiled``: autopar with inductor=True against the baselines under torch.compile."""
     world = dist.get_world_size()
-    _, cfg, _ = bench_model()
-    data = _batches(cfg, 4, batch, seq)
+    _, vocab, _ = bench_model(model_name)
+    data = _batches(vocab, 4, batch, seq)
     out = {"pair": pair, "world": world, "axes": _axes(pair, world)}
     builders = {"autopar": build_autopar, "baseline": build_baseline}
     systems = {}
     for name, build in builders.items():
         dist.barrier()
         t0 = time.perf_counter()
-        systems[name] = build(pair, world, data[0], foreach=foreach, compiled=compiled,
+        systems[name] = build(pair, world, data[0], foreach=foreach, compiled=compiled, model_name=model_name,
                               **((options or {}) if name == "autopar" else {}))
         out[f"{name}_build_s"] = time.perf_counter() - t0
         out[f"{name}_compile_s"] = getattr(systems[name][0], "compile_s", None)
@@ -420,6 +442,19 @@ def plots(rows: list[dict], path_prefix: str) -> list[str]:
     return out
 
 
+def _describe(name: str, model) -> str:
+    cfg = getattr(model, "config", None) or getattr(model, "cfg", None)
+    n = sum(p.numel() for p in model.parameters())
+    if hasattr(model, "config"):  # Hugging Face
+        return (f"{type(model).__name__} ({name}) hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, vocab "
+                f"{cfg.vocab_size}, {cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads, ffn "
+                f"{cfg.intermediate_size}, {n / 1e6:.1f}M parameters")
+    if cfg is not None and hasattr(cfg, "dim"):
+        return (f"Llama ({name}) dim {cfg.dim}, {cfg.n_layers} layers, vocab {cfg.vocab_size}, {cfg.n_heads} heads / "
+                f"{cfg.n_kv_heads} KV heads, ffn {cfg.ffn_dim}, {n / 1e6:.1f}M parameters")
+    return f"{type(model).__name__} ({name}), {n / 1e6:.1f}M parameters"
+
+
 def _progress(i: int, n: int, what: str):
     bar = "#" * int(30 * i / n)
     print(f"\r[{bar:30s}] {i}/{n} {what:40s}", end="" if i < n else "\n", file=sys.stderr, flush=True)
@@ -443,6 +478,10 @@ def main(argv=None):
                     help="autopar.compile(inductor=True) against the baselines under torch.compile")
     ap.add_argument("--tag", default="", help="appended to the results' file names")
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--model", default=MODEL,
+                    help="a built-in model name (autopar dump --list-models; e.g. hf-qwen2-small: Hugging Face's Qwen2 "
+                         "with the default's shapes) or package.module:factory; the pairs' baselines find its "
+                         "repeated block list from its structure (megatron / 2d: Llama's projection names)")
     ap.add_argument("--out", default="benchmarks/results", help="directory for the JSON, markdown and PNGs")
     ap.add_argument("--planning", action="store_true",
                     help="instead: time trace + plan of Llama-3 shapes on meta tensors with a fake process group")
@@ -501,16 +540,15 @@ def main(argv=None):
                 _progress(len(results), len(jobs), f"{pair} on {w} ranks")
                 results.append(pool.run(pair_job, pair, args.steps, args.warmup, args.batch, args.seq,
                                         {"bucket_mb": args.bucket_mb, "prefetch": args.prefetch},
-                                        True if args.foreach else None, args.inductor))
+                                        True if args.foreach else None, args.inductor, args.model))
         finally:
             pool.close()
     _progress(len(results), len(jobs), "done")
-    _, cfg, _ = bench_model()
+    model, _, _ = bench_model(args.model)
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": platform.node() or "?",
             "platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
             "torch": torch.__version__, "device": "CUDA" if torch.cuda.is_available() else "CPU, gloo",
-            "model": f"Llama dim {cfg.dim}, {cfg.n_layers} layers, vocab {cfg.vocab_size}, "
-                     f"{cfg.n_heads} heads / {cfg.n_kv_heads} KV heads, ffn {cfg.ffn_dim}",
+            "model": _describe(args.model, model),
             "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
             "autopar_options": {"bucket_mb": args.bucket_mb, "prefetch": args.prefetch, "inductor": args.inductor},
             "baseline_compiled": "torch.compile" if args.inductor else "eager", "load_average": load_before,

@@ -24,6 +24,7 @@ def state_text(state: CompileState) -> str:
     o = state.options
     lines = [f"after pass '{state.done[-1]}' (passes run: {' -> '.join(state.done)})",
              f"mesh {dict(zip(state.mesh.mesh_dim_names, state.mesh.shape))}, plan {o.plan}", ""]
+    lines += [f"masks: {m}" for m in state.masks]
     if state.lowered:
         lines.append(f"lowered into kernel ops: {dict(state.lowered)}")
     if not state.stages:

@@ -1,0 +1,226 @@
+"""masks: an attention mask that no input decides, and that is the causal mask, becomes ``is_causal``.
+
+Traced, a model often builds its attention mask where eager PyTorch would not: Hugging Face's
+masking utilities, under dynamo, cannot take the data-dependent shortcut that hands SDPA
+``is_causal=True``, so the captured graph computes a boolean ``[batch, 1, seq, seq]`` mask from
+``arange``s and position ids every step and attends with it. The joint program then pays for the
+mask's ops, reads it in every attention (forward and backward), and SDPA cannot skip the masked
+half of the blocks (nor, on a GPU, use the flash kernel, which takes no mask).
+
+This pass looks at the torch-level graph's structure, not at who built the mask: for every
+``scaled_dot_product_attention`` whose ``attn_mask`` is computed from no placeholder (no input,
+parameter or buffer of the model: only factories such as ``arange`` and constants the trace
+made), it evaluates that
+subgraph once on the CPU (twice, under one seed each time, so a random mask is never taken for a
+constant) and, where the value is exactly the causal mask SDPA's ``is_causal=True`` means (bool:
+``True`` on and below the diagonal; additive: 0 there and ``-inf`` or the dtype's lowest value
+above), for every batch row and head, rewrites the call to ``attn_mask=None, is_causal=True``.
+The mask's nodes that nothing else reads leave the graph (with any constant nothing read). Any other mask is left as it was.
+
+A mask whose subgraph would hold more than ``EVAL_BYTES`` is not evaluated (planning a long
+sequence on meta tensors); it stays, and the pass says so. What it did and did not rewrite is
+recorded, one line per attention, in ``state.masks`` (``pm.ctx.masks``; ``pm.report()`` and
+``autopar dump`` print it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from autopar import torch_compat as tc
+from autopar.ir import CompileState, source_line
+
+_SDPA = tc.native_nn("scaled_dot_product_attention")
+EVAL_BYTES = 256 << 20  # the most the mask's subgraph may hold, summed over its values, to be evaluated
+
+
+def _val(n):
+    return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else None
+
+
+def _attr(gm: fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _constant_nodes(gm: fx.GraphModule, model_tensors: set[int]) -> set[fx.Node]:
+    """The nodes whose every input is a constant or another such node: no placeholder, and no
+    parameter or buffer of the model (``model_tensors``: their ids), which training or the user
+    may change; only the constants the trace itself made."""
+    const: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            if id(_attr(gm, n.target)) not in model_tensors:
+                const.add(n)
+        elif n.op in ("call_function", "call_method"):
+            ins = n.all_input_nodes
+            if all(a in const for a in ins) and not _effectful(n):
+                const.add(n)
+    return const
+
+
+def _effectful(n: fx.Node) -> bool:
+    """Grad-mode switches, profiler records and the like: nodes kept for their effect, not a value."""
+    return n.op == "call_function" and n.is_impure() and not isinstance(_val(n), torch.Tensor)
+
+
+def _ancestors(n: fx.Node) -> list[fx.Node]:
+    seen, stack = {n}, [n]
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    order = {m: i for i, m in enumerate(n.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
+
+
+def _on_cpu(x):
+    if isinstance(x, torch.device):
+        return torch.device("cpu")
+    if isinstance(x, str) and x.split(":")[0] in ("cuda", "meta", "xpu", "mps", "hpu"):
+        return "cpu"
+    return x
+
+
+def _evaluate(gm: fx.GraphModule, nodes: list[fx.Node]) -> torch.Tensor:
+    """The value of the last of ``nodes`` (a subgraph closed over constants), computed on the CPU."""
+    env: dict[fx.Node, object] = {}
+
+    def load(a):
+        return env[a] if isinstance(a, fx.Node) else _on_cpu(a)
+
+    for n in nodes:
+        args = fx.node.map_aggregate(n.args, load)
+        kwargs = fx.node.map_aggregate(n.kwargs, load)
+        if n.op == "get_attr":
+            obj = _attr(gm, n.target)
+            env[n] = obj.to("cpu") if isinstance(obj, torch.Tensor) else obj
+        elif n.op == "call_method":
+            env[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
+        else:
+            env[n] = n.target(*args, **kwargs)
+    return env[nodes[-1]]
+
+
+def _bytes(nodes) -> int:
+    total = 0
+    for n in nodes:
+        v = _val(n)
+        if isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+    return total
+
+
+def is_causal_mask(mask: torch.Tensor, lq: int, lk: int) -> bool:
+    """Whether ``mask`` (bool, or additive float) is SDPA's ``is_causal=True`` for an ``lq x lk``
+    attention, in every batch row and head it broadcasts over."""
+    if mask.ndim < 2 or mask.shape[-2:] != (lq, lk):
+        return False
+    allowed = torch.ones(lq, lk, dtype=torch.bool).tril()
+    if mask.dtype == torch.bool:
+        return bool((mask == allowed).all())
+    if not mask.is_floating_point():
+        return False
+    low = torch.finfo(mask.dtype).min
+    blocked = (mask == float("-inf")) | (mask == low)
+    return bool(((mask == 0) == allowed).all() and (blocked == ~allowed).all())
+
+
+def _arg(n: fx.Node, i: int, name: str, default=None):
+    return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
+
+
+def _rewrite(n: fx.Node) -> None:
+    q, k, v = (_arg(n, i, name) for i, name in enumerate(("query", "key", "value")))
+    kwargs = {name: _arg(n, i, name) for i, name in ((4, "dropout_p"), (6, "scale"), (7, "enable_gqa"))
+              if _arg(n, i, name) is not None}
+    kwargs.update(attn_mask=None, is_causal=True)
+    n.args, n.kwargs = (q, k, v), kwargs
+
+
+def _drop_dead(graph: fx.Graph, candidates: set[fx.Node]) -> int:
+    """Remove the ``candidates`` nothing reads any more (the rewritten masks' subgraphs)."""
+    dropped = 0
+    for n in reversed(list(graph.nodes)):
+        if n in candidates and not n.users and not _effectful(n):
+            graph.erase_node(n)
+            dropped += 1
+    return dropped
+
+
+def _verdict(gm: fx.GraphModule, mask: fx.Node, const: set, lq: int, lk: int) -> tuple[bool, str]:
+    """(rewrite?, why) for one mask node read by an lq x lk attention."""
+    if mask not in const:
+        return False, "depends on an input, parameter or buffer"
+    nodes = _ancestors(mask)
+    size = _bytes(nodes)
+    if size > EVAL_BYTES:
+        return False, (f"is computed from no input but was not checked for causality ({size / 2**20:.0f} MiB to "
+                       f"evaluate, more than {EVAL_BYTES >> 20})")
+    try:
+        values = []
+        for _ in range(2):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(len(values))
+                values.append(_evaluate(gm, nodes))
+    except Exception as e:  # noqa: BLE001 - an op the CPU cannot run: the mask stays
+        return False, f"could not be evaluated on the CPU ({type(e).__name__}: {e})"
+    a, b = values
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+            and a.shape == b.shape and torch.equal(a, b)):
+        return False, "differs between two evaluations (random)"
+    if not is_causal_mask(a, lq, lk):
+        return False, "is not the causal mask"
+    return True, f"is computed from no input and is the causal mask ({list(a.shape)} {str(a.dtype)[6:]})"
+
+
+def _at(n: fx.Node) -> str:
+    return (source_line(n) or n.name).split("  ")[0]
+
+
+def causal_masks(gm: fx.GraphModule, model: torch.nn.Module) -> list[str]:
+    """Rewrite, in ``gm`` (``model``'s torch-level graph), every SDPA whose mask is a constant
+    equal to the causal mask (module docstring); returns what was done, one line per mask and
+    verdict (with how many attentions)."""
+    graph = gm.graph
+    const = _constant_nodes(gm, {id(t) for t in [*model.parameters(), *model.buffers()]})
+    verdicts: dict[tuple, tuple[bool, str]] = {}
+    counts: dict[tuple, list] = {}
+    removable: set[fx.Node] = set()
+    for n in list(graph.nodes):
+        if not (n.op == "call_function" and n.target in _SDPA):
+            continue
+        mask = _arg(n, 3, "attn_mask")
+        qv, kv = _val(_arg(n, 0, "query")), _val(_arg(n, 1, "key"))
+        if not isinstance(mask, fx.Node) or _arg(n, 5, "is_causal", False) is not False or qv is None or kv is None:
+            continue
+        key = (mask, qv.shape[-2], kv.shape[-2])
+        if key not in verdicts:
+            verdicts[key] = _verdict(gm, mask, const, *key[1:])
+        ok, why = verdicts[key]
+        if ok:
+            _rewrite(n)
+            removable.update(_ancestors(mask))
+        counts.setdefault(key, [0, _at(n)])[0] += 1
+    lines = []
+    for key, (ok, why) in verdicts.items():
+        k, where = counts[key]
+        lines.append(f"{k} attention(s) at {where}: the mask from {_at(key[0])} {why}: "
+                     + ("is_causal=True, the mask dropped" if ok else "kept"))
+    if removable:
+        _drop_dead(graph, removable | const)  # (with the constants nothing read before either)
+        graph.lint()
+        gm.recompile()
+    return lines
+
+
+def masks_pass(state: CompileState) -> CompileState:
+    """After it: an SDPA whose mask no input decides and which is the causal mask is
+    ``is_causal=True`` without the mask (state.masks says, per attention, what was done)."""
+    state.masks = causal_masks(state.gm, state.model)
+    return state
+

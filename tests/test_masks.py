@@ -1,0 +1,166 @@
+"""The masks pass (passes/masks.py): an attention mask computed from no input that is the causal
+mask becomes ``is_causal=True``; every other mask stays. Checked against the graph before the
+rewrite (same loss and gradients, computed by autograd through both torch-level graphs) and
+against one eager process (the compiled program on one rank)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.capture import capture_graph
+from autopar.passes.masks import causal_masks, is_causal_mask
+
+F = nn.functional
+SDPA = F.scaled_dot_product_attention
+
+
+def _sdpa_nodes(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and "scaled_dot_product" in str(n.target)]
+
+
+class _Attn(nn.Module):
+    """One attention layer whose mask is built by ``make(tokens, s)`` inside forward."""
+
+    def __init__(self, make, vocab=64, dim=32, heads=4):
+        super().__init__()
+        self.make, self.heads = make, heads
+        self.emb = nn.Embedding(vocab, dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        b, s = tokens.shape
+        x = self.emb(tokens)
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        o = SDPA(q, k, v, attn_mask=self.make(tokens, s))
+        return self.head(x + o.transpose(1, 2).reshape(b, s, -1))
+
+
+def _ce(logits, y):
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(0, 1))
+
+
+MASKS = {
+    # (mask builder, rewritten?, what the report says)
+    "tril bool": (lambda t, s: torch.ones(s, s, dtype=torch.bool).tril(), True, "is the causal mask"),
+    "arange compare": (lambda t, s: (torch.arange(s)[None, :] <= torch.arange(s)[:, None])[None, None].expand(
+        t.shape[0], 1, s, s), True, "is the causal mask"),
+    "additive -inf": (lambda t, s: torch.full((s, s), float("-inf")).triu(1), True, "is the causal mask"),
+    "sliding window": (lambda t, s: (torch.ones(s, s, dtype=torch.bool).tril() & ~torch.ones(s, s, dtype=torch.bool)
+                                     .tril(-4)), False, "is not the causal mask"),
+    "shifted diagonal": (lambda t, s: torch.ones(s, s, dtype=torch.bool).tril(-1) | torch.eye(s, dtype=torch.bool)
+                         .roll(1, 0), False, "is not the causal mask"),
+    "random": (lambda t, s: torch.ones(s, s, dtype=torch.bool).tril() | (torch.rand(s, s) < 0.3), False,
+               "differs between two evaluations"),
+    "padding": (lambda t, s: torch.ones(s, s, dtype=torch.bool).tril()[None, None] & (t != 0)[:, None, None, :],
+                False, "depends on an input"),
+}
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_a_constant_causal_mask_becomes_is_causal_and_nothing_else_does(name):
+    make, rewritten, says = MASKS[name]
+    torch.manual_seed(0)
+    model = _Attn(make)
+    x = torch.randint(1, 64, (2, 12))
+    x[1, 9:] = 0  # padding in the second row (matters to the input-dependent mask only)
+    y = torch.randint(0, 64, (2, 12))
+    before = capture_graph(model, (x, y), _ce)
+    after = capture_graph(model, (x, y), _ce)
+    lines = causal_masks(after, model)
+    assert len(lines) == 1 and says in lines[0], lines
+    sdpa = _sdpa_nodes(after)
+    assert len(sdpa) == 1
+    assert (sdpa[0].kwargs.get("is_causal") is True and sdpa[0].kwargs.get("attn_mask") is None) == rewritten
+    if rewritten:
+        assert "is_causal=True" in lines[0] and len(after.graph.nodes) < len(before.graph.nodes)
+    # the graphs compute the same loss and, through autograd, the same gradients
+    if name != "random":
+        outs = []
+        for gm in (before, after):
+            model.zero_grad()
+            loss = torch.fx.Interpreter(gm).run(x, y)
+            loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+            loss.backward()
+            outs.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-6, atol=1e-6)
+        for a, b in zip(outs[0][1], outs[1][1]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_mask_from_a_buffer_is_not_taken_for_a_constant():
+    """A buffer may change between steps (the user's, or a running statistic): a mask read from
+    one stays, even when it holds the causal mask now."""
+
+    class Buffered(_Attn):
+        def __init__(self):
+            super().__init__(lambda t, s: self.tri[:s, :s])
+            self.register_buffer("tri", torch.ones(16, 16, dtype=torch.bool).tril(), persistent=False)
+
+    model = Buffered()
+    x, y = torch.randint(1, 64, (2, 12)), torch.randint(0, 64, (2, 12))
+    gm = capture_graph(model, (x, y), _ce)
+    lines = causal_masks(gm, model)
+    assert "depends on an input, parameter or buffer" in lines[0] and "kept" in lines[0]
+
+
+def test_is_causal_mask():
+    s = 6
+    tri = torch.ones(s, s, dtype=torch.bool).tril()
+    assert is_causal_mask(tri, s, s) and is_causal_mask(tri[None, None].expand(3, 2, s, s), s, s)
+    additive = torch.zeros(s, s).masked_fill(~tri, torch.finfo(torch.float32).min)
+    assert is_causal_mask(additive, s, s) and is_causal_mask(additive.masked_fill(~tri, float("-inf")), s, s)
+    assert not is_causal_mask(tri, s, s + 1)  # not square: SDPA's causal is top-left aligned
+    batch = tri[None].repeat(2, 1, 1)
+    batch[1, 3, 3] = False  # one row of one batch entry differs
+    assert not is_causal_mask(batch, s, s)
+    assert not is_causal_mask(additive.masked_fill(~tri, -1e4), s, s)  # a finite penalty is not a mask
+    assert not is_causal_mask(tri.long(), s, s)
+
+
+def test_hugging_face_mask_is_rewritten_and_the_program_matches_eager():
+    """HF Llama (SDPA attention): traced, its masking utilities build a [batch, 1, seq, seq] mask
+    that eager PyTorch never builds; the pass makes the program's attention causal again. The
+    compiled program on one rank matches one eager process, and so does the one compiled without
+    the pass."""
+    import autopar
+    from autopar.testing import build_model, parity_optimizer
+
+    from test_kernels import _one_rank
+
+    model, batches, loss_fn = build_model("hf_llama")
+    gm = capture_graph(model, batches[0], loss_fn)
+    lines = causal_masks(gm, model)
+    assert len(lines) == 1 and lines[0].startswith("2 attention(s)") and "is_causal=True" in lines[0], lines
+    assert all(n.kwargs.get("is_causal") is True for n in _sdpa_nodes(gm))
+    assert not [n for n in gm.graph.nodes if "masking_utils" in (n.meta.get("stack_trace") or "")], \
+        "the mask's nodes left the graph"
+
+    ref = build_model("hf_llama")[0]
+    ref_opt = parity_optimizer(ref.parameters(), 1e-2)
+    runs = {}
+    with _one_rank() as mesh:
+        for skip in ((), ("masks",)):
+            m = build_model("hf_llama")[0]
+            pm = autopar.compile(m, mesh, example_inputs=batches[0], loss_fn=loss_fn, plan={"dp": "ddp"},
+                                 capture_eval=False, skip_passes=skip)
+            opt = parity_optimizer(pm.parameters(), 1e-2)
+            losses = []
+            for x, y in batches:
+                losses.append(float(pm.train_step(x, y)))
+                opt.step()
+                opt.zero_grad()
+            runs[skip] = (losses, pm.report())
+    ref_losses = []
+    for x, y in batches:
+        loss = loss_fn(ref(x).logits, y)
+        loss.backward()
+        ref_losses.append(float(loss))
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for skip, (losses, report) in runs.items():
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-5, atol=2e-5)
+    assert "attention masks: 2 attention(s)" in runs[()][1]
+    assert "attention masks" not in runs[("masks",)][1]
