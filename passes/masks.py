@@ -157,6 +157,44 @@ def _verdict(gm: fx.GraphModule, mask: fx.Node, const: set, lq: int, lk: int) ->
     if mask not in const:
         return False, "depends on an input, parameter or buffer"
     nodes = _ancestors(mask)
+    key = (_signature(gm, nodes), lq, lk)
+    hit = _VERDICTS.get(key)
+    if hit is None:
+        hit = _VERDICTS[key] = _evaluated(gm, nodes, lq, lk)
+        while len(_VERDICTS) > 64:
+            _VERDICTS.pop(next(iter(_VERDICTS)))
+    return hit
+
+
+# verdicts by the mask subgraph's structure: a planner's or a test's repeated compiles (the same
+# model at depths 1, 2, 3) evaluate a mask once per process
+_VERDICTS: dict[tuple, tuple[bool, str]] = {}
+
+
+def _signature(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple:
+    """The subgraph as data: each node's op, target, constant arguments (nodes by position),
+    and value's shape and dtype; a constant tensor by its contents."""
+    pos = {n: i for i, n in enumerate(nodes)}
+
+    def arg(a):
+        if isinstance(a, fx.Node):
+            return ("node", pos[a])
+        if isinstance(a, torch.Tensor):
+            small = not a.is_meta and a.numel() <= 1 << 20
+            data = a.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes() if small else id(a)
+            return ("tensor", a.dtype, tuple(a.shape), data)
+        return a if isinstance(a, (int, float, bool, str, type(None), torch.dtype, torch.device)) else repr(a)
+
+    out = []
+    for n in nodes:
+        v = _val(n)
+        const = _attr(gm, n.target) if n.op == "get_attr" else None
+        out.append((n.op, str(n.target), fx.node.map_aggregate(n.args, arg), fx.node.map_aggregate(n.kwargs, arg),
+                    (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None, arg(const)))
+    return tuple(repr(x) for x in out)
+
+
+def _evaluated(gm: fx.GraphModule, nodes: list[fx.Node], lq: int, lk: int) -> tuple[bool, str]:
     size = _bytes(nodes)
     if size > EVAL_BYTES:
         return False, (f"is computed from no input but was not checked for causality ({size / 2**20:.0f} MiB to "
