@@ -68,8 +68,10 @@ def _defer_output_waits(gm: fx.GraphModule) -> None:
     DDP's reducer and FSDP2 overlap the same way). The wait and the local ops after it (the fp32
     cast of a bf16-reduced gradient, a layout fix-up; a bucket's slices and views) move together:
 
-    - all-reduce (DDP, tp): to the end of the program; it reduces a copy of its input, and its
-      output is a program output anyway, so this costs no memory;
+    - all-reduce (DDP, tp; the step's loss summed over the data-parallel ranks): to the end of
+      the program; it reduces a copy of its input, and its output is a program output anyway,
+      so this costs no memory (the loss's all-reduce then runs during the backward instead of
+      holding every rank at the end of the forward);
     - reduce-scatter (ZeRO): to just before the next reduce-scatter is issued, so one is in
       flight at a time and a whole gradient is freed one layer later, not at the end (ZeRO-2/3
       never hold all gradients whole).
@@ -179,20 +181,34 @@ def _defer_waits_to_first_use(gm: fx.GraphModule) -> None:
 
 
 def _after_wait(wait: fx.Node, out: fx.Node, pos) -> list[fx.Node] | None:
-    """The wait and the local ops (PASS_THROUGH) that lead from it only to the program's outputs,
-    in graph order; None if anything else reads them, or nothing reaches the outputs."""
+    """The wait and the local ops (PASS_THROUGH, or elementwise on small values: the loss's
+    division by the global token count) that lead from it only to the program's outputs, in graph
+    order; None if anything else reads them, or nothing reaches the outputs."""
     group, todo = {wait}, [wait]
     while todo:
         for u in todo.pop().users:
             if u is out or u in group:
                 continue
-            if u.op != "call_function" or u.target not in PASS_THROUGH:
+            if u.op != "call_function" or (u.target not in PASS_THROUGH and not _small_pointwise(u)):
                 return None
             group.add(u)
             todo.append(u)
     if not any(out in g.users for g in group):
         return None
     return sorted(group, key=pos.__getitem__)
+
+
+SMALL = 4096  # elements: a value this small costs nothing to keep until the program's end
+
+
+def _small_pointwise(n: fx.Node) -> bool:
+    """An elementwise op on small values only (the step's loss divided by the global token count):
+    moved to the end of the program with a wait, it keeps nothing large alive any longer."""
+    tags = getattr(n.target, "tags", ())
+    if torch.Tag.pointwise not in tags:
+        return False
+    vals = [n.meta.get("val")] + [a.meta.get("val") for a in n.all_input_nodes]
+    return all(isinstance(v, torch.Tensor) and v.numel() <= SMALL for v in vals)
 
 
 def _keep_inputs_until_wait(gm: fx.GraphModule) -> None:
