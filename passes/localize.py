@@ -224,10 +224,10 @@ def _checked(n: fx.Node, out, ctx):
 
 def _dropout(n: fx.Node, x: torch.Tensor, ctx):
     """A training dropout on this rank's block, its mask drawn from the global positions of the
-    block's elements (autopar/runtime/dropout.py): replicas draw the same mask, shards their part
+    block's elements (autopar/dropout.py): replicas draw the same mask, shards their part
     of one mask. The key names the dropout by its node in the torch-level capture, which every
     rank, stage and plan shares."""
-    from autopar.runtime.dropout import local_dropout, node_key
+    from autopar.dropout import local_dropout, node_key
 
     spec = spec_of(n.args[0])
     odd = [p for p in spec.placements if isinstance(p, (Partial, tc.StridedShard))]

@@ -45,6 +45,7 @@ from autopar.errors import CaptureError, PlanError
 from autopar.ir import CompileState, Stage
 from autopar.modpath import block_of as _block
 from autopar.modpath import module_path as _path
+from autopar.modpath import tensor_names
 from autopar.passes.twins import args_key, find_twins, value_key
 
 def split_pass(state: CompileState) -> CompileState:
@@ -54,7 +55,6 @@ def split_pass(state: CompileState) -> CompileState:
     axis) with the parameters placed by the plan. No pipeline axis: one stage, the whole graph.
     A stage that compiles to the same program as an earlier one is marked its twin
     (``stage.twin_of``, passes/twins.py): the per-stage passes compile the earlier one only."""
-    from autopar.capture import _tensor_names
     from autopar.context import make_context
     from autopar.plan import check_rules_cover
 
@@ -72,7 +72,7 @@ def split_pass(state: CompileState) -> CompileState:
     state.specs = split_stages(state.gm, pl.n_stages, pl.options.split, device=device, dev_name=pl.options.balance)
     pp_rank = state.mesh.get_local_rank(pl.axis)
     mine = [s for s in range(pl.n_stages) if o.stages == "all" or pl.schedule.rank_of(s) == pp_rank]
-    ids = _tensor_names(state.model)
+    ids = tensor_names(state.model)
     for spec in state.specs:  # every stage's, also those other ranks compile: tied weights (runtime)
         spec.param_names = [ids[id(getattr(spec.gm, t))][1] for t in spec.params]
     state.stages = []
