@@ -374,7 +374,7 @@ def capture_forward(model: nn.Module, example_inputs: tuple, compute_dtype: torc
                     call: Callable | None = None, dropless: bool = False) -> Program:
     """Forward-only (eval) program via torch.export; outputs are the model's tensors.
     ``call(model, *inputs)``: what to trace instead of ``model(*inputs)`` (generation's steps).
-    An input the traced code updates in place (a KV cache, autopar/runtime/generate.py) has the
+    An input the traced code updates in place (a KV cache, autopar/generation.py) has the
     role ``("cache", i)`` and its new value is an output ``("cache", i)``, ahead of the others."""
     from autopar import capture_cache as cc
 

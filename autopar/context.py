@@ -39,7 +39,7 @@ class Context:
         # a pipeline stage's program: (per input, per output) whether dim 0 is the batch
         self.boundary: tuple[list[bool], list[bool]] | None = None
         self.lowered: dict[str, int] = {}  # what the lower pass rewrote into kernel ops, per rule
-        # generation's programs (autopar/runtime/generate.py): the KV cache inputs' placements, by
+        # generation's programs (autopar/generation.py): the KV cache inputs' placements, by
         # input index (role ("cache", i)); a cache input or output not listed is replicated
         self.cache_layout: dict[int, tuple[Placement, ...]] = {}
 
