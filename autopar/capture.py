@@ -43,6 +43,7 @@ from autopar import torch_compat as tc
 from autopar.errors import CaptureError, TorchVersionError
 from autopar.ir import Program, info
 from autopar.modpath import get_attr as _get_attr
+from autopar.modpath import tensor_names
 
 # ---- a model on meta tensors (planning a 70B model without its memory) must trace into the same
 # joint graph as with real weights (tests/test_explain.py compares the two). Two fixes, in force
@@ -152,15 +153,6 @@ def _unwrap_output(out):
     return out
 
 
-def _tensor_names(module: nn.Module) -> dict[int, tuple[str, str]]:
-    names: dict[int, tuple[str, str]] = {}
-    for n, p in module.named_parameters(remove_duplicate=True):
-        names.setdefault(id(p), ("param", n))
-    for n, b in module.named_buffers(remove_duplicate=True):
-        names.setdefault(id(b), ("buffer", n))
-    return names
-
-
 def _static_capture():
     """autopar's captures (no dynamic shapes) skip export's constraint check (torch_compat.static_export)."""
     return tc.static_export()
@@ -268,7 +260,7 @@ def _joint_program(gm, example_inputs, model, stage, device) -> Program:
         what = "pipeline stage" if stage else "model"
         raise CaptureError(f"could not trace the {what} into a joint forward+backward graph: {type(e).__name__}: {e}",
                            where=type(model).__name__) from e
-    return _describe(graph, gm, _tensor_names(model), model, stage=stage)
+    return _describe(graph, gm, tensor_names(model), model, stage=stage)
 
 
 def capture_joint(model: nn.Module, example_inputs: tuple, loss_fn: Callable | None,
@@ -382,7 +374,7 @@ def capture_forward(model: nn.Module, example_inputs: tuple, compute_dtype: torc
                     call: Callable | None = None, dropless: bool = False) -> Program:
     """Forward-only (eval) program via torch.export; outputs are the model's tensors.
     ``call(model, *inputs)``: what to trace instead of ``model(*inputs)`` (generation's steps).
-    An input the traced code updates in place (a KV cache, autopar/runtime/generate.py) has the
+    An input the traced code updates in place (a KV cache, autopar/generation.py) has the
     role ``("cache", i)`` and its new value is an output ``("cache", i)``, ahead of the others."""
     from autopar import capture_cache as cc
 

@@ -371,6 +371,7 @@ def _micro_batch(example_inputs: tuple, accumulate: int, parsed: Plan, mesh) -> 
 
 def runtime_for(state: CompileState, capture_eval: bool = True):
     """The runtime object for a compiled state: ParallelModule (one stage) or PipelineModule."""
+    from autopar import generation
     from autopar.analysis.budget import check_budget
     from autopar.passes import run_stage_passes
     from autopar.runtime.common import index_checks
@@ -408,9 +409,8 @@ def runtime_for(state: CompileState, capture_eval: bool = True):
                             state.stages, state.example_inputs, o.inputs, stage_plan=pl.parsed)
     else:
         rt = ParallelModule(state.model, state.stages[0], state.example_inputs, o.loss_fn is not None, o.inputs,
-                            forward_builder)
+                            forward_builder, functools.partial(generation.build, skip=o.skip, debug=o.debug))
     rt.timeout = o.timeout
-    rt.compile_options = o  # what later compiles of this program's kind read (generation: autopar/runtime/generate.py)
     rt.clock = steptimes.StepClock(o.straggler_threshold, o.straggler_window)
     rt.index_checks = checks
     if o.inductor:

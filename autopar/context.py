@@ -40,7 +40,7 @@ class Context:
         self.boundary: tuple[list[bool], list[bool]] | None = None
         self.lowered: dict[str, int] = {}  # what the lower pass rewrote into kernel ops, per rule
         self.masks: list[str] = []  # what the masks pass did with each attention mask (passes/masks.py)
-        # generation's programs (autopar/runtime/generate.py): the KV cache inputs' placements, by
+        # generation's programs (autopar/generation.py): the KV cache inputs' placements, by
         # input index (role ("cache", i)); a cache input or output not listed is replicated
         self.cache_layout: dict[int, tuple[Placement, ...]] = {}
 

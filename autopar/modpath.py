@@ -1,6 +1,6 @@
 """Where a traced node or tensor sits in the user's module tree: the few helpers every pass that
-groups by block (split, twins, splice) shares, with no import of any pass (tests/test_layout.py:
-no cycles)."""
+groups by block (split, twins, splice), the capture and the tensor-parallel analysis share, with
+no import of any pass (tests/test_layout.py: no cycles, layers)."""
 
 from __future__ import annotations
 
@@ -43,3 +43,14 @@ def get_attr(obj: Any, target: str):
         if obj is None:
             return None
     return obj
+
+
+def tensor_names(module) -> dict[int, tuple[str, str]]:
+    """``id`` of each parameter and buffer of ``module`` -> ``("param" | "buffer", its name)``
+    (a tied tensor by its first name)."""
+    names: dict[int, tuple[str, str]] = {}
+    for n, p in module.named_parameters(remove_duplicate=True):
+        names.setdefault(id(p), ("param", n))
+    for n, b in module.named_buffers(remove_duplicate=True):
+        names.setdefault(id(b), ("buffer", n))
+    return names

@@ -6,7 +6,7 @@ GPT-2 (2 layers, hidden 64, vocab 128, eager attention) with dropout p on the em
 attention weights and the residuals, AdamW lr 1e-3, 8 fixed batches of 4 x 16 tokens in turn:
 
 - eager PyTorch on one process (torch's generator draws the masks);
-- autopar fsdp on 2 gloo ranks (autopar/runtime/dropout.py draws them);
+- autopar fsdp on 2 gloo ranks (autopar/dropout.py draws them);
 - both with p = 0 (the curve dropout changes).
 
 The masks differ, so the curves differ step by step; what must agree is the distribution: the

@@ -48,6 +48,7 @@ import torch
 from torch import fx
 
 from autopar.ir import CommRecord, info
+from autopar.modpath import block_of
 from autopar.passes.localize import COLLECTIVES, c10d
 
 aten = torch.ops.aten
@@ -123,13 +124,6 @@ def gradient_reductions(gm: fx.GraphModule, roles) -> list[Reduction]:
         key = (kind, group, op, x.dtype, size)
         found.append(Reduction(n, wait, name, key, x.numel() * x.dtype.itemsize, unit))
     return found
-
-
-def block_of(name: str) -> str:
-    """The repeated block a parameter belongs to: its name up to the first index
-    (``layers.3.mlp.up_proj.weight`` -> ``layers.3``); "" outside every block."""
-    parts = name.split(".")
-    return next((".".join(parts[:i + 1]) for i, p in enumerate(parts) if p.isdigit()), "")
 
 
 def assign_buckets(reductions: list[Reduction], cap_bytes: float) -> list[list[Reduction]]:

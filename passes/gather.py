@@ -48,7 +48,8 @@ import torch
 from torch import fx
 
 from autopar.ir import info
-from autopar.passes.bucket import _contiguous, _emit, _record, block_of
+from autopar.modpath import block_of
+from autopar.passes.bucket import _contiguous, _emit, _record
 from autopar.passes.localize import c10d
 
 aten = torch.ops.aten

@@ -31,6 +31,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar import torch_compat as tc
+from autopar.analysis.ops import VIEW_OPS
 from autopar.errors import ShardingError
 from autopar.experts import EP_KIND, ep_record_bytes
 from autopar.layout import ring_axes, zigzag_order, zigzag_take, zigzag_unorder
@@ -47,7 +48,6 @@ from autopar.ir import (
 )
 
 c10d = torch.ops._c10d_functional
-VIEW_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
 COLLECTIVES = {
     c10d.all_reduce.default: "all_reduce",
     c10d.all_gather_into_tensor.default: "all_gather",
@@ -224,10 +224,10 @@ def _checked(n: fx.Node, out, ctx):
 
 def _dropout(n: fx.Node, x: torch.Tensor, ctx):
     """A training dropout on this rank's block, its mask drawn from the global positions of the
-    block's elements (autopar/runtime/dropout.py): replicas draw the same mask, shards their part
+    block's elements (autopar/dropout.py): replicas draw the same mask, shards their part
     of one mask. The key names the dropout by its node in the torch-level capture, which every
     rank, stage and plan shares."""
-    from autopar.runtime.dropout import local_dropout, node_key
+    from autopar.dropout import local_dropout, node_key
 
     spec = spec_of(n.args[0])
     odd = [p for p in spec.placements if isinstance(p, (Partial, tc.StridedShard))]
@@ -367,7 +367,7 @@ def _reduce_op(p: Partial) -> str:
 def _annotate_collectives(graph: fx.Graph, origins, ctx) -> None:
     """Attach a CommRecord to every collective node of the per-rank graph."""
     for n in graph.nodes:
-        if n.op == "call_function" and n.target in EP_OPS:
+        if n.op == "call_function" and n.target in _EP_BACKWARD:
             _annotate_ep(n, origins, ctx)
         if n.op != "call_function" or n.target not in COLLECTIVES:
             continue
@@ -393,14 +393,14 @@ def _annotate_collectives(graph: fx.Graph, origins, ctx) -> None:
                                             reason, src, phase, n.name, producer)
 
 
-EP_OPS = {torch.ops.autopar.moe_experts_ep.default: False, torch.ops.autopar.moe_experts_ep_backward.default: True}
+_EP_BACKWARD = {torch.ops.autopar.moe_experts_ep.default: False, torch.ops.autopar.moe_experts_ep_backward.default: True}
 
 
 def _annotate_ep(n: fx.Node, origins, ctx) -> None:
     """The uneven all-to-alls inside an expert-parallel op (autopar/experts.py) as one CommRecord
     of kind ``all_to_all_v``: what they send off-rank under balanced routing (their real size is
     the data's; the meter counts what ran)."""
-    backward = EP_OPS[n.target]
+    backward = _EP_BACKWARD[n.target]
     x, idx = (n.args[1], n.args[2]) if backward else (n.args[0], n.args[1])
     xv, iv = x.meta["val"], idx.meta["val"]
     size = n.args[-1]

@@ -23,15 +23,13 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from autopar import torch_compat as tc
+from autopar.analysis.ops import VIEW_OPS
 from autopar.errors import ShardingError, TorchVersionError
 from autopar.experts import check_expert_parallel
 from autopar.layout import SequenceDims, check_context_parallel, heads_to_sequence
 from autopar.ir import Program, ShardSpec, fmt_placements, info, source_line, spec_of, tensor_args
 from autopar.rules import ATTENTION_OPS, RULES, RuleResult, pointwise_rule
 from autopar.scoped import setting
-
-VIEW_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-            torch.ops.aten.reshape.default}
 
 
 def propagate_pass(program: Program, ctx) -> Program:

@@ -62,7 +62,7 @@ PARAM_CHAIN = {
 _BLOCK = re.compile(r"(\.\d+|, '\d+'\))$")
 
 
-def block_of(n: fx.Node) -> str | None:
+def _block_path(n: fx.Node) -> str | None:
     """The outermost repeated block (``...layers.3``) a forward node belongs to, if any."""
     for path, _ in (n.meta.get("nn_module_stack") or {}).values():
         if _BLOCK.search(path):
@@ -99,7 +99,7 @@ def choose(graph: fx.Graph, policy: str, zero3: bool) -> set[fx.Node]:
     chosen: set[fx.Node] = set(param_chains(graph)) if zero3 else set()
     if policy == "none":
         return chosen
-    blocks = {n: block_of(n) for n in graph.nodes if n.op == "call_function" and phase_of(n) == "forward"}
+    blocks = {n: _block_path(n) for n in graph.nodes if n.op == "call_function" and phase_of(n) == "forward"}
     for n, b in blocks.items():
         if b is None or _random(n) or n in chosen:
             continue

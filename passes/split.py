@@ -40,10 +40,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from autopar.analysis.ops import val_bytes
 from autopar.errors import CaptureError, PlanError
 from autopar.ir import CompileState, Stage
 from autopar.modpath import block_of as _block
 from autopar.modpath import module_path as _path
+from autopar.modpath import tensor_names
 from autopar.passes.twins import args_key, find_twins, value_key
 
 def split_pass(state: CompileState) -> CompileState:
@@ -53,7 +55,6 @@ def split_pass(state: CompileState) -> CompileState:
     axis) with the parameters placed by the plan. No pipeline axis: one stage, the whole graph.
     A stage that compiles to the same program as an earlier one is marked its twin
     (``stage.twin_of``, passes/twins.py): the per-stage passes compile the earlier one only."""
-    from autopar.capture import _tensor_names
     from autopar.context import make_context
     from autopar.plan import check_rules_cover
 
@@ -71,7 +72,7 @@ def split_pass(state: CompileState) -> CompileState:
     state.specs = split_stages(state.gm, pl.n_stages, pl.options.split, device=device, dev_name=pl.options.balance)
     pp_rank = state.mesh.get_local_rank(pl.axis)
     mine = [s for s in range(pl.n_stages) if o.stages == "all" or pl.schedule.rank_of(s) == pp_rank]
-    ids = _tensor_names(state.model)
+    ids = tensor_names(state.model)
     for spec in state.specs:  # every stage's, also those other ranks compile: tied weights (runtime)
         spec.param_names = [ids[id(getattr(spec.gm, t))][1] for t in spec.params]
     state.stages = []
@@ -129,34 +130,18 @@ class StageSpec:
     param_names: list[str] = field(default_factory=list)  # the user's names of ``params`` (split_pass)
 
 
-def _node_flops(n: fx.Node, fake_mode) -> float:
-    """Forward FLOPs of one torch-level node, from torch's flop-counter formulas on the trace's
-    fake tensors (matmuls, attention; everything else counts 0 and is timed as an op). A node
-    that cannot be replayed, or whose formula fails, is a PlanError: costed as 0 it would
-    silently unbalance the stages."""
-    if n.op not in ("call_function", "call_method"):
-        return 0.0
-    from torch.utils.flop_counter import FlopCounterMode
-
+def _node_flops(n: fx.Node, fake_mode) -> int:
+    """Forward FLOPs of one torch-level node (autopar/analysis/ops.py ``replayed_flops``: replayed
+    on the trace's fake tensors, each ATen op counted by the cost model's counter). A node that
+    cannot be replayed, or whose FLOPs are unknown, is a PlanError: costed as 0 it would silently
+    unbalance the stages."""
+    from autopar.analysis.ops import UnknownFlops, replayed_flops
     from autopar.ir import source_line
-    from autopar.runtime.memory import CPU_ATTENTION_FLOPS
 
-    def val(a):
-        return a.meta.get("example_value") if isinstance(a, fx.Node) else a
-
-    args = fx.node.map_aggregate(n.args, val)
-    kwargs = fx.node.map_aggregate(n.kwargs, val)
-    fc = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
-    fc.flop_registry = {op: _formula_guard(op, f) for op, f in fc.flop_registry.items()}
     try:
-        with fake_mode, fc, torch.no_grad():
-            if n.op == "call_method":
-                getattr(args[0], n.target)(*args[1:], **kwargs)
-            else:
-                n.target(*args, **kwargs)
-        return float(fc.get_total_flops())
+        return replayed_flops(n, fake_mode)
     except Exception as e:  # noqa: BLE001 - the cost is unknown: say so instead of counting 0
-        what = str(e) if isinstance(e, _FormulaError) else (
+        what = str(e) if isinstance(e, UnknownFlops) else (
             f"replaying it on the trace's fake tensors raised {type(e).__name__}: {e}")
         raise PlanError(f"cannot count the FLOPs of {getattr(n.target, '__name__', n.target)} ({n.name}) to balance "
                         f"the pipeline stages: {what}", where=source_line(n) or n.name,
@@ -170,22 +155,12 @@ def _flops_key(n: fx.Node):
     return n.op, n.target, args_key((n.args, n.kwargs), lambda a: value_key(a.meta.get("example_value")))
 
 
-class _FormulaError(Exception):
-    pass
-
-
-def _formula_guard(op, formula):
-    """``formula`` whose failure is told apart from the op's own (see ``_node_flops``)."""
-    def run(*args, **kwargs):
-        try:
-            return formula(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001
-            raise _FormulaError(f"the FLOP formula of {op} raised {type(e).__name__}: {e}") from e
-    return run
-
-
-def _val_bytes(v) -> int:
-    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+def _tensor_bytes(n: fx.Node) -> int:
+    """``val_bytes`` of a node's value where it is one tensor. A multi-output op's tuple counts 0:
+    its outputs are counted where they are read (through their getitems), as the stage costs have
+    always been (counting them at the producer too would move stage boundaries)."""
+    v = n.meta.get("example_value")
+    return val_bytes(v) if isinstance(v, torch.Tensor) else 0
 
 
 def split_stages(gm: fx.GraphModule, n_stages: int, split: list[str] | None, device=None,
@@ -252,8 +227,7 @@ def split_stages(gm: fx.GraphModule, n_stages: int, split: list[str] | None, dev
         rate = dev.flops["fp32"] * dev.efficiency
         seen: dict = {}  # the same op on the same shapes (every block of a deep model): replayed once
         for n in anchors:
-            out = n.meta.get("example_value")
-            moved = _val_bytes(out) + sum(_val_bytes(a.meta.get("example_value")) for a in n.all_input_nodes)
+            moved = _tensor_bytes(n) + sum(_tensor_bytes(a) for a in n.all_input_nodes)
             key = _flops_key(n)
             if key not in seen:
                 seen[key] = _node_flops(n, fake_mode)
@@ -264,7 +238,7 @@ def split_stages(gm: fx.GraphModule, n_stages: int, split: list[str] | None, dev
             if n.op == "get_attr":
                 users = [u for u in n.users if u in seg_of]
                 if users:
-                    seg_bytes[seg_of[users[0]]] += _val_bytes(n.meta.get("example_value"))
+                    seg_bytes[seg_of[users[0]]] += _tensor_bytes(n)
         groups = _linear_partition(seg_cost, seg_bytes, n_stages)
         stage_of_anchor = {n: groups[seg_of[n]] for n in anchors}
 
@@ -365,7 +339,7 @@ def split_stages(gm: fx.GraphModule, n_stages: int, split: list[str] | None, dev
                          [_batched(n, n.meta.get("example_value"), batch_dep, placeholders) for n in outs],
                          params, (stage_paths[0] if stage_paths else "", stage_paths[-1] if stage_paths else ""),
                          is_last=st == n_stages - 1)
-        spec.param_bytes = sum(_val_bytes(getattr(root, p)) for p in params)
+        spec.param_bytes = sum(val_bytes(getattr(root, p)) for p in params)
         specs.append(spec)
     return specs
 

@@ -105,7 +105,7 @@ def reshard_policy(option):
     root): the parameters outside every repeated block (``block_of`` is "": embeddings, final
     norm, LM head; the backward starts with them right after the forward); True: none; False:
     all."""
-    from autopar.passes.bucket import block_of
+    from autopar.modpath import block_of
 
     if option is True:
         return lambda name: False

@@ -21,7 +21,7 @@ The signature is checked, not assumed. Two stages are twins only if all of this 
   other stages, which inputs and outputs are batch-first, whether it is the last stage.
 
 A stage that draws random numbers (dropout) has no twin: its masks are keyed by its own nodes
-(autopar/runtime/dropout.py). ``AUTOPAR_STAGE_TWINS=0`` compiles every stage.
+(autopar/dropout.py). ``AUTOPAR_STAGE_TWINS=0`` compiles every stage.
 
 The copy: the original's joint and per-rank graphs (node names and metadata kept; fake values
 shared: nothing rewrites them after localize), with every parameter and buffer name, block path
@@ -55,7 +55,7 @@ def enabled() -> bool:
 
 def find_twins(state, ids: dict) -> None:
     """``stage.twin_of`` = the index of the earlier stage it is a twin of (None: compiled).
-    ``ids``: the model's tensors' (kind, name) by ``id`` (``capture._tensor_names``)."""
+    ``ids``: the model's tensors' (kind, name) by ``id`` (``modpath.tensor_names``)."""
     if not enabled() or len(state.stages) < 2:
         return
     seen: dict[tuple, int] = {}

@@ -20,7 +20,8 @@ import autopar
 from autopar.errors import PlanError
 from autopar.ir import CommRecord, info
 from autopar.models import zoo
-from autopar.passes.bucket import Reduction, assign_buckets, block_of, bucket_gradient_reductions
+from autopar.modpath import block_of
+from autopar.passes.bucket import Reduction, assign_buckets, bucket_gradient_reductions
 from autopar.runtime.common import full_tensor
 
 c10d = torch.ops._c10d_functional

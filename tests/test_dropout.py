@@ -1,4 +1,4 @@
-"""Dropout under every plan (autopar/runtime/dropout.py): each element's keep / drop is drawn from
+"""Dropout under every plan (autopar/dropout.py): each element's keep / drop is drawn from
 its global position, the seed, the step, the micro-batch and the dropout's node.
 
 - the mask of a block is the block of the whole tensor's mask (shards draw their parts of one
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.runtime.dropout import call_key, eager_dropout, keep_mask
+from autopar.dropout import call_key, eager_dropout, keep_mask
 from autopar.runtime.common import full_tensor
 
 P = 0.1

@@ -21,7 +21,7 @@ import torch
 import autopar
 from autopar.errors import PlanError
 from autopar.models import zoo
-from autopar.passes.bucket import block_of
+from autopar.modpath import block_of
 from autopar.passes.localize import c10d
 from autopar.runtime.common import full_tensor
 

@@ -82,7 +82,7 @@ def predicted_memory(state, optimizer: str = "adamw") -> dict:
     built: the runtime's view of this rank (its parameter shards, programs, pipeline actions) from
     the state alone."""
     from autopar.analysis.cost import predict_memory
-    from autopar.runtime.pipeline import PipelineModule
+    from autopar.analysis.schedules import saved_in_flight
 
     o = state.options
     if o.pipeline is None:
@@ -100,7 +100,7 @@ def predicted_memory(state, optimizer: str = "adamw") -> dict:
     params = _params(state, owned)
     view = SimpleNamespace(pipelined=True, schedule=pl.schedule, pp_rank=pp_rank, stages=stages, local=local,
                            parameters=lambda: iter(params))
-    view.predicted_in_flight = lambda: PipelineModule.predicted_in_flight(view)
+    view.predicted_in_flight = lambda: saved_in_flight(pl.schedule.actions[pp_rank], stages)
     return predict_memory(view, optimizer)
 
 

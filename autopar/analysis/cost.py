@@ -18,8 +18,8 @@ collective counter); tests compare the two.
 - **Compute**: FLOPs per node from torch's flop-counter formulas (matmuls, attention), timed by
   a roofline: ``max(flops / (peak * efficiency), bytes / memory_bandwidth)``; ops without FLOPs
   are memory-bound (bytes read + written). Views move no data: run eagerly on a CPU each costs its
-  dispatch, on a GPU or compiled nothing. A formula that raises, or a
-  matmul-like op with none (``UNCOUNTED``), makes the FLOPs unknown, never 0: the estimate lists
+  dispatch, on a GPU or compiled nothing. A formula that raises, or a matmul-like op with none
+  (autopar/analysis/ops.py, the one FLOP counter), makes the FLOPs unknown, never 0: the estimate lists
   them (``TimeEstimate.unknown_flops``) and ``autopar plan`` shows "unknown".
 - **Compiled programs** (``compile(inductor=True)``, ``autopar plan --inductor``): elementwise
   chains fused as Inductor fuses them, counted conservatively (``Fusion``: vertical chains only).
@@ -37,15 +37,15 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx
 
 from autopar.analysis.devices import DEVICES, Device, get_device, load_devices  # noqa: F401 (re-exported)
 from autopar.analysis.liveness import ProgramMemory, _storages, program_memory  # noqa: F401 (re-exported)
-from autopar.ir import CommRecord, info, source_line
-from autopar.runtime.memory import flop_formula
+from autopar.ir import CommRecord, info
+from autopar.analysis.ops import UnknownFlops, node_flops, val_bytes
 
 aten = torch.ops.aten
 
@@ -99,7 +99,7 @@ def predict_memory(pm, optimizer: str = "adamw") -> dict:
 def accumulator_bytes(program) -> int:
     """Bytes of the gradients one run of ``program`` returns (what ``accumulate=K`` sums them into)."""
     out = next(n for n in program.local.graph.nodes if n.op == "output")
-    return sum(_val_bytes(o.meta["val"]) for o, (kind, _) in zip(out.args[0], program.outputs)
+    return sum(val_bytes(o.meta["val"]) for o, (kind, _) in zip(out.args[0], program.outputs)
                if kind == "grad" and isinstance(o, fx.Node))
 
 
@@ -111,47 +111,6 @@ def _is_view(target) -> bool:
         return True
     schema = getattr(target, "_schema", None)
     return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
-
-
-def _val_bytes(val) -> int:
-    return sum(math.prod(t.shape) * t.element_size() for t in (val if isinstance(val, (list, tuple)) else (val,))
-               if isinstance(t, torch.Tensor))
-
-
-# ops that multiply matrices but have no FLOP formula in torch's flop counter: 0 would be a lie
-UNCOUNTED = {aten.mv, aten.dot, aten.vdot, aten.addmv, aten.addbmm, aten.addr, aten._int_mm,
-             aten._weight_int8pack_mm, aten._cdist_forward, aten._cdist_backward}
-
-
-class UnknownFlops(Exception):
-    """The FLOPs of one op cannot be computed; the message names the op, the user's source line
-    and why."""
-
-
-def node_flops(n: fx.Node) -> int:
-    """FLOPs of one ATen node by its formula; 0 for ops that have none (elementwise, views,
-    collectives: memory-bound, timed by bytes). Raises UnknownFlops when the formula fails or a
-    matmul-like op has no formula."""
-    if n.op != "call_function" or not hasattr(n.target, "overloadpacket"):
-        return 0
-    fn = flop_formula(n.target)
-    if fn is None:
-        if n.target.overloadpacket in UNCOUNTED:
-            raise UnknownFlops(f"{n.target} ({n.name}) at {source_line(n) or 'an unknown line'}: torch's flop "
-                               "counter has no formula for it (register one with torch.utils.flop_counter."
-                               "register_flop_formula)")
-        return 0
-
-    def val(a):
-        return a.meta.get("val") if isinstance(a, fx.Node) else a
-
-    args = fx.node.map_aggregate(n.args, val)
-    kwargs = fx.node.map_aggregate(n.kwargs, val)
-    try:
-        return int(fn(*args, **kwargs, out_val=n.meta.get("val")))  # FlopCounterMode's calling convention
-    except Exception as e:  # noqa: BLE001 - any failure of the formula: the count is unknown, not 0
-        raise UnknownFlops(f"{n.target} ({n.name}) at {source_line(n) or 'an unknown line'}: its FLOP formula "
-                           f"raised {type(e).__name__}: {e}") from e
 
 
 def _dtype_key(n: fx.Node) -> str:
@@ -173,12 +132,12 @@ def compute_seconds(n: fx.Node, dev: Device, flops: int, share: float = 1.0, fus
         return dev.op_overhead if dev.cores and fusion is None else 0.0
     kernel = True
     if fusion is not None and n in fusion.members:
-        moved = sum(_val_bytes(a.meta.get("val")) for a in n.all_input_nodes if not fusion.fused(a))
+        moved = sum(val_bytes(a.meta.get("val")) for a in n.all_input_nodes if not fusion.fused(a))
         kernel = n not in fusion.inner
         if kernel:
-            moved += _val_bytes(n.meta.get("val"))
+            moved += val_bytes(n.meta.get("val"))
     else:
-        moved = _val_bytes(n.meta.get("val")) + sum(_val_bytes(a.meta.get("val")) for a in n.all_input_nodes)
+        moved = val_bytes(n.meta.get("val")) + sum(val_bytes(a.meta.get("val")) for a in n.all_input_nodes)
     t = moved / dev.mem_bw
     if flops:
         t = max(flops / (dev.flops[_dtype_key(n)] * dev.efficiency), t)
@@ -410,10 +369,6 @@ def predict_time(pm, dev: Device, optimizer: str = "adamw", fused: bool | None =
     return total
 
 
-def device_row(dev: Device) -> dict:
-    return asdict(dev)
-
-
 # ------------------------------------------------------------------------------------ pipelines
 def _pipeline_links(pm, dev: Device):
     names = tuple(pm.mesh.mesh_dim_names)
@@ -476,7 +431,7 @@ def pipeline_hop(pm, links: dict) -> float:
         graph = {x.name: x for x in sp.program.local.graph.nodes}
         for (kind, _), o in zip(sp.program.outputs, sp.out_names):
             if kind == "act" and o is not None:
-                hop = max(hop, alpha + _val_bytes(graph[o].meta.get("val")) / bw)
+                hop = max(hop, alpha + val_bytes(graph[o].meta.get("val")) / bw)
     return hop
 
 

@@ -1,5 +1,7 @@
 """Peak bytes of one per-rank program by liveness over its nodes (the cost model's memory walk,
-autopar/analysis/cost.py; the measured side is autopar/runtime/memory.py)."""
+autopar/analysis/cost.py; the measured side is autopar/runtime/memory.py), and the graph-side
+definitions both sides share: the memory categories (``categorize``) and which all-reduces run
+in place (``reduces_in_place``: the runtime's guarded programs do it, this walk counts it)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,43 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from autopar.runtime.guarded import reduces_in_place
-from autopar.runtime.memory import CATEGORIES, categorize
+from autopar.ir import tensor_args
+
+CATEGORIES = ("param_copies", "grads_in_flight", "activations")
+
+
+def categorize(gm: fx.GraphModule, roles: list[tuple[str, object]], outputs: list[tuple[str, object]]) -> dict[str, str]:
+    """node name -> category, from the per-rank graph's structure."""
+    cat: dict[str, str] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    params = {n for n, r in zip(placeholders, roles) if r[0] == "param"}
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            ins = tensor_args(n)
+            if ins and all(a in params or cat.get(a.name) == "param_copies" for a in ins):
+                cat[n.name] = "param_copies"
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    for o, role in zip(out.args[0], outputs):
+        # walk back from a gradient output through single-input ops (casts, views, collectives)
+        # to the op that computed it
+        while isinstance(o, fx.Node) and role[0] == "grad" and o.op == "call_function":
+            cat[o.name] = "grads_in_flight"
+            ins = tensor_args(o)
+            if len(ins) != 1 and "wait_tensor" not in str(o.target):
+                break
+            o = ins[0]
+    return cat
+
+
+
+def reduces_in_place(n: fx.Node) -> bool:
+    """An all-reduce whose input is a ``cat`` (a fresh buffer: a gradient bucket) that nothing
+    else uses: the guarded program reduces it in place (autopar/runtime/guarded.py
+    ``all_reduce_in_place``); the memory walk below folds the two storages the same way."""
+    src = n.args[0] if n.args else None
+    return (n.op == "call_function" and n.target is torch.ops._c10d_functional.all_reduce.default
+            and isinstance(src, fx.Node) and src.op == "call_function" and src.target is torch.ops.aten.cat.default
+            and len(src.users) == 1)
 
 
 def _storages(val):

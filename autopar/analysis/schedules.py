@@ -13,8 +13,9 @@ schedules). Point-to-point traffic is implied by the dependencies and made expli
 gradient of ``B/I(s, m)`` to the rank of ``s - 1``.
 
 Here: generators (GPipe, 1F1B, interleaved 1F1B, ZB-H1), ``validate`` (complete, on the right
-ranks, no deadlock) and ``simulate`` (per rank timelines, bubble fraction, peak activations in
-flight). passes/split.py splits the model into stages and runs these action lists on
+ranks, no deadlock), ``simulate`` (per rank timelines, bubble fraction, peak activations in
+flight) and ``saved_in_flight`` (the bytes of saved activations a rank's action list holds at
+most). passes/split.py splits the model into stages and runs these action lists on
 process groups (``plan={"pp": "1f1b"}``).
 """
 
@@ -264,6 +265,25 @@ def simulate(sched: Schedule, cost: dict | None = None, comm: float = 0.0, per_s
     busy = [sum(e - s for s, e, _ in ev) for ev in events]
     bubble = 1.0 - sum(busy) / (sched.ranks * makespan) if makespan else 0.0
     return Timeline(makespan, busy, events, peak, bubble)
+
+
+def saved_in_flight(actions: list[Action], stages) -> dict:
+    """What one rank's action list holds at most: (stage, micro-batch) activation sets and their
+    bytes. ``stages``: stage index -> its compiled stage (``saved_bytes``: what F saves for I / W;
+    ``saved_after_i``: what W still needs after I)."""
+    live, peak, held, peak_bytes = 0, 0, 0, 0
+    for kind, s, _ in actions:
+        sp = stages[s]
+        if kind == "F":
+            live, held = live + 1, held + sp.saved_bytes
+        elif kind == "B":
+            live, held = live - 1, held - sp.saved_bytes
+        elif kind == "I":
+            held += sp.saved_after_i - sp.saved_bytes
+        elif kind == "W":
+            live, held = live - 1, held - sp.saved_after_i
+        peak, peak_bytes = max(peak, live), max(peak_bytes, held)
+    return {"peak_microbatches": peak, "peak_bytes": peak_bytes}
 
 
 def theory_bubble(name: str, p: int, m: int, v: int = 1) -> float:

@@ -88,10 +88,9 @@ class Graph:
     and transposes), which values depend on a parameter (need a gradient), inputs' descendants."""
 
     def __init__(self, gm: fx.GraphModule, model: torch.nn.Module):
-        from autopar.capture import _tensor_names
-        from autopar.modpath import get_attr
+        from autopar.modpath import get_attr, tensor_names
 
-        ids = _tensor_names(model)
+        ids = tensor_names(model)
         self.gm = gm
         self.nodes = list(gm.graph.nodes)
         self.index = {n: i for i, n in enumerate(self.nodes)}

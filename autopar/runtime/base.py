@@ -43,9 +43,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from autopar import dropout
 from autopar import torch_compat as tc
 from autopar.errors import TrainingError
-from autopar.runtime import dropout, failure, steptimes
+from autopar.runtime import failure, steptimes
 from autopar.runtime.common import LossScaler, check_indices, local_inputs, local_tensor
 from autopar.runtime.executor import Executor
 from autopar.runtime.measure import both, switch
@@ -81,7 +82,7 @@ class Runtime:
         self.scaler = LossScaler(ctx.loss_scale)  # fp16: dynamic loss scaling (GradScaler's constants)
         self.steps = 0
         # dropout masks are drawn from this seed, the step and each element's global position
-        # (autopar/runtime/dropout.py): rank 0's torch.initial_seed(), agreed here; set pm.seed to choose
+        # (autopar/dropout.py): rank 0's torch.initial_seed(), agreed here; set pm.seed to choose
         self.seed = _agreed_seed(ctx.device)
         self._tied = tied_names(module)  # {alias: name}: parameters registered under several names
         # parameters / buffers of a model built on meta, still empty (load_pretrained or load fills them)

@@ -349,7 +349,7 @@ def load(pm, path, optimizer=None) -> dict:
         pm.scaler.growth_tracker = scaler["growth_tracker"]
         pm.scaler.skipped_steps = scaler["skipped_steps"]
     pm.steps = marker["step"]
-    if marker.get("dropout_seed") is not None:  # dropout masks go on as they would have (runtime/dropout.py)
+    if marker.get("dropout_seed") is not None:  # dropout masks go on as they would have (autopar/dropout.py)
         pm.seed = marker["dropout_seed"]
     pm._unloaded.clear()  # (a model built on meta: its weights are these)
     return marker.get("extra") or {}

@@ -24,8 +24,8 @@ import time
 
 import torch
 
+from autopar import dropout
 from autopar.ir import Stage
-from autopar.runtime import dropout
 from autopar.runtime import guarded as guarded_programs
 
 

@@ -10,7 +10,7 @@ the byte meter counts them the same; outputs allocated from the input as the fun
 so the memory meter files them in the same categories) and whose waits call ``wait_tensor``
 here, which waits on the ``Work`` through ``failure.wait``. The original graphs are untouched.
 One difference on purpose: a gradient bucket (an all-reduce of a ``cat`` nothing else reads) is
-reduced in place, where the functional op would copy it first (``reduces_in_place``), in a
+reduced in place, where the functional op would copy it first (analysis/liveness.py ``reduces_in_place``), in a
 buffer kept from step to step while nothing else holds it (``_bucket_cat``).
 """
 
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import fx
 
 from autopar import torch_compat as tc
+from autopar.analysis.liveness import reduces_in_place
 from autopar.runtime.failure import _pending, wait
 
 _groups: dict[str, dist.ProcessGroup] = {}
@@ -94,15 +95,6 @@ def _cat_shape(xs, dim: int) -> tuple[int, ...]:
     if shape:
         shape[dim] = sum(x.shape[dim] for x in xs)
     return tuple(shape)
-
-
-def reduces_in_place(n: fx.Node) -> bool:
-    """An all-reduce whose input is a ``cat`` (a fresh buffer: a gradient bucket) that nothing
-    else uses: the guarded program reduces it in place (``all_reduce_in_place``); the memory
-    model (analysis/cost.py) folds the two storages the same way."""
-    src = n.args[0] if n.args else None
-    return (n.op == "call_function" and n.target is _c10d.all_reduce.default and isinstance(src, fx.Node)
-            and src.op == "call_function" and src.target is torch.ops.aten.cat.default and len(src.users) == 1)
 
 
 def all_gather_into_tensor(x: torch.Tensor, group_size: int, group: str) -> torch.Tensor:

@@ -40,7 +40,7 @@ import torch
 from torch import fx
 
 from autopar import torch_compat as tc
-from autopar.runtime.guarded import reduces_in_place
+from autopar.analysis.liveness import reduces_in_place
 
 aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int, aten.permute.default,

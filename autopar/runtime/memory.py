@@ -24,14 +24,14 @@
   gradients) and the ops that really ran; not the graph the cost model reads. Their sum
   (``tensor_peak``) is below the allocator's figure by the scratch memory inside ops and what
   the runtime holds outside the programs.
-- **FLOPs**: torch's flop-counter formulas (``torch.utils.flop_counter``; the CPU flash-attention
-  ops with the SDPA formulas below, ``CPU_ATTENTION_FLOPS``) on every op the programs ran, with
+- **FLOPs**: the cost model's formula table (autopar/analysis/ops.py ``flop_formula``: torch's
+  flop-counter formulas, the CPU flash-attention ops with the SDPA ones) on every op the programs ran, with
   its real arguments, counted by ``ProgramMeter``. Not by ``FlopCounterMode`` itself: it runs
   composite ops (``silu_backward``...) as their decompositions, whose extra temporaries the
   allocator would then measure.
 
-The cost model (autopar/analysis/cost.py) predicts the same figures from the graph; ``categorize``
-below is its (graph-side) definition of the categories.
+The cost model (autopar/analysis/cost.py) predicts the same figures from the graph; the categories
+are defined graph-side in autopar/analysis/liveness.py (``categorize``).
 """
 
 from __future__ import annotations
@@ -41,59 +41,12 @@ import weakref
 
 import torch
 from torch import fx
-from torch.utils import flop_counter
 
 from autopar import torch_compat as tc
-from autopar.ir import tensor_args
+from autopar.analysis.liveness import CATEGORIES
+from autopar.analysis.ops import flop_formula
 from autopar.runtime.executor import call
 from autopar.runtime.measure import AllocatorPeak, optimizer_state_bytes, tensor_bytes  # noqa: F401 (re-exported)
-
-aten = torch.ops.aten
-CATEGORIES = ("param_copies", "grads_in_flight", "activations")
-
-
-# torch has no FLOP formula for the CPU flash-attention ops (they count 0); these are its SDPA
-# ones. They are not registered in torch's global registry (a user's FlopCounterMode in the same
-# process counts as torch does, and may register its own): autopar's counters take them as
-# ``custom_mapping`` and the cost model looks them up through ``flop_formula``.
-CPU_ATTENTION_FLOPS = {
-    aten._scaled_dot_product_flash_attention_for_cpu:
-        lambda q, k, v, *a, out_shape=None, **kw: flop_counter.sdpa_flop_count(q, k, v),
-    aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        lambda go, q, k, v, *a, out_shape=None, **kw: flop_counter.sdpa_backward_flop_count(go, q, k, v),
-}
-
-
-def flop_formula(target):
-    """The FLOP formula of an op (FlopCounterMode's calling convention): torch's, else autopar's."""
-    packet = getattr(target, "overloadpacket", target)
-    fn = flop_counter.flop_registry.get(packet) or flop_counter.flop_registry.get(target)
-    if fn is None and packet in CPU_ATTENTION_FLOPS:
-        fn = flop_counter.shape_wrapper(CPU_ATTENTION_FLOPS[packet])
-    return fn
-
-
-def categorize(gm: fx.GraphModule, roles: list[tuple[str, object]], outputs: list[tuple[str, object]]) -> dict[str, str]:
-    """node name -> category, from the per-rank graph's structure."""
-    cat: dict[str, str] = {}
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    params = {n for n, r in zip(placeholders, roles) if r[0] == "param"}
-    for n in gm.graph.nodes:
-        if n.op == "call_function":
-            ins = tensor_args(n)
-            if ins and all(a in params or cat.get(a.name) == "param_copies" for a in ins):
-                cat[n.name] = "param_copies"
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    for o, role in zip(out.args[0], outputs):
-        # walk back from a gradient output through single-input ops (casts, views, collectives)
-        # to the op that computed it
-        while isinstance(o, fx.Node) and role[0] == "grad" and o.op == "call_function":
-            cat[o.name] = "grads_in_flight"
-            ins = tensor_args(o)
-            if len(ins) != 1 and "wait_tensor" not in str(o.target):
-                break
-            o = ins[0]
-    return cat
 
 
 class ProgramMeter(tc.TorchDispatchMode):

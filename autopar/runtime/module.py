@@ -31,7 +31,8 @@ class ParallelModule(Runtime):
     """The compiled SPMD program. ``parameters()`` are DTensors (plain tensors where every parameter
     is replicated: ``plain``); ``train_step`` runs fwd+bwd."""
 
-    def __init__(self, module: nn.Module, stage: Stage, example_inputs, has_loss, inputs, forward_builder):
+    def __init__(self, module: nn.Module, stage: Stage, example_inputs, has_loss, inputs, forward_builder,
+                 generation_builder=None):
         ctx = stage.ctx
         super().__init__(module, ctx, example_inputs, inputs, CommMeter(mesh_axes(ctx.mesh)))
         self.mesh = ctx.mesh
@@ -42,6 +43,9 @@ class ParallelModule(Runtime):
         self.accumulate = ctx.accumulate
         self._forward_builder = forward_builder
         self._forward_program = None
+        # the compiler's: (pm, cache path, batch, prompt, cache length) -> generation's programs
+        # (autopar/generation.py), built on the first pm.generate for each and kept here
+        self._generation_builder = generation_builder
         self._generation = {}  # (batch, prompt, cache length) -> generation's programs (runtime/generate.py)
         self.generate_stats = None
         self.plain = plain_parameters(ctx.placed.placements)  # every parameter replicated: plain tensors

@@ -8,9 +8,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from autopar.analysis.ops import val_bytes
+from autopar.analysis.schedules import saved_in_flight
 from autopar.errors import InputError, PlanError
 from autopar.ir import Stage, info
-from autopar.passes.split import _val_bytes
 from autopar.plan import replicated_lines
 from autopar.runtime.base import Runtime
 from autopar.runtime.common import bytes_lines
@@ -179,13 +180,13 @@ class PipelineModule(Runtime):
                 if kind == "act":
                     for t, _ in sp.spec.consumers[what]:
                         if self.schedule.rank_of(t) != self.pp_rank:
-                            recs += [CommRecord("send", self.pp_axis, 2, _val_bytes(node_of[o].meta["val"]),
+                            recs += [CommRecord("send", self.pp_axis, 2, val_bytes(node_of[o].meta["val"]),
                                                 f"activation {what} of stage {s} to stage {t}", sp.spec.modules[1],
                                                 "forward")] * self.microbatches
                 elif kind == "input_grad":
                     src = sp.spec.inputs[what]
                     if src[0] == "stage" and self.schedule.rank_of(src[1]) != self.pp_rank:
-                        recs += [CommRecord("send", self.pp_axis, 2, _val_bytes(node_of[o].meta["val"]),
+                        recs += [CommRecord("send", self.pp_axis, 2, val_bytes(node_of[o].meta["val"]),
                                             f"gradient of stage {s}'s input {what} back to stage {src[1]}",
                                             sp.spec.modules[0], "backward")] * self.microbatches
         for name, ranks in sorted(self.tied.items()):
@@ -216,19 +217,7 @@ class PipelineModule(Runtime):
     def predicted_in_flight(self) -> dict:
         """What this rank's action list holds at most: (stage, micro-batch) activation sets and
         their bytes (each stage's ``saved_bytes``), for comparison with ``in_flight``."""
-        live, peak, held, peak_bytes = 0, 0, 0, 0
-        for kind, s, _ in self.schedule.actions[self.pp_rank]:
-            sp = self.stages[s]
-            if kind == "F":
-                live, held = live + 1, held + sp.saved_bytes
-            elif kind == "B":
-                live, held = live - 1, held - sp.saved_bytes
-            elif kind == "I":
-                held += sp.saved_after_i - sp.saved_bytes
-            elif kind == "W":
-                live, held = live - 1, held - sp.saved_after_i
-            peak, peak_bytes = max(peak, live), max(peak_bytes, held)
-        return {"peak_microbatches": peak, "peak_bytes": peak_bytes}
+        return saved_in_flight(self.schedule.actions[self.pp_rank], self.stages)
 
     def describe_stages(self) -> list[dict]:
         rows = []
