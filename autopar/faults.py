@@ -82,9 +82,10 @@ def _fault_sleep(loss):
 
 
 def inject_at_loss(pm, fn) -> None:
-    """Insert a call ``fn(value)`` right after this rank's loss node (the SPMD joint program, or the
-    last pipeline stage's forward part); a pipeline rank without the loss: after the first value
-    its first stage's forward sends on."""
+    """Insert a call ``fn(value)`` where this rank's loss is made: in the SPMD joint program just
+    before the backward starts (the first op reading the loss's tangent), in a pipeline the last
+    stage's forward part after its loss node; a pipeline rank without the loss: after the first
+    value its first stage's forward sends on."""
     if pm.pipelined:
         spots = []
         for sp in pm.local.values():
@@ -97,9 +98,15 @@ def inject_at_loss(pm, fn) -> None:
             acts = [o for (k, _), o in zip(sp.program.outputs, sp.out_names) if k == "act" and o]
             spots = [(sp.parts["F"].gm, acts[0])]
     else:
-        out = next(n for n in pm.program.local.graph.nodes if n.op == "output")
-        nodes = [a for (k, _), a in zip(pm.program.outputs, out.args[0]) if k == "loss"]
-        spots = [(pm.program.local, nodes[0].name)] if nodes else []
+        # where the backward starts: the first op that reads the loss's tangent (the loss is made
+        # by then; the output node itself may sit at the program's end, after every gradient's
+        # all-reduce: passes/overlap.py waits the step loss's all-reduce there)
+        graph = pm.program.local.graph
+        tangents = [n for (k, _), n in zip(pm.program.inputs, [p for p in graph.nodes if p.op == "placeholder"])
+                    if k == "tangent"]
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        first = min((u for t in tangents for u in t.users), key=order.__getitem__, default=None)
+        spots = [(pm.program.local, first.prev.name)] if first is not None else []
     pm.executor._guarded.clear()  # (the guarded and compiled copies are made from the programs as they are now)
     pm.executor._compiled.clear()
     for gm, name in spots:

@@ -15,7 +15,10 @@ subgraph once on the CPU (twice, under one seed each time, so a random mask is n
 constant) and, where the value is exactly the causal mask SDPA's ``is_causal=True`` means (bool:
 ``True`` on and below the diagonal; additive: 0 there and ``-inf`` or the dtype's lowest value
 above), for every batch row and head, rewrites the call to ``attn_mask=None, is_causal=True``.
-The mask's nodes that nothing else reads leave the graph (with any constant nothing read). Any other mask is left as it was.
+The mask's nodes that nothing else reads leave the graph (with any constant nothing read).
+A mask computed from a tensor that an in-place op outside its own computation writes (``m[:, 0] =
+True`` after ``m`` is made, possibly through a view) is kept: the value SDPA reads is not the one
+evaluated. Any other mask is left as it was.
 
 A mask whose subgraph would hold more than ``EVAL_BYTES`` is not evaluated (planning a long
 sequence on meta tensors); it stays, and the pass says so. What it did and did not rewrite is
@@ -24,6 +27,8 @@ recorded, one line per attention, in ``state.masks`` (``pm.ctx.masks``; ``pm.rep
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch import fx
@@ -65,6 +70,37 @@ def _constant_nodes(gm: fx.GraphModule, model_tensors: set[int]) -> set[fx.Node]
 def _effectful(n: fx.Node) -> bool:
     """Grad-mode switches, profiler records and the like: nodes kept for their effect, not a value."""
     return n.op == "call_function" and n.is_impure() and not isinstance(_val(n), torch.Tensor)
+
+
+_INPLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.ifloordiv, operator.imod, operator.iand, operator.ior, operator.ixor,
+                      operator.ilshift, operator.irshift, operator.ipow}
+
+
+def _mutates(n: fx.Node) -> bool:
+    """``n`` writes into a tensor it is given (dynamo's graph keeps the user's in-place ops):
+    ``x.masked_fill_(...)``, ``x[i] = v``, ``x &= m``, ``out=`` arguments, a mutable ATen op."""
+    if n.op == "call_method":
+        return n.target.endswith("_") and not n.target.startswith("__")
+    if n.op != "call_function":
+        return False
+    if n.target in _INPLACE_OPERATORS or "out" in n.kwargs:
+        return True
+    schema = getattr(n.target, "_schema", None)
+    if schema is not None:
+        return schema.is_mutable
+    if getattr(n.target, "__module__", None) in ("_operator", "operator"):
+        return False  # (operator.and_ / or_ are not in place: the in-place ones are listed above)
+    name = getattr(n.target, "__name__", "")
+    return name.endswith("_") and not name.startswith("_")  # torch.relu_, torch.Tensor.add_, ...
+
+
+def _written(graph: fx.Graph) -> list[tuple[fx.Node, set[fx.Node]]]:
+    """Every in-place op in the graph, with what the tensor it writes is computed from (itself
+    included): a mask computed from any of those may be one the write changes (through a view),
+    unless the write is one of the ops the mask is computed from (replayed when it is evaluated)."""
+    return [(n, set(_ancestors(n.args[0]))) for n in graph.nodes
+            if _mutates(n) and n.args and isinstance(n.args[0], fx.Node)]
 
 
 def _ancestors(n: fx.Node) -> list[fx.Node]:
@@ -142,21 +178,29 @@ def _rewrite(n: fx.Node) -> None:
     n.args, n.kwargs = (q, k, v), kwargs
 
 
-def _drop_dead(graph: fx.Graph, candidates: set[fx.Node]) -> int:
-    """Remove the ``candidates`` nothing reads any more (the rewritten masks' subgraphs)."""
+def _drop_dead(graph: fx.Graph, candidates: set[fx.Node], masks: set[fx.Node]) -> int:
+    """Remove the ``candidates`` nothing reads any more (the rewritten masks' subgraphs). An
+    in-place op goes only where it is part of a dropped mask (``masks``: their nodes) and
+    nothing outside them reads what it writes."""
     dropped = 0
     for n in reversed(list(graph.nodes)):
+        if _mutates(n) and not (n in masks and all(u in masks for u in n.args[0].users)):
+            continue
         if n in candidates and not n.users and not _effectful(n):
             graph.erase_node(n)
             dropped += 1
     return dropped
 
 
-def _verdict(gm: fx.GraphModule, mask: fx.Node, const: set, lq: int, lk: int) -> tuple[bool, str]:
+def _verdict(gm: fx.GraphModule, mask: fx.Node, const: set, lq: int, lk: int,
+             written: list[tuple[fx.Node, set[fx.Node]]]) -> tuple[bool, str]:
     """(rewrite?, why) for one mask node read by an lq x lk attention."""
     if mask not in const:
         return False, "depends on an input, parameter or buffer"
     nodes = _ancestors(mask)
+    mine = set(nodes)
+    if any(w not in mine and sources & mine for w, sources in written):
+        return False, "is computed from a tensor that an in-place op writes (the value seen would not be the mask)"
     key = (_signature(gm, nodes), lq, lk)
     hit = _VERDICTS.get(key)
     if hit is None:
@@ -226,6 +270,7 @@ def causal_masks(gm: fx.GraphModule, model: torch.nn.Module) -> list[str]:
     verdict (with how many attentions)."""
     graph = gm.graph
     const = _constant_nodes(gm, {id(t) for t in [*model.parameters(), *model.buffers()]})
+    written = _written(graph)
     verdicts: dict[tuple, tuple[bool, str]] = {}
     counts: dict[tuple, list] = {}
     removable: set[fx.Node] = set()
@@ -238,7 +283,7 @@ def causal_masks(gm: fx.GraphModule, model: torch.nn.Module) -> list[str]:
             continue
         key = (mask, qv.shape[-2], kv.shape[-2])
         if key not in verdicts:
-            verdicts[key] = _verdict(gm, mask, const, *key[1:])
+            verdicts[key] = _verdict(gm, mask, const, *key[1:], written)
         ok, why = verdicts[key]
         if ok:
             _rewrite(n)
@@ -250,7 +295,7 @@ def causal_masks(gm: fx.GraphModule, model: torch.nn.Module) -> list[str]:
         lines.append(f"{k} attention(s) at {where}: the mask from {_at(key[0])} {why}: "
                      + ("is_causal=True, the mask dropped" if ok else "kept"))
     if removable:
-        _drop_dead(graph, removable | const)  # (with the constants nothing read before either)
+        _drop_dead(graph, removable | const, removable)  # (with the constants nothing read before either)
         graph.lint()
         gm.recompile()
     return lines

@@ -75,3 +75,20 @@ def references():
         return cache[(name, precision)]
 
     return get
+
+
+_TIMELINE = os.environ.get("AUTOPAR_TEST_TIMELINE")  # a file: one line per test (worker, start, end, id)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With AUTOPAR_TEST_TIMELINE set, each test's wall-clock interval on its xdist worker is
+    appended there (setup to teardown): where the suite's time goes, and whether both workers
+    stay busy (docs/test-suite.md)."""
+    import time
+
+    t0 = time.time()
+    yield
+    if _TIMELINE:
+        with open(_TIMELINE, "a") as f:
+            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}\t{t0:.3f}\t{time.time():.3f}\t{item.nodeid}\n")

@@ -38,6 +38,7 @@ def test_plan_returns_the_ranked_plans_as_data(monkeypatch):
         autopar.plan(*_model("unalike"), world=2)
 
 
+@pytest.mark.slow  # (37 s; test_compile_auto_on_real_ranks below runs compile(plan="auto") in CI)
 def test_compile_auto_chooses_says_why_and_compiles(monkeypatch, capsys):
     from autopar.mesh import fake_mesh
 

@@ -94,11 +94,13 @@ def test_blocks_that_differ_are_no_block_list():
 # a relayout autopar adds there) and is compiled whole, saying so: the same table.
 @pytest.mark.parametrize("name,mesh,plan,extra", [
     ("hf_llama", "dp=2,tp=2", "dp=fsdp,tp=megatron", ()),
-    ("hf_qwen2", "dp=2,tp=2", "dp=zero2,tp=megatron", ()),  # its q/k/v biases stored whole on dp: listed per block
-    ("hf_mistral", "dp=2", "dp=fsdp", ()),
+    pytest.param("hf_qwen2", "dp=2,tp=2", "dp=zero2,tp=megatron", (),  # q/k/v biases stored whole on dp: listed per block
+                 marks=pytest.mark.slow),
+    pytest.param("hf_mistral", "dp=2", "dp=fsdp", (), marks=pytest.mark.slow),
     ("hf_gpt2", "dp=2", "dp=fsdp", ()),
-    ("hf_mixtral", "dp=2,tp=2", "dp=fsdp,tp=megatron", ()),
-    ("hf_llama70b_shapes", "dp=4,tp=8", "dp=fsdp,tp=megatron", ("--precision", "bf16")),
+    pytest.param("hf_mixtral", "dp=2,tp=2", "dp=fsdp,tp=megatron", (), marks=pytest.mark.slow),
+    pytest.param("hf_llama70b_shapes", "dp=4,tp=8", "dp=fsdp,tp=megatron", ("--precision", "bf16"),
+                 marks=pytest.mark.slow),
     ("torch_encoder", "dp=2", "dp=fsdp", ()),
 ])
 def test_a_fixed_plan_extrapolated_equals_the_whole_compile(monkeypatch, name, mesh, plan, extra):

@@ -36,6 +36,7 @@ def _close(got, want, rel: float, path: str = ""):
         assert got == want, path
 
 
+@pytest.mark.slow  # (14 s; test_depth's CI cases make the same check on Hugging Face models)
 def test_extrapolated_plan_equals_every_block_compiled(monkeypatch):
     """(Depths 3 and 4 compiled in forked processes, as on the command line: the test runner's
     threads would otherwise keep them in this one.)"""

@@ -96,10 +96,10 @@ def test_per_rank_checker_catches_broken_graphs(fake):
 def test_pass_list_is_one_ordered_list():
     from autopar.passes import PASSES
 
-    assert [p.name for p in PASSES] == ["capture", "lower", "split", "autograd", "propagate", "recompute", "state",
-                                        "collectives", "localize", "overlap", "schedule"]
+    assert [p.name for p in PASSES] == ["capture", "masks", "lower", "split", "autograd", "propagate", "recompute",
+                                        "state", "collectives", "localize", "overlap", "schedule"]
     assert all(p.doc for p in PASSES), [p.name for p in PASSES if not p.doc]
-    assert {p.name for p in PASSES if not p.required} == {"lower", "recompute", "overlap"}
+    assert {p.name for p in PASSES if not p.required} == {"masks", "lower", "recompute", "overlap"}
 
 
 def test_passes_can_be_switched_off(fake):
@@ -122,7 +122,8 @@ def test_passes_can_be_switched_off(fake):
                          plan={"dp": "ddp"}, debug=True, **kw)
 
         upto = compile_(stop_after="collectives")
-        assert upto.done == ["capture", "lower", "split", "autograd", "propagate", "recompute", "state", "collectives"]
+        assert upto.done == ["capture", "masks", "lower", "split", "autograd", "propagate", "recompute", "state",
+                             "collectives"]
         prog = upto.stages[0].program
         assert sum(n.target is redistribute for n in prog.graph.nodes) >= 9  # one gradient sync each
         assert not hasattr(prog, "local")

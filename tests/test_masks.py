@@ -42,6 +42,13 @@ def _ce(logits, y):
     return F.cross_entropy(logits.flatten(0, 1), y.flatten(0, 1))
 
 
+def _written_after(t, s):
+    """The causal mask, then its first column set through a view: the mask SDPA reads is not causal."""
+    m = torch.ones(s, s, dtype=torch.bool).tril()
+    m[:, 0] = True
+    return m
+
+
 MASKS = {
     # (mask builder, rewritten?, what the report says)
     "tril bool": (lambda t, s: torch.ones(s, s, dtype=torch.bool).tril(), True, "is the causal mask"),
@@ -54,6 +61,8 @@ MASKS = {
                          .roll(1, 0), False, "is not the causal mask"),
     "random": (lambda t, s: torch.ones(s, s, dtype=torch.bool).tril() | (torch.rand(s, s) < 0.3), False,
                "differs between two evaluations"),
+    "made in place": (lambda t, s: torch.ones(s, s, dtype=torch.bool).tril_(), True, "is the causal mask"),
+    "written after": (_written_after, False, "an in-place op writes"),
     "padding": (lambda t, s: torch.ones(s, s, dtype=torch.bool).tril()[None, None] & (t != 0)[:, None, None, :],
                 False, "depends on an input"),
 }

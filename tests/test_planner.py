@@ -55,7 +55,7 @@ def test_budget_below_every_candidate_leaves_none_and_says_why():
 
 @pytest.mark.parametrize("cand", [
     P.Candidate(2, 2, 1, "ddp", "megatron", None, 1, "none", 1, 2),
-    P.Candidate(4, 1, 1, "fsdp", None, None, 1, "none", 1, 1),
+    pytest.param(P.Candidate(4, 1, 1, "fsdp", None, None, 1, "none", 1, 1), marks=pytest.mark.slow),
     P.Candidate(2, 1, 2, "ddp", None, "1f1b", 1, "none", 1, 4),
     P.Candidate(2, 1, 1, "ddp", None, None, 1, "none", 1, 2, cp=2, cp_strategy="ulysses"),
     P.Candidate(1, 1, 2, "ddp", None, "1f1b", 1, "none", 1, 4, cp=2, cp_strategy="ulysses"),
@@ -127,6 +127,7 @@ def test_a_pipelines_composition_from_its_stages_figures_is_the_cost_models(axes
         assert got["wire"] == pytest.approx(wire, rel=1e-12)
 
 
+@pytest.mark.slow  # (31 s)
 def test_a_pipelines_confirmation_is_its_whole_model_compile_with_the_splits_grouping():
     """``confirm`` carries each stage's figures from one and two blocks to the grouping the whole
     model's split makes (balanced by the device's costs: on this CPU's row, 12 blocks and the

@@ -47,6 +47,7 @@ def test_spliced_capture_equals_the_whole_capture(spec, field, dtype):
     assert not splice.active()
 
 
+@pytest.mark.slow  # (16 s; test_depth's CI cases compare a spliced plan's figures with the whole compile's)
 def test_planner_figures_are_the_same_with_a_spliced_capture():
     from autopar.analysis import cost
 
