@@ -36,6 +36,12 @@ class ShardingError(AutoparError):
     """A value cannot be sharded as asked (indivisible dimension, op with no rule)."""
 
 
+class InternalCompilerError(AutoparError):
+    """A bug in autopar, not in the model or plan: a pass left a program that breaks what it
+    declares it guarantees (passes/checks.py, verified after every pass). The message names the
+    pass, the check, the node and its source line, and what to report."""
+
+
 class InputError(AutoparError):
     """A batch passed at run time contradicts the compiled program."""
 

@@ -5,14 +5,12 @@ shape (set by capture; the per-rank graph's nodes hold LOCAL ones); everything a
 one typed record, ``node.meta["autopar"]`` = ``NodeInfo`` (``info(node)``): the value's
 ``ShardSpec`` (propagate), the placements its op needs (propagate), the rule that decided, the
 ``CommRecord``s of a collective with its reason and source line (collectives, localize).
-``check_invariants`` (global graphs) and ``check_local`` (per-rank graphs) enforce what each
-pass promises (passes/README.md).
+passes/checks.py verifies, after every pass, what that pass promises (passes/README.md).
 """
 
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -137,6 +135,7 @@ class NodeInfo:
     reason: str | None = None  # collectives (redistribute nodes): why the move exists
     producer: str = ""  # collectives: source line of the op that produced the value moved
     comm: object = None  # collectives: predicted CommRecords (list); localize: a per-rank collective's CommRecord
+    keep: bool = False  # overlap: an alias that only keeps a collective's input alive until its wait (read by none)
 
     @property
     def has_spec(self) -> bool:
@@ -243,94 +242,6 @@ class CompileState:
     tp_derived: dict = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     done: list[str] = field(default_factory=list)
-
-
-def check_invariants(graph: fx.Graph, stage: str) -> None:
-    """The IR's written-down invariants; the pass runner calls this between passes in debug mode."""
-    graph.lint()
-    for n in graph.nodes:
-        if n.op == "output":
-            continue
-        if stage in ("propagate", "recompute", "state", "collectives"):
-            if not info(n).has_spec:
-                raise AssertionError(f"after {stage}: node {n.name} has no ShardSpec")
-            spec = spec_of(n)
-            val = n.meta.get("val")
-            if isinstance(spec, ShardSpec) and isinstance(val, torch.Tensor):
-                if tuple(val.shape) != spec.shape:
-                    raise AssertionError(f"{n.name}: ShardSpec shape {spec.shape} != value {tuple(val.shape)}")
-        if stage == "collectives" and n.op == "call_function" and info(n).wants is not None:
-            for a, want in zip(tensor_args(n), info(n).wants):
-                have = spec_of(a)
-                if want is not None and have is not None and tuple(have.placements) != tuple(want):
-                    raise AssertionError(
-                        f"after collectives: {n.name} wants {fmt_placements(want)} for {a.name}, "
-                        f"which is {fmt_placements(have.placements)}")
-        if stage == "localize":
-            target = n.target if n.op == "call_function" else None
-            if target is not None and "_c10d_functional" in str(target) and "wait_tensor" not in str(target):
-                users = list(n.users)
-                if not any("wait_tensor" in str(u.target) for u in users):
-                    raise AssertionError(f"collective {n.name} has no wait_tensor")
-                if info(n).comm is None:
-                    raise AssertionError(f"collective {n.name} has no CommRecord (why is it there?)")
-
-
-def check_local(gm: fx.GraphModule, program: Program, axis_sizes, after: str) -> None:
-    """The per-rank graph's invariants (debug mode, after localize and every later pass):
-
-    - it lints; every ``_c10d_functional`` collective has a ``wait_tensor`` and a CommRecord;
-    - every value has its LOCAL shape: placeholders, outputs, and the value each global node
-      became (the last per-rank node traced for it, ``meta["custom"]["autopar_origin"]``) have the
-      shape of that global value's ShardSpec on this rank. A global shape left behind (a view or an expand
-      that kept its global size) fails here, naming the node and the user's line.
-    """
-    where = f"after {after}"
-    gm.graph.lint()
-    globals_ = {n.name: n for n in program.graph.nodes}
-    g_ph = [n for n in program.graph.nodes if n.op == "placeholder"]
-    g_out = next(n for n in program.graph.nodes if n.op == "output")
-    for n in gm.graph.nodes:
-        target = n.target if n.op == "call_function" else None
-        if target is not None and "_c10d_functional" in str(target) and "wait_tensor" not in str(target):
-            if not any("wait_tensor" in str(u.target) for u in n.users):
-                raise AssertionError(f"{where}: collective {n.name} has no wait_tensor")
-            if info(n).comm is None:
-                raise AssertionError(f"{where}: collective {n.name} has no CommRecord (why is it there?)")
-    pairs = []
-    if len(g_ph) == len([n for n in gm.graph.nodes if n.op == "placeholder"]):
-        pairs += zip([n for n in gm.graph.nodes if n.op == "placeholder"], g_ph)
-    last: dict[str, fx.Node] = {}  # a global node's value is the last per-rank node traced for it
-    for n in gm.graph.nodes:
-        name = (n.meta.get("custom") or {}).get("autopar_origin", "")
-        if n.op == "call_function" and name in globals_:
-            last[name] = n
-    for name, n in last.items():
-        origin = globals_[name]
-        if isinstance(spec_of(origin), ShardSpec) and n.target is not operator.getitem:
-            pairs.append((n, origin))
-    for n, origin in pairs:
-        _check_local_value(n, n.meta.get("val"), spec_of(origin), axis_sizes, where, origin)
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    if len(out.args[0]) == len(g_out.args[0]):
-        for o, g in zip(out.args[0], g_out.args[0]):
-            if isinstance(o, fx.Node) and isinstance(g, fx.Node):
-                _check_local_value(o, o.meta.get("val"), spec_of(g), axis_sizes, where, g)
-
-
-def _check_local_value(n: fx.Node, val, spec, axis_sizes, where: str, origin: fx.Node) -> None:
-    if isinstance(spec, (tuple, list)) and isinstance(val, (tuple, list)):
-        for v, s in zip(val, spec):
-            _check_local_value(n, v, s, axis_sizes, where, origin)
-        return
-    if not isinstance(spec, ShardSpec) or not isinstance(val, torch.Tensor):
-        return
-    want = spec.local_shape(axis_sizes)
-    if tuple(val.shape) != tuple(want):
-        shape = "the GLOBAL shape" if tuple(val.shape) == spec.shape else "shape"
-        raise AssertionError(
-            f"{where}: per-rank value {n.name} has {shape} {list(val.shape)}, but {origin.name} is "
-            f"{spec} and a rank holds {list(want)} of it (at {source_line(origin) or 'unknown line'})")
 
 
 def tensor_args(node: fx.Node) -> list[fx.Node]:

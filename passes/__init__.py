@@ -17,11 +17,13 @@
 
 Every pass has one signature, ``pass(state: CompileState) -> CompileState`` (autopar/ir.py),
 and reads its options from ``state.options``; per-stage passes are written as ``(program,
-ctx) -> program`` over one stage's graph and lifted with ``per_stage``. ``run_pipeline`` runs
-the list, skips the passes named in ``skip`` (only those a program can do without:
-``required=False``), stops after ``stop_after`` (``autopar dump --after PASS``), times each
-pass, and in debug mode checks the invariants of passes/README.md after each one: on the
-global graphs up to ``collectives``, on the per-rank graphs from ``localize`` on.
+ctx) -> program`` over one stage's graph and lifted with ``per_stage``. Each pass declares what
+it ``requires`` and what it ``guarantees``: names of the checks in passes/checks.py (``autopar
+dump --passes`` prints them). ``run_pipeline`` runs the list, skips the passes named in ``skip``
+(only those a program can do without: ``required=False``), stops after ``stop_after``
+(``autopar dump --after PASS``), times each pass, and after EVERY pass, always, verifies its
+guarantees (passes/checks.py ``verify``: the cheap checks on every compile, all of them with
+``debug=True``); a broken guarantee is an ``InternalCompilerError`` naming the pass.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from autopar.errors import PlanError
-from autopar.ir import CompileState, Program, check_invariants, check_local
+from autopar.errors import InternalCompilerError, PlanError
+from autopar.ir import CompileState, Program
 from autopar.passes.capture import autograd_pass, capture_pass
+from autopar.passes.checks import CHECKS, JOINT, LOCAL, PLACED, TORCH, verify, verify_program
 from autopar.passes.collectives import collectives_pass
 from autopar.passes.localize import localize_pass
 from autopar.passes.masks import masks_pass
@@ -52,6 +55,8 @@ class Pass:
     run: Callable[[CompileState], CompileState]
     required: bool  # False: the program is complete without it (``skip_passes`` may name it)
     doc: str  # what holds after it (the first line of its docstring)
+    requires: tuple[str, ...]  # checks (passes/checks.py CHECKS) that must hold on what it reads
+    guarantees: tuple[str, ...]  # checks that hold on what it leaves: verified after it, always
     stage_fn: Callable[[Program, object], Program] | None = None  # a per-stage pass, unlifted
 
 
@@ -72,10 +77,12 @@ def per_stage(name: str, fn: Callable[[Program, object], Program]) -> Callable[[
     return run
 
 
-def _pass(name: str, fn, required: bool = True, stage: bool = False) -> Pass:
+def _pass(name: str, fn, requires, guarantees, required: bool = True, stage: bool = False) -> Pass:
     run = per_stage(name, fn) if stage else fn
     doc = _first_sentence(fn.__doc__ or "")
-    return Pass(name, run, required, doc, fn if stage else None)
+    unknown = [c for c in (*requires, *guarantees) if c not in CHECKS]
+    assert not unknown, f"pass {name} declares unknown checks {unknown}"
+    return Pass(name, run, required, doc, tuple(requires), tuple(guarantees), fn if stage else None)
 
 
 def _first_sentence(doc: str) -> str:
@@ -84,21 +91,20 @@ def _first_sentence(doc: str) -> str:
 
 
 PASSES: list[Pass] = [
-    _pass("capture", capture_pass),
-    _pass("masks", masks_pass, required=False),
-    _pass("lower", lower_pass, required=False),
-    _pass("split", split_pass),
-    _pass("autograd", autograd_pass),
-    _pass("propagate", propagate_pass, stage=True),
-    _pass("recompute", recompute_pass, required=False, stage=True),
-    _pass("state", state_pass, stage=True),
-    _pass("collectives", collectives_pass, stage=True),
-    _pass("localize", localize_pass, stage=True),
-    _pass("overlap", overlap_pass, required=False, stage=True),
-    _pass("schedule", schedule_pass),
+    _pass("capture", capture_pass, (), TORCH),
+    _pass("masks", masks_pass, ("torch-graph",), TORCH, required=False),
+    _pass("lower", lower_pass, ("torch-graph",), TORCH, required=False),
+    _pass("split", split_pass, ("torch-graph",), TORCH),
+    _pass("autograd", autograd_pass, ("torch-graph",), JOINT),
+    _pass("propagate", propagate_pass, ("roles", "graph"), PLACED, stage=True),
+    _pass("recompute", recompute_pass, ("specs", "wants"), PLACED, required=False, stage=True),
+    _pass("state", state_pass, ("specs", "wants"), PLACED, stage=True),
+    _pass("collectives", collectives_pass, ("specs", "wants"), PLACED + ("placements",), stage=True),
+    _pass("localize", localize_pass, ("specs", "placements"), LOCAL, stage=True),
+    _pass("overlap", overlap_pass, ("local-graph", "waited", "explained"), LOCAL, required=False, stage=True),
+    _pass("schedule", schedule_pass, ("local-graph", "waited", "explained"), LOCAL),
 ]
 NAMES = [p.name for p in PASSES]
-GLOBAL_CHECKED = ("propagate", "recompute", "state", "collectives")
 
 
 def check_names(names, what: str) -> None:
@@ -118,56 +124,57 @@ def run_pipeline(state: CompileState, *, skip=(), debug: bool = False, stop_afte
                         "produce", where="skip_passes",
                         fix=f"switch off only {[p.name for p in PASSES if not p.required]}")
     progress = state.options.progress
+    held: tuple[str, ...] = ()
     for p in PASSES:
         if p.name in skip:
             continue
+        _requires(p, held)
         if p.name == "schedule":
             materialize(state)  # twin stages: their original's program, renamed (passes/twins.py)
         if progress:
             progress(p.name)
         t0 = time.perf_counter()
         state = p.run(state)
-        state.timings[p.name] = state.timings.get(p.name, 0.0) + time.perf_counter() - t0
+        t1 = time.perf_counter()
+        state.timings[p.name] = state.timings.get(p.name, 0.0) + t1 - t0
         state.done.append(p.name)
-        if debug:
-            check_state(state, p.name)
+        verify(state, p.name, p.guarantees, debug)
+        state.timings["verify"] = state.timings.get("verify", 0.0) + time.perf_counter() - t1
+        held = p.guarantees
         if p.name == stop_after:
             break
     materialize(state)
     return state
 
 
-def check_state(state: CompileState, after: str) -> None:
-    """The invariants after pass ``after``, on every stage (passes/README.md)."""
-    for st in state.stages:
-        if st.program is None:
-            continue
-        check_program(st.program, st.ctx, after)
-        if st.sync is not None:
-            check_program(st.sync, st.ctx, after)
-
-
-def check_program(program: Program, ctx, after: str) -> None:
-    if after in GLOBAL_CHECKED:
-        check_invariants(program.graph, after)
-    local = getattr(program, "local", None)
-    if local is not None:
-        check_local(local, program, ctx.axis_sizes, after)
+def _requires(p: Pass, held: tuple[str, ...]) -> None:
+    """The declarations agree: what ``p`` requires is what the pass before it guaranteed."""
+    missing = [c for c in p.requires if c not in held]
+    if missing:
+        raise InternalCompilerError(
+            f"internal compiler error: pass '{p.name}' requires {missing}, which the pass before it does not "
+            f"guarantee (it guarantees {list(held)})", where=f"autopar.passes.PASSES, pass '{p.name}'",
+            fix="this is a bug in autopar's pass declarations: please report it with this message and the "
+                "skip_passes / stop_after given")
 
 
 def run_stage_passes(program: Program, ctx, *, skip=(), debug: bool = False, label: str = "") -> Program:
-    """The per-stage passes alone, on one program (the eval forward program; tests)."""
+    """The per-stage passes alone, on one program (the eval forward program, generation's; tests),
+    each verified after it like ``run_pipeline``'s."""
     check_names(skip, "skip_passes")
+    held = next(p.guarantees for p in PASSES if p.name == "autograd")  # a program as captured
     for p in PASSES:
         if p.stage_fn is None or p.name in skip:
             continue
+        _requires(p, held)
         fn = p.stage_fn
         if getattr(ctx, "progress", None):
             ctx.progress(f"{label}{p.name}")
         t0 = time.perf_counter()
         program = fn(program, ctx)
-        ctx.timings[f"{label}{p.name}"] = time.perf_counter() - t0
-        if debug:
-            check_program(program, ctx, p.name)
+        t1 = time.perf_counter()
+        ctx.timings[f"{label}{p.name}"] = t1 - t0
+        verify_program(program, ctx, f"{label}{p.name}", p.guarantees, debug)
+        ctx.timings["verify"] = ctx.timings.get("verify", 0.0) + time.perf_counter() - t1
+        held = p.guarantees
     return program
-

@@ -32,7 +32,7 @@ import torch
 from torch import fx
 
 from autopar import torch_compat as tc
-from autopar.ir import Program
+from autopar.ir import Program, info
 from autopar.passes.bucket import DEFAULT_BUCKET_MB, PASS_THROUGH, bucket_gradient_reductions
 from autopar.passes.gather import DEFAULT_PREFETCH, bucket_parameter_gathers
 from autopar.passes.localize import COLLECTIVES, c10d
@@ -226,3 +226,4 @@ def _keep_inputs_until_wait(gm: fx.GraphModule) -> None:
             with graph.inserting_after(wait):
                 keep = graph.call_function(torch.ops.aten.alias.default, (n.args[0],))
             keep.meta["val"] = n.args[0].meta.get("val")
+            info(keep).keep = True  # read by nothing on purpose (passes/checks.py: not dangling)

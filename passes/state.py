@@ -145,9 +145,8 @@ def grad_sync_program(program: Program, ctx, debug: bool = False) -> Program:
     gradients in their parameters' storage layout. With a lower ``reduce_dtype`` the sums are
     cast down for the reduction and back up after it.
     """
+    from autopar.passes.checks import PLACED, verify_program
     from autopar.passes.localize import localize_pass
-
-    from autopar.ir import check_invariants
 
     graph = fx.Graph()
     out_old = next(n for n in program.graph.nodes if n.op == "output")
@@ -175,8 +174,7 @@ def grad_sync_program(program: Program, ctx, debug: bool = False) -> Program:
     out = graph.output(tuple(results))
     info(out).wants = [None] * len(results)
     sync = Program(graph=graph, inputs=inputs, outputs=outputs)
-    if debug:
-        check_invariants(graph, "collectives")
+    verify_program(sync, ctx, "schedule (the gradient-sync program before localize)", PLACED + ("placements",), debug)
     return localize_pass(sync, ctx)
 
 

@@ -18,6 +18,19 @@ def test_dump_passes_lists_every_pass_in_order(capsys):
     assert rc == 0
     listed = [line.split()[1] for line in out.splitlines() if line[:3].strip().rstrip(".").isdigit()]
     assert listed == [p.name for p in PASSES]
+    # each pass's declarations (passes/checks.py), the debug-only checks starred, and every check explained
+    lines = out.splitlines()
+    for p in PASSES:
+        at = next(i for i, line in enumerate(lines) if line[4:].startswith(p.name + " "))
+        assert lines[at + 1].split("requires:")[1].strip() == (", ".join(p.requires) or
+                                                              "(nothing: it starts from the model)")
+        assert lines[at + 2].split("guarantees:")[1].replace("*", "").strip() == ", ".join(p.guarantees)
+    from autopar.passes.checks import CHECKS
+
+    for c in CHECKS.values():
+        star = "" if c.cheap else "*"
+        assert any(line.split()[:2] == [c.name + star, f"[{c.on}]"] and line.endswith(c.says) for line in lines), c.name
+    assert "local-shapes*" in out and "guarantees: roles, graph, lint*, no-dangling, specs, wants, placements" in out
 
 
 def test_dump_after_shows_the_program_at_that_point(capsys):

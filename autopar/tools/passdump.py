@@ -13,10 +13,18 @@ from autopar.ir import CompileState, ShardSpec, fmt_dtype, fmt_placements, info,
 
 def passes_text() -> str:
     from autopar.passes import PASSES
+    from autopar.passes.checks import CHECKS
 
-    lines = ["autopar's passes, in the order they run (switchable: may be named in skip_passes):", ""]
+    lines = ["autopar's passes, in the order they run (switchable: may be named in skip_passes), each with the",
+             "checks it requires on what it reads and guarantees on what it leaves; the guarantees are verified",
+             "after the pass on every compile (* : only with debug=True, the full checker):", ""]
     for i, p in enumerate(PASSES, 1):
         lines.append(f"{i:2d}. {p.name:12s} {'(switchable) ' if not p.required else ''}{p.doc}")
+        lines.append(f"    {'':12s} requires:   {', '.join(p.requires) or '(nothing: it starts from the model)'}")
+        lines.append(f"    {'':12s} guarantees: {', '.join(c + ('' if CHECKS[c].cheap else '*') for c in p.guarantees)}")
+    lines += ["", "the checks (passes/checks.py):"]
+    width = max(len(c) for c in CHECKS) + 1
+    lines += [f"  {c.name + ('' if c.cheap else '*'):{width}s} [{c.on}] {c.says}" for c in CHECKS.values()]
     return "\n".join(lines) + "\n"
 
 
