@@ -11,6 +11,7 @@ passes/checks.py verifies, after every pass, what that pass promises (passes/REA
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -253,3 +254,27 @@ def tensor_args(node: fx.Node) -> list[fx.Node]:
         elif isinstance(a, (list, tuple)):
             out.extend(x for x in a if isinstance(x, fx.Node))
     return out
+
+
+def drop_unread(graph: fx.Graph) -> int:
+    """Remove the ops nothing reads: no user (or only unread ``getitem`` projections), not kept
+    for an effect (torch.fx's impure ops: in-place and mutable ops, grad-mode switches;
+    ``info(n).keep``), and not drawing random numbers (removing a draw would shift every later
+    one). What a trace or a rewrite leaves behind (an unread view, torch.export's unused
+    values); returns how many went."""
+    dropped = 0
+    for n in reversed(list(graph.nodes)):
+        if n.op != "call_function":
+            continue
+        if any(u.users or u.target is not operator.getitem for u in n.users):
+            continue
+        rec = n.meta.get("autopar")
+        if (rec is not None and rec.keep) or n.is_impure():
+            continue
+        if torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
+            continue
+        for u in list(n.users):
+            graph.erase_node(u)
+        graph.erase_node(n)
+        dropped += 1
+    return dropped

@@ -36,6 +36,7 @@ from autopar.errors import ShardingError
 from autopar.experts import EP_KIND, ep_record_bytes
 from autopar.layout import ring_axes, zigzag_order, zigzag_take, zigzag_unorder
 from autopar.ir import (
+    drop_unread,
     CommRecord,
     Program,
     fmt_placements,
@@ -81,6 +82,8 @@ def localize_pass(program: Program, ctx) -> Program:
     with fx_traceback.preserve_node_meta(), torch.no_grad(), tc.fixed_views():
         gm = make_fx(run, tracing_mode="fake")(*example)
     _annotate_collectives(gm.graph, origins, ctx)
+    if drop_unread(gm.graph):  # (views a local op replaced: ring attention's, sequence parallelism's)
+        gm.recompile()
     program.local = gm
     return program
 

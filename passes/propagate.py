@@ -27,7 +27,7 @@ from autopar.analysis.ops import VIEW_OPS
 from autopar.errors import ShardingError, TorchVersionError
 from autopar.experts import check_expert_parallel
 from autopar.layout import SequenceDims, check_context_parallel, heads_to_sequence
-from autopar.ir import Program, ShardSpec, fmt_placements, info, source_line, spec_of, tensor_args
+from autopar.ir import Program, ShardSpec, drop_unread, fmt_placements, info, source_line, spec_of, tensor_args
 from autopar.rules import ATTENTION_OPS, RULES, RuleResult, pointwise_rule
 from autopar.scoped import setting
 
@@ -36,6 +36,7 @@ def propagate_pass(program: Program, ctx) -> Program:
     """After it: every value has a ShardSpec (``info(n).spec``) and every op the placements its
     inputs must have (``info(n).wants``) and the rule that decided (``info(n).rule``)."""
     graph = program.graph
+    drop_unread(graph)  # (what the trace left unread: torch.export's eval programs have some)
     out = next(n for n in graph.nodes if n.op == "output")
     # what the program's outputs must be (gradients: their parameter's placements) is known
     # up front, so rules can produce a value directly in the layout its consumer wants
