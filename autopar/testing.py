@@ -159,6 +159,11 @@ class DistPool:
             raise RuntimeError("distributed job failed\n" + "\n".join(errors))
         return out
 
+    def alive(self) -> bool:
+        """Every worker still running (a failed job closes the pool: its processes may hold a
+        broken process group)."""
+        return all(p.is_alive() for p in self.procs)
+
     def close(self, force: bool = False):
         for q, p in zip(self.jobs, self.procs):
             if p.is_alive() and not force:

@@ -52,7 +52,10 @@ def pools():
     made: dict[int, DistPool] = {}
 
     def get(n: int) -> DistPool:
-        if n not in made:
+        # a job that failed closed its pool: the next test gets a new one, so one failure stays one
+        if n not in made or not made[n].alive():
+            if n in made:
+                made[n].close(force=True)
             made[n] = DistPool(n)
         return made[n]
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
 
 def _where() -> dict:
     return {"server": getattr(sys.modules.get("autopar.poolserver"), "SERVER", False),
@@ -35,3 +37,20 @@ def test_workers_are_forks_of_the_server_with_the_callers_environment(monkeypatc
     assert first["parent"] == second["parent"] != os.getpid()  # both forked by the one server
     assert (first["env"], second["env"]) == ("first", "second")
     assert (first["path"], second["path"]) == ([], ["/autopar-test-path"])
+
+
+def _raises():
+    raise ValueError("injected: this job fails on every rank")
+
+
+def _seven():
+    return 7
+
+
+def test_a_failed_job_does_not_fail_the_next_test(pools):
+    """A job that raises closes its pool (its processes may hold a broken process group); the
+    fixture gives the next user a new one, so one failure stays one (it used to fail every later
+    test of that size with "worker rank(s) died")."""
+    with pytest.raises(RuntimeError, match="injected: this job fails"):
+        pools(2).run(_raises)
+    assert pools(2).run(_seven) == 7
