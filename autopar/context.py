@@ -133,14 +133,14 @@ def make_context(mesh: DeviceMesh, parsed: Plan, params: dict, options, accumula
 
     placed = place_parameters(parsed, params, tuple(mesh.shape))
     ctx = Context(mesh, parsed, placed, compute_dtype=options.compute_dtype, reduce_dtype=options.reduce_dtype,
-                  recompute=options.recompute, accumulate=accumulate)
+                  recompute=options.given.recompute, accumulate=accumulate)
     ctx.loss_scale = options.loss_scale if options.compute_dtype == torch.float16 else None
-    ctx.progress = options.progress
-    ctx.bucket_mb = options.bucket_mb  # the overlap pass's gradient buckets (passes/bucket.py)
-    ctx.prefetch = options.prefetch  # blocks ahead a parameter gather is issued (passes/gather.py)
+    ctx.progress = options.given.progress
+    ctx.bucket_mb = options.given.bucket_mb  # the overlap pass's gradient buckets (passes/bucket.py)
+    ctx.prefetch = options.given.prefetch  # blocks ahead a parameter gather is issued (passes/gather.py)
     # which parameters stay gathered from forward to backward (passes/state.py: reshard_policy); a
     # pipeline stage re-gathers all: its micro-batches' forward and backward run apart
-    ctx.reshard_after_forward = True if options.pipeline is not None else options.reshard_after_forward
+    ctx.reshard_after_forward = True if options.pipeline is not None else options.given.reshard_after_forward
     ctx.kept_gathered = []  # (name, gathered bytes) per parameter kept: the state pass fills it
     if any(p.is_meta for p in params.values()) and not options.deferred:
         ctx.device = torch.device("meta")  # planning only (no data): the program stays on meta

@@ -230,7 +230,7 @@ class CompileState:
 
     model: object  # the user's nn.Module
     mesh: object  # the DeviceMesh
-    options: object  # autopar.compiler.Options: the plan and every compile option, validated
+    options: object  # autopar.options.Options: every compile option as given and validated, what was derived
     example_inputs: tuple  # the global example batch, as given
     micro_inputs: tuple  # one micro-batch of it: what capture traces
     gm: fx.GraphModule | None = None  # capture: the torch-level graph of model + loss
