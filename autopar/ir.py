@@ -197,6 +197,8 @@ class Program:
     # ("input_grad", i): the gradient of its input i, sent back to the stage that produced it
     outputs: list[tuple[str, object]]
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    local: fx.GraphModule | None = None  # localize: the per-rank program (None before it)
+    recomputed: int = 0  # recompute: forward values the backward recomputes (the report counts them)
 
 
 @dataclass
@@ -210,7 +212,7 @@ class Stage:
     param_names: list[str]  # the user's names of the parameters it holds
     ctx: object = None  # split: the stage's Context (mesh or pipeline sub-mesh, plan, placements)
     spec: object = None  # split (pipelines): StageSpec, where its inputs come from and outputs go
-    program: Program | None = None  # autograd: the joint graph; localize adds .local, the per-rank one
+    program: Program | None = None  # autograd: the joint graph; localize sets its .local, the per-rank one
     sync: Program | None = None  # schedule: gradients reduced once per step (accumulation, pipelines)
     parts: dict = field(default_factory=dict)  # schedule (pipelines): the F / I / W per-rank graphs
     ph_names: list[str] = field(default_factory=list)  # per program input: its placeholder's name

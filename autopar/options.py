@@ -39,7 +39,7 @@ class CompileOptions:
     capture_eval: bool = True  # capture the forward-only program (False: planning without running)
     pipeline_stages: str = "local"  # "all": also compile the stages other ranks hold (planning tools)
     kernels: str = "auto"  # "on" | "off" | "auto": autopar's Triton kernels (compiler._kernels_option)
-    bucket_mb: float = 25  # MiB of gradients per bucketed collective (passes/bucket.py); 0: none
+    bucket_mb: float = 25  # MiB of gradients per bucketed collective (DDP's bucket_cap_mb: passes/bucket.py); 0: none
     prefetch: int = 1  # parameter gathers issued this many blocks ahead (passes/gather.py); 0: none
     reshard_after_forward: bool | None = None  # ZeRO-3 / fsdp: passes/state.py reshard_policy
     memory_budget: int | str | None = None  # bytes per rank for the predicted step peak (analysis/budget.py)

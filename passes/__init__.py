@@ -168,7 +168,7 @@ def run_stage_passes(program: Program, ctx, *, skip=(), debug: bool = False, lab
             continue
         _requires(p, held)
         fn = p.stage_fn
-        if getattr(ctx, "progress", None):
+        if ctx.progress:
             ctx.progress(f"{label}{p.name}")
         t0 = time.perf_counter()
         program = fn(program, ctx)

@@ -81,7 +81,6 @@ def split_pass(state: CompileState) -> CompileState:
         params = {ids[id(getattr(spec.gm, t))][1]: getattr(spec.gm, t) for t in spec.params}
         ctx = make_context(pl.stage_mesh, pl.parsed, params, o, pl.microbatches, state)
         ctx.boundary = (spec.in_batched, spec.out_batched)
-        ctx.stage = s
         ctx.sync_grads = False  # gradients summed over the micro-batches, reduced once per step
         state.stages.append(Stage(s, spec.gm, tuple(spec.example), list(params), ctx, spec=spec))
     find_twins(state, ids)  # stages that compile to the same program: compiled once (passes/twins.py)

@@ -47,7 +47,7 @@ def state_text(state: CompileState) -> str:
         if st.program is None:
             lines.append(f"  torch-level graph ({_count(st.gm.graph)} ops):")
             lines += ["  " + ln for ln in _torch_lines(st.gm.graph)]
-        elif getattr(st.program, "local", None) is None:
+        elif st.program.local is None:
             lines.append(f"  joint graph, GLOBAL shapes ({_count(st.program.graph)} ops):")
             lines += ["  " + ln for ln in _aten_lines(st.program.graph, st.program.inputs)]
         else:
