@@ -11,6 +11,7 @@ passes/checks.py verifies, after every pass, what that pass promises (passes/REA
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -116,25 +117,46 @@ def redistribute(x, src, dst):  # pragma: no cover - a marker target, never exec
     raise RuntimeError("autopar.ir.redistribute is a graph marker; run the localize pass")
 
 
-_UNSET = object()  # a node propagate has not reached yet
+@dataclass
+class RuleResult:
+    """What a sharding rule decided for one op (autopar/rules.py, passes/propagate.py)."""
+
+    inputs: list[tuple[Placement, ...]]  # one per tensor input (tensor_args order)
+    outputs: tuple  # placements tuple, or a tuple of them for multi-output ops
+    impl: Callable | None = None  # impl(ctx, *args with local tensors) -> local output(s)
+    name: str = ""
+
+
+class _Unset:
+    """The spec of a node propagate has not reached yet (``NodeInfo.has_spec`` is False)."""
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET = _Unset()
 
 
 @dataclass
 class NodeInfo:
     """Everything autopar records about one node, in one typed record: ``node.meta["autopar"]``
-    (``info(node)``). Each field names the pass that sets it."""
+    (``info(node)``). Each field names the pass that sets it. A global graph's collectives are
+    ``predicted`` (on its redistribute nodes); a per-rank graph's are ``comm`` (one per collective)."""
 
     role: tuple | None = None  # autograd / capture: a placeholder's role, e.g. ("param", name)
-    spec: object = _UNSET  # propagate: ShardSpec (a tuple of them for multi-output ops; None: no tensor)
+    # propagate: ShardSpec (a tuple of them for multi-output ops; None: no tensor)
+    spec: ShardSpec | tuple[ShardSpec | None, ...] | None | _Unset = _UNSET
     wants: list | None = None  # propagate: the placements each tensor input must have when the op runs
-    rule: object = None  # propagate: the RuleResult that decided (its .name, its local .impl)
-    seq_dim: object = None  # propagate, under a sequence-parallel strategy: the value's sequence dim
-    #                         (int), "flat" (dim 0 is batch x sequence merged) or None (autopar/layout.py)
+    rule: RuleResult | None = None  # propagate: the RuleResult that decided (its .name, its local .impl)
+    seq_dim: int | str | None = None  # propagate, under a sequence-parallel strategy: the value's sequence
+    #                                   dim (int), "flat" (dim 0 is batch x sequence merged) or None (autopar/layout.py)
     why: str | None = None  # state: why this consumer needs its input's layout (becomes a reason)
     recomputed: str | None = None  # recompute: the forward node this backward copy recomputes
     reason: str | None = None  # collectives (redistribute nodes): why the move exists
     producer: str = ""  # collectives: source line of the op that produced the value moved
-    comm: object = None  # collectives: predicted CommRecords (list); localize: a per-rank collective's CommRecord
+    # collectives (global graphs, redistribute nodes): the CommRecords its lowering is predicted to issue
+    predicted: tuple[CommRecord, ...] = ()
+    comm: CommRecord | None = None  # localize (per-rank graphs): this collective's CommRecord
     keep: bool = False  # overlap: an alias that only keeps a collective's input alive until its wait (read by none)
 
     @property

@@ -294,10 +294,8 @@ def _renamed_info(rec: NodeInfo, rename) -> NodeInfo:
     new.reason = rename(rec.reason)
     new.why = rename(rec.why)
     new.producer = rename(rec.producer)
-    if isinstance(rec.comm, CommRecord):
-        new.comm = _renamed_comm(rec.comm, rename)
-    elif isinstance(rec.comm, list):
-        new.comm = [_renamed_comm(c, rename) if isinstance(c, CommRecord) else c for c in rec.comm]
+    new.predicted = tuple(_renamed_comm(c, rename) for c in rec.predicted)
+    new.comm = _renamed_comm(rec.comm, rename) if rec.comm is not None else None
     return new
 
 
