@@ -7,10 +7,11 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -21,7 +22,8 @@ from autopar.capture import capture_forward
 from autopar.experts import expert_plan
 from autopar.errors import PlanError
 from autopar.ir import CompileState
-from autopar.pipeline_plan import PipelineSetup, is_pipeline_strategy, pipeline_setup
+from autopar.options import CompileOptions, Options, compile_signature
+from autopar.pipeline_plan import is_pipeline_strategy, pipeline_setup
 from autopar.plan import Plan, parse_plan
 from autopar.runtime import failure, steptimes
 
@@ -39,34 +41,7 @@ def _dtype_option(v, what: str):
     return _DTYPES[v]
 
 
-def compile(
-    model: nn.Module | Callable | None = None,
-    mesh: DeviceMesh | None = None,
-    *,
-    example_inputs: tuple | None = None,
-    loss_fn: Callable | None = None,
-    plan: dict | str | None = None,
-    inputs: str = "global",
-    precision: str = "fp32",
-    reduce_dtype: str | None = None,
-    loss_scale: str | float = "dynamic",
-    accumulate: int = 1,
-    recompute: str = "none",
-    debug: bool = False,
-    skip_passes: tuple[str, ...] = (),
-    progress: Callable[[str], None] | None = None,
-    capture_eval: bool = True,
-    pipeline_stages: str = "local",
-    kernels: str = "auto",
-    bucket_mb: float = 25,
-    prefetch: int = 1,
-    reshard_after_forward: bool | None = None,
-    memory_budget: int | str | None = None,
-    timeout: float = 60.0,
-    straggler_threshold: float | None = 1.2,
-    straggler_window: int = 100,
-    inductor: bool = False,
-):
+def compile(model: nn.Module | Callable | None = None, mesh: DeviceMesh | None = None, **options):
     """Compile ``model`` for ``mesh`` under ``plan``; returns a ParallelModule (a PipelineModule,
     autopar/runtime/pipeline.py, when an axis's strategy is a pipeline schedule: ``{"pp": "1f1b", ...}``).
 
@@ -123,27 +98,32 @@ def compile(
     As a decorator (``@autopar.compile(mesh=..., example_inputs=..., plan=...)``) on a model
     class or a model-building function, the class/function then returns ParallelModules.
     """
-    opts = dict(mesh=mesh, example_inputs=example_inputs, loss_fn=loss_fn, plan=plan, inputs=inputs,
-                precision=precision, reduce_dtype=reduce_dtype, loss_scale=loss_scale, accumulate=accumulate,
-                recompute=recompute, debug=debug, skip_passes=skip_passes, progress=progress,
-                capture_eval=capture_eval, pipeline_stages=pipeline_stages, kernels=kernels,
-                bucket_mb=bucket_mb, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
-                memory_budget=memory_budget, timeout=timeout,
-                straggler_threshold=straggler_threshold, straggler_window=straggler_window, inductor=inductor)
+    opts = CompileOptions.of(options)  # (the keywords, their defaults and types: autopar/options.py)
     if model is None or (isinstance(model, type) or (callable(model) and not isinstance(model, nn.Module))):
-        return _decorator(model, **opts)
-    capture_eval = opts.pop("capture_eval")
+        return _decorator(model, mesh, opts)
+    return compile_with(model, mesh, opts)
+
+
+compile.__signature__ = compile_signature([  # what help(autopar.compile) shows: model, mesh, then every option
+    inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
+                      annotation="nn.Module | Callable | None"),
+    inspect.Parameter("mesh", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None, annotation="DeviceMesh | None")])
+
+
+def compile_with(model: nn.Module, mesh: DeviceMesh | None, options: CompileOptions):
+    """``autopar.compile`` for callers that built their ``CompileOptions`` (the command line, the
+    planner)."""
     chose = None
-    if plan == "auto" and mesh is not None and example_inputs is not None:
-        chose = _auto(model, opts)
+    if options.plan == "auto" and mesh is not None and options.example_inputs is not None:
+        options, mesh, chose = _auto(model, mesh, options)
     try:
-        state = build(model, **opts)
+        state = build(model, mesh, options)
     except BaseException as e:
         # every rank learns that this one cannot compile, before anyone waits for it in the
         # first collective (distributing the parameters): autopar/runtime/failure.py
-        failure.agree(e, _wait_s(timeout))
+        failure.agree(e, _wait_s(options.timeout))
         raise
-    pm = runtime_for(state, capture_eval=capture_eval)
+    pm = runtime_for(state, capture_eval=options.capture_eval)
     if chose is not None:
         pm.auto_plan = chose
     return pm
@@ -155,137 +135,59 @@ def compile(
 AUTO_PLANNER: Callable | None = None
 
 
-def _auto(model, opts: dict) -> str:
-    """``plan="auto"``: the search's choice on ``opts["mesh"]`` written into ``opts`` (plan,
-    recompute, accumulate), printed in one line (rank 0), and returned (autopar/planner/api.py
-    ``resolve_auto``)."""
-    return AUTO_PLANNER(model, opts)  # (set whenever autopar is imported: autopar/__init__.py imports the planner)
+def _auto(model, mesh, options: CompileOptions) -> tuple[CompileOptions, DeviceMesh, str]:
+    """``plan="auto"``: the options with the search's choice on ``mesh`` (plan, recompute,
+    accumulate), the mesh to compile on (made again where the search remade the process group),
+    and the line that says the choice (printed on rank 0): autopar/planner/api.py ``resolve_auto``."""
+    return AUTO_PLANNER(model, mesh, options)  # (set whenever autopar is imported: autopar/__init__.py imports the planner)
 
 
 def _wait_s(timeout) -> float:
     return float(timeout) if isinstance(timeout, (int, float)) and 0 < timeout < math.inf else 60.0
 
 
-@dataclass(frozen=True)
-class Options:
-    """``autopar.compile``'s options, validated: what the passes read (``state.options``)."""
-
-    plan: dict
-    parsed: Plan  # the plan on the mesh the stages run on (without a pipeline axis)
-    loss_fn: Callable | None
-    inputs: str  # "global" | "local"
-    compute_dtype: torch.dtype | None  # None: fp32 throughout
-    reduce_dtype: torch.dtype | None
-    loss_scale: str | float | None  # fp16 only
-    accumulate: int
-    recompute: str
-    lower: bool  # run the lower pass (kernels)
-    debug: bool
-    skip: tuple[str, ...]
-    progress: Callable[[str], None] | None
-    stages: str  # "local" | "all" (planning: compile every pipeline stage on this rank)
-    pipeline: PipelineSetup | None  # the pipeline axis, validated, with its schedule
-    bucket_mb: float = 25  # MiB of gradients per bucketed collective (passes/bucket.py); 0: none
-    prefetch: int = 1  # parameter gathers issued this many blocks ahead (passes/gather.py); 0: none
-    reshard_after_forward: bool | None = None  # passes/state.py: reshard_policy
-    memory_budget: int | None = None  # bytes per rank for the predicted step peak (analysis/budget.py)
-    # the model's parameters are meta and the batch real (``deferred_weights``): traced on meta, run on the
-    # mesh's device, parameters materialized as empty local shards for pm.load_pretrained / pm.load
-    deferred: bool = False
-    timeout: float = 60.0  # seconds a wait of a step may block (autopar/runtime/failure.py)
-    straggler_threshold: float | None = 1.2  # autopar/runtime/steptimes.py; None: no check
-    straggler_window: int = 100  # steps between straggler checks
-    inductor: bool = False  # compile each per-rank program's compute (autopar/runtime/inductor.py)
-
-
-def build(model: nn.Module, mesh: DeviceMesh, *, stop_after: str | None = None, **options) -> CompileState:
-    """Validate everything that can be checked without tracing (``options``: compile's), then run
-    the pass list (passes/__init__.py) up to ``stop_after`` (all of it by default)."""
+def build(model: nn.Module, mesh: DeviceMesh, options: CompileOptions | None = None, *,
+          stop_after: str | None = None, **changes) -> CompileState:
+    """Validate everything that can be checked without tracing (``options``, with ``changes``: compile's
+    keywords), then run the pass list (passes/__init__.py) up to ``stop_after`` (all of it by default)."""
     from autopar.passes import run_pipeline
 
     t0 = time.perf_counter()
-    opts, micro = validate(model, mesh, **options)
-    state = CompileState(model, mesh, opts, tuple(options["example_inputs"]), micro)
-    state = run_pipeline(state, skip=opts.skip, debug=opts.debug, stop_after=stop_after)
+    given = replace(options or CompileOptions(), **changes)
+    opts, micro = validate(model, mesh, given)
+    state = CompileState(model, mesh, opts, tuple(given.example_inputs), micro)
+    state = run_pipeline(state, skip=opts.skip, debug=given.debug, stop_after=stop_after)
     state.timings["total"] = time.perf_counter() - t0
     return state
 
 
-def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, inputs="global", precision="fp32",
-             reduce_dtype=None, loss_scale="dynamic", accumulate=1, recompute="none", debug=False, skip_passes=(),
-             progress=None, pipeline_stages="local", kernels="auto", bucket_mb=25, prefetch=1,
-             reshard_after_forward=None, memory_budget=None, timeout=60.0, straggler_threshold=1.2,
-             straggler_window=100, inductor=False) -> tuple[Options, tuple]:
+def validate(model, mesh, g: CompileOptions) -> tuple[Options, tuple]:
     """Every check that needs no trace: options, plan against mesh and model, batch against
     the data-parallel ranks and the pipeline's micro-batches. Returns the options and one
     micro-batch of the example inputs (what capture traces)."""
     from autopar.analysis.budget import parse_budget
-    from autopar.passes import check_names
-    from autopar.passes.recompute import POLICIES
 
     if mesh is None:
         raise PlanError("autopar.compile needs a mesh", fix="pass mesh=autopar.mesh(dp=2)")
-    if example_inputs is None:
+    if g.example_inputs is None:
         raise PlanError("autopar.compile needs example_inputs (global shapes)",
                         fix="pass example_inputs=(tokens, targets)")
-    if inputs not in ("global", "local"):
-        raise PlanError(f"inputs must be 'global' or 'local', got {inputs!r}")
-    compute_dtype = _dtype_option(precision, "precision")
+    if g.inputs not in ("global", "local"):
+        raise PlanError(f"inputs must be 'global' or 'local', got {g.inputs!r}")
+    compute_dtype = _dtype_option(g.precision, "precision")
     compute_dtype = None if compute_dtype == torch.float32 else compute_dtype
-    reduce = _dtype_option(reduce_dtype, "reduce_dtype") if reduce_dtype is not None else compute_dtype
-    if recompute not in POLICIES:
-        raise PlanError(f"unknown recompute policy {recompute!r}", where="autopar.compile(recompute=...)",
-                        fix=f"use one of {list(POLICIES)}")
-    if compute_dtype == torch.float16 and not (loss_scale == "dynamic" or isinstance(loss_scale, (int, float))):
-        raise PlanError(f"loss_scale must be 'dynamic' or a number, got {loss_scale!r}",
-                        where="autopar.compile(loss_scale=...)")
-    if not isinstance(accumulate, int) or accumulate < 1:
-        raise PlanError(f"accumulate must be a positive int, got {accumulate!r}", where="autopar.compile(accumulate=...)")
-    check_names(skip_passes, "autopar.compile(skip_passes=...)")
-    if type(bucket_mb) is bool or not isinstance(bucket_mb, (int, float)) or not 0 <= bucket_mb < math.inf:
-        raise PlanError(f"bucket_mb must be a non-negative number of MiB, got {bucket_mb!r}",
-                        where="autopar.compile(bucket_mb=...)",
-                        fix="use 25 (DDP's bucket size), or 0 for one collective per gradient")
-    if type(prefetch) is not int or prefetch < 0:
-        raise PlanError(f"prefetch must be a non-negative int (blocks ahead), got {prefetch!r}",
-                        where="autopar.compile(prefetch=...)",
-                        fix="use 1 (FSDP2's default), 0 for none, or 2 (NCCL) for more overlap at one more block's memory")
-    if type(timeout) is bool or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
-        raise PlanError(f"timeout must be a positive number of seconds, got {timeout!r}",
-                        where="autopar.compile(timeout=...)",
-                        fix="use 60 (the default), more if a step can legitimately wait that long")
-    if straggler_threshold is not None and (type(straggler_threshold) is bool or not isinstance(
-            straggler_threshold, (int, float)) or not 1 < straggler_threshold < math.inf):
-        raise PlanError(f"straggler_threshold must be a number above 1 (or None), got {straggler_threshold!r}",
-                        where="autopar.compile(straggler_threshold=...)",
-                        fix="use 1.2 (the default: a rank 20% slower than its peers), or None for no check")
-    if type(straggler_window) is not int or straggler_window < 2:
-        raise PlanError(f"straggler_window must be an int of at least 2 steps, got {straggler_window!r}",
-                        where="autopar.compile(straggler_window=...)", fix="use 100 (the default)")
-    if reshard_after_forward not in (None, True, False):
-        raise PlanError(f"reshard_after_forward must be None, True or False, got {reshard_after_forward!r}",
-                        where="autopar.compile(reshard_after_forward=...)",
-                        fix="None (FSDP2's default: blocks re-gathered in backward, the root's parameters kept), "
-                            "True (all re-gathered) or False (none)")
-    if prefetch > 1 and _backend(mesh) == "gloo":
-        # torch 2.13's functional all_gather_into_tensor corrupts the heap on gloo when two are in
-        # flight on one process group (tests/test_gather.py documents the reproduction)
-        raise PlanError(f"prefetch={prefetch} keeps {prefetch} parameter all-gathers in flight, which gloo's "
-                        "functional all-gather does not survive (heap corruption in torch 2.13)",
-                        where="autopar.compile(prefetch=...)",
-                        fix="use prefetch=1 (one gather in flight, as FSDP2) on a gloo mesh")
-    if type(inductor) is not bool:
-        raise PlanError(f"inductor must be True or False, got {inductor!r}", where="autopar.compile(inductor=...)",
-                        fix="inductor=True compiles each per-rank program's compute with Inductor; False runs it op by op")
-    budget = parse_budget(memory_budget)
-    example_inputs = tuple(example_inputs)
-    lower = _kernels_option(kernels, mesh)
+    reduce = _dtype_option(g.reduce_dtype, "reduce_dtype") if g.reduce_dtype is not None else compute_dtype
+    _check_numbers(g, compute_dtype, mesh)
+    budget = parse_budget(g.memory_budget)
+    example_inputs = tuple(g.example_inputs)
+    lower = _kernels_option(g.kernels, mesh)
     already = [n for n, p in model.named_parameters()
                if isinstance(p, DTensor) or getattr(p, "_autopar_placed", False)]
     if already:
         raise PlanError(f"the model's parameters were already placed by autopar ({already[0]}, ...): it was compiled "
                         "before, and autopar.compile replaces a module's parameters in place",
                         where="autopar.compile(model)", fix="build a fresh model (or deep-copy it) for each compile")
+    plan = g.plan
     if isinstance(plan, str):
         parse_plan(plan, ())  # plan="auto" and other strings: the plan parser's error
     pp_axes = [a for a, v in (plan or {}).items() if a != "rules" and is_pipeline_strategy(v)]
@@ -297,22 +199,75 @@ def validate(model, mesh, *, example_inputs=None, loss_fn=None, plan=None, input
         if pp_axes[0] not in (mesh.mesh_dim_names or ()):
             raise PlanError(f"plan names mesh axis {pp_axes[0]!r}, which the mesh does not have", where="plan",
                             fix=f"mesh axes are {list(mesh.mesh_dim_names)}")
-        pipeline = pipeline_setup(mesh, plan, pp_axes[0], example_inputs, accumulate)
+        pipeline = pipeline_setup(mesh, plan, pp_axes[0], example_inputs, g.accumulate)
         parsed, m = pipeline.parsed, pipeline.microbatches
         micro = tuple(x[: x.shape[0] // m] if isinstance(x, torch.Tensor) and x.ndim > 0 else x
                       for x in example_inputs)
     else:
         parsed = parse_plan(plan, tuple(mesh.mesh_dim_names))
-        micro = _micro_batch(example_inputs, accumulate, parsed, mesh)
+        micro = _micro_batch(example_inputs, g.accumulate, parsed, mesh)
     deferred = deferred_weights(model, example_inputs)
     if deferred:  # traced on meta like a planning compile; the program runs on the mesh's device
         micro = tuple(_meta_like(x) for x in micro)
-    options = Options(plan or {}, parsed, loss_fn, inputs, compute_dtype, reduce,
-                      loss_scale if compute_dtype == torch.float16 else None, accumulate, recompute, lower, debug,
-                      tuple(skip_passes), progress, pipeline_stages, pipeline, bucket_mb, prefetch,
-                      reshard_after_forward, budget, deferred, float(timeout),
-                      straggler_threshold and float(straggler_threshold), straggler_window, inductor)
+    options = Options(given=g, plan=plan or {}, parsed=parsed, compute_dtype=compute_dtype, reduce_dtype=reduce,
+                      loss_scale=g.loss_scale if compute_dtype == torch.float16 else None, lower=lower,
+                      skip=tuple(g.skip_passes), pipeline=pipeline, memory_budget=budget, deferred=deferred,
+                      timeout=float(g.timeout),
+                      straggler_threshold=g.straggler_threshold and float(g.straggler_threshold))
     return options, micro
+
+
+def _check_numbers(g: CompileOptions, compute_dtype, mesh) -> None:
+    """The scalar options' types and ranges (a PlanError naming the option)."""
+    from autopar.passes import check_names
+    from autopar.passes.recompute import POLICIES
+
+    if g.recompute not in POLICIES:
+        raise PlanError(f"unknown recompute policy {g.recompute!r}", where="autopar.compile(recompute=...)",
+                        fix=f"use one of {list(POLICIES)}")
+    if compute_dtype == torch.float16 and not (g.loss_scale == "dynamic" or isinstance(g.loss_scale, (int, float))):
+        raise PlanError(f"loss_scale must be 'dynamic' or a number, got {g.loss_scale!r}",
+                        where="autopar.compile(loss_scale=...)")
+    if not isinstance(g.accumulate, int) or g.accumulate < 1:
+        raise PlanError(f"accumulate must be a positive int, got {g.accumulate!r}",
+                        where="autopar.compile(accumulate=...)")
+    check_names(g.skip_passes, "autopar.compile(skip_passes=...)")
+    if type(g.bucket_mb) is bool or not isinstance(g.bucket_mb, (int, float)) or not 0 <= g.bucket_mb < math.inf:
+        raise PlanError(f"bucket_mb must be a non-negative number of MiB, got {g.bucket_mb!r}",
+                        where="autopar.compile(bucket_mb=...)",
+                        fix="use 25 (DDP's bucket size), or 0 for one collective per gradient")
+    if type(g.prefetch) is not int or g.prefetch < 0:
+        raise PlanError(f"prefetch must be a non-negative int (blocks ahead), got {g.prefetch!r}",
+                        where="autopar.compile(prefetch=...)",
+                        fix="use 1 (FSDP2's default), 0 for none, or 2 (NCCL) for more overlap at one more block's memory")
+    if type(g.timeout) is bool or not isinstance(g.timeout, (int, float)) or not 0 < g.timeout < math.inf:
+        raise PlanError(f"timeout must be a positive number of seconds, got {g.timeout!r}",
+                        where="autopar.compile(timeout=...)",
+                        fix="use 60 (the default), more if a step can legitimately wait that long")
+    threshold = g.straggler_threshold
+    if threshold is not None and (type(threshold) is bool or not isinstance(threshold, (int, float))
+                                  or not 1 < threshold < math.inf):
+        raise PlanError(f"straggler_threshold must be a number above 1 (or None), got {threshold!r}",
+                        where="autopar.compile(straggler_threshold=...)",
+                        fix="use 1.2 (the default: a rank 20% slower than its peers), or None for no check")
+    if type(g.straggler_window) is not int or g.straggler_window < 2:
+        raise PlanError(f"straggler_window must be an int of at least 2 steps, got {g.straggler_window!r}",
+                        where="autopar.compile(straggler_window=...)", fix="use 100 (the default)")
+    if g.reshard_after_forward not in (None, True, False):
+        raise PlanError(f"reshard_after_forward must be None, True or False, got {g.reshard_after_forward!r}",
+                        where="autopar.compile(reshard_after_forward=...)",
+                        fix="None (FSDP2's default: blocks re-gathered in backward, the root's parameters kept), "
+                            "True (all re-gathered) or False (none)")
+    if g.prefetch > 1 and _backend(mesh) == "gloo":
+        # torch 2.13's functional all_gather_into_tensor corrupts the heap on gloo when two are in
+        # flight on one process group (tests/test_gather.py documents the reproduction)
+        raise PlanError(f"prefetch={g.prefetch} keeps {g.prefetch} parameter all-gathers in flight, which gloo's "
+                        "functional all-gather does not survive (heap corruption in torch 2.13)",
+                        where="autopar.compile(prefetch=...)",
+                        fix="use prefetch=1 (one gather in flight, as FSDP2) on a gloo mesh")
+    if type(g.inductor) is not bool:
+        raise PlanError(f"inductor must be True or False, got {g.inductor!r}", where="autopar.compile(inductor=...)",
+                        fix="inductor=True compiles each per-rank program's compute with Inductor; False runs it op by op")
 
 
 def deferred_weights(model: nn.Module, example_inputs: tuple) -> bool:
@@ -378,7 +333,7 @@ def runtime_for(state: CompileState, capture_eval: bool = True):
     from autopar.runtime.module import ParallelModule
     from autopar.runtime.pipeline import PipelineModule
 
-    o = state.options
+    o, g = state.options, state.options.given
     forward_builder = None
     try:
         # the predicted step peak against memory_budget: before anything is distributed or run
@@ -388,15 +343,15 @@ def runtime_for(state: CompileState, capture_eval: bool = True):
             # the eval program is captured now, while the parameters are still plain tensors; its
             # passes run on the first forward call
             ctx = state.stages[0].ctx
-            fwd_inputs = state.example_inputs[:-1] if o.loss_fn is not None else state.example_inputs
+            fwd_inputs = state.example_inputs[:-1] if g.loss_fn is not None else state.example_inputs
             if o.deferred:
                 fwd_inputs = tuple(_meta_like(x) for x in fwd_inputs)
-            if o.progress:
-                o.progress("capture (eval forward)")
+            if g.progress:
+                g.progress("capture (eval forward)")
             t0 = time.perf_counter()
             fwd_program = capture_forward(state.model, fwd_inputs, o.compute_dtype, dropless=expert_plan(o.plan))
             ctx.timings["capture_forward"] = time.perf_counter() - t0
-            forward_builder = functools.partial(run_stage_passes, fwd_program, ctx, debug=o.debug, label="eval ",
+            forward_builder = functools.partial(run_stage_passes, fwd_program, ctx, debug=g.debug, label="eval ",
                                                 skip=tuple(o.skip) + ("recompute",))
     except BaseException as e:
         failure.agree(e, o.timeout)
@@ -406,14 +361,14 @@ def runtime_for(state: CompileState, capture_eval: bool = True):
     if o.pipeline is not None:
         pl = o.pipeline
         rt = PipelineModule(state.model, state.mesh, pl.axis, pl.stage_mesh, pl.schedule, pl.options, state.specs,
-                            state.stages, state.example_inputs, o.inputs, stage_plan=pl.parsed)
+                            state.stages, state.example_inputs, g.inputs, stage_plan=pl.parsed)
     else:
-        rt = ParallelModule(state.model, state.stages[0], state.example_inputs, o.loss_fn is not None, o.inputs,
-                            forward_builder, functools.partial(generation.build, skip=o.skip, debug=o.debug))
+        rt = ParallelModule(state.model, state.stages[0], state.example_inputs, g.loss_fn is not None, g.inputs,
+                            forward_builder, functools.partial(generation.build, skip=o.skip, debug=g.debug))
     rt.timeout = o.timeout
-    rt.clock = steptimes.StepClock(o.straggler_threshold, o.straggler_window)
+    rt.clock = steptimes.StepClock(o.straggler_threshold, g.straggler_window)
     rt.index_checks = checks
-    if o.inductor:
+    if g.inductor:
         _compile_programs(rt)
     return _materialize_buffers(rt, o)
 
@@ -465,11 +420,11 @@ def _kernels_option(kernels: str, mesh) -> bool:
     return KERNELS_MEASURED_ON_GPU and ok and how == "cuda" and mesh.device_type == "cuda"
 
 
-def _decorator(target, **kw):
+def _decorator(target, mesh, options: CompileOptions):
     def wrap(t):
         @functools.wraps(t)
         def build(*args, **kwargs):
-            return compile(t(*args, **kwargs), **kw)
+            return compile_with(t(*args, **kwargs), mesh, options)
 
         return build
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import fx
 from torch.distributed.device_mesh import DeviceMesh
@@ -12,31 +14,57 @@ from autopar.ir import info
 
 
 class Context:
-    """What the passes know about the mesh, the plan and this rank."""
+    """What the passes know about the mesh, the plan and this rank. Every field is declared here;
+    the passes change some of them (each comment names who), none adds one (``__slots__``: an
+    attribute set from outside that is not one of these is an AttributeError)."""
 
-    def __init__(self, mesh: DeviceMesh, plan: Plan, placed: Placed, *, compute_dtype=None, reduce_dtype=None,
-                 recompute: str = "none", accumulate: int = 1):
+    __slots__ = ("mesh", "axis_names", "axis_sizes", "coord", "device", "plan", "placed", "dp_axes", "cp_axes",
+                 "timings", "compute_dtype", "reduce_dtype", "recompute", "accumulate", "loss_scale", "progress",
+                 "bucket_mb", "prefetch", "reshard_after_forward", "kept_gathered", "sync_grads", "output_roles",
+                 "strategy_cache", "_groups", "boundary", "lowered", "masks", "cache_layout")
+
+    def __init__(self, mesh: DeviceMesh, plan: Plan, placed: Placed, *, compute_dtype: torch.dtype | None,
+                 reduce_dtype: torch.dtype | None, recompute: str, accumulate: int, loss_scale: str | float | None,
+                 progress: Callable[[str], None] | None, bucket_mb: float, prefetch: int,
+                 reshard_after_forward: bool | None, device: torch.device | None = None):
+        # (the compile options' keywords come from make_context: their defaults are compile's, autopar/options.py)
         self.mesh = mesh
-        self.axis_names = tuple(mesh.mesh_dim_names)
-        self.axis_sizes = tuple(mesh.shape)
+        self.axis_names: tuple[str, ...] = tuple(mesh.mesh_dim_names)
+        self.axis_sizes: tuple[int, ...] = tuple(mesh.shape)
         coord = mesh.get_coordinate()
-        self.coord = tuple(coord) if coord is not None else tuple(0 for _ in self.axis_sizes)
-        self.device = torch.device(mesh.device_type)
+        # this rank's index on each axis
+        self.coord: tuple[int, ...] = tuple(coord) if coord is not None else tuple(0 for _ in self.axis_sizes)
+        # where the program runs (meta: a planning compile, which never runs)
+        self.device: torch.device = device if device is not None else torch.device(mesh.device_type)
         self.plan = plan
-        self.placed = placed
-        self.dp_axes = [i for i, a in enumerate(plan.axes) if a.data_parallel]
+        self.placed = placed  # every parameter's placements (storage and compute) under the plan
+        self.dp_axes: list[int] = [i for i, a in enumerate(plan.axes) if a.data_parallel]
         # context-parallel axes (plan.CONTEXT_PARALLEL) of more than one rank: the inputs' dim 1 (the
         # sequence) sharded over them
-        self.cp_axes = [i for i, a in enumerate(plan.axes) if a.context_parallel and self.axis_sizes[i] > 1]
+        self.cp_axes: list[int] = [i for i, a in enumerate(plan.axes) if a.context_parallel and self.axis_sizes[i] > 1]
+        # seconds per pass (shared with the CompileState: make_context)
         self.timings: dict[str, float] = {}
         self.compute_dtype = compute_dtype  # None: fp32 throughout
         self.reduce_dtype = reduce_dtype  # dtype gradients are reduced in (None: as produced)
-        self.recompute = recompute
-        self.accumulate = accumulate
-        self.sync_grads = True  # False while building the no-sync program of accumulation
+        self.recompute = recompute  # the recompute pass's policy: "none" | "full" | "selective"
+        self.accumulate = accumulate  # micro-batches per step (a pipeline's: its micro-batches)
+        self.loss_scale = loss_scale  # fp16 only: "dynamic" or a fixed scale (the runtime's LossScaler)
+        self.progress = progress  # called with each pass's name as it starts (compile's progress=)
+        self.bucket_mb = bucket_mb  # the overlap pass's gradient buckets (passes/bucket.py); 0: none
+        self.prefetch = prefetch  # blocks ahead a parameter gather is issued (passes/gather.py)
+        # which parameters stay gathered from forward to backward (passes/state.py: reshard_policy)
+        self.reshard_after_forward = reshard_after_forward
+        # the state pass: (name, gathered bytes) per parameter kept gathered from forward to backward
+        self.kept_gathered: list[tuple[str, int]] = []
+        # split / schedule: False while building a program whose gradients are not reduced (the
+        # no-sync program of accumulation, a pipeline stage's); True for the others
+        self.sync_grads = True
         self.output_roles: list = []  # propagate: the roles of the program's outputs (output_hint)
+        # propagate: DTensor's answers for the program being propagated, by op and input specs
+        # (repeated blocks ask the same question); None outside propagate
+        self.strategy_cache: dict | None = None
         self._groups = [mesh.get_group(i).group_name for i in range(len(self.axis_sizes))]
-        # a pipeline stage's program: (per input, per output) whether dim 0 is the batch
+        # split: a pipeline stage's program: (per input, per output) whether dim 0 is the batch
         self.boundary: tuple[list[bool], list[bool]] | None = None
         self.lowered: dict[str, int] = {}  # what the lower pass rewrote into kernel ops, per rule
         self.masks: list[str] = []  # what the masks pass did with each attention mask (passes/masks.py)
@@ -128,24 +156,23 @@ class Context:
 
 
 def make_context(mesh: DeviceMesh, parsed: Plan, params: dict, options, accumulate: int, state=None) -> Context:
-    """A stage's Context: its parameters placed by the plan on ``mesh``, the compile options."""
+    """A stage's Context: its parameters placed by the plan on ``mesh``, the compile options
+    (``options``: autopar.options.Options)."""
     from autopar.plan import place_parameters
 
+    g = options.given
     placed = place_parameters(parsed, params, tuple(mesh.shape))
+    # planning only (no data): the program stays on meta. (deferred: the model was built on meta to be
+    # loaded after compiling; traced on meta, the program runs on the mesh's device: localize puts the
+    # graph's meta device arguments there)
+    meta = any(p.is_meta for p in params.values()) and not options.deferred
     ctx = Context(mesh, parsed, placed, compute_dtype=options.compute_dtype, reduce_dtype=options.reduce_dtype,
-                  recompute=options.recompute, accumulate=accumulate)
-    ctx.loss_scale = options.loss_scale if options.compute_dtype == torch.float16 else None
-    ctx.progress = options.progress
-    ctx.bucket_mb = options.bucket_mb  # the overlap pass's gradient buckets (passes/bucket.py)
-    ctx.prefetch = options.prefetch  # blocks ahead a parameter gather is issued (passes/gather.py)
-    # which parameters stay gathered from forward to backward (passes/state.py: reshard_policy); a
-    # pipeline stage re-gathers all: its micro-batches' forward and backward run apart
-    ctx.reshard_after_forward = True if options.pipeline is not None else options.reshard_after_forward
-    ctx.kept_gathered = []  # (name, gathered bytes) per parameter kept: the state pass fills it
-    if any(p.is_meta for p in params.values()) and not options.deferred:
-        ctx.device = torch.device("meta")  # planning only (no data): the program stays on meta
-    # (deferred: the model was built on meta to be loaded after compiling; traced on meta, the
-    # program runs on the mesh's device: localize puts the graph's meta device arguments there)
+                  recompute=g.recompute, accumulate=accumulate,
+                  loss_scale=options.loss_scale if options.compute_dtype == torch.float16 else None,
+                  progress=g.progress, bucket_mb=g.bucket_mb, prefetch=g.prefetch,
+                  # a pipeline stage re-gathers all: its micro-batches' forward and backward run apart
+                  reshard_after_forward=True if options.pipeline is not None else g.reshard_after_forward,
+                  device=torch.device("meta") if meta else None)
     if state is not None:  # what the earlier passes recorded, seen from the stage
         ctx.timings = state.timings
         ctx.lowered = state.lowered

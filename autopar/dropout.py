@@ -31,6 +31,9 @@ so a pipeline's stages and a re-run of a step draw the same.
 from __future__ import annotations
 
 import zlib
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -38,8 +41,32 @@ from torch import Tensor
 from autopar import torch_compat as tc
 
 _M64 = (1 << 64) - 1
-# seed, step, micro-batch of the program about to run (set by the runtime before each action)
-STATE = {"seed": 0, "step": 0, "micro": 0}
+
+
+@dataclass
+class Draw:
+    """Which masks the dropouts of a program call draw: the run's seed, the step and the
+    micro-batch. Each runtime owns one (``Runtime.draw``: the step's, the executor sets the
+    micro-batch before each action) and makes it the current one for the length of its step
+    (``drawing``), which is what ``autopar::dropout_mask`` reads when it runs."""
+
+    seed: int = 0
+    step: int = 0
+    micro: int = 0
+
+
+# the draw of the step running in this thread (``drawing``); outside a step, seed 0, step 0, micro-batch 0
+_CURRENT: ContextVar[Draw | None] = ContextVar("autopar_dropout_draw", default=None)
+
+
+@contextmanager
+def drawing(draw: Draw):
+    """``draw`` is the one the dropouts read while this runs (a runtime's step)."""
+    token = _CURRENT.set(draw)
+    try:
+        yield draw
+    finally:
+        _CURRENT.reset(token)
 
 
 def _signed(c: int) -> int:
@@ -100,8 +127,9 @@ def keep_mask(shape, starts, strides, p: float, base: int, device) -> Tensor:
 @torch.library.custom_op("autopar::dropout_mask", mutates_args=())
 def dropout_mask(x: Tensor, p: float, starts: list[int], strides: list[int], key: int) -> Tensor:
     """This rank's part of the keep-mask of a dropout on a tensor whose local block starts at global
-    offsets ``starts`` (global ``strides``), for the call ``STATE`` names (see the module docstring)."""
-    base = call_key(STATE["seed"], STATE["step"], STATE["micro"], key)
+    offsets ``starts`` (global ``strides``), for the call the current ``Draw`` names (see the module docstring)."""
+    draw = _CURRENT.get() or Draw()
+    base = call_key(draw.seed, draw.step, draw.micro, key)
     return keep_mask(tuple(x.shape), starts, strides, p, base, x.device)
 
 

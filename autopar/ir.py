@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -117,25 +118,46 @@ def redistribute(x, src, dst):  # pragma: no cover - a marker target, never exec
     raise RuntimeError("autopar.ir.redistribute is a graph marker; run the localize pass")
 
 
-_UNSET = object()  # a node propagate has not reached yet
+@dataclass
+class RuleResult:
+    """What a sharding rule decided for one op (autopar/rules.py, passes/propagate.py)."""
+
+    inputs: list[tuple[Placement, ...]]  # one per tensor input (tensor_args order)
+    outputs: tuple  # placements tuple, or a tuple of them for multi-output ops
+    impl: Callable | None = None  # impl(ctx, *args with local tensors) -> local output(s)
+    name: str = ""
+
+
+class _Unset:
+    """The spec of a node propagate has not reached yet (``NodeInfo.has_spec`` is False)."""
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET = _Unset()
 
 
 @dataclass
 class NodeInfo:
     """Everything autopar records about one node, in one typed record: ``node.meta["autopar"]``
-    (``info(node)``). Each field names the pass that sets it."""
+    (``info(node)``). Each field names the pass that sets it. A global graph's collectives are
+    ``predicted`` (on its redistribute nodes); a per-rank graph's are ``comm`` (one per collective)."""
 
     role: tuple | None = None  # autograd / capture: a placeholder's role, e.g. ("param", name)
-    spec: object = _UNSET  # propagate: ShardSpec (a tuple of them for multi-output ops; None: no tensor)
+    # propagate: ShardSpec (a tuple of them for multi-output ops; None: no tensor)
+    spec: ShardSpec | tuple[ShardSpec | None, ...] | None | _Unset = _UNSET
     wants: list | None = None  # propagate: the placements each tensor input must have when the op runs
-    rule: object = None  # propagate: the RuleResult that decided (its .name, its local .impl)
-    seq_dim: object = None  # propagate, under a sequence-parallel strategy: the value's sequence dim
-    #                         (int), "flat" (dim 0 is batch x sequence merged) or None (autopar/layout.py)
+    rule: RuleResult | None = None  # propagate: the RuleResult that decided (its .name, its local .impl)
+    seq_dim: int | str | None = None  # propagate, under a sequence-parallel strategy: the value's sequence
+    #                                   dim (int), "flat" (dim 0 is batch x sequence merged) or None (autopar/layout.py)
     why: str | None = None  # state: why this consumer needs its input's layout (becomes a reason)
     recomputed: str | None = None  # recompute: the forward node this backward copy recomputes
     reason: str | None = None  # collectives (redistribute nodes): why the move exists
     producer: str = ""  # collectives: source line of the op that produced the value moved
-    comm: object = None  # collectives: predicted CommRecords (list); localize: a per-rank collective's CommRecord
+    # collectives (global graphs, redistribute nodes): the CommRecords its lowering is predicted to issue
+    predicted: tuple[CommRecord, ...] = ()
+    comm: CommRecord | None = None  # localize (per-rank graphs): this collective's CommRecord
     keep: bool = False  # overlap: an alias that only keeps a collective's input alive until its wait (read by none)
 
     @property
@@ -198,6 +220,8 @@ class Program:
     # ("input_grad", i): the gradient of its input i, sent back to the stage that produced it
     outputs: list[tuple[str, object]]
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    local: fx.GraphModule | None = None  # localize: the per-rank program (None before it)
+    recomputed: int = 0  # recompute: forward values the backward recomputes (the report counts them)
 
 
 @dataclass
@@ -211,7 +235,7 @@ class Stage:
     param_names: list[str]  # the user's names of the parameters it holds
     ctx: object = None  # split: the stage's Context (mesh or pipeline sub-mesh, plan, placements)
     spec: object = None  # split (pipelines): StageSpec, where its inputs come from and outputs go
-    program: Program | None = None  # autograd: the joint graph; localize adds .local, the per-rank one
+    program: Program | None = None  # autograd: the joint graph; localize sets its .local, the per-rank one
     sync: Program | None = None  # schedule: gradients reduced once per step (accumulation, pipelines)
     parts: dict = field(default_factory=dict)  # schedule (pipelines): the F / I / W per-rank graphs
     ph_names: list[str] = field(default_factory=list)  # per program input: its placeholder's name
@@ -231,7 +255,7 @@ class CompileState:
 
     model: object  # the user's nn.Module
     mesh: object  # the DeviceMesh
-    options: object  # autopar.compiler.Options: the plan and every compile option, validated
+    options: object  # autopar.options.Options: every compile option as given and validated, what was derived
     example_inputs: tuple  # the global example batch, as given
     micro_inputs: tuple  # one micro-batch of it: what capture traces
     gm: fx.GraphModule | None = None  # capture: the torch-level graph of model + loss

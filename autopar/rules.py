@@ -16,7 +16,6 @@ Every rule is checked against the unsharded op by tests/test_rules.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -25,7 +24,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from autopar import torch_compat as tc
 from autopar.errors import PlanError
-from autopar.ir import ShardSpec, source_line
+from autopar.ir import RuleResult, ShardSpec, source_line
 from autopar.experts import MOE_OPS, ep_impl, expert_axes
 from autopar.layout import ring_axes, ulysses_axes
 from autopar.ring import kv_repeat, ring_impl
@@ -33,14 +32,6 @@ from autopar.ring import kv_repeat, ring_impl
 aten = torch.ops.aten
 R = Replicate()
 PSUM = Partial("sum")
-
-
-@dataclass
-class RuleResult:
-    inputs: list[tuple[Placement, ...]]  # one per tensor input (ir.tensor_args order)
-    outputs: object  # placements tuple, or a tuple of them for multi-output ops
-    impl: Callable | None = None  # impl(ctx, *args with local tensors) -> local output(s)
-    name: str = ""
 
 
 RULES: dict[object, Callable] = {}

@@ -67,8 +67,8 @@ def per_stage(name: str, fn: Callable[[Program, object], Program]) -> Callable[[
         for st in state.stages:
             if st.twin_of is not None and st.program is None:  # a twin: its program is copied after these passes
                 continue
-            if state.options.progress and len(state.stages) > 1:
-                state.options.progress(f"stage {st.index}: {name}")
+            if state.options.given.progress and len(state.stages) > 1:
+                state.options.given.progress(f"stage {st.index}: {name}")
             st.program = fn(st.program, st.ctx)
         return state
 
@@ -123,7 +123,7 @@ def run_pipeline(state: CompileState, *, skip=(), debug: bool = False, stop_afte
         raise PlanError(f"pass(es) {needed} cannot be switched off: later passes and the runtime need what they "
                         "produce", where="skip_passes",
                         fix=f"switch off only {[p.name for p in PASSES if not p.required]}")
-    progress = state.options.progress
+    progress = state.options.given.progress
     held: tuple[str, ...] = ()
     for p in PASSES:
         if p.name in skip:
@@ -168,7 +168,7 @@ def run_stage_passes(program: Program, ctx, *, skip=(), debug: bool = False, lab
             continue
         _requires(p, held)
         fn = p.stage_fn
-        if getattr(ctx, "progress", None):
+        if ctx.progress:
             ctx.progress(f"{label}{p.name}")
         t0 = time.perf_counter()
         program = fn(program, ctx)

@@ -52,7 +52,6 @@ from autopar.modpath import block_of
 from autopar.passes.localize import COLLECTIVES, c10d
 
 aten = torch.ops.aten
-DEFAULT_BUCKET_MB = 25  # DDP's bucket_cap_mb
 FIRST_BUCKET_MB = 1  # DDP's first bucket: the first reduction starts early in the backward
 # local ops that move with a gradient's wait (a cast, a layout fix-up, a bucket's slices)
 PASS_THROUGH = {aten._to_copy.default, aten.view.default, aten.t.default, aten.cat.default,

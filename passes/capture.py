@@ -23,7 +23,7 @@ from autopar.ir import CompileState
 def capture_pass(state: CompileState) -> CompileState:
     """After it: ``state.gm`` is the torch-level graph of model + loss on one micro-batch."""
     o = state.options
-    state.gm = capture_graph(state.model, state.micro_inputs, o.loss_fn, o.compute_dtype, dropless=expert_plan(o.plan))
+    state.gm = capture_graph(state.model, state.micro_inputs, o.given.loss_fn, o.compute_dtype, dropless=expert_plan(o.plan))
     return state
 
 

@@ -255,7 +255,7 @@ def graphs(stage_program: Program | None, sync: Program | None, on: str):
             continue
         if on == "global":
             yield prog.graph, prog
-        elif on == "local" and getattr(prog, "local", None) is not None:
+        elif on == "local" and prog.local is not None:
             yield prog.local.graph, prog
 
 

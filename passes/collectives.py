@@ -156,7 +156,7 @@ def insert_redistribute(graph, a: fx.Node, want, before: fx.Node, ctx, reason: s
     r.meta["partitioner_tag"] = "is_backward" if phase == "backward" else "is_forward"
     info(r).reason = reason
     info(r).producer = source_line(a)
-    info(r).comm = predict_records(have, want, ctx, reason, src, phase, source_line(a))
+    info(r).predicted = tuple(predict_records(have, want, ctx, reason, src, phase, source_line(a)))
     return r
 
 
@@ -164,4 +164,4 @@ def predicted_records(program: Program) -> list[CommRecord]:
     """What this pass predicted, before lowering: the CommRecords on the program's global graph's
     redistribute nodes (localize leaves that graph as it is; tests compare these records with the
     collectives of the per-rank program)."""
-    return [r for n in program.graph.nodes if n.target is redistribute for r in info(n).comm or ()]
+    return [r for n in program.graph.nodes if n.target is redistribute for r in info(n).predicted]

@@ -33,8 +33,8 @@ from torch import fx
 
 from autopar import torch_compat as tc
 from autopar.ir import Program, info
-from autopar.passes.bucket import DEFAULT_BUCKET_MB, PASS_THROUGH, bucket_gradient_reductions
-from autopar.passes.gather import DEFAULT_PREFETCH, bucket_parameter_gathers
+from autopar.passes.bucket import PASS_THROUGH, bucket_gradient_reductions
+from autopar.passes.gather import bucket_parameter_gathers
 from autopar.passes.localize import COLLECTIVES, c10d
 
 
@@ -43,8 +43,7 @@ def overlap_pass(program: Program, ctx) -> Program:
     gradient reductions are bucketed (``bucket_mb`` MiB per collective) and waited
     for as late as their use allows (all-reduce at the end, reduce-scatter before the next
     one), and every collective's input stays alive until its wait."""
-    bucket_mb = getattr(ctx, "bucket_mb", DEFAULT_BUCKET_MB)
-    prefetch = getattr(ctx, "prefetch", DEFAULT_PREFETCH)
+    bucket_mb, prefetch = ctx.bucket_mb, ctx.prefetch
     for gm in _local_graphs(program):
         bucket_parameter_gathers(gm, program.inputs, prefetch, bucket=bool(bucket_mb), recompile=False)
         bucket_gradient_reductions(gm, program.outputs, bucket_mb, recompile=False)
@@ -59,7 +58,7 @@ def overlap_pass(program: Program, ctx) -> Program:
 
 
 def _local_graphs(program: Program):
-    return [program.local] if getattr(program, "local", None) is not None else []
+    return [program.local] if program.local is not None else []
 
 
 def _defer_output_waits(gm: fx.GraphModule) -> None:

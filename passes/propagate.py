@@ -163,7 +163,7 @@ _SHARED_MAX = 200_000
 
 def _dtensor_rule(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResult:
     read_as = read_as or {}
-    cache = getattr(ctx, "strategy_cache", None)
+    cache = ctx.strategy_cache
     k, shareable = _cache_key(n, read_as) if cache is not None else (None, False)
     if k is not None and k in cache:
         return cache[k]

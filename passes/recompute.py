@@ -132,7 +132,7 @@ def recompute_pass(program: Program, ctx) -> Program:
     """After it: the backward reads no forward value the policy recomputes; it reads copies
     of the forward nodes, placed in the backward (``recompute="none"``: nothing changes)."""
     graph = program.graph
-    chosen = choose(graph, getattr(ctx, "recompute", "none"), ctx.plan.zero >= 3)
+    chosen = choose(graph, ctx.recompute, ctx.plan.zero >= 3)
     clones: dict[fx.Node, fx.Node] = {}
 
     def clone(a: fx.Node, before: fx.Node) -> fx.Node:

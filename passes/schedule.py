@@ -39,7 +39,7 @@ def schedule_pass(state: CompileState) -> CompileState:
             st.ctx.sync_grads = True
             continue
         if not st.ctx.sync_grads:
-            st.sync = grad_sync_program(st.program, st.ctx, debug=o.debug)
+            st.sync = grad_sync_program(st.program, st.ctx, debug=o.given.debug)
             if "overlap" not in o.skip:
                 overlap_pass(st.sync, st.ctx)
         st.ctx.sync_grads = True  # what later programs of this context (the eval forward) assume

@@ -62,8 +62,8 @@ def split_pass(state: CompileState) -> CompileState:
     derive_tensor_parallel(state)
     if o.pipeline is None:
         params = dict(state.model.named_parameters())
-        ctx = make_context(state.mesh, o.parsed, params, o, o.accumulate, state)
-        ctx.sync_grads = o.accumulate == 1  # else: gradients summed over micro-batches, reduced once
+        ctx = make_context(state.mesh, o.parsed, params, o, o.given.accumulate, state)
+        ctx.sync_grads = o.given.accumulate == 1  # else: gradients summed over micro-batches, reduced once
         state.stages = [Stage(0, state.gm, state.micro_inputs, list(params), ctx)]
         return state
     pl = o.pipeline
@@ -71,7 +71,7 @@ def split_pass(state: CompileState) -> CompileState:
     device = next((q.device for q in state.model.parameters()), torch.device("cpu"))
     state.specs = split_stages(state.gm, pl.n_stages, pl.options.split, device=device, dev_name=pl.options.balance)
     pp_rank = state.mesh.get_local_rank(pl.axis)
-    mine = [s for s in range(pl.n_stages) if o.stages == "all" or pl.schedule.rank_of(s) == pp_rank]
+    mine = [s for s in range(pl.n_stages) if o.given.pipeline_stages == "all" or pl.schedule.rank_of(s) == pp_rank]
     ids = tensor_names(state.model)
     for spec in state.specs:  # every stage's, also those other ranks compile: tied weights (runtime)
         spec.param_names = [ids[id(getattr(spec.gm, t))][1] for t in spec.params]
@@ -81,7 +81,6 @@ def split_pass(state: CompileState) -> CompileState:
         params = {ids[id(getattr(spec.gm, t))][1]: getattr(spec.gm, t) for t in spec.params}
         ctx = make_context(pl.stage_mesh, pl.parsed, params, o, pl.microbatches, state)
         ctx.boundary = (spec.in_batched, spec.out_batched)
-        ctx.stage = s
         ctx.sync_grads = False  # gradients summed over the micro-batches, reduced once per step
         state.stages.append(Stage(s, spec.gm, tuple(spec.example), list(params), ctx, spec=spec))
     find_twins(state, ids)  # stages that compile to the same program: compiled once (passes/twins.py)

@@ -69,7 +69,7 @@ def _place_parameter(graph: fx.Graph, p: fx.Node, ctx) -> None:
         info(c).spec = ShardSpec(tuple(storage), cs.shape, cs.dtype)
         info(c).wants = [tuple(storage)]
     zero3 = ctx.plan.zero >= 3
-    keep = zero3 and reshard_policy(getattr(ctx, "reshard_after_forward", True))(name)
+    keep = zero3 and reshard_policy(ctx.reshard_after_forward)(name)
     order = _order(graph)
     if keep:  # autograd may cast again for the backward: one cast (and one gather) serves both phases
         casts.sort(key=order)
@@ -85,7 +85,7 @@ def _place_parameter(graph: fx.Graph, p: fx.Node, ctx) -> None:
             groups.setdefault(phase_of(u) if zero3 and not keep else "step", []).append(u)
         if keep and any(phase_of(u) == "backward" for u in users) and any(phase_of(u) != "backward" for u in users):
             local = ShardSpec(tuple(compute), spec_of(head).shape, spec_of(head).dtype).local_shape(ctx.axis_sizes)
-            ctx.kept_gathered = [*(k for k in getattr(ctx, "kept_gathered", []) if k[0] != name),
+            ctx.kept_gathered = [*(k for k in ctx.kept_gathered if k[0] != name),
                                  (name, math.prod(local) * spec_of(head).dtype.itemsize)]
         for phase, us in groups.items():
             why = {"forward": "its forward use", "backward": "its backward use (gathered again)",

@@ -234,15 +234,10 @@ def _copy_program(p: Program, rename, named_buffers) -> Program:
     for k, v in p.buffers.items():
         k2 = rename(k)
         buffers[k2] = named_buffers.get(k2, v) if k2 != k else v
-    out = Program(graph=graph, inputs=[_role(r, rename) for r in p.inputs],
-                  outputs=[_role(r, rename) for r in p.outputs], buffers=buffers)
-    for attr, value in vars(p).items():  # what passes added (recompute's count)
-        if attr not in ("graph", "inputs", "outputs", "buffers", "local"):
-            setattr(out, attr, value)
-    local = getattr(p, "local", None)
-    if local is not None:
-        out.local = _clone_gm(local, _copy_graph(local.graph, rename))
-    return out
+    local = p.local
+    return Program(graph=graph, inputs=[_role(r, rename) for r in p.inputs],
+                   outputs=[_role(r, rename) for r in p.outputs], buffers=buffers, recomputed=p.recomputed,
+                   local=_clone_gm(local, _copy_graph(local.graph, rename)) if local is not None else None)
 
 
 def _clone_gm(gm: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
@@ -299,10 +294,8 @@ def _renamed_info(rec: NodeInfo, rename) -> NodeInfo:
     new.reason = rename(rec.reason)
     new.why = rename(rec.why)
     new.producer = rename(rec.producer)
-    if isinstance(rec.comm, CommRecord):
-        new.comm = _renamed_comm(rec.comm, rename)
-    elif isinstance(rec.comm, list):
-        new.comm = [_renamed_comm(c, rename) if isinstance(c, CommRecord) else c for c in rec.comm]
+    new.predicted = tuple(_renamed_comm(c, rename) for c in rec.predicted)
+    new.comm = _renamed_comm(rec.comm, rename) if rec.comm is not None else None
     return new
 
 

@@ -45,8 +45,8 @@ def _assert_same_stage(a, b):
     assert b.program.inputs == a.program.inputs and b.program.outputs == a.program.outputs
     assert str(b.program.graph) == str(a.program.graph)
     assert _records(b.program.local) == _records(a.program.local)
-    assert [n.meta["autopar"].comm for n in b.program.graph.nodes if "autopar" in n.meta] == \
-        [n.meta["autopar"].comm for n in a.program.graph.nodes if "autopar" in n.meta]
+    assert [n.meta["autopar"].predicted for n in b.program.graph.nodes if "autopar" in n.meta] == \
+        [n.meta["autopar"].predicted for n in a.program.graph.nodes if "autopar" in n.meta]
     assert str(b.sync.local.graph) == str(a.sync.local.graph) and _records(b.sync.local) == _records(a.sync.local)
     assert b.sync.inputs == a.sync.inputs and b.sync.outputs == a.sync.outputs
     assert {k: str(v.gm.graph) if v.gm is not None else None for k, v in b.parts.items()} == \

@@ -119,7 +119,7 @@ def advice(state) -> str:
     tips = ["more ranks on a context-parallel axis ({'cp': 'ulysses'}: activations / cp)",
             "tensor parallelism ({'tp': 'megatron'} or 'sequence': parameters and activations / tp)",
             "fsdp on a data-parallel axis (parameters, gradients and optimizer state / dp)",
-            f"recompute='selective' or 'full' (activations; now {o.recompute!r})",
+            f"recompute='selective' or 'full' (activations; now {o.given.recompute!r})",
             "a smaller micro-batch (accumulate=K) or a shorter sequence"]
     if o.compute_dtype is None:
         tips.append('precision="bf16" (activations in half the bytes)')

@@ -233,28 +233,27 @@ def _line(plans: Plans, axes: dict) -> str:
             + f" (searched in {plans.seconds:.1f} s; autopar.plan(...).report() shows the table)")
 
 
-def resolve_auto(model, opts: dict) -> str:
-    """``autopar.compile(plan="auto")``: the search's choice on ``opts["mesh"]`` written into
-    ``opts`` (plan, recompute, accumulate), printed in one line (rank 0), and returned
-    (registered as ``autopar.compiler.AUTO_PLANNER``)."""
+def resolve_auto(model, mesh, options):
+    """``autopar.compile(plan="auto")``: ``options`` (a ``CompileOptions``) with the search's choice
+    on ``mesh`` (plan, recompute, accumulate), the mesh to compile on, and the line that says the
+    choice, printed here (rank 0) (registered as ``autopar.compiler.AUTO_PLANNER``)."""
     import torch.distributed as dist
 
-    if opts["accumulate"] != 1:
+    if options.accumulate != 1:
         raise PlanError("plan='auto' chooses accumulate (the micro-batches) itself", where="autopar.compile(accumulate=...)",
                         fix="leave accumulate out, or give a fixed plan")
     remade = REMADE["fake"]
-    best, line = choose(model, opts["mesh"], example_inputs=opts["example_inputs"], loss_fn=opts["loss_fn"],
-                            precision=opts["precision"], recompute=opts["recompute"],
-                            memory_budget=opts["memory_budget"], inductor=opts["inductor"])
-    opts.update(best.compile_options())
+    best, line = choose(model, mesh, example_inputs=options.example_inputs, loss_fn=options.loss_fn,
+                        precision=options.precision, recompute=options.recompute,
+                        memory_budget=options.memory_budget, inductor=options.inductor)
+    options = replace(options, **best.compile_options())
     if REMADE["fake"] != remade:  # the search made this process's fake group again: a mesh on the new one
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = opts["mesh"]
-        opts["mesh"] = init_device_mesh(mesh.device_type, tuple(mesh.shape), mesh_dim_names=mesh.mesh_dim_names)
+        mesh = init_device_mesh(mesh.device_type, tuple(mesh.shape), mesh_dim_names=mesh.mesh_dim_names)
     if not dist.is_initialized() or dist.get_rank() == 0 or dist.get_backend() == "fake":
         print(line, flush=True)
-    return line
+    return options, mesh, line
 
 
 def _register() -> None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autopar.errors import PlanError
+from autopar.options import CompileOptions
 
 DP_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 TP_STRATEGIES = ("megatron", "sequence")
@@ -268,6 +269,14 @@ def info_of(model, example_inputs, loss_fn=None, *, spec: str, batch: int | None
                      no_ep if experts else "the model has no experts", rep)
 
 
+def planning_options(loaded, **choice) -> CompileOptions:
+    """The options a candidate is compiled with to be costed: ``loaded``'s batch and loss, nothing
+    to run (no eval forward), PyTorch's own ops, every pipeline stage on this rank; ``choice``: the
+    candidate's plan, precision, recompute, ... (a ``CompileOptions`` field each)."""
+    return replace(CompileOptions(example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn, capture_eval=False,
+                                  kernels="off", pipeline_stages="all"), **choice)
+
+
 def block_coefficients(info: ModelInfo, tp: int, tp_strategy: str | None, recompute: str, mbs: int, *,
                        precision: str, dev, check: bool = False, kernels: str = "off", cp: int = 1,
                        cp_strategy: str | None = None, ep: int = 1, fused: bool = False) -> Coefficients:
@@ -277,7 +286,7 @@ def block_coefficients(info: ModelInfo, tp: int, tp_strategy: str | None, recomp
     per ep rank. Gradient buckets are left out (``bucket_mb=0``): a bucket's flat buffer is a
     per-step matter (a pipeline or accumulation reduces the gradients after the micro-batches), and
     would otherwise be counted as one micro-batch's activations."""
-    from autopar.compiler import compile as autopar_compile
+    from autopar.compiler import compile_with
     from autopar.mesh import fake_mesh
 
     t0 = time.perf_counter()
@@ -292,9 +301,8 @@ def block_coefficients(info: ModelInfo, tp: int, tp_strategy: str | None, recomp
         loaded = info.at(depth, mbs * ep)
         with fake_mesh(axes, 0) as mesh, warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            pm = autopar_compile(loaded.model, mesh, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
-                                 plan=plan, precision=precision, recompute=recompute, capture_eval=False,
-                                 kernels=kernels, bucket_mb=0)
+            pm = compile_with(loaded.model, mesh, planning_options(loaded, plan=plan, precision=precision,
+                                                                  recompute=recompute, kernels=kernels, bucket_mb=0))
             figs.append(figures_of(pm, dev, fused))
     block = figs[1] - figs[0]
     linear = (figs[2] - figs[1]).close(block) if check else []

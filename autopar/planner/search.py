@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from autopar.errors import PlanError
 from autopar.forked import can_fork, side_by_side
 from autopar.planner.blocks import (DP_STRATEGIES, RECOMPUTE, SCHEDULES, TP_STRATEGIES, ModelInfo, block_coefficients,
-                                     model_info)
+                                     model_info, planning_options)
 from autopar.planner.compose import CP_STRATEGIES, Candidate, candidates, cost
 
 # plan="auto" searches context parallelism by default from this many tokens per sequence on
@@ -248,7 +248,7 @@ def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, 
     and its per-stage figures come back too (``confirm`` carries them to the whole model's grouping)."""
     from autopar.analysis import cost as C
     from autopar.analysis import pipeline_cost as PC
-    from autopar.compiler import compile as autopar_compile
+    from autopar.compiler import compile_with
     from autopar.mesh import fake_mesh
     from autopar.splice import block_list, spliced
 
@@ -265,9 +265,8 @@ def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, 
             # head unevenly, and ``confirm``'s per-stage lines need each stage at one and two blocks
             per = depth // (c.pp * c.virtual)
             plan["pp"] = {**plan["pp"], "split": [f"{found[0]}.{i}" for i in range(per, depth, per)]}
-        pm = autopar_compile(loaded.model, mesh, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
-                             plan=plan, precision=precision, recompute=c.recompute, capture_eval=False,
-                             kernels="off", accumulate=c.microbatches if c.pp == 1 else 1, pipeline_stages="all")
+        pm = compile_with(loaded.model, mesh, planning_options(loaded, plan=plan, precision=precision, recompute=c.recompute,
+                                                               accumulate=c.microbatches if c.pp == 1 else 1))
         mem = C.predict_memory(pm, optimizer)
         est = C.predict_time(pm, dev, optimizer, fused)
         by_axis: dict[str, int] = {}
@@ -306,9 +305,8 @@ def whole_split(c: Candidate, info: ModelInfo, dev, *, precision: str) -> tuple[
         warnings.simplefilter("ignore")
         plan = c.plan()
         plan["pp"] = {**{k: v for k, v in plan["pp"].items() if k != "split"}, "balance": dev.name}
-        state = build(loaded.model, mesh, stop_after="split", example_inputs=loaded.example_inputs,
-                      loss_fn=loaded.loss_fn, plan=plan, precision=precision, recompute=c.recompute,
-                      kernels="off", accumulate=1, pipeline_stages="all")
+        state = build(loaded.model, mesh, planning_options(loaded, plan=plan, precision=precision,
+                                                           recompute=c.recompute), stop_after="split")
     grouped = _blocks_per_stage(state.specs)
     found = block_list(loaded.model)
     if min(grouped) < 1 or found is None:  # a stage without blocks starts at no block: no name says it

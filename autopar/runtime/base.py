@@ -84,6 +84,7 @@ class Runtime:
         # dropout masks are drawn from this seed, the step and each element's global position
         # (autopar/dropout.py): rank 0's torch.initial_seed(), agreed here; set pm.seed to choose
         self.seed = _agreed_seed(ctx.device)
+        self.draw = dropout.Draw()  # the step's dropout draw (seed, step, micro-batch), current during train_step
         self._tied = tied_names(module)  # {alias: name}: parameters registered under several names
         # parameters / buffers of a model built on meta, still empty (load_pretrained or load fills them)
         self._unloaded: set[str] = set()
@@ -214,8 +215,9 @@ class Runtime:
                 micro = [[torch.chunk(x, m, dim=0)[i] if x.ndim > 0 else x for x in local] for i in range(m)] \
                     if m > 1 else [local]
                 del local
-                dropout.STATE.update(seed=self.seed, step=self.steps)
-                losses = self.executor.run(micro, self._shared_values(), self.loss_scale or 1.0)
+                self.draw.seed, self.draw.step = self.seed, self.steps
+                with dropout.drawing(self.draw):  # (what this step's dropouts draw: autopar/dropout.py)
+                    losses = self.executor.run(micro, self._shared_values(), self.loss_scale or 1.0, self.draw)
                 del micro
                 grads = self._sync_across_stages(self.executor.sync())
                 self.steps += 1

@@ -54,10 +54,12 @@ class Executor:
                        for s, sp in stages.items()}
 
     # ---------------------------------------------------------------- one step
-    def run(self, micro: list[list[torch.Tensor]], shared: dict[int, dict], scale: float) -> list[torch.Tensor]:
+    def run(self, micro: list[list[torch.Tensor]], shared: dict[int, dict], scale: float,
+            draw: dropout.Draw) -> list[torch.Tensor]:
         """Run the action list on ``micro`` (per micro-batch, this rank's inputs); ``shared``:
         per stage, its parameter and buffer values by placeholder name; ``scale``: the fp16 loss
-        scale (1 without). Returns the losses this rank computed, one per micro-batch."""
+        scale (1 without); ``draw``: the step's dropout draw (the runtime's), whose micro-batch
+        each action sets. Returns the losses this rank computed, one per micro-batch."""
         self._shared, self._scale, self._micro = dict(shared), scale, micro
         for s, sp in self.stages.items():  # each stage's prologue: once per step, held to its end
             part = sp.prologue
@@ -79,7 +81,7 @@ class Executor:
             if i + 1 < len(self.actions):  # one action ahead: its inputs arrive while this one computes
                 self._post_recvs(self.actions[i + 1])
             kind, s, mb = action
-            dropout.STATE["micro"] = mb  # (the draw of this micro-batch's dropouts)
+            draw.micro = mb  # (the draw of this micro-batch's dropouts)
             self._ready = time.perf_counter()  # (actions that receive move it past their receives)
             if kind == "FB":
                 self._whole(s, mb)

@@ -126,7 +126,7 @@ class ParallelModule(Runtime):
         if self.loss_scale is not None:
             opts.append(f"loss scale {self.loss_scale:g} ({self.skipped_steps} steps skipped)")
         opts += [f"accumulate {ctx.accumulate}", f"recompute {ctx.recompute}"
-                 + (f" ({self.program.recomputed} values recomputed)" if getattr(self.program, "recomputed", 0) else "")]
+                 + (f" ({self.program.recomputed} values recomputed)" if self.program.recomputed else "")]
         lines = [f"autopar program on mesh {dict(zip(ctx.axis_names, ctx.axis_sizes))}, rank coord {ctx.coord}",
                  f"plan: {ctx.plan.describe()}; " + ", ".join(opts)]
         if getattr(self, "auto_plan", None):  # autopar.compile(plan="auto"): what it chose, and why

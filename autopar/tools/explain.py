@@ -29,6 +29,7 @@ import warnings
 
 from autopar.errors import AutoparError, PlanError
 from autopar.mesh import fake_mesh
+from autopar.options import CompileOptions
 from autopar.tools.render import (Analysis, dump_dot, dump_json, dump_svg, dump_text, explain_text, plan_table,
                                   summary)
 
@@ -212,6 +213,17 @@ def parse_ranks(text: str, world: int) -> list[int]:
     return ranks
 
 
+def compile_options(args, loaded, plan: dict, rank: int, progress: Progress) -> CompileOptions:
+    """The command line's options (``args``) for compiling ``loaded`` under ``plan`` as ``rank``:
+    on a fake process group, nothing to run (no eval forward), every pipeline stage."""
+    return CompileOptions(example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn, plan=plan,
+                          precision=args.precision, reduce_dtype=args.reduce_dtype, recompute=args.recompute,
+                          accumulate=args.accumulate, progress=lambda s: progress(f"rank {rank}: {s}"),
+                          capture_eval=False, pipeline_stages="all", kernels=args.kernels, bucket_mb=args.bucket_mb,
+                          prefetch=args.prefetch,
+                          reshard_after_forward={"default": None, "true": True, "false": False}[args.reshard_after_forward])
+
+
 def dump_after(args, rank: int, progress: Progress) -> str:
     """The program as the pass list leaves it after pass ``args.after`` (``autopar dump --after``)."""
     from autopar.compiler import build
@@ -228,19 +240,14 @@ def dump_after(args, rank: int, progress: Progress) -> str:
     loaded = zoo.load(args.model, meta=not args.real, batch=args.batch, seq=args.seq,
                       overrides=zoo.parse_overrides(args.set))
     with fake_mesh(axes, rank) as mesh:
-        state = build(loaded.model, mesh, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn, plan=plan,
-                      precision=args.precision, reduce_dtype=args.reduce_dtype, recompute=args.recompute,
-                      accumulate=args.accumulate, progress=lambda s: progress(f"rank {rank}: {s}"),
-                      pipeline_stages="all", kernels=args.kernels, bucket_mb=args.bucket_mb,
-                      prefetch=args.prefetch, stop_after=args.after,
-                      reshard_after_forward={"default": None, "true": True, "false": False}[args.reshard_after_forward])
+        state = build(loaded.model, mesh, compile_options(args, loaded, plan, rank, progress), stop_after=args.after)
         return state_text(state)
 
 
 def analyse(args, rank: int, progress: Progress, loaded=None) -> Analysis:
     """Build the model (or take ``loaded``, a ``zoo.Loaded``), compile it for ``rank`` of a fake
     process group, run the cost model."""
-    import autopar
+    from autopar.compiler import compile_with
     from autopar.analysis import cost
     from autopar.models import zoo
 
@@ -260,14 +267,8 @@ def analyse(args, rank: int, progress: Progress, loaded=None) -> Analysis:
         t1 = time.perf_counter()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            pm = autopar.compile(loaded.model, mesh, example_inputs=loaded.example_inputs, loss_fn=loaded.loss_fn,
-                                 plan=balanced_for(plan, dev.name), precision=args.precision,
-                                 reduce_dtype=args.reduce_dtype,
-                                 recompute=args.recompute, accumulate=args.accumulate,
-                                 progress=lambda s: progress(f"rank {rank}: {s}"), capture_eval=False,
-                                 pipeline_stages="all", kernels=args.kernels, bucket_mb=args.bucket_mb,
-                                 prefetch=args.prefetch,
-                                 reshard_after_forward={"default": None, "true": True, "false": False}[args.reshard_after_forward])
+            pm = compile_with(loaded.model, mesh, compile_options(args, loaded, balanced_for(plan, dev.name), rank,
+                                                                  progress))
         notes = sorted({str(w.message) for w in caught if "autopar" in str(w.message)})
         ctxs = [sp.ctx for sp in pm.local.values()] if pm.pipelined else [pm.ctx]
         notes += [f"attention masks: {m}" for m in (ctxs[0].masks if ctxs else [])]  # (passes/masks.py)

@@ -47,7 +47,7 @@ def state_text(state: CompileState) -> str:
         if st.program is None:
             lines.append(f"  torch-level graph ({_count(st.gm.graph)} ops):")
             lines += ["  " + ln for ln in _torch_lines(st.gm.graph)]
-        elif getattr(st.program, "local", None) is None:
+        elif st.program.local is None:
             lines.append(f"  joint graph, GLOBAL shapes ({_count(st.program.graph)} ops):")
             lines += ["  " + ln for ln in _aten_lines(st.program.graph, st.program.inputs)]
         else:
@@ -112,8 +112,8 @@ def _aten_lines(graph: fx.Graph, roles) -> list[str]:
         spec = spec_of(n)
         place = fmt_placements(spec.placements) if isinstance(spec, ShardSpec) else ""
         line = f"  {n.name} = {_target(n)}({_args(n)})  {v}{place}"
-        comm = info(n).comm
-        recs = comm if isinstance(comm, list) else [comm] if comm is not None else []
+        rec = info(n)  # (a global graph's redistribute node: its predicted records; a per-rank collective: its own)
+        recs = rec.predicted + ((rec.comm,) if rec.comm is not None else ())
         for r in recs:
             line += f"  [{r.kind} on {r.axis}, {r.payload_bytes:,} B: {r.reason}]"
         src = source_line(n)

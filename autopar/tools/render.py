@@ -488,7 +488,7 @@ def plan_table(results: list[Analysis]) -> str:
         lines.append(f"note: the FLOPs of {len(unknown)} op(s) could not be counted (timed by their bytes only, "
                      "so FLOPs and step time above are lower bounds):")
         lines += [f"  {u}" for u in unknown[:8]] + ([f"  ... and {len(unknown) - 8} more"] if len(unknown) > 8 else [])
-    kept = getattr(a0.pm.ctx, "kept_gathered", []) if not pipes else []
+    kept = a0.pm.ctx.kept_gathered if not pipes else []
     if kept:
         lines.append(f"note: reshard_after_forward keeps {len(kept)} gathered parameter(s), "
                      f"{_b(sum(b for _, b in kept))} per rank, alive from their forward use to their backward "
