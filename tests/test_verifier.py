@@ -120,7 +120,7 @@ def _wrong_wants(program):
 @pytest.mark.parametrize("name, damage, check, line", [
     ("localize", _drop_a_wait, "waited", None),
     ("propagate", _no_spec, "specs", "models/llama.py:"),
-    ("overlap", _dangling, "local-no-dangling", "has no source line"),  # (a debug-mode check: see CHECKS)
+    ("overlap", _dangling, "local-no-dangling", "has no source line"),
     ("collectives", _wrong_wants, "placements", "models/llama.py:"),
 ])
 def test_a_broken_pass_is_named(fake, monkeypatch, name, damage, check, line):
