@@ -10,11 +10,10 @@ half of the blocks (nor, on a GPU, use the flash kernel, which takes no mask).
 This pass looks at the torch-level graph's structure, not at who built the mask: for every
 ``scaled_dot_product_attention`` whose ``attn_mask`` is computed from no placeholder (no input,
 parameter or buffer of the model: only factories such as ``arange`` and constants the trace
-made), it evaluates that
-subgraph once on the CPU (twice, under one seed each time, so a random mask is never taken for a
-constant) and, where the value is exactly the causal mask SDPA's ``is_causal=True`` means (bool:
-``True`` on and below the diagonal; additive: 0 there and ``-inf`` or the dtype's lowest value
-above), for every batch row and head, rewrites the call to ``attn_mask=None, is_causal=True``.
+made), it evaluates that subgraph on the CPU (twice, under two seeds, so a random mask is never
+taken for a constant) and, where the value is exactly the causal mask SDPA's ``is_causal=True``
+means (bool: ``True`` on and below the diagonal; additive: 0 there and ``-inf`` or the dtype's
+lowest value above), for every batch row and head, rewrites the call to ``attn_mask=None, is_causal=True``.
 The mask's nodes that nothing else reads leave the graph (with any constant nothing read).
 A mask computed from a tensor that an in-place op outside its own computation writes (``m[:, 0] =
 True`` after ``m`` is made, possibly through a view) is kept: the value SDPA reads is not the one
@@ -22,8 +21,8 @@ evaluated. Any other mask is left as it was.
 
 A mask whose subgraph would hold more than ``EVAL_BYTES`` is not evaluated (planning a long
 sequence on meta tensors); it stays, and the pass says so. What it did and did not rewrite is
-recorded, one line per attention, in ``state.masks`` (``pm.ctx.masks``; ``pm.report()`` and
-``autopar dump`` print it).
+recorded, one line per mask (with how many attentions read it), in ``state.masks``
+(``pm.ctx.masks``; ``pm.report()``, ``autopar plan`` and ``autopar dump`` print it).
 """
 
 from __future__ import annotations
