@@ -280,6 +280,14 @@ def tensor_args(node: fx.Node) -> list[fx.Node]:
     return out
 
 
+def kept_for_effect(n: fx.Node) -> bool:
+    """A node nothing reads that is still meant to be there: an in-place update (a buffer's
+    ``copy_``), a grad-mode switch (torch.fx's own notion of impure), or overlap's alias that
+    keeps a collective's input alive until its wait (``info(n).keep``)."""
+    rec = n.meta.get("autopar")
+    return (rec is not None and rec.keep) or n.is_impure()
+
+
 def drop_unread(graph: fx.Graph) -> int:
     """Remove the ops nothing reads: no user (or only unread ``getitem`` projections), not kept
     for an effect (torch.fx's impure ops: in-place and mutable ops, grad-mode switches;
@@ -292,10 +300,7 @@ def drop_unread(graph: fx.Graph) -> int:
             continue
         if any(u.users or u.target is not operator.getitem for u in n.users):
             continue
-        rec = n.meta.get("autopar")
-        if (rec is not None and rec.keep) or n.is_impure():
-            continue
-        if torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
+        if kept_for_effect(n) or torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
             continue
         for u in list(n.users):
             graph.erase_node(u)

@@ -156,7 +156,6 @@ def job(model_name: str, steps: int, warmup: int, profiled: int, batch: int, seq
         rec["top_other"] = dict(sorted(((k, v / profiled) for k, v in rec.get("top_other", {}).items()),
                                        key=lambda kv: -kv[1])[:12])
     out["profile"] = prof
-    out["step_times"] = None
     return out
 
 

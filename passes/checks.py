@@ -24,7 +24,7 @@ import torch
 from torch import fx
 
 from autopar.errors import InternalCompilerError
-from autopar.ir import Program, ShardSpec, fmt_placements, info, redistribute, source_line, spec_of, tensor_args
+from autopar.ir import Program, ShardSpec, fmt_placements, info, kept_for_effect, redistribute, source_line, spec_of, tensor_args
 
 
 class Broken(Exception):
@@ -59,14 +59,6 @@ def _ns(n: fx.Node) -> str:
     return getattr(n.target, "namespace", "")
 
 
-def _kept_for_effect(n: fx.Node) -> bool:
-    """A node nothing reads that is still meant to be there: an in-place update (a buffer's
-    ``copy_``), a grad-mode switch (torch.fx's own notion of impure), or overlap's alias that
-    keeps a collective's input alive until its wait (``info(n).keep``)."""
-    rec = n.meta.get("autopar")
-    return (rec is not None and rec.keep) or n.is_impure()
-
-
 def check_no_dangling(graph: fx.Graph, program, ctx) -> None:
     """A node nothing reads, that is no placeholder, output or effect, is dangling; a ``getitem``
     is a multi-output op's projection: unread, it costs nothing, but an op none of whose
@@ -76,7 +68,7 @@ def check_no_dangling(graph: fx.Graph, program, ctx) -> None:
             continue
         if n.users and not all(u.target is operator.getitem and not u.users for u in n.users):
             continue
-        if not _kept_for_effect(n):
+        if not kept_for_effect(n):
             raise Broken(n, "is read by no node, is no output and has no side effect (a dangling node: a "
                             "pass left behind what it replaced)")
 

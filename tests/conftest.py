@@ -7,6 +7,7 @@ torch and autopar once: autopar/testing.py process_context) and shared.
 from __future__ import annotations
 
 import os
+import time
 
 import autopar  # noqa: F401
 import warnings
@@ -88,8 +89,6 @@ def pytest_runtest_protocol(item, nextitem):
     """With AUTOPAR_TEST_TIMELINE set, each test's wall-clock interval on its xdist worker is
     appended there (setup to teardown): where the suite's time goes, and whether both workers
     stay busy (docs/test-suite.md)."""
-    import time
-
     t0 = time.time()
     yield
     if _TIMELINE:
