@@ -93,10 +93,18 @@ def figures_of(pm, dev, fused: bool = False) -> Figures:
                    est.flops, first_f, first_b, comm)
 
 
-def is_embedding(name: str) -> bool:
-    """A parameter (or module path) of the model's embeddings: what a pipeline's first stage holds
-    besides its blocks (``ModelInfo.embed_share`` counts the same)."""
-    return ".layers." not in f".{name}" and ("embed" in name or "wte" in name or "wpe" in name)
+def embedding_parameters(model) -> set[str]:
+    """The parameters of the model's lookup tables outside its repeated blocks: every
+    ``nn.Embedding`` module's, whatever it is called (``ModelInfo.embed_share`` counts the same
+    modules). What a pipeline's first stage holds besides its blocks."""
+    import torch
+
+    from autopar.splice import find_blocks
+
+    found = find_blocks(model, min_blocks=2)
+    inside = found[0] + "." if not isinstance(found, str) and found[0] else None
+    return {f"{mn}.{pn}" if mn else pn for mn, m in model.named_modules() if isinstance(m, torch.nn.Embedding)
+            and not (inside and f"{mn}.".startswith(inside)) for pn, _ in m.named_parameters(recurse=False)}
 
 
 def _embedding_seconds(pm, dev, links, fused: bool) -> tuple[float, float]:
@@ -125,8 +133,9 @@ def _embedding_seconds(pm, dev, links, fused: bool) -> tuple[float, float]:
                 todo.extend(n.all_input_nodes)
         return seen
 
-    mine = [o for role, o in zip(pm.program.outputs, out.args[0]) if role[0] == "grad" and is_embedding(role[1])]
-    others = [o for role, o in zip(pm.program.outputs, out.args[0]) if not (role[0] == "grad" and is_embedding(role[1]))]
+    tables = embedding_parameters(pm.module)
+    mine = [o for role, o in zip(pm.program.outputs, out.args[0]) if role[0] == "grad" and role[1] in tables]
+    others = [o for role, o in zip(pm.program.outputs, out.args[0]) if not (role[0] == "grad" and role[1] in tables)]
     only_embedding_grads = ancestors(mine) - ancestors(others)
     reads: dict = {}  # node -> which parameters it reads, transitively: {"embedding", "other"}
     roles = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], pm.program.inputs))
@@ -134,7 +143,7 @@ def _embedding_seconds(pm, dev, links, fused: bool) -> tuple[float, float]:
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             role = roles.get(n)
-            reads[n] = ({"embedding" if is_embedding(role[1]) else "other"} if role and role[0] == "param"
+            reads[n] = ({"embedding" if role[1] in tables else "other"} if role and role[0] == "param"
                         else set())
             continue
         reads[n] = set().union(*(reads.get(a, set()) for a in n.all_input_nodes))
