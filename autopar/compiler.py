@@ -56,8 +56,10 @@ def compile(model: nn.Module | Callable | None = None, mesh: DeviceMesh | None =
     planning tools can show and cost the whole pipeline from one rank.
     ``kernels``: "on" lowers attention and linear + activation to autopar's Triton kernels
     (compiled on CUDA; on CPU through Triton's interpreter: slow), "off" keeps PyTorch's ops,
-    "auto" (the default) keeps PyTorch's ops until the kernels have been measured on a GPU, then
-    will pick them on a CUDA mesh. ``pm.ctx.lowered`` counts what was rewritten.
+    "auto" (the default) rewrites each op only where autopar's kernel measured faster than
+    PyTorch's at that op's per-rank shape on this CUDA device (timed at compile, cached per device,
+    torch and Triton versions: kernels/choice.py), and keeps PyTorch's ops on other devices.
+    ``pm.ctx.lowered`` counts what was rewritten, ``pm.ctx.kernel_choices`` says why, per op.
     ``bucket_mb``: gradient reductions share one collective per this many MiB of gradients, in
     backward order (DDP's bucket_cap_mb; the first bucket 1 MiB); 0: one collective per gradient
     (and per gathered parameter). ``prefetch``: under ZeRO/FSDP, each block's parameters are
@@ -399,25 +401,25 @@ def _materialize_buffers(pm, o: Options):
     return pm
 
 
-def _kernels_option(kernels: str, mesh) -> bool:
-    """Whether to run the lower pass (autopar's Triton kernels). "auto" picks them only where
-    they were measured to beat PyTorch's own ops: on a CUDA mesh, once that measurement exists
-    (``KERNELS_MEASURED_ON_GPU`` in kernels/ops.py says what it is). Nobody has run them on a GPU
-    yet, so for now "auto" is PyTorch's ops everywhere; "on" forces the kernels, "off" disables."""
-    from autopar.kernels.ops import KERNELS_MEASURED_ON_GPU, available
+def _kernels_option(kernels: str, mesh) -> str:
+    """What the lower pass does (autopar's Triton kernels): "off" nothing; "on" every match;
+    "auto" each match where autopar's kernel measured faster than PyTorch's op at that shape on
+    this device (kernels/choice.py: timed at compile, kept in a cache). On a mesh that is not CUDA
+    "auto" is "off": Triton would run through its interpreter there, a correctness path."""
+    from autopar.kernels.ops import available
 
     if kernels not in ("auto", "on", "off"):
         raise PlanError(f"unknown kernels option {kernels!r}", where="autopar.compile(kernels=...)",
                         fix='use "auto", "on" or "off"')
     if kernels == "off":
-        return False
+        return "off"
     ok, how = available()
     if kernels == "on":
         if not ok:
             raise PlanError(f"kernels='on' but {how}", where="autopar.compile(kernels='on')",
                             fix="pip install triton, or compile with kernels='off'")
-        return True
-    return KERNELS_MEASURED_ON_GPU and ok and how == "cuda" and mesh.device_type == "cuda"
+        return "on"
+    return "auto" if ok and how == "cuda" and mesh.device_type == "cuda" else "off"
 
 
 def _decorator(target, mesh, options: CompileOptions):

@@ -21,7 +21,7 @@ class Context:
     __slots__ = ("mesh", "axis_names", "axis_sizes", "coord", "device", "plan", "placed", "dp_axes", "cp_axes",
                  "timings", "compute_dtype", "reduce_dtype", "recompute", "accumulate", "loss_scale", "progress",
                  "bucket_mb", "prefetch", "reshard_after_forward", "kept_gathered", "sync_grads", "output_roles",
-                 "strategy_cache", "_groups", "boundary", "lowered", "masks", "cache_layout")
+                 "strategy_cache", "_groups", "boundary", "lowered", "kernel_choices", "masks", "cache_layout")
 
     def __init__(self, mesh: DeviceMesh, plan: Plan, placed: Placed, *, compute_dtype: torch.dtype | None,
                  reduce_dtype: torch.dtype | None, recompute: str, accumulate: int, loss_scale: str | float | None,
@@ -67,6 +67,7 @@ class Context:
         # split: a pipeline stage's program: (per input, per output) whether dim 0 is the batch
         self.boundary: tuple[list[bool], list[bool]] | None = None
         self.lowered: dict[str, int] = {}  # what the lower pass rewrote into kernel ops, per rule
+        self.kernel_choices: list = []  # kernels="auto": each op's kernels/choice.Choice (both sides' times)
         self.masks: list[str] = []  # what the masks pass did with each attention mask (passes/masks.py)
         # generation's programs (autopar/generation.py): the KV cache inputs' placements, by
         # input index (role ("cache", i)); a cache input or output not listed is replicated
@@ -176,6 +177,7 @@ def make_context(mesh: DeviceMesh, parsed: Plan, params: dict, options, accumula
     if state is not None:  # what the earlier passes recorded, seen from the stage
         ctx.timings = state.timings
         ctx.lowered = state.lowered
+        ctx.kernel_choices = state.kernel_choices
         ctx.masks = state.masks
     return ctx
 

@@ -261,6 +261,7 @@ class CompileState:
     gm: fx.GraphModule | None = None  # capture: the torch-level graph of model + loss
     masks: list = field(default_factory=list)  # masks: per attention mask, what was done and why (one line each)
     lowered: dict = field(default_factory=dict)  # lower: rewrites into kernel ops, per rule
+    kernel_choices: list = field(default_factory=list)  # lower, kernels="auto": kernels/choice.Choice per op
     stages: list[Stage] = field(default_factory=list)  # split: the stages compiled on this rank
     specs: list = field(default_factory=list)  # split (pipelines): every stage's StageSpec
     # split: per tensor-parallel axis, the placements derived from ``gm`` (analysis/tensor_parallel.py)

@@ -78,7 +78,7 @@ class Options:
     compute_dtype: torch.dtype | None  # given.precision; None: fp32 throughout
     reduce_dtype: torch.dtype | None  # given.reduce_dtype, or the compute dtype
     loss_scale: str | float | None  # given.loss_scale under fp16; None otherwise
-    lower: bool  # given.kernels resolved: run the lower pass
+    lower: str  # given.kernels resolved: "off" (no lower pass), "on" (every match), "auto" (per op, timed)
     skip: tuple[str, ...]  # given.skip_passes, checked
     pipeline: PipelineSetup | None  # the pipeline axis of given.plan, validated, with its schedule
     memory_budget: int | None  # given.memory_budget in bytes

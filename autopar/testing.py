@@ -1,8 +1,7 @@
 """Run functions on N gloo processes, and compare programs against one process.
 
-``DistPool(n)`` starts n workers once (forked from a server that imported torch and autopar
-once: ``process_context``), each with a gloo process group, and runs module-level functions on
-all of them; the tests and the demo share it.
+``DistPool(n)`` starts n workers once (forked from a server that imported torch and autopar once:
+``process_context``), each with a gloo process group, and runs module-level functions on all of them.
 ``parity_job`` + ``reference_run`` are the numerics check behind the parity tests (and
 ``autopar.verify``): same init, same data, AdamW, losses / gradients / parameters compared.
 """
@@ -490,6 +489,9 @@ ATTENTION_CASES = [  # tests/test_kernels.py, benchmarks/kernels_report.py
     (1, 2, 1, 33, 33, 128, True, False, torch.bfloat16),
     (1, 2, 2, 20, 20, 64, True, True, torch.float16),
     (1, 4, 2, 24, 24, 48, False, False, torch.float16),    # a head dim that is not a power of two
+    (2, 4, 2, 96, 96, 64, True, False, torch.float32),     # longer than the interpreted blocks (kernels/
+    (1, 4, 2, 100, 100, 64, True, False, torch.bfloat16),  # attention.py *_I): blocks below and across the
+    (1, 2, 2, 64, 96, 64, False, True, torch.float32),     # diagonal, shapes that divide the blocks or not
 ]
 
 
@@ -532,15 +534,14 @@ def run_attention_case(b, h, hkv, sq, sk, d, causal, bias, dtype) -> dict:
             "ref_grads": ref_grads}
 
 
-def run_linear_act_case(act: str, dtype) -> dict:
-    """linear_act on ragged sizes ([3, 17, 40] x [70, 40]^T + b: 51 rows, K=40, N=70) against autograd
-    in fp32, plus the reference path's output."""
+def run_linear_act_case(act: str, dtype, rows=(3, 17), k: int = 40, n: int = 70) -> dict:
+    """linear_act (default: ragged, 51 rows, K=40, N=70) against autograd in fp32, and the reference path's."""
     from autopar.kernels import ops
 
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(3, 17, 40, generator=g).to(dtype).requires_grad_()
-    w = (torch.randn(70, 40, generator=g) / 6).to(dtype).requires_grad_()
-    b = torch.randn(70, generator=g).to(dtype).requires_grad_()
+    x = torch.randn(*rows, k, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype).requires_grad_()
+    b = torch.randn(n, generator=g).to(dtype).requires_grad_()
     y, _ = torch.ops.autopar.linear_act(x, w, b, act)
     dy = torch.randn(y.shape, generator=g).to(dtype)
     grads = torch.autograd.grad(y, (x, w, b), dy)
@@ -555,10 +556,10 @@ def run_linear_act_case(act: str, dtype) -> dict:
 def measure_plan_job(spec: str, batch: int, seq: int, overrides: dict, axes: dict, plan: dict, steps: int = 6,
                      warmup: int = 2, **options) -> dict:
     """Runs on every rank: build the built-in model ``spec`` (real weights, same seed everywhere),
-    compile it under ``plan``, run ``warmup`` + ``steps`` AdamW steps timed by the wall clock
-    (barrier before each), then one more step under the allocator tracker. Returns each step's
-    time (the slowest rank's) and the largest rank's measured step peak (parameters + optimizer
-    state + the allocator's peak during the step, without gloo's buffers), or the error."""
+    compile it under ``plan``, run ``warmup`` + ``steps`` AdamW steps timed by the wall clock (barrier
+    before each), then one step under the allocator tracker. Returns each step's time (the slowest
+    rank's) and the largest rank's step peak (parameters + optimizer state + the allocator's peak in
+    the step, without gloo's buffers), or the error."""
     import time
 
     import torch.distributed as dist

@@ -50,9 +50,9 @@ MIN_START_S = 20.0  # no section starts with less than this left of the budget
 SMOKE_CAP_SCALE = 3  # --smoke on a CPU: Inductor's C++ compiles take longer than a GPU machine's whole section
 
 # (section, cap in seconds on an H100), in the order they run: what the issue needs most first
-SECTIONS = [("correctness", 75), ("step-eager", 60), ("step-autopar-off", 90), ("step-autopar-on", 100),
-            ("kernel-table", 150), ("step-compile", 120), ("step-autopar-inductor", 150),
-            ("step-autopar-auto", 90)]
+SECTIONS = [("correctness", 90), ("kernel-table", 150), ("step-eager", 60), ("step-autopar-off", 90),
+            ("step-autopar-auto", 100), ("step-compile", 120), ("step-autopar-inductor", 150),
+            ("step-autopar-on", 100)]
 
 # step variant: (system, autopar kernels, autopar inductor)
 VARIANTS = {"eager": ("eager", None, False), "compile": ("torch.compile", None, False),
@@ -74,7 +74,7 @@ class Config:
     attention: list = field(default_factory=lambda: [(2, 16, 8, 1024, 128, True), (2, 16, 8, 1024, 128, False),
                                                      (2, 16, 16, 1000, 64, True), (2, 16, 4, 1000, 64, False)])
     linear: list = field(default_factory=lambda: [(8192, 5632, 2048)])
-    kernel_seqs: list = field(default_factory=lambda: [512, 1024, 2048, 4096, 8192])
+    kernel_seqs: list = field(default_factory=lambda: [1024, 2048, 4096, 8192])
 
 
 def config(smoke: bool) -> Config:
@@ -328,7 +328,6 @@ def _autopar_step(model, batches, kernels: str, inductor: bool, out: dict, row, 
 
     import autopar
     from autopar.analysis import cost
-    from autopar.kernels.ops import KERNELS_MEASURED_ON_GPU
     from autopar.models.llama import cross_entropy
 
     t0 = time.perf_counter()
@@ -337,7 +336,7 @@ def _autopar_step(model, batches, kernels: str, inductor: bool, out: dict, row, 
                          capture_eval=False, progress=lambda s: stage(f"autopar.compile: {s}"))
     out["compile_s"] = time.perf_counter() - t0
     out["lowered"] = dict(pm.ctx.lowered)
-    out["kernels_measured_on_gpu"] = KERNELS_MEASURED_ON_GPU
+    out["kernel_choices"] = [c.line() for c in pm.ctx.kernel_choices]  # kernels="auto": both sides' times
     stage("cost model")
     dev = cost.get_device(row)
     memory = cost.predict_memory(pm, "adamw")
@@ -408,6 +407,10 @@ def train_step(cfg: Config, variant: str, out: dict, stage) -> None:
         torch.cuda.reset_peak_memory_stats()
     out["step_s"] = _time(one, cfg.reps, cuda)
     out["allocator_peak"] = torch.cuda.max_memory_allocated() if cuda else None
+    if system == "autopar" and kernels != "off":
+        from autopar.kernels import tune
+
+        out["launch_configurations"] = tune.chosen()  # the kernels' block sizes per shape, chosen by timing
     peak = get_device(row).flops["bf16"]
     per_s = 1 / out["step_s"]
     out.update(peak_flops=peak, mfu=out["flops"] * per_s / peak, mfu_palm=out["flops_palm"] * per_s / peak,
@@ -506,11 +509,13 @@ def _step_lines(record: dict) -> list[str]:
     lowered = {n.removeprefix("step-"): s["result"]["lowered"] for n, s in steps.items()
                if "lowered" in s.get("result", {})}
     if lowered:
-        measured = next(s["result"]["kernels_measured_on_gpu"] for s in steps.values()
-                        if "kernels_measured_on_gpu" in s.get("result", {}))
         lines += ["", "Rewritten into autopar's kernels (the lower pass, per rule): " + "; ".join(
-            f"{n} {d or 'nothing'}" for n, d in lowered.items()) + f". KERNELS_MEASURED_ON_GPU = {measured} "
-            "(kernels/ops.py: what kernels='auto' follows)."]
+            f"{n} {d or 'nothing'}" for n, d in lowered.items()) + "."]
+    for name, s in steps.items():
+        for c in s.get("result", {}).get("kernel_choices") or []:
+            lines.append(f"- {name.removeprefix('step-')}: kernels='auto' decided {c}")
+        for t in s.get("result", {}).get("launch_configurations") or []:
+            lines.append(f"- {name.removeprefix('step-')}: {t['kernel']} {t['key']}: {t['chosen']}")
     return lines
 
 
@@ -600,6 +605,8 @@ def main(argv=None) -> int:
         return child(args.section, cfg, out_dir)
     for sub in ("sections", "logs"):
         os.makedirs(os.path.join(out_dir, sub), exist_ok=True)
+    # kernels="auto"'s measurements (kernels/choice.py), filled by the kernel table and the steps: kept with the run
+    os.environ.setdefault("AUTOPAR_CACHE_DIR", os.path.join(out_dir, "cache"))
     if args.budget_s is None:
         args.budget_s = 900.0 if args.smoke else 420.0
     budget = Budget(args.budget_s)

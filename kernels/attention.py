@@ -2,13 +2,26 @@
 
 The [Sq, Sk] score matrix is never materialised: the forward walks key/value blocks keeping a
 running max ``m`` and normaliser ``l`` per query row (and saves ``lse = m + log l``); the
-backward recomputes each score tile from ``lse`` (FlashAttention-2's split: one kernel owns a
-key/value block and accumulates dK, dV over query blocks; another owns a query block and
-accumulates dQ). Causal (top-left aligned, as SDPA's ``is_causal``) and not; an optional additive
-bias (a float attention mask broadcast over batch / heads); grouped-query attention (``Hkv``
-divides ``H``: query head ``h`` reads key/value head ``h // (H / Hkv)``; dK/dV sum over the
-group inside one program, no atomics); any head dim (padded to a power of two, masked); sequence
-lengths that are not multiples of the block; fp32 / bf16 / fp16 inputs with fp32 accumulation.
+backward recomputes each score tile from ``lse`` (FlashAttention-2's split: a small kernel
+computes ``delta = rowsum(dO * O)`` once; one kernel owns a key/value block and accumulates dK,
+dV over query blocks; another owns a query block and accumulates dQ). Causal (top-left aligned,
+as SDPA's ``is_causal``) and not; an optional additive bias (a float attention mask broadcast
+over batch / heads); grouped-query attention (``Hkv`` divides ``H``: query head ``h`` reads
+key/value head ``h // (H / Hkv)``; dK/dV sum over the group inside one program, no atomics); any
+head dim (padded to a power of two, masked); sequence lengths that are not multiples of the
+block; fp32 / bf16 / fp16 inputs with fp32 accumulation.
+
+What makes it fast (Triton's fused-attention tutorial and FlashAttention-2 do the same):
+
+- scores in base 2: ``q k^T`` is scaled by ``scale * log2(e)`` once and ``exp2`` replaces ``exp``
+  (``lse`` is stored in natural log, as SDPA's and the reference's);
+- the causal loop is split: the blocks entirely below the diagonal run with no mask at all, only
+  the blocks the diagonal crosses are masked (and the blocks above it are never visited);
+- no masks where the shapes divide the blocks (``EVEN_*`` constexprs), so loads vectorise;
+- ``acc = dot(p, v, acc)`` accumulates inside the matrix instruction;
+- query blocks are scheduled longest first under the causal mask (less tail at the end);
+- block sizes, warps and pipeline depth are chosen per shape class by timing on the device
+  (kernels/tune.py), among candidates that suit Hopper and Ampere.
 
 Launch only through ``kernels.ops`` (it picks the device path and checks shapes; on CPU tensors it
 launches this module's interpreted twin, ``kernels/interpreter.py``).
@@ -19,23 +32,90 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from autopar.kernels import tune
+
 # Whether these kernels run in Triton's interpreter: Triton's own choice here (TRITON_INTERPRET,
 # read, never set, by autopar); True in the interpreted twin that CPU tensors use.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+L = tune.Launch.of
+# (BLOCK_M query rows, BLOCK_N keys): BLOCK_N divides BLOCK_M (the causal split needs it)
+FWD = [L(4, 3, BLOCK_M=128, BLOCK_N=64), L(8, 3, BLOCK_M=128, BLOCK_N=128), L(4, 3, BLOCK_M=64, BLOCK_N=64)]
+# dK/dV: a block of BLOCK_N keys walks query blocks of BLOCK_M rows; BLOCK_M divides BLOCK_N
+DKDV = [L(4, 3, BLOCK_M=32, BLOCK_N=128), L(8, 3, BLOCK_M=64, BLOCK_N=128)]
+# dQ: a block of BLOCK_M query rows walks key blocks of BLOCK_N; BLOCK_N divides BLOCK_M
+DQ = [L(4, 3, BLOCK_M=128, BLOCK_N=32), L(8, 3, BLOCK_M=128, BLOCK_N=64)]
+# interpreted (CPU tests): small blocks, so short test sequences still cross several blocks
+FWD_I, DKDV_I, DQ_I = L(BLOCK_M=32, BLOCK_N=16), L(BLOCK_M=16, BLOCK_N=32), L(BLOCK_M=32, BLOCK_N=16)
+
 
 @triton.jit
-def _scores(q, k, Bias, bias_off, rows, cols, m_ok, n_ok, sbm, sbn, scale,
-            HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr):
-    """One [rows, cols] tile of q k^T * scale (+ bias), fp32, and which entries are visible."""
-    s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+def _load_tile(P, rows, cols_d, sr, sd, r_ok, d_ok, EVEN_R: tl.constexpr, EVEN_D: tl.constexpr,
+               UPCAST: tl.constexpr):
+    """A [rows, head dim] tile, masked only where the shape does not divide the block."""
+    ptrs = P + rows[:, None] * sr + cols_d[None, :] * sd
+    if EVEN_R and EVEN_D:
+        t = tl.load(ptrs)
+    elif EVEN_R:
+        t = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
+    elif EVEN_D:
+        t = tl.load(ptrs, mask=r_ok[:, None], other=0.0)
+    else:
+        t = tl.load(ptrs, mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:  # the interpreter's bf16 dot is wrong: do it in fp32
+        t = t.to(tl.float32)
+    return t
+
+
+@triton.jit
+def _heads(pid_bh, H, G):
+    """Batch, query head and KV head of a (batch x query head) program index, as int64 offsets."""
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    return b, h.to(tl.int64), (h // G).to(tl.int64)
+
+
+@triton.jit
+def _score_tile(q, k, Bias, bias_base, rows, cols, n_ok, sbm, sbn, qk_scale, HAS_BIAS: tl.constexpr):
+    """[rows, cols] scores in base 2: q k^T * scale * log2(e) (+ the additive mask * log2(e))."""
+    s = tl.dot(q, tl.trans(k)) * qk_scale
     if HAS_BIAS:
-        s += tl.load(Bias + bias_off + rows[:, None] * sbm + cols[None, :] * sbn,
-                     mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-    keep = m_ok[:, None] & n_ok[None, :]
-    if CAUSAL:
-        keep = keep & (cols[None, :] <= rows[:, None])
-    return s, keep
+        s += tl.load(Bias + bias_base + rows[:, None] * sbm + cols[None, :] * sbn,
+                     mask=n_ok[None, :], other=0.0).to(tl.float32) * LOG2E
+    return s
+
+
+@triton.jit
+def _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, offs_m, offs_d, d_ok, lo, hi,
+                skn, skd, svn, svd, sbm, sbn, N, qk_scale,
+                DIAG: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+                UPCAST: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key/value blocks [lo, hi) of one query block; DIAG: the causal mask applies in them."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        start = tl.multiple_of(start, BLOCK_N)
+        cols = start + offs_n
+        n_ok = cols < N
+        k = _load_tile(K + k_base, cols, offs_d, skn, skd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST)
+        s = _score_tile(q, k, Bias, bias_base, offs_m, cols, n_ok, sbm, sbn, qk_scale, HAS_BIAS)
+        if DIAG:
+            s = tl.where(cols[None, :] <= offs_m[:, None], s, float("-inf"))
+        if not EVEN_N:
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if HAS_BIAS:  # a mask of -inf can hide a whole row so far
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(V + v_base, cols, offs_d, svn, svd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -44,179 +124,244 @@ def _fwd(Q, K, V, Bias, O, LSE,
          sbb, sbh, sbm, sbn, sob, soh, som, sod,
          H, G, M, N, DH, scale,
          HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+         EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m = tl.program_id(0)
+    if CAUSAL:  # the longest rows first
+        pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    hk = h // G
+    b, h, hk = _heads(pid_bh, H, G)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < M
     d_ok = offs_d < DH
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    if UPCAST:  # the interpreter's bf16 dot is wrong: do it in fp32
-        q = q.to(tl.float32)
+    q = _load_tile(Q + b * sqb + h * sqh, offs_m, offs_d, sqm, sqd, m_ok, d_ok, EVEN_M, EVEN_D, UPCAST)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    end = N
+    qk_scale = scale * LOG2E
+    k_base = b * skb + hk * skh
+    v_base = b * svb + hk * svh
+    bias_base = b * sbb + h * sbh
     if CAUSAL:
-        end = tl.minimum(N, (pid_m + 1) * BLOCK_M)
-    for start in range(0, end, BLOCK_N):
-        cols = start + offs_n
-        n_ok = cols < N
-        k = tl.load(K + b * skb + hk * skh + cols[:, None] * skn + offs_d[None, :] * skd,
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        if UPCAST:  # the interpreter's bf16 dot is wrong: do it in fp32
-            k = k.to(tl.float32)
-        s, keep = _scores(q, k, Bias, b * sbb + h * sbh, offs_m, cols, m_ok, n_ok, sbm, sbn, scale,
-                          HAS_BIAS, CAUSAL)
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + b * svb + hk * svh + cols[:, None] * svn + offs_d[None, :] * svd,
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        if UPCAST:  # the interpreter's bf16 dot is wrong: do it in fp32
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
+        first = pid_m * BLOCK_M
+        # below the diagonal: every key visible to every row of the block, no mask
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, offs_m, offs_d, d_ok,
+                                    0, tl.minimum(first, N), skn, skd, svn, svd, sbm, sbn, N, qk_scale,
+                                    False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, BLOCK_N)
+        # the blocks the diagonal crosses
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, offs_m, offs_d, d_ok,
+                                    first, tl.minimum(first + BLOCK_M, N), skn, skd, svn, svd, sbm, sbn, N,
+                                    qk_scale, True, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, BLOCK_N)
+    else:
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, offs_m, offs_d, d_ok,
+                                    0, N, skn, skd, svn, svd, sbm, sbn, N, qk_scale,
+                                    False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, BLOCK_N)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, out.to(O.dtype.element_ty),
-             mask=m_ok[:, None] & d_ok[None, :])
-    tl.store(LSE + pid_bh * M + offs_m, tl.where(m_i == float("-inf"), float("inf"), m_i + tl.log(l_safe)),
-             mask=m_ok)
+    o_ptrs = O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod
+    lse = tl.where(m_i == float("-inf"), float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    if EVEN_M and EVEN_D:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty))
+    else:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    if EVEN_M:
+        tl.store(LSE + pid_bh * M + offs_m, lse)
+    else:
+        tl.store(LSE + pid_bh * M + offs_m, lse, mask=m_ok)
 
 
 @triton.jit
-def _bwd_dkdv(Q, K, V, Bias, O, DO, LSE, DK, DV,
+def _bwd_delta(O, DO, Delta, H, M, DH, sob, soh, som, sod, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """delta = rowsum(dO * O) in fp32, once per query row (dO shares O's strides)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (rows < M)[:, None] & (offs_d < DH)[None, :]
+    off = b * sob + h * soh + rows[:, None] * som + offs_d[None, :] * sod
+    o = tl.load(O + off, mask=ok, other=0.0).to(tl.float32)
+    do = tl.load(DO + off, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Delta + pid_bh * M + rows, tl.sum(o * do, 1), mask=rows < M)
+
+
+@triton.jit
+def _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, Delta, Bias, q_base, o_base, row_base, bias_base, offs_n, offs_d, d_ok,
+                 lo, hi, sqm, sqd, som, sod, sbm, sbn, M, N, qk_scale,
+                 DIAG: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
+                 UPCAST: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Query blocks [lo, hi) against one key block, transposed: scores [keys, rows]."""
+    offs_m = tl.arange(0, BLOCK_M)
+    for start in range(lo, hi, BLOCK_M):
+        start = tl.multiple_of(start, BLOCK_M)
+        rows = start + offs_m
+        m_ok = rows < M
+        q = _load_tile(Q + q_base, rows, offs_d, sqm, sqd, m_ok, d_ok, EVEN_M, EVEN_D, UPCAST)
+        if EVEN_M:
+            lse2 = tl.load(LSE + row_base + rows) * LOG2E
+            delta = tl.load(Delta + row_base + rows)
+        else:
+            lse2 = tl.load(LSE + row_base + rows, mask=m_ok, other=float("inf")) * LOG2E
+            delta = tl.load(Delta + row_base + rows, mask=m_ok, other=0.0)
+        s_t = tl.dot(k, tl.trans(q)) * qk_scale
+        if HAS_BIAS:
+            s_t += tl.load(Bias + bias_base + rows[None, :] * sbm + offs_n[:, None] * sbn,
+                           mask=m_ok[None, :] & (offs_n < N)[:, None], other=0.0).to(tl.float32) * LOG2E
+        p_t = tl.math.exp2(s_t - lse2[None, :])
+        if DIAG:
+            p_t = tl.where(offs_n[:, None] <= rows[None, :], p_t, 0.0)
+        do = _load_tile(DO + o_base, rows, offs_d, som, sod, m_ok, d_ok, EVEN_M, EVEN_D, UPCAST)
+        dv = tl.dot(p_t.to(do.dtype), do, dv)
+        dp_t = tl.dot(v, tl.trans(do))
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv(Q, K, V, Bias, DO, LSE, Delta, DK, DV,
               sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
               sbb, sbh, sbm, sbn, sob, soh, som, sod,
               H, G, M, N, DH, scale,
               HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+              EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One key/value block of one KV head: dK, dV summed over the query heads of its group.
-    O / dO / dQ share q's strides (so), K / dK k's, V / dV v's."""
+    dO shares O's strides (so), dK k's, dV v's."""
     pid_n = tl.program_id(0)
     pid_bk = tl.program_id(1)
     Hkv = H // G
-    b = pid_bk // Hkv
-    hk = pid_bk % Hkv
+    b = (pid_bk // Hkv).to(tl.int64)
+    hk = (pid_bk % Hkv).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     n_ok = offs_n < N
     d_ok = offs_d < DH
-    kv_mask = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
-    if UPCAST:  # the interpreter's bf16 dot is wrong: do it in fp32
-        k = k.to(tl.float32)
-    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
-    if UPCAST:  # the interpreter's bf16 dot is wrong: do it in fp32
-        v = v.to(tl.float32)
+    k = _load_tile(K + b * skb + hk * skh, offs_n, offs_d, skn, skd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST)
+    v = _load_tile(V + b * svb + hk * svh, offs_n, offs_d, svn, svd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    first = 0
-    if CAUSAL:
-        first = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
+    qk_scale = scale * LOG2E
+    first = pid_n * BLOCK_N
     for g in range(0, G):
         h = hk * G + g
-        for start in range(first, M, BLOCK_M):
-            rows = start + offs_m0
-            m_ok = rows < M
-            q_mask = m_ok[:, None] & d_ok[None, :]
-            q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + offs_d[None, :] * sqd, mask=q_mask, other=0.0)
-            if UPCAST:  # the interpreter's bf16 dot is wrong: do it in fp32
-                q = q.to(tl.float32)
-            do = tl.load(DO + b * sob + h * soh + rows[:, None] * som + offs_d[None, :] * sod, mask=q_mask,
-                         other=0.0)
-            if UPCAST:  # the interpreter's bf16 dot is wrong: do it in fp32
-                do = do.to(tl.float32)
-            o = tl.load(O + b * sob + h * soh + rows[:, None] * som + offs_d[None, :] * sod, mask=q_mask, other=0.0)
-            if UPCAST:  # the interpreter's bf16 dot is wrong: do it in fp32
-                o = o.to(tl.float32)
-            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-            lse = tl.load(LSE + (b * H + h) * M + rows, mask=m_ok, other=float("inf"))
-            s, keep = _scores(q, k, Bias, b * sbb + h * sbh, rows, offs_n, m_ok, n_ok, sbm, sbn, scale,
-                              HAS_BIAS, CAUSAL)
-            p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do).to(tl.float32)
-            dp = tl.dot(do, tl.trans(v)).to(tl.float32)
-            ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q).to(tl.float32) * scale
-    tl.store(DK + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, dk.to(DK.dtype.element_ty),
-             mask=kv_mask)
-    tl.store(DV + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :] * svd, dv.to(DV.dtype.element_ty),
-             mask=kv_mask)
+        q_base = b * sqb + h * sqh
+        o_base = b * sob + h * soh
+        row_base = (b * H + h) * M
+        bias_base = b * sbb + h * sbh
+        if CAUSAL:
+            # rows the diagonal crosses in this key block, then the rows that see all of it
+            dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, Delta, Bias, q_base, o_base, row_base, bias_base, offs_n,
+                                  offs_d, d_ok, first, tl.minimum(first + BLOCK_N, M), sqm, sqd, som, sod, sbm, sbn,
+                                  M, N, qk_scale, True, HAS_BIAS, EVEN_M, EVEN_D, UPCAST, BLOCK_M)
+            dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, Delta, Bias, q_base, o_base, row_base, bias_base, offs_n,
+                                  offs_d, d_ok, first + BLOCK_N, M, sqm, sqd, som, sod, sbm, sbn,
+                                  M, N, qk_scale, False, HAS_BIAS, EVEN_M, EVEN_D, UPCAST, BLOCK_M)
+        else:
+            dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, Delta, Bias, q_base, o_base, row_base, bias_base, offs_n,
+                                  offs_d, d_ok, 0, M, sqm, sqd, som, sod, sbm, sbn,
+                                  M, N, qk_scale, False, HAS_BIAS, EVEN_M, EVEN_D, UPCAST, BLOCK_M)
+    dk = dk * scale
+    kv_ok = n_ok[:, None] & d_ok[None, :]
+    dk_ptrs = DK + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd
+    dv_ptrs = DV + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :] * svd
+    if EVEN_N and EVEN_D:
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty))
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
+    else:
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=kv_ok)
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_ok)
 
 
 @triton.jit
-def _bwd_dq(Q, K, V, Bias, O, DO, LSE, DQ,
+def _dq_blocks(dq, q, do, lse2, delta, K, V, Bias, k_base, v_base, bias_base, offs_m, offs_d, d_ok, lo, hi,
+               skn, skd, svn, svd, sbm, sbn, N, qk_scale,
+               DIAG: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+               UPCAST: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        start = tl.multiple_of(start, BLOCK_N)
+        cols = start + offs_n
+        n_ok = cols < N
+        k = _load_tile(K + k_base, cols, offs_d, skn, skd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST)
+        v = _load_tile(V + v_base, cols, offs_d, svn, svd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST)
+        s = _score_tile(q, k, Bias, bias_base, offs_m, cols, n_ok, sbm, sbn, qk_scale, HAS_BIAS)
+        p = tl.math.exp2(s - lse2[:, None])
+        if DIAG:
+            p = tl.where(cols[None, :] <= offs_m[:, None], p, 0.0)
+        if not EVEN_N:
+            p = tl.where(n_ok[None, :], p, 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.jit
+def _bwd_dq(Q, K, V, Bias, DO, LSE, Delta, DQ,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
             sbb, sbh, sbm, sbn, sob, soh, som, sod,
             H, G, M, N, DH, scale,
             HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+            EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m = tl.program_id(0)
+    if CAUSAL:  # the longest rows first
+        pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    hk = h // G
+    b, h, hk = _heads(pid_bh, H, G)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < M
     d_ok = offs_d < DH
-    q_mask = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=q_mask, other=0.0)
-    if UPCAST:  # the interpreter's bf16 dot is wrong: do it in fp32
-        q = q.to(tl.float32)
-    do = tl.load(DO + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, mask=q_mask, other=0.0)
-    if UPCAST:  # the interpreter's bf16 dot is wrong: do it in fp32
-        do = do.to(tl.float32)
-    o = tl.load(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, mask=q_mask, other=0.0)
-    if UPCAST:  # the interpreter's bf16 dot is wrong: do it in fp32
-        o = o.to(tl.float32)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-    lse = tl.load(LSE + pid_bh * M + offs_m, mask=m_ok, other=float("inf"))
+    q = _load_tile(Q + b * sqb + h * sqh, offs_m, offs_d, sqm, sqd, m_ok, d_ok, EVEN_M, EVEN_D, UPCAST)
+    do = _load_tile(DO + b * sob + h * soh, offs_m, offs_d, som, sod, m_ok, d_ok, EVEN_M, EVEN_D, UPCAST)
+    if EVEN_M:
+        lse2 = tl.load(LSE + pid_bh * M + offs_m) * LOG2E
+        delta = tl.load(Delta + pid_bh * M + offs_m)
+    else:
+        lse2 = tl.load(LSE + pid_bh * M + offs_m, mask=m_ok, other=float("inf")) * LOG2E
+        delta = tl.load(Delta + pid_bh * M + offs_m, mask=m_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    end = N
+    qk_scale = scale * LOG2E
+    k_base = b * skb + hk * skh
+    v_base = b * svb + hk * svh
+    bias_base = b * sbb + h * sbh
     if CAUSAL:
-        end = tl.minimum(N, (pid_m + 1) * BLOCK_M)
-    for start in range(0, end, BLOCK_N):
-        cols = start + offs_n0
-        n_ok = cols < N
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + b * skb + hk * skh + cols[:, None] * skn + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
-        if UPCAST:  # the interpreter's bf16 dot is wrong: do it in fp32
-            k = k.to(tl.float32)
-        v = tl.load(V + b * svb + hk * svh + cols[:, None] * svn + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
-        if UPCAST:  # the interpreter's bf16 dot is wrong: do it in fp32
-            v = v.to(tl.float32)
-        s, keep = _scores(q, k, Bias, b * sbb + h * sbh, offs_m, cols, m_ok, n_ok, sbm, sbn, scale,
-                          HAS_BIAS, CAUSAL)
-        p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v)).to(tl.float32)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k).to(tl.float32) * scale
-    tl.store(DQ + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, dq.to(DQ.dtype.element_ty),
-             mask=q_mask)
+        first = pid_m * BLOCK_M
+        dq = _dq_blocks(dq, q, do, lse2, delta, K, V, Bias, k_base, v_base, bias_base, offs_m, offs_d, d_ok,
+                        0, tl.minimum(first, N), skn, skd, svn, svd, sbm, sbn, N, qk_scale,
+                        False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, BLOCK_N)
+        dq = _dq_blocks(dq, q, do, lse2, delta, K, V, Bias, k_base, v_base, bias_base, offs_m, offs_d, d_ok,
+                        first, tl.minimum(first + BLOCK_M, N), skn, skd, svn, svd, sbm, sbn, N, qk_scale,
+                        True, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, BLOCK_N)
+    else:
+        dq = _dq_blocks(dq, q, do, lse2, delta, K, V, Bias, k_base, v_base, bias_base, offs_m, offs_d, d_ok,
+                        0, N, skn, skd, svn, svd, sbm, sbn, N, qk_scale,
+                        False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, BLOCK_N)
+    dq = dq * scale
+    dq_ptrs = DQ + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd
+    if EVEN_M and EVEN_D:
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty))
+    else:
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
-def _strides(t, n=4):
-    return list(t.stride()) if t is not None else [0] * n
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
 
 
-def _blocks(d: int):
-    block_d = max(16, triton.next_power_of_2(d))
-    block = 64 if block_d <= 64 else 32
-    return block, block, block_d
+def _key(q, k, bias, causal: bool) -> tuple:
+    """The shape class a launch configuration is chosen for."""
+    b, h, m, d = q.shape
+    return (str(q.dtype), _block_d(d), causal, bias is not None, h // k.shape[1] > 1,
+            tune.bucket(m), tune.bucket(k.shape[2]), tune.bucket(b * h))
+
+
+def _even(n: int, block: int) -> bool:
+    return n % block == 0
 
 
 def forward(q, k, v, bias, causal: bool, scale: float):
@@ -227,12 +372,17 @@ def forward(q, k, v, bias, causal: bool, scale: float):
     hkv, n = k.shape[1], k.shape[2]
     out = torch.empty_like(q)
     lse = torch.empty((b, h, m), device=q.device, dtype=torch.float32)
-    bm, bn, bd = _blocks(d)
-    bs = _bias_strides(bias)
-    _fwd[(triton.cdiv(m, bm), b * h)](q, k, v, bias if bias is not None else q, out, lse,
-                                     *q.stride(), *k.stride(), *v.stride(), *bs, *out.stride(),
-                                     h, h // hkv, m, n, d, scale, HAS_BIAS=bias is not None, CAUSAL=causal,
-                                     UPCAST=_upcast(q), BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd)
+    bd = _block_d(d)
+    args = (q, k, v, bias if bias is not None else q, out, lse,
+            *q.stride(), *k.stride(), *v.stride(), *_bias_strides(bias), *out.stride(),
+            h, h // hkv, m, n, d, scale)
+
+    def run(c: tune.Launch):
+        _fwd[(triton.cdiv(m, c["BLOCK_M"]), b * h)](
+            *args, HAS_BIAS=bias is not None, CAUSAL=causal, UPCAST=_upcast(q), EVEN_M=_even(m, c["BLOCK_M"]),
+            EVEN_N=_even(n, c["BLOCK_N"]), EVEN_D=bd == d, BLOCK_D=bd, **c.kwargs(INTERPRETED))
+
+    run(tune.choose("attention_fwd", _key(q, k, bias, causal), FWD, run, FWD_I if INTERPRETED else None))
     return out, lse
 
 
@@ -246,14 +396,28 @@ def backward(do, q, k, v, out, lse, bias, causal: bool, scale: float):
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    bm, bn, bd = _blocks(d)
-    bs = _bias_strides(bias)
-    common = (*q.stride(), *k.stride(), *v.stride(), *bs, *out.stride(), h, h // hkv, m, n, d, scale)
-    kw = dict(HAS_BIAS=bias is not None, CAUSAL=causal, UPCAST=_upcast(q), BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd)
+    delta = torch.empty((b, h, m), device=q.device, dtype=torch.float32)
+    bd = _block_d(d)
+    dm = 16 if INTERPRETED else 64
+    _bwd_delta[(triton.cdiv(m, dm), b * h)](out, do, delta, h, m, d, *out.stride(), BLOCK_M=dm, BLOCK_D=bd)
+    common = (*q.stride(), *k.stride(), *v.stride(), *_bias_strides(bias), *out.stride(), h, h // hkv, m, n, d,
+              scale)
     bias_arg = bias if bias is not None else q
-    # dK/dV read q's strides for Q/dO/O (so dO must share out's layout: made so above) and k's for dK
-    _bwd_dkdv[(triton.cdiv(n, bn), b * hkv)](q, k, v, bias_arg, out, do, lse, dk, dv, *common, **kw)
-    _bwd_dq[(triton.cdiv(m, bm), b * h)](q, k, v, bias_arg, out, do, lse, dq, *common, **kw)
+    key = _key(q, k, bias, causal)
+
+    def flags(c):
+        return dict(HAS_BIAS=bias is not None, CAUSAL=causal, UPCAST=_upcast(q), EVEN_M=_even(m, c["BLOCK_M"]),
+                    EVEN_N=_even(n, c["BLOCK_N"]), EVEN_D=bd == d, BLOCK_D=bd, **c.kwargs(INTERPRETED))
+
+    def run_dkdv(c: tune.Launch):
+        _bwd_dkdv[(triton.cdiv(n, c["BLOCK_N"]), b * hkv)](q, k, v, bias_arg, do, lse, delta, dk, dv, *common,
+                                                           **flags(c))
+
+    def run_dq(c: tune.Launch):
+        _bwd_dq[(triton.cdiv(m, c["BLOCK_M"]), b * h)](q, k, v, bias_arg, do, lse, delta, dq, *common, **flags(c))
+
+    run_dkdv(tune.choose("attention_bwd_dkdv", key, DKDV, run_dkdv, DKDV_I if INTERPRETED else None))
+    run_dq(tune.choose("attention_bwd_dq", key, DQ, run_dq, DQ_I if INTERPRETED else None))
     return dq, dk, dv
 
 

@@ -1,7 +1,10 @@
 """Tiled matmul in Triton with a fused epilogue: ``y = act(a @ b + bias)``, act in {none, gelu
 (exact, erf), silu}; optionally also stores the pre-activation ``z`` (what the backward needs).
-Grouped program order (GROUP_M rows of tiles share B tiles in cache), fp32 accumulation, any
-sizes (masked edges), any strides (so ``x @ w.T`` is a stride swap, not a copy).
+Grouped program order (GROUP_M rows of tiles share B tiles in cache), fp32 accumulation inside
+the matrix instruction, any sizes (rows and columns past the edge wrap around when loaded and are
+never stored, so only K is masked, and only where the block does not divide it), any strides (so
+``x @ w.T`` is a stride swap, not a copy). Tiles, warps and pipeline depth are chosen per shape
+by timing on the device (kernels/tune.py).
 
 The backward of ``linear_act`` uses the same kernel: ``dz = dy * act'(z)`` (an elementwise
 kernel), ``dx = dz @ w``, ``dw = dz.T @ x`` (stride swaps again), ``db = dz.sum(0)``.
@@ -11,6 +14,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from autopar.kernels import tune
 
 # Whether these kernels run in Triton's interpreter (see kernels/attention.py): the bf16 dot is
 # wrong there, so tiles are upcast to fp32 first.
@@ -31,6 +36,7 @@ def _act(z, ACT: tl.constexpr):
 def _matmul(A, B, Bias, C, Z, M, N, K,
             sam, sak, sbk, sbn, scm, scn,
             HAS_BIAS: tl.constexpr, ACT: tl.constexpr, STORE_Z: tl.constexpr, UPCAST: tl.constexpr,
+            EVEN_K: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -43,22 +49,34 @@ def _matmul(A, B, Bias, C, Z, M, N, K,
     pid_n = (pid % width) // size_m
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # rows / columns past the edge wrap around (loaded unmasked, never stored): only K is masked,
+    # and only where the block does not divide it
+    am = rm % M
+    bn = rn % N
     rk = tl.arange(0, BLOCK_K)
+    a_ptrs = A + am[:, None].to(tl.int64) * sam + rk[None, :] * sak
+    b_ptrs = B + rk[:, None] * sbk + bn[None, :].to(tl.int64) * sbn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        a = tl.load(A + rm[:, None] * sam + kk[None, :] * sak, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        b = tl.load(B + kk[:, None] * sbk + rn[None, :] * sbn, mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=(k0 + rk)[None, :] < K, other=0.0)
+            b = tl.load(b_ptrs, mask=(k0 + rk)[:, None] < K, other=0.0)
         if UPCAST:  # the interpreter's bf16 dot is wrong: do it in fp32
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc += tl.dot(a, b).to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * sak
+        b_ptrs += BLOCK_K * sbk
     if HAS_BIAS:
-        acc += tl.load(Bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(Bias + bn).to(tl.float32)[None, :]
     ok = (rm[:, None] < M) & (rn[None, :] < N)
+    c_off = rm[:, None].to(tl.int64) * scm + rn[None, :] * scn
     if STORE_Z:
-        tl.store(Z + rm[:, None] * scm + rn[None, :] * scn, acc.to(Z.dtype.element_ty), mask=ok)
-    tl.store(C + rm[:, None] * scm + rn[None, :] * scn, _act(acc, ACT).to(C.dtype.element_ty), mask=ok)
+        tl.store(Z + c_off, acc.to(Z.dtype.element_ty), mask=ok)
+    tl.store(C + c_off, _act(acc, ACT).to(C.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -78,11 +96,23 @@ def _act_grad(DY, Z, DZ, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(DZ + offs, (dy * g).to(DZ.dtype.element_ty), mask=ok)
 
 
-def _tiles(m: int, n: int, k: int):
-    bm = 64 if m >= 64 else max(16, triton.next_power_of_2(m))
-    bn = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
-    bk = 32 if k >= 32 else max(16, triton.next_power_of_2(k))
-    return bm, bn, bk
+L = tune.Launch.of
+# (BLOCK_M, BLOCK_N, BLOCK_K), warps, stages: tiles that suit Hopper's and Ampere's matrix units
+CANDIDATES = [L(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64), L(4, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
+              L(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)]
+INTERPRETED_TILES = L(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32)
+
+
+def _fit(c: tune.Launch, m: int, n: int, k: int) -> tune.Launch:
+    """A candidate's tiles shrunk to the problem where it is smaller (at least 16)."""
+    def clamp(block, size):
+        return min(block, max(16, triton.next_power_of_2(size)))
+    return tune.Launch.of(c.num_warps, c.num_stages, BLOCK_M=clamp(c["BLOCK_M"], m), BLOCK_N=clamp(c["BLOCK_N"], n),
+                          BLOCK_K=clamp(c["BLOCK_K"], k))
+
+
+def _layout(t) -> str:
+    return "r" if t.stride(1) == 1 else "c" if t.stride(0) == 1 else "s"
 
 
 def matmul(a, b, bias=None, act: str = "none", store_z: bool = False):
@@ -93,12 +123,17 @@ def matmul(a, b, bias=None, act: str = "none", store_z: bool = False):
     n = b.shape[1]
     c = torch.empty((m, n), device=a.device, dtype=a.dtype)
     z = torch.empty_like(c) if store_z else c
-    bm, bn, bk = _tiles(m, n, k)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _matmul[grid](a, b, bias if bias is not None else a, c, z, m, n, k, *a.stride(), *b.stride(), *c.stride(),
-                  HAS_BIAS=bias is not None, ACT=ACTS[act], STORE_Z=store_z, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                  UPCAST=a.dtype == torch.bfloat16 and INTERPRETED,
-                  GROUP_M=8)
+    args = (a, b, bias if bias is not None else a, c, z, m, n, k, *a.stride(), *b.stride(), *c.stride())
+
+    def run(cfg: tune.Launch):
+        cfg = _fit(cfg, m, n, k)
+        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+        _matmul[grid](*args, HAS_BIAS=bias is not None, ACT=ACTS[act], STORE_Z=store_z,
+                      UPCAST=a.dtype == torch.bfloat16 and INTERPRETED, EVEN_K=k % cfg["BLOCK_K"] == 0, GROUP_M=8,
+                      **cfg.kwargs(INTERPRETED))
+
+    key = (str(a.dtype), tune.bucket(m), n, k, _layout(a), _layout(b), act, store_z, bias is not None)
+    run(tune.choose("matmul", key, CANDIDATES, run, INTERPRETED_TILES if INTERPRETED else None))
     return (c, z) if store_z else c
 
 

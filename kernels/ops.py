@@ -27,13 +27,6 @@ from torch import Tensor
 
 _REFERENCE = [os.environ.get("AUTOPAR_KERNELS", "") == "reference"]
 
-# Whether ``autopar.compile(kernels="auto")`` may pick these kernels on a CUDA mesh. Flip it when
-# ``autopar bench --kernels`` has been run on a GPU and its report (benchmarks/results/) shows
-# flash_attention (forward and forward + backward, bf16) and linear_act at least as fast as
-# PyTorch's SDPA and linear + activation over its sizes; until then "auto" means PyTorch's ops
-# (the kernels have only run through Triton's interpreter on CPU, which says nothing of speed).
-KERNELS_MEASURED_ON_GPU = False
-
 
 @contextlib.contextmanager
 def reference(on: bool = True):

@@ -19,7 +19,10 @@ binds, or None) and a replacement (the kernel op and its arguments). In order:
 
 Not rewritten (and left as they were): attention with dropout, non-4-D inputs, a mask that
 needs a gradient, GELU with ``approximate="tanh"``. ``lower_graph`` returns how many of each it
-rewrote (``autopar.compile(..., kernels="on")`` records them in ``ctx.lowered``).
+rewrote (``autopar.compile(..., kernels="on")`` records them in ``ctx.lowered``). With
+``kernels="auto"`` a match is rewritten only where autopar's kernel measured faster than PyTorch's
+op at its per-rank shape on this CUDA device (kernels/choice.py), each decision in
+``ctx.kernel_choices``.
 """
 
 from __future__ import annotations
@@ -232,15 +235,25 @@ RULES = [
 
 
 def lower_pass(state):
-    """After it (``kernels`` on): every match of RULES in the torch-level graph is a
-    ``torch.ops.autopar`` kernel op; ``state.lowered`` counts them per rule. Off: nothing changes."""
-    if state.options.lower:
-        state.lowered = dict(lower_graph(state.gm))
+    """After it (``kernels`` "on"): every match of RULES in the torch-level graph is a
+    ``torch.ops.autopar`` kernel op; "auto": each match where autopar's kernel measured faster at
+    the op's per-rank shape on this device (kernels/choice.py), every decision in
+    ``state.kernel_choices``; "off": nothing changes. ``state.lowered`` counts rewrites per rule."""
+    mode = state.options.lower
+    if mode == "off":
+        return state
+    decide = None
+    if mode == "auto":
+        decide = _measured_decider(state)
+    state.lowered = dict(lower_graph(state.gm, decide=decide))
+    if decide is not None:
+        state.kernel_choices = decide.choices
     return state
 
 
-def lower_graph(gm: fx.GraphModule, rules=RULES) -> Counter:
-    """Rewrite every match of ``rules`` in ``gm`` (in place); returns the count per rule."""
+def lower_graph(gm: fx.GraphModule, rules=RULES, decide=None) -> Counter:
+    """Rewrite every match of ``rules`` in ``gm`` (in place) for which ``decide(rule name, bound
+    operands)`` is true (every match without ``decide``); returns the count per rule."""
     import autopar.kernels.ops  # noqa: F401 - registers torch.ops.autopar.*
 
     counts: Counter = Counter()
@@ -252,6 +265,8 @@ def lower_graph(gm: fx.GraphModule, rules=RULES) -> Counter:
             bound = r.match(n)
             if bound is None:
                 continue
+            if decide is not None and not decide(r.name, bound):
+                break  # PyTorch's op stays (the decision is recorded)
             new = r.replace(gm.graph, n, bound)
             n.replace_all_uses_with(new)
             counts[r.name] += 1
@@ -261,6 +276,76 @@ def lower_graph(gm: fx.GraphModule, rules=RULES) -> Counter:
         _fake_values(gm, [n for n in gm.graph.nodes if n not in before])
         gm.recompile()
     return counts
+
+
+class _MeasuredDecider:
+    """kernels="auto": for each match, the per-rank shape it will run at (the batch split over the
+    plan's data-parallel axes and accumulation micro-batches, heads / output features over its
+    derived tensor-parallel axes, where they divide), in the compute dtype, timed on this process's
+    CUDA device once per shape (kernels/choice.py caches it)."""
+
+    def __init__(self, batch_div: int, feature_div: int, dtype, device):
+        self.batch_div, self.feature_div, self.dtype, self.device = batch_div, feature_div, dtype, device
+        self.choices: list = []
+
+    def _div(self, n: int, by: int) -> int:
+        return n // by if by > 1 and n % by == 0 else n
+
+    def __call__(self, rule: str, b: dict) -> bool:
+        from autopar.kernels import choice
+
+        if rule in ("sdpa", "eager_attention"):
+            q, k = _val(b["q"]), _val(b["k"])
+            bsz, h, m, d = q.shape
+            hkv, n = k.shape[1], k.shape[2]
+            bsz = self._div(bsz, self.batch_div)
+            if h % self.feature_div == 0 and hkv % self.feature_div == 0:
+                h, hkv = self._div(h, self.feature_div), self._div(hkv, self.feature_div)
+            bias = b["mask"] is not None
+            args = (bsz, h, hkv, m, n, d, b["causal"], bias, self.dtype)
+            c = self.decide("attention", choice.attention_shape(*args),
+                            lambda: choice.time_attention(*args, device=self.device))
+        else:
+            x, w = _val(b["x"]), _val(b["w"])
+            rows = self._div(math.prod(x.shape[:-1]), self.batch_div)
+            args = (rows, x.shape[-1], self._div(w.shape[0], self.feature_div), b["act"], b["b"] is not None,
+                    self.dtype)
+            c = self.decide("linear_act", choice.linear_shape(*args),
+                            lambda: choice.time_linear(*args, device=self.device))
+        self.choices.append(c)
+        return c.use_kernel
+
+    def decide(self, op: str, shape: str, timer):
+        """Rank 0 decides (times, or reads its cache) and every rank takes its decision, so all
+        ranks run the same program (the ranks see the same graph, so they ask in the same order)."""
+        from autopar.kernels import choice
+
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return choice.decide(op, shape, timer, self.device)
+        box = [None]
+        if dist.get_rank() == 0:
+            try:
+                box[0] = choice.decide(op, shape, timer, self.device)
+            except Exception as e:  # noqa: BLE001 - told to every rank, which keep PyTorch's op
+                box[0] = choice.Choice(op, shape, False, f"timing failed on rank 0: {type(e).__name__}: {e}")
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def _measured_decider(state) -> _MeasuredDecider:
+    from autopar.plan import DERIVED_TP
+
+    o = state.options
+    sizes = dict(zip(state.mesh.mesh_dim_names or (), state.mesh.shape))
+    parsed = o.pipeline.parsed if o.pipeline is not None else o.parsed
+    dp = math.prod(sizes.get(a.axis, 1) for a in parsed.axes if a.data_parallel)
+    tp = math.prod(sizes.get(a.axis, 1) for a in parsed.axes if a.strategy in DERIVED_TP)
+    micro = o.given.accumulate * (o.pipeline.microbatches if o.pipeline is not None else 1)
+    dtype = o.compute_dtype or torch.float32
+    return _MeasuredDecider(dp * micro, tp, dtype, torch.device(state.mesh.device_type, torch.cuda.current_device()
+                                                                if torch.cuda.is_available() else 0))
 
 
 def _fake_values(gm: fx.GraphModule, nodes):

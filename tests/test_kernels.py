@@ -60,6 +60,16 @@ def test_linear_act_against_reference(act, dtype):
     close(r["y_reference_path"], r["ref"], dtype, "reference y")  # the reference path agrees with autograd too
 
 
+@pytest.mark.parametrize("act", ["gelu", "silu"])
+def test_linear_act_tiles_that_divide(act):
+    """Sizes the interpreted tiles divide (K, N, rows multiples of 32 / 64: no K mask, EVEN_K),
+    forward and the two backward products (dz @ w, dz^T @ x) in bf16."""
+    r = run_linear_act_case(act, torch.bfloat16, rows=(2, 64), k=64, n=128)
+    close(r["y"], r["ref"], torch.bfloat16, "y")
+    for name, a, ref in zip(("dx", "dw", "db"), r["grads"], r["ref_grads"]):
+        close(a, ref, torch.bfloat16, name)
+
+
 def test_kernels_are_ordinary_graph_nodes():
     """Fake (meta) implementations: the ops run on meta tensors with the right shapes, and the
     cost model's FLOP formula counts them (the lowering tests check the joint graph holds the
@@ -162,18 +172,87 @@ def test_kernels_option_errors():
         autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn, kernels="fast")
 
 
-def test_kernels_auto_means_pytorchs_ops_until_measured_on_a_gpu(monkeypatch):
-    """"auto" keeps PyTorch's ops even on a CUDA mesh with Triton, until the kernels have been
-    timed on a GPU (``KERNELS_MEASURED_ON_GPU``); "on" forces them, "off" disables them."""
+def test_kernels_option_modes(monkeypatch):
+    """"auto" is a per-op measured decision on a CUDA mesh with Triton and PyTorch's ops elsewhere
+    (Triton would run interpreted); "on" forces the kernels, "off" disables them."""
     from types import SimpleNamespace
 
     from autopar import compiler
 
     cuda, cpu = SimpleNamespace(device_type="cuda"), SimpleNamespace(device_type="cpu")
     monkeypatch.setattr(ops, "available", lambda: (True, "cuda"))
-    assert [compiler._kernels_option(k, cuda) for k in ("auto", "on", "off")] == [False, True, False]
-    monkeypatch.setattr(ops, "KERNELS_MEASURED_ON_GPU", True)
-    assert [compiler._kernels_option("auto", m) for m in (cuda, cpu)] == [True, False]
+    assert [compiler._kernels_option(k, cuda) for k in ("auto", "on", "off")] == ["auto", "on", "off"]
+    assert compiler._kernels_option("auto", cpu) == "off"
+    monkeypatch.setattr(ops, "available", lambda: (False, "triton is not installed"))
+    assert compiler._kernels_option("auto", cuda) == "off"
+
+
+def _fake_cuda(monkeypatch, tmp_path, name="Fake H100"):
+    from autopar.kernels import choice
+
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(choice, "_MEMO", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    return choice
+
+
+def test_auto_picks_the_side_that_measured_faster_and_caches_it(monkeypatch, tmp_path):
+    """The kernel only where it timed strictly faster; each shape timed once per device and
+    versions (the cache file), a different device times again; no CUDA device: PyTorch's op,
+    nothing timed."""
+    choice = _fake_cuda(monkeypatch, tmp_path)
+    calls = []
+
+    def timer(kernel_ms, torch_ms):
+        def t():
+            calls.append((kernel_ms, torch_ms))
+            return kernel_ms, torch_ms
+        return t
+    a = choice.decide("attention", "S1", timer(1.0, 2.0), "cuda")
+    b = choice.decide("attention", "S2", timer(2.0, 1.0), "cuda")
+    tie = choice.decide("linear_act", "S3", timer(1.0, 1.0), "cuda")
+    assert (a.use_kernel, b.use_kernel, tie.use_kernel) == (True, False, False)
+    assert "2.00x faster on Fake H100" in a.reason and "2.00x slower" in b.reason
+    again = choice.decide("attention", "S1", timer(9.0, 1.0), "cuda")  # cached: not timed, same answer
+    assert again.use_kernel and again.cached and len(calls) == 3
+    import json
+    saved = json.load(open(choice.cache_path()))
+    key = choice.cache_key("Fake H100", "attention", "S1")
+    assert saved[key]["kernel_ms"] == 1.0 and "torch " in key and "triton " in key
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake A100")
+    assert not choice.decide("attention", "S1", timer(3.0, 1.0), "cuda").use_kernel and len(calls) == 4
+    cpu = choice.decide("attention", "S1", timer(1.0, 9.0), "cpu")
+    assert not cpu.use_kernel and "interpreted" in cpu.reason and len(calls) == 4
+
+
+def test_auto_decides_per_op_at_the_per_rank_shape(monkeypatch, tmp_path):
+    """The lower pass under "auto" asks once per match, with the shape a rank runs (here one rank:
+    the graph's own shapes, in the compute dtype), rewrites only what was chosen and reports every
+    decision (pm.ctx.kernel_choices, pm.report())."""
+    import autopar
+    from autopar import compiler
+    from autopar.kernels import choice
+    from autopar.testing import build_model
+
+    asked = []
+
+    def fake_decide(op, shape, timer, device):
+        asked.append((op, shape))
+        return choice.Choice(op, shape, op == "linear_act", "fake timing", 1.0, 2.0)
+    monkeypatch.setattr(choice, "decide", fake_decide)
+    monkeypatch.setattr(compiler, "_kernels_option", lambda k, mesh: "auto")
+    model, batches, loss_fn = build_model("llama")
+    with _one_rank() as mesh:
+        pm = autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn, plan={"dp": "ddp"},
+                             kernels="auto", capture_eval=False)
+        assert pm.ctx.lowered == {"linear_act": 2}
+        assert [c.use_kernel for c in pm.ctx.kernel_choices] == [False, True, False, True]
+        b, s = batches[0][0].shape
+        assert asked[0][0] == "attention" and f"S{s}x{s}" in asked[0][1] and asked[0][1].endswith("float32")
+        assert asked[1][0] == "linear_act" and asked[1][1].startswith(f"[{b * s}, ")
+        assert "kernels='auto': attention" in pm.report() and "-> PyTorch's op" in pm.report()
+        pm.train_step(*batches[0])
 
 
 def test_dump_shows_kernel_ops_sharded(capsys):

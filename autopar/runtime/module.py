@@ -132,6 +132,7 @@ class ParallelModule(Runtime):
         if getattr(self, "auto_plan", None):  # autopar.compile(plan="auto"): what it chose, and why
             lines.append(self.auto_plan)
         lines += [f"attention masks: {m}" for m in ctx.masks]  # (passes/masks.py)
+        lines += [f"kernels='auto': {c.line()}" for c in ctx.kernel_choices]  # (kernels/choice.py)
         lines += ["", "parameters (as stored):"]
         for name, p in self.module.named_parameters():
             local = local_tensor(p).shape

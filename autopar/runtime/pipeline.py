@@ -232,7 +232,9 @@ class PipelineModule(Runtime):
                 f"micro-batches; inside each stage: {self.plan.describe()}")
         lines = [head] + ([self.auto_plan] if getattr(self, "auto_plan", None) else [])
         some = next(iter(self.local.values()), None)  # (the masks pass ran before the split: one list)
-        lines += [f"attention masks: {m}" for m in (some.ctx.masks if some is not None else [])] + ["", "stages:"]
+        lines += [f"attention masks: {m}" for m in (some.ctx.masks if some is not None else [])]
+        lines += [f"kernels='auto': {c.line()}" for c in (some.ctx.kernel_choices if some is not None else [])]
+        lines += ["", "stages:"]
         for r in self.describe_stages():
             lines.append(f"  stage {r['stage']} (pp rank {r['rank']}): {r['first']} .. {r['last']}, "
                          f"{r['parameters']:,} B of parameters")

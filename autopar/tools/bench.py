@@ -5,7 +5,7 @@ it, in the same processes, alternating step by step, same initialization and dat
                   [--bucket-mb 25] [--prefetch 1] [--foreach] [--inductor]
     autopar bench --planning [--planning-models llama3-8b llama3-70b] [--planning-ranks 8 64 256 1024]
     autopar bench --pipeline [--pp 2 4] [--schedules gpipe 1f1b interleaved zb] [--microbatches 8]
-    autopar bench --kernels [--kernel-seqs 512 ... 8192] [--smoke]     (GPU: Triton kernels vs SDPA / cuBLAS)
+    autopar bench --kernels [--kernel-seqs 1024 ... 8192] [--smoke]     (GPU: Triton kernels vs SDPA / cuBLAS)
     python -m autopar.tools.bench ...          (the same)
 
 Pairs (each on its own mesh of ``--ranks`` processes):
@@ -497,7 +497,7 @@ def main(argv=None):
     ap.add_argument("--no-baseline", action="store_true", help="autopar only (--pipeline)")
     ap.add_argument("--kernels", action="store_true",
                     help="instead: autopar's Triton kernels vs PyTorch (SDPA, cuBLAS) in TFLOP/s; needs a GPU")
-    ap.add_argument("--kernel-seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    ap.add_argument("--kernel-seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--smoke", action="store_true", help="--kernels on tiny shapes (checks the harness on CPU)")
     args = ap.parse_args(argv)
     if args.kernels:

@@ -1,14 +1,17 @@
 """Kernel section of the benchmark harness: autopar's Triton kernels against PyTorch's.
 
-    autopar bench --kernels [--kernel-seqs 512 1024 2048 4096 8192] [--out DIR]
+    autopar bench --kernels [--kernel-seqs 1024 2048 4096 8192] [--out DIR]
     autopar bench --kernels --smoke        (tiny shapes: checks the harness runs; CPU timings mean nothing)
 
 On a CUDA device: TFLOP/s (forward, and forward + backward) of ``autopar::flash_attention``
 against ``F.scaled_dot_product_attention`` (PyTorch's own flash/efficient backends) over
 sequence lengths, causal and not, head dims 64 and 128, bf16, GQA 4:1; and of
 ``autopar::linear_act`` (matmul + bias + GELU fused) against ``F.gelu(F.linear(...))``
-(cuBLAS + a separate elementwise kernel) over sizes. FLOPs: 4·B·H·S²·D for attention forward
-(halved when causal), 2.5x that for the backward; 2·M·N·K for the matmul. Times are medians of
+(cuBLAS + a separate elementwise kernel) over sizes, forward and forward + backward. FLOPs:
+4·B·H·S²·D for attention forward (halved when causal), 2.5x that for the backward; 2·M·N·K for
+the matmul forward, twice that for its backward. Each shape's forward + backward times go into
+the cache ``kernels="auto"`` decides from (kernels/choice.py), and the JSON's meta lists the launch
+configuration the kernels chose per shape class with every candidate's time (kernels/tune.py). Times are medians of
 CUDA-event timings after warm-up. Without a GPU it says so and measures nothing, unless
 ``--smoke`` (then it runs tiny shapes through Triton's interpreter to prove the harness works).
 """
@@ -23,21 +26,15 @@ import time
 
 import torch
 
+from autopar.kernels import choice, tune
+
 
 def _time(fn, reps: int, cuda: bool) -> float:
+    """Median seconds of ``fn``: CUDA events on a GPU (kernels/choice.py), the wall clock on CPU."""
+    if cuda:
+        return choice.time_cuda(fn, reps) / 1e3
     for _ in range(2):
         fn()
-    if cuda:
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        return statistics.median(times)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -74,6 +71,11 @@ def attention_rows(seqs, dtype, device, reps, smoke):
                     both = _time(lambda fn=fn: torch.autograd.grad(fn(), (q, k, v), do), reps, device == "cuda")
                     row[f"{name}_fwd_tflops"] = flops / fwd / 1e12
                     row[f"{name}_fwdbwd_tflops"] = 3.5 * flops / both / 1e12
+                    row[f"{name}_fwdbwd_ms"] = both * 1e3
+                if device == "cuda":  # what kernels="auto" reads for this shape (kernels/choice.py)
+                    choice.record(torch.cuda.get_device_name(), "attention",
+                                  choice.attention_shape(b, h, hkv, s, s, d, causal, False, dtype),
+                                  row["autopar_fwdbwd_ms"], row["torch_fwdbwd_ms"])
                 rows.append(row)
     return rows
 
@@ -88,9 +90,18 @@ def matmul_rows(sizes, dtype, device, reps):
         bias = torch.randn(n, device=device, dtype=dtype)
         flops = 2 * m * n * k
         row = {"kernel": "linear+gelu", "M": m, "N": n, "K": k}
-        row["autopar_tflops"] = flops / _time(lambda: torch.ops.autopar.linear_act(x, w, bias, "gelu"), reps,
-                                              device == "cuda") / 1e12
-        row["torch_tflops"] = flops / _time(lambda: F.gelu(F.linear(x, w, bias)), reps, device == "cuda") / 1e12
+        xg, wg, bg = (t.detach().requires_grad_() for t in (x, w, bias))
+        dy = torch.randn(m, n, device=device, dtype=dtype)
+        sides = (("autopar", lambda a, b, c: torch.ops.autopar.linear_act(a, b, c, "gelu")[0]),
+                 ("torch", lambda a, b, c: F.gelu(F.linear(a, b, c))))
+        for name, fn in sides:
+            row[f"{name}_tflops"] = flops / _time(lambda fn=fn: fn(x, w, bias), reps, device == "cuda") / 1e12
+            both = _time(lambda fn=fn: torch.autograd.grad(fn(xg, wg, bg), (xg, wg, bg), dy), reps, device == "cuda")
+            row[f"{name}_fwdbwd_tflops"] = 3 * flops / both / 1e12
+            row[f"{name}_fwdbwd_ms"] = both * 1e3
+        if device == "cuda":
+            choice.record(torch.cuda.get_device_name(), "linear_act", choice.linear_shape(m, k, n, "gelu", True, dtype),
+                          row["autopar_fwdbwd_ms"], row["torch_fwdbwd_ms"])
         rows.append(row)
     return rows
 
@@ -108,20 +119,33 @@ def main(args) -> int:
     seqs = args.kernel_seqs if not args.smoke else [64]
     sizes = [(4096, 4096, 4096), (8192, 14336, 4096), (8192, 4096, 14336)] if cuda else [(64, 96, 64)]
     rows = attention_rows(seqs, dtype, device, reps, args.smoke) + matmul_rows(sizes, dtype, device, reps)
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+            "triton": triton_version,
             "device": torch.cuda.get_device_name() if cuda else "CPU (Triton interpreter: smoke test only)",
-            "dtype": str(dtype)}
+            "dtype": str(dtype),
+            # each kernel's launch configuration per shape class, and every candidate's time (kernels/tune.py)
+            "launch_configurations": tune.chosen()}
     lines = [f"Kernels on {meta['device']}, {meta['dtype']}, {meta['date']}" + ("" if cuda else
              " -- SMOKE TEST: interpreter timings, not performance"), "",
-             "| kernel | shape | autopar TFLOP/s (fwd / fwd+bwd) | torch TFLOP/s (fwd / fwd+bwd) |", "|---|---|---|---|"]
+             "| kernel | shape | autopar TFLOP/s (fwd / fwd+bwd) | torch TFLOP/s (fwd / fwd+bwd) | autopar / torch "
+             "(fwd / fwd+bwd) |", "|---|---|---|---|---|"]
     for r in rows:
+        fwd = "autopar_fwd_tflops" if r["kernel"] == "attention" else "autopar_tflops"
+        ratios = f"{r[fwd] / r[fwd.replace('autopar', 'torch')]:.2f} / " \
+                 f"{r['autopar_fwdbwd_tflops'] / r['torch_fwdbwd_tflops']:.2f}"
         if r["kernel"] == "attention":
             shape = f"B{r['B']} H{r['H']}/{r['Hkv']} S{r['S']} D{r['D']}{' causal' if r['causal'] else ''}"
             lines.append(f"| attention | {shape} | {r['autopar_fwd_tflops']:.3g} / {r['autopar_fwdbwd_tflops']:.3g} | "
-                         f"{r['torch_fwd_tflops']:.3g} / {r['torch_fwdbwd_tflops']:.3g} |")
+                         f"{r['torch_fwd_tflops']:.3g} / {r['torch_fwdbwd_tflops']:.3g} | {ratios} |")
         else:
-            lines.append(f"| linear + GELU | {r['M']}x{r['N']}x{r['K']} | {r['autopar_tflops']:.3g} | "
-                         f"{r['torch_tflops']:.3g} |")
+            lines.append(f"| linear + GELU | {r['M']}x{r['N']}x{r['K']} | {r['autopar_tflops']:.3g} / "
+                         f"{r['autopar_fwdbwd_tflops']:.3g} | {r['torch_tflops']:.3g} / {r['torch_fwdbwd_tflops']:.3g} | "
+                         f"{ratios} |")
     md = "\n".join(lines)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"kernels-{datetime.date.today()}" + ("-smoke" if not cuda else ""))

@@ -33,6 +33,7 @@ def state_text(state: CompileState) -> str:
     lines = [f"after pass '{state.done[-1]}' (passes run: {' -> '.join(state.done)})",
              f"mesh {dict(zip(state.mesh.mesh_dim_names, state.mesh.shape))}, plan {o.plan}", ""]
     lines += [f"masks: {m}" for m in state.masks]
+    lines += [f"kernels='auto': {c.line()}" for c in state.kernel_choices]
     if state.lowered:
         lines.append(f"lowered into kernel ops: {dict(state.lowered)}")
     if not state.stages:

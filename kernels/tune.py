@@ -1,0 +1,95 @@
+"""Launch configurations chosen by timing, per kernel and shape class, on the device that runs them.
+
+A kernel module names its candidates (block sizes, warps, pipeline stages: ``Launch``) and a key
+for the shape class a call belongs to; ``choose`` times every candidate once per key on the
+current CUDA device (``triton.testing.do_bench``, median) and keeps the fastest for the life of
+the process. A candidate that fails to compile or launch (too much shared memory for this chip,
+say) is recorded with its error and skipped; if every candidate fails, the first one's error is
+raised. Interpreted launches (Triton's interpreter, CPU tensors) take the module's fixed
+``interpreted`` candidate: timing the interpreter says nothing.
+
+Why not ``triton.autotune``: the interpreted twins (kernels/interpreter.py) rebind each kernel
+function to a private namespace, and an autotuned kernel object would carry its compiled-mode
+configs and cache into that twin; the choice also has to be reported (``chosen()``, written into
+``autopar bench --kernels``' JSON) and must never break a launch that one candidate cannot run.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+_LOCK = threading.Lock()
+_CHOSEN: dict[tuple, "Launch"] = {}
+_TIMES: dict[tuple, dict[str, float | str]] = {}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launch configuration: the kernel's block-size constexprs, warps and pipeline stages."""
+    blocks: tuple[tuple[str, int], ...]
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @classmethod
+    def of(cls, num_warps: int = 4, num_stages: int = 3, **blocks: int) -> "Launch":
+        return cls(tuple(blocks.items()), num_warps, num_stages)
+
+    def __getitem__(self, name: str) -> int:
+        return dict(self.blocks)[name]
+
+    def kwargs(self, interpreted: bool) -> dict:
+        kw = dict(self.blocks)
+        if not interpreted:  # the interpreter takes no launch options
+            kw.update(num_warps=self.num_warps, num_stages=self.num_stages)
+        return kw
+
+    def __str__(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.blocks) + f" w{self.num_warps} s{self.num_stages}"
+
+
+def choose(name: str, key: tuple, candidates: list[Launch], run: Callable[[Launch], object],
+           interpreted: Launch | None) -> Launch:
+    """The launch configuration for kernel ``name`` on shape class ``key``: ``interpreted`` when
+    that is given (an interpreted launch), else the fastest of ``candidates`` by ``run(config)``,
+    timed on first use of the key and remembered."""
+    if interpreted is not None:
+        return interpreted
+    full = (name, key)
+    got = _CHOSEN.get(full)
+    if got is not None:
+        return got
+    with _LOCK:
+        if full in _CHOSEN:
+            return _CHOSEN[full]
+        from triton.testing import do_bench
+
+        times: dict[str, float | str] = {}
+        best, best_ms, first_error = None, float("inf"), None
+        for c in candidates:
+            try:
+                ms = do_bench(lambda c=c: run(c), warmup=5, rep=15, return_mode="median")
+            except Exception as e:  # noqa: BLE001 - a candidate this chip cannot run: recorded, skipped
+                times[str(c)] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+                first_error = first_error or e
+                continue
+            times[str(c)] = ms
+            if ms < best_ms:
+                best, best_ms = c, ms
+        if best is None:
+            raise first_error
+        _CHOSEN[full], _TIMES[full] = best, times
+        return best
+
+
+def chosen() -> list[dict]:
+    """Every choice made in this process: kernel, shape class, the chosen configuration and each
+    candidate's median milliseconds (or its error)."""
+    return [{"kernel": name, "key": repr(key), "chosen": str(c), "ms": _TIMES.get((name, key), {})}
+            for (name, key), c in _CHOSEN.items()]
+
+
+def bucket(n: int) -> int:
+    """A size's class for the key: the next power of two (at least 64)."""
+    return max(64, 1 << max(0, int(n) - 1).bit_length())
