@@ -38,8 +38,8 @@ from autopar.kernels import tune
 # read, never set, by autopar); True in the interpreted twin that CPU tensors use.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 L = tune.Launch.of
 # (BLOCK_M query rows, BLOCK_N keys): BLOCK_N divides BLOCK_M (the causal split needs it)

@@ -105,7 +105,7 @@ def check_roles(graph: fx.Graph, program, ctx) -> None:
 
 
 def _output(graph: fx.Graph) -> fx.Node:
-    return next(reversed(graph.nodes))
+    return next(iter(reversed(graph.nodes)))  # torch 2.11's reversed node list is iterable, not an iterator
 
 
 def check_specs(graph: fx.Graph, program, ctx) -> None:
