@@ -36,7 +36,11 @@ def propagate_pass(program: Program, ctx) -> Program:
     """After it: every value has a ShardSpec (``info(n).spec``) and every op the placements its
     inputs must have (``info(n).wants``) and the rule that decided (``info(n).rule``)."""
     graph = program.graph
-    drop_unread(graph)  # (what the trace left unread: torch.export's eval programs have some)
+    _drop_legacy_empty_cat_inputs(graph)
+    # what the trace left unread (torch.export's eval programs have some), and the empty tensors the
+    # line above took out of cat (a DynamicCache's ``torch.tensor([])``: a lift_fresh_copy nothing
+    # reads any more): dropped after the rewrite, so that propagate leaves no node unread
+    drop_unread(graph)
     out = next(n for n in graph.nodes if n.op == "output")
     # what the program's outputs must be (gradients: their parameter's placements) is known
     # up front, so rules can produce a value directly in the layout its consumer wants
@@ -45,7 +49,6 @@ def propagate_pass(program: Program, ctx) -> Program:
         for role, o in zip(program.outputs, out.args[0])]
     ctx.output_roles = list(program.outputs)
     ctx.strategy_cache = {}  # repeated blocks ask DTensor the same question: answer it once
-    _drop_legacy_empty_cat_inputs(graph)
     seq = SequenceDims(program, ctx)  # the activation layout of a sequence-parallel axis (autopar/layout.py)
     check_context_parallel(program, ctx)  # the sequence length divides over the context-parallel axes
     check_expert_parallel(program, ctx)  # expert weights sharded over ep are computed by the expert op
@@ -67,7 +70,8 @@ def _drop_legacy_empty_cat_inputs(graph: fx.Graph) -> None:
     """``torch.cat`` skips a 1-D tensor of size 0 among higher-dimensional ones (Hugging Face's
     DynamicCache starts every layer's keys as ``torch.tensor([])`` and concatenates onto it, when
     a model is traced with ``use_cache=True``). Such an input holds nothing and has no dim to
-    shard, so it is removed from the op before placements are chosen; the result is the same."""
+    shard, so it is removed from the op before placements are chosen; the result is the same. The
+    removed inputs are left unread: the caller drops them (``drop_unread``) after this."""
     for n in graph.nodes:
         if n.op != "call_function" or n.target is not torch.ops.aten.cat.default:
             continue

@@ -134,6 +134,35 @@ def test_a_broken_pass_is_named(fake, monkeypatch, name, damage, check, line):
         assert line in msg, msg
 
 
+def _unread_copy(program):
+    """What a rewrite that forgets to erase what it replaced leaves in the joint program: an op
+    nothing reads, placed like the value it reads (a ShardSpec and wants: only no-dangling finds it)."""
+    graph = program.graph
+    mm = _mm(graph)
+    with graph.inserting_after(mm):
+        extra = graph.call_function(torch.ops.aten.neg.default, (mm,))
+    extra.meta["val"] = mm.meta["val"]
+    info(extra).spec = info(mm).spec
+    info(extra).wants = [info(mm).spec.placements]
+
+
+@pytest.mark.parametrize("name, damage, check", [
+    ("propagate", _unread_copy, "no-dangling"),
+    ("localize", _dangling, "local-no-dangling"),
+])
+def test_a_pass_leaving_an_unread_node_fails_without_debug(fake, monkeypatch, name, damage, check):
+    """The dangling-node checks are always on (a walk, like the other cheap checks): a pass that
+    leaves a node nothing reads fails the ordinary compile (debug=False), after that pass, naming
+    the node; the same compile without the damage passes."""
+    assert CHECKS[check].cheap
+    plan = {"dp": "fsdp", "tp": "megatron"}
+    with fake(dp=2, tp=2) as mesh:
+        _build(mesh, plan, debug=False)
+        _break(monkeypatch, name, damage)
+        with pytest.raises(InternalCompilerError, match=f"after pass '{name}', its guarantee '{check}' .*node neg"):
+            _build(mesh, plan, debug=False)
+
+
 def test_the_full_checker_runs_in_debug_mode(fake, monkeypatch):
     """A per-rank value left at its global shape passes the cheap verifier (local-shapes costs
     more than a walk) and is caught, after the pass that did it, with debug=True."""
