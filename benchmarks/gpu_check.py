@@ -328,6 +328,7 @@ def _autopar_step(model, batches, kernels: str, inductor: bool, out: dict, row, 
 
     import autopar
     from autopar.analysis import cost
+    from autopar.kernels import choice
     from autopar.models.llama import cross_entropy
 
     t0 = time.perf_counter()
@@ -336,7 +337,7 @@ def _autopar_step(model, batches, kernels: str, inductor: bool, out: dict, row, 
                          capture_eval=False, progress=lambda s: stage(f"autopar.compile: {s}"))
     out["compile_s"] = time.perf_counter() - t0
     out["lowered"] = dict(pm.ctx.lowered)
-    out["kernel_choices"] = [c.line() for c in pm.ctx.kernel_choices]  # kernels="auto": both sides' times
+    out["kernel_choices"] = choice.summary(pm.ctx.kernel_choices)  # kernels="auto": both sides' times
     stage("cost model")
     dev = cost.get_device(row)
     memory = cost.predict_memory(pm, "adamw")
@@ -405,7 +406,7 @@ def train_step(cfg: Config, variant: str, out: dict, stage) -> None:
     stage(f"timed steps (2 warm-up, {cfg.reps} timed)")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    out["step_s"] = _time(one, cfg.reps, cuda)
+    out["step_s"] = _time(one, cfg.reps, cuda, back_to_back=False)  # each step alone (it syncs on its loss)
     out["allocator_peak"] = torch.cuda.max_memory_allocated() if cuda else None
     if system == "autopar" and kernels != "off":
         from autopar.kernels import tune

@@ -42,12 +42,22 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
 L = tune.Launch.of
-# (BLOCK_M query rows, BLOCK_N keys): BLOCK_N divides BLOCK_M (the causal split needs it)
-FWD = [L(4, 3, BLOCK_M=128, BLOCK_N=64), L(8, 3, BLOCK_M=128, BLOCK_N=128), L(4, 3, BLOCK_M=64, BLOCK_N=64)]
+# Candidates per head-dim block (<= 64, 128+). The first H100 run (benchmarks/results/gpu-check-2026-11-26-
+# h100.md) chose 64x64 w4 for the forward but at D128 past 4k (128x128 w8), 64x128 w8 for dK/dV at D128
+# (32x128 w4 spilled its two [128, 128] fp32 accumulators: 3x slower), 128x64 w8 for dQ.
+# forward: BLOCK_M query rows, BLOCK_N keys; BLOCK_N divides BLOCK_M (the causal split needs it)
+FWD = {64: [L(4, 3, BLOCK_M=64, BLOCK_N=64), L(4, 4, BLOCK_M=64, BLOCK_N=64), L(4, 3, BLOCK_M=128, BLOCK_N=64),
+            L(8, 3, BLOCK_M=128, BLOCK_N=128)],
+       128: [L(4, 3, BLOCK_M=64, BLOCK_N=64), L(8, 3, BLOCK_M=128, BLOCK_N=128), L(8, 3, BLOCK_M=128, BLOCK_N=64),
+             L(4, 2, BLOCK_M=64, BLOCK_N=64)]}
 # dK/dV: a block of BLOCK_N keys walks query blocks of BLOCK_M rows; BLOCK_M divides BLOCK_N
-DKDV = [L(4, 3, BLOCK_M=32, BLOCK_N=128), L(8, 3, BLOCK_M=64, BLOCK_N=128)]
+DKDV = {64: [L(4, 3, BLOCK_M=32, BLOCK_N=128), L(8, 3, BLOCK_M=64, BLOCK_N=128), L(4, 3, BLOCK_M=64, BLOCK_N=64)],
+        128: [L(8, 3, BLOCK_M=64, BLOCK_N=128), L(8, 2, BLOCK_M=64, BLOCK_N=128), L(4, 3, BLOCK_M=64, BLOCK_N=64),
+              L(8, 2, BLOCK_M=128, BLOCK_N=128)]}
 # dQ: a block of BLOCK_M query rows walks key blocks of BLOCK_N; BLOCK_N divides BLOCK_M
-DQ = [L(4, 3, BLOCK_M=128, BLOCK_N=32), L(8, 3, BLOCK_M=128, BLOCK_N=64)]
+DQ = {64: [L(8, 3, BLOCK_M=128, BLOCK_N=64), L(4, 3, BLOCK_M=128, BLOCK_N=32), L(4, 3, BLOCK_M=64, BLOCK_N=64)],
+      128: [L(8, 3, BLOCK_M=128, BLOCK_N=64), L(4, 3, BLOCK_M=64, BLOCK_N=64), L(8, 2, BLOCK_M=128, BLOCK_N=128),
+            L(4, 3, BLOCK_M=128, BLOCK_N=32)]}
 # interpreted (CPU tests): small blocks, so short test sequences still cross several blocks
 FWD_I, DKDV_I, DQ_I = L(BLOCK_M=32, BLOCK_N=16), L(BLOCK_M=16, BLOCK_N=32), L(BLOCK_M=32, BLOCK_N=16)
 
@@ -349,6 +359,11 @@ def _bwd_dq(Q, K, V, Bias, DO, LSE, Delta, DQ,
         tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
+def _for_d(candidates: dict, block_d: int) -> list:
+    """The candidates for a head-dim block: those of the smallest listed dim that holds it."""
+    return candidates[min((k for k in candidates if k >= block_d), default=max(candidates))]
+
+
 def _block_d(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
@@ -382,7 +397,7 @@ def forward(q, k, v, bias, causal: bool, scale: float):
             *args, HAS_BIAS=bias is not None, CAUSAL=causal, UPCAST=_upcast(q), EVEN_M=_even(m, c["BLOCK_M"]),
             EVEN_N=_even(n, c["BLOCK_N"]), EVEN_D=bd == d, BLOCK_D=bd, **c.kwargs(INTERPRETED))
 
-    run(tune.choose("attention_fwd", _key(q, k, bias, causal), FWD, run, FWD_I if INTERPRETED else None))
+    run(tune.choose("attention_fwd", _key(q, k, bias, causal), _for_d(FWD, bd), run, FWD_I if INTERPRETED else None))
     return out, lse
 
 
@@ -416,8 +431,8 @@ def backward(do, q, k, v, out, lse, bias, causal: bool, scale: float):
     def run_dq(c: tune.Launch):
         _bwd_dq[(triton.cdiv(m, c["BLOCK_M"]), b * h)](q, k, v, bias_arg, do, lse, delta, dq, *common, **flags(c))
 
-    run_dkdv(tune.choose("attention_bwd_dkdv", key, DKDV, run_dkdv, DKDV_I if INTERPRETED else None))
-    run_dq(tune.choose("attention_bwd_dq", key, DQ, run_dq, DQ_I if INTERPRETED else None))
+    run_dkdv(tune.choose("attention_bwd_dkdv", key, _for_d(DKDV, bd), run_dkdv, DKDV_I if INTERPRETED else None))
+    run_dq(tune.choose("attention_bwd_dq", key, _for_d(DQ, bd), run_dq, DQ_I if INTERPRETED else None))
     return dq, dk, dv
 
 

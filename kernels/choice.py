@@ -112,19 +112,25 @@ def _dt(dtype) -> str:
 
 # ------------------------------------------------------------------------------------------ timing
 def time_cuda(fn, reps: int = REPS) -> float:
-    """Median milliseconds of ``fn`` on the current CUDA device (CUDA events), after 2 warm-up calls."""
+    """Milliseconds per call of ``fn`` on the current CUDA device: the median over 3 rounds of
+    ``reps`` calls issued back to back between two CUDA events, after 2 warm-up calls. Back to back,
+    as a training step issues its ops: the host runs ahead of the device, so what is timed is the
+    device's work, plus the host's only where the host cannot keep up (a per-call synchronisation
+    would add each call's launch latency to a short kernel and rank sides by their Python
+    overhead instead)."""
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
+    rounds = []
+    for _ in range(3):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(reps):
+            fn()
         b.record()
         torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+        rounds.append(a.elapsed_time(b) / reps)
+    return statistics.median(rounds)
 
 
 def time_attention(b, h, hkv, m, n, d, causal, bias, dtype, device="cuda") -> tuple[float, float]:
@@ -205,3 +211,12 @@ def decide(op: str, shape: str, timer, device: torch.device | str) -> Choice:
 
 def as_dicts(choices) -> list[dict]:
     return [asdict(c) for c in choices]
+
+
+def summary(choices) -> list[str]:
+    """One line per distinct decision (op and shape), in order, with how many ops it covers (a
+    model's layers share their shapes: one timing, many ops)."""
+    counts: dict[tuple, list] = {}
+    for c in choices:
+        counts.setdefault((c.op, c.shape), [c, 0])[1] += 1
+    return [c.line() + (f" [{n} ops]" if n > 1 else "") for c, n in counts.values()]

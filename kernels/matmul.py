@@ -36,7 +36,7 @@ def _act(z, ACT: tl.constexpr):
 def _matmul(A, B, Bias, C, Z, M, N, K,
             sam, sak, sbk, sbn, scm, scn,
             HAS_BIAS: tl.constexpr, ACT: tl.constexpr, STORE_Z: tl.constexpr, UPCAST: tl.constexpr,
-            EVEN_K: tl.constexpr,
+            EVEN_K: tl.constexpr, EVEN_MN: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -72,11 +72,16 @@ def _matmul(A, B, Bias, C, Z, M, N, K,
         b_ptrs += BLOCK_K * sbk
     if HAS_BIAS:
         acc += tl.load(Bias + bn).to(tl.float32)[None, :]
-    ok = (rm[:, None] < M) & (rn[None, :] < N)
     c_off = rm[:, None].to(tl.int64) * scm + rn[None, :] * scn
-    if STORE_Z:
-        tl.store(Z + c_off, acc.to(Z.dtype.element_ty), mask=ok)
-    tl.store(C + c_off, _act(acc, ACT).to(C.dtype.element_ty), mask=ok)
+    if EVEN_MN:  # the tiles divide the output: unmasked (vector) stores
+        if STORE_Z:
+            tl.store(Z + c_off, acc.to(Z.dtype.element_ty))
+        tl.store(C + c_off, _act(acc, ACT).to(C.dtype.element_ty))
+    else:
+        ok = (rm[:, None] < M) & (rn[None, :] < N)
+        if STORE_Z:
+            tl.store(Z + c_off, acc.to(Z.dtype.element_ty), mask=ok)
+        tl.store(C + c_off, _act(acc, ACT).to(C.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -98,8 +103,10 @@ def _act_grad(DY, Z, DZ, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
 
 L = tune.Launch.of
 # (BLOCK_M, BLOCK_N, BLOCK_K), warps, stages: tiles that suit Hopper's and Ampere's matrix units
-CANDIDATES = [L(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64), L(4, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
-              L(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)]
+# (the first H100 run, benchmarks/results/gpu-check-2026-11-26-h100.md: 128x256 w8 won the plain products,
+# 128x128 w4 s4 the GELU / SiLU epilogues)
+CANDIDATES = [L(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64), L(8, 4, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64),
+              L(4, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), L(8, 3, BLOCK_M=256, BLOCK_N=128, BLOCK_K=64)]
 INTERPRETED_TILES = L(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32)
 
 
@@ -129,7 +136,8 @@ def matmul(a, b, bias=None, act: str = "none", store_z: bool = False):
         cfg = _fit(cfg, m, n, k)
         grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
         _matmul[grid](*args, HAS_BIAS=bias is not None, ACT=ACTS[act], STORE_Z=store_z,
-                      UPCAST=a.dtype == torch.bfloat16 and INTERPRETED, EVEN_K=k % cfg["BLOCK_K"] == 0, GROUP_M=8,
+                      UPCAST=a.dtype == torch.bfloat16 and INTERPRETED, EVEN_K=k % cfg["BLOCK_K"] == 0,
+                      EVEN_MN=m % cfg["BLOCK_M"] == 0 and n % cfg["BLOCK_N"] == 0, GROUP_M=8,
                       **cfg.kwargs(INTERPRETED))
 
     key = (str(a.dtype), tune.bucket(m), n, k, _layout(a), _layout(b), act, store_z, bias is not None)

@@ -188,7 +188,7 @@ def linear_act_backward(dy: Tensor, x: Tensor, w: Tensor, z: Tensor, act: str) -
     mm = _triton(x)[1]
     dz = mm.act_grad(dy, z, act).reshape(-1, n)
     x2 = x.reshape(-1, k)
-    return mm.matmul(dz, w).reshape(x.shape), mm.matmul(dz.t(), x2), dz.float().sum(0).to(dz.dtype)
+    return mm.matmul(dz, w).reshape(x.shape), mm.matmul(dz.t(), x2), dz.sum(0, dtype=torch.float32).to(dz.dtype)
 
 
 @linear_act_backward.register_fake

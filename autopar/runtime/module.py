@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from autopar.errors import InputError
+from autopar.kernels.choice import summary
 from autopar.ir import CommRecord, Stage, bytes_by_collective, fmt_dtype, fmt_placements, info
 from autopar.plan import replicated_lines
 from autopar.runtime.base import Runtime
@@ -132,7 +133,7 @@ class ParallelModule(Runtime):
         if getattr(self, "auto_plan", None):  # autopar.compile(plan="auto"): what it chose, and why
             lines.append(self.auto_plan)
         lines += [f"attention masks: {m}" for m in ctx.masks]  # (passes/masks.py)
-        lines += [f"kernels='auto': {c.line()}" for c in ctx.kernel_choices]  # (kernels/choice.py)
+        lines += [f"kernels='auto': {line}" for line in summary(ctx.kernel_choices)]  # (kernels/choice.py)
         lines += ["", "parameters (as stored):"]
         for name, p in self.module.named_parameters():
             local = local_tensor(p).shape

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from autopar.analysis.ops import val_bytes
 from autopar.analysis.schedules import saved_in_flight
 from autopar.errors import InputError, PlanError
+from autopar.kernels.choice import summary
 from autopar.ir import Stage, info
 from autopar.plan import replicated_lines
 from autopar.runtime.base import Runtime
@@ -233,7 +234,7 @@ class PipelineModule(Runtime):
         lines = [head] + ([self.auto_plan] if getattr(self, "auto_plan", None) else [])
         some = next(iter(self.local.values()), None)  # (the masks pass ran before the split: one list)
         lines += [f"attention masks: {m}" for m in (some.ctx.masks if some is not None else [])]
-        lines += [f"kernels='auto': {c.line()}" for c in (some.ctx.kernel_choices if some is not None else [])]
+        lines += [f"kernels='auto': {line}" for line in summary(some.ctx.kernel_choices if some is not None else [])]
         lines += ["", "stages:"]
         for r in self.describe_stages():
             lines.append(f"  stage {r['stage']} (pp rank {r['rank']}): {r['first']} .. {r['last']}, "

@@ -32,6 +32,7 @@ from autopar.mesh import fake_mesh
 from autopar.options import CompileOptions
 from autopar.tools.render import (Analysis, dump_dot, dump_json, dump_svg, dump_text, explain_text, plan_table,
                                   summary)
+from autopar.kernels import choice
 
 
 # --------------------------------------------------------------------------- parsing
@@ -272,7 +273,7 @@ def analyse(args, rank: int, progress: Progress, loaded=None) -> Analysis:
         notes = sorted({str(w.message) for w in caught if "autopar" in str(w.message)})
         ctxs = [sp.ctx for sp in pm.local.values()] if pm.pipelined else [pm.ctx]
         notes += [f"attention masks: {m}" for m in (ctxs[0].masks if ctxs else [])]  # (passes/masks.py)
-        notes += [f"kernels='auto': {c.line()}" for c in (ctxs[0].kernel_choices if ctxs else [])]
+        notes += [f"kernels='auto': {line}" for line in choice.summary(ctxs[0].kernel_choices if ctxs else [])]
         twins = [s for s, st in pm.stages.items() if st.twin_of is not None] if pm.pipelined else []
         if twins:
             notes.append(f"{len(twins)} of {len(pm.stages)} pipeline stages compile to an earlier stage's program and "

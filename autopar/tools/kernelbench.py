@@ -11,8 +11,10 @@ sequence lengths, causal and not, head dims 64 and 128, bf16, GQA 4:1; and of
 4·B·H·S²·D for attention forward (halved when causal), 2.5x that for the backward; 2·M·N·K for
 the matmul forward, twice that for its backward. Each shape's forward + backward times go into
 the cache ``kernels="auto"`` decides from (kernels/choice.py), and the JSON's meta lists the launch
-configuration the kernels chose per shape class with every candidate's time (kernels/tune.py). Times are medians of
-CUDA-event timings after warm-up. Without a GPU it says so and measures nothing, unless
+configuration the kernels chose per shape class with every candidate's time (kernels/tune.py).
+Times are medians of CUDA-event timings of calls issued back to back (as a training step issues
+them: the host's launch overhead counts only where it cannot keep ahead of the device), after
+warm-up. Without a GPU it says so and measures nothing, unless
 ``--smoke`` (then it runs tiny shapes through Triton's interpreter to prove the harness works).
 """
 
@@ -29,17 +31,29 @@ import torch
 from autopar.kernels import choice, tune
 
 
-def _time(fn, reps: int, cuda: bool) -> float:
-    """Median seconds of ``fn``: CUDA events on a GPU (kernels/choice.py), the wall clock on CPU."""
-    if cuda:
+def _time(fn, reps: int, cuda: bool, back_to_back: bool = True) -> float:
+    """Median seconds of ``fn``. On a GPU, by CUDA events: ``back_to_back`` (kernels) times calls
+    issued back to back, as a training step issues its ops (kernels/choice.py ``time_cuda``); else
+    each call alone, synchronised (whole steps, which synchronise on their loss anyway). On CPU, the
+    wall clock."""
+    if cuda and back_to_back:
         return choice.time_cuda(fn, reps) / 1e3
     for _ in range(2):
         fn()
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+        if cuda:
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
@@ -115,7 +129,7 @@ def main(args) -> int:
         return 0
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
-    reps = 20 if cuda else 1
+    reps = 10 if cuda else 1
     seqs = args.kernel_seqs if not args.smoke else [64]
     sizes = [(4096, 4096, 4096), (8192, 14336, 4096), (8192, 4096, 14336)] if cuda else [(64, 96, 64)]
     rows = attention_rows(seqs, dtype, device, reps, args.smoke) + matmul_rows(sizes, dtype, device, reps)

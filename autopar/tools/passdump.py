@@ -9,6 +9,7 @@ import torch
 from torch import fx
 
 from autopar.ir import CompileState, ShardSpec, fmt_dtype, fmt_placements, info, source_line, spec_of
+from autopar.kernels.choice import summary
 
 
 def passes_text() -> str:
@@ -33,7 +34,7 @@ def state_text(state: CompileState) -> str:
     lines = [f"after pass '{state.done[-1]}' (passes run: {' -> '.join(state.done)})",
              f"mesh {dict(zip(state.mesh.mesh_dim_names, state.mesh.shape))}, plan {o.plan}", ""]
     lines += [f"masks: {m}" for m in state.masks]
-    lines += [f"kernels='auto': {c.line()}" for c in state.kernel_choices]
+    lines += [f"kernels='auto': {line}" for line in summary(state.kernel_choices)]
     if state.lowered:
         lines.append(f"lowered into kernel ops: {dict(state.lowered)}")
     if not state.stages:
