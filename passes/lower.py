@@ -284,8 +284,9 @@ class _MeasuredDecider:
     derived tensor-parallel axes, where they divide), in the compute dtype, timed on this process's
     CUDA device once per shape (kernels/choice.py caches it)."""
 
-    def __init__(self, batch_div: int, feature_div: int, dtype, device):
+    def __init__(self, batch_div: int, feature_div: int, dtype, device, ranks: int = 1):
         self.batch_div, self.feature_div, self.dtype, self.device = batch_div, feature_div, dtype, device
+        self.ranks = ranks  # the mesh's: rank 0 decides for all when the mesh is the whole world
         self.choices: list = []
 
     def _div(self, n: int, by: int) -> int:
@@ -317,19 +318,21 @@ class _MeasuredDecider:
 
     def decide(self, op: str, shape: str, timer):
         """Rank 0 decides (times, or reads its cache) and every rank takes its decision, so all
-        ranks run the same program (the ranks see the same graph, so they ask in the same order)."""
+        ranks run the same program (the ranks see the same graph, so they ask in the same order).
+        A timing that fails keeps PyTorch's op, with the error as the reason."""
         from autopar.kernels import choice
 
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return choice.decide(op, shape, timer, self.device)
-        box = [None]
-        if dist.get_rank() == 0:
+        def mine():
             try:
-                box[0] = choice.decide(op, shape, timer, self.device)
-            except Exception as e:  # noqa: BLE001 - told to every rank, which keep PyTorch's op
-                box[0] = choice.Choice(op, shape, False, f"timing failed on rank 0: {type(e).__name__}: {e}")
+                return choice.decide(op, shape, timer, self.device)
+            except Exception as e:  # noqa: BLE001 - reported in the decision, PyTorch's op kept
+                return choice.Choice(op, shape, False, f"timing failed: {type(e).__name__}: {e}")
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+                and dist.get_world_size() == self.ranks):
+            return mine()  # one process, or a mesh smaller than the world: this rank's own timing
+        box = [mine() if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
@@ -344,8 +347,8 @@ def _measured_decider(state) -> _MeasuredDecider:
     tp = math.prod(sizes.get(a.axis, 1) for a in parsed.axes if a.strategy in DERIVED_TP)
     micro = o.given.accumulate * (o.pipeline.microbatches if o.pipeline is not None else 1)
     dtype = o.compute_dtype or torch.float32
-    return _MeasuredDecider(dp * micro, tp, dtype, torch.device(state.mesh.device_type, torch.cuda.current_device()
-                                                                if torch.cuda.is_available() else 0))
+    device = torch.device(state.mesh.device_type, torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return _MeasuredDecider(dp * micro, tp, dtype, device, ranks=math.prod(sizes.values()) or 1)
 
 
 def _fake_values(gm: fx.GraphModule, nodes):

@@ -268,3 +268,43 @@ def test_dump_shows_kernel_ops_sharded(capsys):
     attn = [line for line in out.splitlines() if "= autopar.flash_attention(" in line]
     assert attn and all("(S(0), S(1))" in line for line in attn), attn
     assert any("= autopar.linear_act_backward(" in line for line in out.splitlines())
+
+
+def test_auto_rank_zero_decides_for_every_rank(monkeypatch):
+    """With several ranks on the mesh (the whole world), rank 0 times and broadcasts; the other
+    ranks take its decision without timing, so every rank runs the same program. A mesh smaller
+    than the world: each rank its own. A timing that fails keeps PyTorch's op and says why."""
+    import torch.distributed as dist
+
+    from autopar.kernels import choice
+    from autopar.passes.lower import _MeasuredDecider
+
+    timed, sent = [], []
+
+    def fake_decide(op, shape, timer, device):
+        timer()
+        return choice.Choice(op, shape, True, "fake: faster", 1.0, 2.0)
+    monkeypatch.setattr(choice, "decide", fake_decide)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+
+    def broadcast(box, src):
+        sent.append(box[0])
+        if box[0] is None:  # a receiving rank: rank 0's decision arrives
+            box[0] = choice.Choice("attention", "S", True, "rank 0's", 1.0, 2.0)
+    monkeypatch.setattr(dist, "broadcast_object_list", broadcast)
+    d = _MeasuredDecider(1, 1, torch.bfloat16, "cuda", ranks=2)
+    monkeypatch.setattr(dist, "get_rank", lambda *a: 1)
+    got = d.decide("attention", "S", lambda: timed.append(1))
+    assert got.reason == "rank 0's" and timed == [] and sent == [None]
+    monkeypatch.setattr(dist, "get_rank", lambda *a: 0)
+    got = d.decide("attention", "S", lambda: timed.append(0))
+    assert got.reason == "fake: faster" and timed == [0] and sent[-1] is got
+    alone = _MeasuredDecider(1, 1, torch.bfloat16, "cuda", ranks=1)  # a mesh of 1 in a world of 2
+    assert alone.decide("attention", "S", lambda: timed.append(9)).use_kernel and timed[-1] == 9 and len(sent) == 2
+
+    def broken(op, shape, timer, device):
+        raise RuntimeError("out of shared memory")
+    monkeypatch.setattr(choice, "decide", broken)
+    failed = d.decide("attention", "S", lambda: None)
+    assert not failed.use_kernel and "timing failed: RuntimeError: out of shared memory" in failed.reason
