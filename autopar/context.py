@@ -21,7 +21,7 @@ class Context:
     __slots__ = ("mesh", "axis_names", "axis_sizes", "coord", "device", "plan", "placed", "dp_axes", "cp_axes",
                  "timings", "compute_dtype", "reduce_dtype", "recompute", "accumulate", "loss_scale", "progress",
                  "bucket_mb", "prefetch", "reshard_after_forward", "kept_gathered", "sync_grads", "output_roles",
-                 "strategy_cache", "_groups", "boundary", "lowered", "kernel_choices", "masks", "cache_layout")
+                 "strategy_cache", "_groups", "boundary", "lowered", "kernel_choices", "derived_rules", "masks", "cache_layout")
 
     def __init__(self, mesh: DeviceMesh, plan: Plan, placed: Placed, *, compute_dtype: torch.dtype | None,
                  reduce_dtype: torch.dtype | None, recompute: str, accumulate: int, loss_scale: str | float | None,
@@ -68,6 +68,7 @@ class Context:
         self.boundary: tuple[list[bool], list[bool]] | None = None
         self.lowered: dict[str, int] = {}  # what the lower pass rewrote into kernel ops, per rule
         self.kernel_choices: list = []  # kernels="auto": each op's kernels/choice.Choice (both sides' times)
+        self.derived_rules: list[str] = []  # ops with no rule: what autopar/derived_rules.py derived, and how
         self.masks: list[str] = []  # what the masks pass did with each attention mask (passes/masks.py)
         # generation's programs (autopar/generation.py): the KV cache inputs' placements, by
         # input index (role ("cache", i)); a cache input or output not listed is replicated

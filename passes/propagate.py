@@ -24,6 +24,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from autopar import torch_compat as tc
 from autopar.analysis.ops import VIEW_OPS
+from autopar.derived_rules import DERIVED, derive, record
 from autopar.errors import ShardingError, TorchVersionError
 from autopar.experts import check_expert_parallel
 from autopar.layout import SequenceDims, check_context_parallel, heads_to_sequence
@@ -181,6 +182,8 @@ def _dtensor_rule(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResult:
             _SHARED_STRATEGIES[gk] = res
     if k is not None:
         cache[k] = res
+    if res.name.startswith(DERIVED):
+        record(ctx, res)
     return res
 
 
@@ -194,13 +197,8 @@ def _dtensor_rule_uncached(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResul
                           "replicated")
     if not known and torch.Tag.pointwise in getattr(op, "tags", ()):  # elementwise: shards line up
         return pointwise_rule(n, in_specs, ctx)
-    if not known:
-        raise ShardingError(
-            f"no sharding rule for op {op} with inputs "
-            + ", ".join(fmt_placements(s.placements) for s in in_specs if s),
-            where=source_line(n) or n.name,
-            fix="replicate its inputs with a plan rule, or add a rule for this op in autopar/rules.py",
-        )
+    if not known:  # nobody wrote a rule: derived by running the op (autopar/derived_rules.py)
+        return derive(n, in_specs, ctx)
 
     spec_type, meta_type = tc.DTensorSpec, tc.TensorMeta
 

@@ -134,6 +134,7 @@ class ParallelModule(Runtime):
             lines.append(self.auto_plan)
         lines += [f"attention masks: {m}" for m in ctx.masks]  # (passes/masks.py)
         lines += [f"kernels='auto': {line}" for line in summary(ctx.kernel_choices)]  # (kernels/choice.py)
+        lines += [f"no rule, derived: {line}" for line in ctx.derived_rules]  # (autopar/derived_rules.py)
         lines += ["", "parameters (as stored):"]
         for name, p in self.module.named_parameters():
             local = local_tensor(p).shape

@@ -1,0 +1,185 @@
+"""Sharding rules for ops nobody wrote one for, derived by running them.
+
+An op that neither autopar (autopar/rules.py) nor DTensor has a rule for, and that is not tagged
+elementwise (a third-party custom op, a new aten op), used to stop the compile with "no sharding
+rule". Under a data-parallel axis that is no reason to refuse: every rank may well run the op on
+its own rows, as DDP would. ``derive`` decides it per mesh axis from what the op does:
+
+1. the inputs as they arrive on that axis (each sharded on its dim, or whole): the op runs on
+   random inputs of the traced shapes whole, and on the axis's chunks of them one chunk at a
+   time; each output must be the chunks' outputs put together: concatenated on one dim (sharded
+   there), all equal to the whole (replicated) or summing to it (a partial sum). Checked with two
+   seeds, so a coincidence does not pass;
+2. else (or where it cannot be run here: a mutating op, a non-tensor input, inputs past
+   ``MAX_ELEMENTS``, an op that raises on random values) the inputs are gathered whole on that
+   axis, the op runs replicated, and the reason says so; propagate then inserts the collective,
+   which the program's communication lists like any other.
+
+What was derived is cached per op, torch version, shapes, dtypes and input placements for the
+process, and each decision is recorded in ``ctx.derived_rules`` (``pm.report()``, ``autopar
+explain``). The derived rule runs the op itself on each rank's local values (localize runs ops
+that no DTensor rule decided as they are).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autopar.ir import RuleResult, fmt_placements, tensor_args
+
+MAX_ELEMENTS = 1 << 20  # per input: larger traced shapes (planning at scale) are not run here
+SEEDS = (0, 1)
+DERIVED = "derived by running the op: "  # the RuleResult's name starts so
+_CACHE: dict = {}
+
+
+def derive(n: fx.Node, in_specs, ctx) -> RuleResult:
+    """The rule for ``n`` (an op with no rule) given its inputs' specs on ``ctx``'s mesh."""
+    args = tensor_args(n)
+    placements = tuple(tuple(s.placements) for s in in_specs)
+    key = (n.target, torch.__version__, tuple(ctx.axis_sizes), placements,
+           tuple(_sig(a.meta.get("val")) for a in args), _constants(n))
+    hit = _CACHE.get(key)
+    if hit is None:
+        hit = _CACHE[key] = _derive(n, args, placements, ctx)
+    inputs, outputs, why = hit
+    return RuleResult([tuple(p) for p in inputs], outputs, None, f"{DERIVED}{n.target}: {why}")
+
+
+def record(ctx, rule: RuleResult) -> None:
+    """Note a derived rule in ``ctx.derived_rules`` (once per decision), also when propagate's
+    cache answered for it."""
+    if rule.name.startswith(DERIVED) and rule.name[len(DERIVED):] not in ctx.derived_rules:
+        ctx.derived_rules.append(rule.name[len(DERIVED):])
+
+
+def _sig(v):
+    return (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(type(v))
+
+
+def _constants(n: fx.Node):
+    def c(x):
+        if isinstance(x, fx.Node):
+            return "node"
+        if isinstance(x, (list, tuple)):
+            return tuple(c(i) for i in x)
+        return x if isinstance(x, (int, float, bool, str, type(None))) else repr(type(x))
+    return c(tuple(n.args)), tuple((k, c(v)) for k, v in n.kwargs.items())
+
+
+def _derive(n: fx.Node, args, placements, ctx):
+    """(input placements, output placements, the reason in words)."""
+    val = n.meta.get("val")
+    multi = isinstance(val, (tuple, list))
+    outs = list(val) if multi else [val]
+    n_axes = len(ctx.axis_sizes)
+    ins = [list(p) for p in placements]
+    out_p = [[None if not isinstance(o, torch.Tensor) else Replicate() for _ in range(n_axes)] for o in outs]
+    said = []
+    for axis in range(n_axes):
+        given = [p[axis] for p in placements]
+        if all(isinstance(p, Replicate) for p in given):
+            continue  # whole on this axis: the op runs as is
+        name = ctx.axis_names[axis]
+        found, why = _check(n, args, given, ctx.axis_sizes[axis], outs)
+        if found is None:  # gathered whole on this axis
+            for p in ins:
+                p[axis] = Replicate()
+            said.append(f"on {name}: inputs gathered whole, the op replicated ({why})")
+            continue
+        for o, pl in zip(out_p, found):
+            if pl is not None:
+                o[axis] = pl
+        said.append(f"on {name}: inputs {', '.join(_fmt(p) for p in given)} -> outputs "
+                    f"{', '.join(_fmt(p) for p in found if p is not None)} ({why})")
+    outputs = tuple(tuple(o) if o[0] is not None else None for o in out_p)
+    return [tuple(p) for p in ins], (outputs if multi else outputs[0]), "; ".join(said) or "replicated"
+
+
+def _fmt(p) -> str:
+    return fmt_placements((p,))[1:-1]  # one placement, without the tuple's parentheses
+
+
+def _check(n: fx.Node, args, given, size: int, outs):
+    """Output placements that make chunk-wise runs equal the whole run, or (None, why not)."""
+    schema = getattr(n.target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return None, "it writes to an input"
+    if any(isinstance(p, Partial) for p in given):
+        return None, "an input is a pending partial sum"
+    vals = [a.meta.get("val") for a in args]
+    if any(not isinstance(v, torch.Tensor) for v in vals):
+        return None, "an input is not a tensor"
+    if any(v.numel() > MAX_ELEMENTS for v in vals):
+        return None, f"inputs larger than {MAX_ELEMENTS} elements are not run to check it"
+    for p, v in zip(given, vals):
+        if isinstance(p, Shard) and v.shape[p.dim] % size:
+            return None, f"a sharded dim ({v.shape[p.dim]}) does not split into {size}"
+    found = None
+    for seed in SEEDS:
+        try:
+            whole_in = _random(vals, seed)
+            whole = _outputs(n, args, whole_in)
+            parts = [_outputs(n, args, [x.chunk(size, p.dim)[i] if isinstance(p, Shard) else x
+                                        for x, p in zip(whole_in, given)]) for i in range(size)]
+        except Exception as e:  # noqa: BLE001 - the op cannot be checked on random values
+            return None, f"running it on random inputs raised {type(e).__name__}"
+        got = [_placement(w, [pt[j] for pt in parts]) if isinstance(w, torch.Tensor) else None
+               for j, w in enumerate(whole)]
+        if any(g is False for g in got):
+            return None, "its chunk-wise results do not make up the whole"
+        if found is not None and got != found:
+            return None, "the seeds disagree"
+        found = got
+    return found, f"checked by running it whole and in {size} chunks on random inputs, {len(SEEDS)} seeds"
+
+
+def _random(vals, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for v in vals:
+        if v.dtype.is_floating_point:
+            out.append(torch.randn(v.shape, generator=g).to(v.dtype))
+        elif v.dtype == torch.bool:
+            out.append(torch.rand(v.shape, generator=g) < 0.5)
+        else:  # small non-negative integers: valid as indices into any dim of size >= 2
+            out.append(torch.randint(0, 2, v.shape, generator=g).to(v.dtype))
+    return out
+
+
+def _outputs(n: fx.Node, args, values) -> list:
+    env = dict(zip(args, values))
+
+    def sub(x):
+        if isinstance(x, fx.Node):
+            return env[x]
+        if isinstance(x, (list, tuple)):
+            return type(x)(sub(i) for i in x)
+        return x
+    with torch.no_grad():
+        out = n.target(*sub(tuple(n.args)), **{k: sub(v) for k, v in n.kwargs.items()})
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _placement(whole: torch.Tensor, parts: list):
+    """Shard(d) / Replicate() / Partial() for how ``parts`` make up ``whole``, or False."""
+    if any(not isinstance(p, torch.Tensor) for p in parts):
+        return False
+    tol = dict(rtol=1e-2, atol=1e-2) if whole.dtype in (torch.bfloat16, torch.float16) else dict(rtol=1e-4, atol=1e-5)
+
+    def same(a, b):
+        return a.shape == b.shape and (torch.equal(a, b) if not a.dtype.is_floating_point
+                                       else torch.allclose(a.float(), b.float(), **tol))
+    for d in range(whole.dim()):
+        try:
+            if same(torch.cat(parts, d), whole):
+                return Shard(d)
+        except RuntimeError:  # shapes that do not concatenate on d
+            continue
+    if all(same(p, whole) for p in parts):
+        return Replicate()
+    if whole.dtype.is_floating_point and same(torch.stack(parts).sum(0), whole):
+        return Partial()
+    return False
