@@ -52,7 +52,7 @@ SMOKE_CAP_SCALE = 3  # --smoke on a CPU: Inductor's C++ compiles take longer tha
 # (section, cap in seconds on an H100), in the order they run: what the issue needs most first
 SECTIONS = [("correctness", 90), ("kernel-table", 150), ("step-eager", 60), ("step-autopar-off", 90),
             ("step-autopar-auto", 100), ("step-compile", 120), ("step-autopar-inductor", 150),
-            ("step-autopar-on", 100)]
+            ("step-autopar-on", 100), ("kernel-profile", 40)]
 
 # step variant: (system, autopar kernels, autopar inductor)
 VARIANTS = {"eager": ("eager", None, False), "compile": ("torch.compile", None, False),
@@ -300,6 +300,16 @@ def kernel_table(cfg: Config, out: dict, out_dir: str, stage) -> None:
     out["files"] = sorted(set(os.listdir(out_dir)) - before)
 
 
+def kernel_profile(cfg: Config, out: dict, out_dir: str, stage) -> None:
+    """Where a short-sequence forward call's time goes, each side (autopar/tools/kernelbench.py
+    ``host_profile``): wall, host and device milliseconds per call; the profiler's table in
+    host-profile.txt."""
+    from autopar.tools import kernelbench
+
+    stage("torch.profiler: forward calls back to back, S1024")
+    out["rows"] = kernelbench.host_profile(out_dir, smoke=cfg.smoke)
+
+
 # ------------------------------------------------------------------------------- whole step (child)
 def model_flops(model: dict, batch: int, seq: int, multiplying_params: int) -> dict:
     tokens = batch * seq
@@ -451,6 +461,8 @@ def child(section: str, cfg: Config, out_dir: str) -> int:
             correctness(cfg, out, rec.stage)
         elif section == "kernel-table":
             kernel_table(cfg, out, out_dir, rec.stage)
+        elif section == "kernel-profile":
+            kernel_profile(cfg, out, out_dir, rec.stage)
         else:
             train_step(cfg, section.removeprefix("step-"), out, rec.stage)
         rec.data["status"] = "ok"
@@ -546,6 +558,13 @@ def summary_md(record: dict) -> str:
         if name.endswith(".md"):
             with open(os.path.join(meta["out"], name)) as f:
                 lines += ["", f"## Kernel speed (`autopar bench --kernels`, {name})", "", f.read().strip()]
+    prof = record["sections"].get("kernel-profile", {}).get("result", {}).get("rows")
+    if prof:
+        lines += ["", "## One forward call, back to back (torch.profiler; host-profile.txt)", "",
+                  "| side | shape | wall ms per call | host ms (the op's outermost event) | device ms (kernels) |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['side']} | {r['shape']} | {r['wall_ms_per_call']:.3f} | {_fmt(r['host_ms_per_call'], '.3f')} | "
+                  f"{r['device_ms_per_call']:.3f} |" for r in prof]
     if any(n.startswith("step-") for n in record["sections"]):
         m = meta["model"]
         lines += ["", f"## Whole step: Llama {m}, batch {meta['batch']} x {meta['seq']}, bf16, AdamW, one rank",

@@ -120,6 +120,49 @@ def matmul_rows(sizes, dtype, device, reps):
     return rows
 
 
+def host_profile(out_dir: str, smoke: bool = False, calls: int = 20) -> list[dict]:
+    """Where a forward call's time goes at a short sequence (B4 H32/8 S1024 D64 causal on a GPU;
+    tiny with ``smoke``): ``calls`` back-to-back forward calls of each side under torch.profiler.
+    Per call: the wall time (CUDA events), the host time of the op's outermost profiled event (its
+    dispatch, allocation and launch) and the device time of its kernels. The profiler's full table
+    goes to ``out_dir``/host-profile.txt."""
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    import autopar.kernels.ops  # noqa: F401
+
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    b, h, hkv, s, d = (1, 4, 2, 64, 64) if smoke or not cuda else (4, 32, 8, 1024, 64)
+    q = torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(b, hkv, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    sides = {"autopar": (lambda: torch.ops.autopar.flash_attention(q, k, v, None, True, d ** -0.5)[0],
+                         "autopar::flash_attention"),
+             "torch": (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                       "aten::scaled_dot_product_attention")}
+    rows, tables = [], []
+    for name, (fn, event) in sides.items():
+        wall = _time(fn, calls, cuda) * 1e3
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=acts) as prof:
+            for _ in range(calls):
+                fn()
+            if cuda:
+                torch.cuda.synchronize()
+        avg = prof.key_averages()
+        top = [e for e in avg if e.key == event]
+        dev = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in avg)
+        rows.append({"side": name, "shape": f"B{b} H{h}/{hkv} S{s} D{d} causal {str(dtype)[6:]}",
+                     "wall_ms_per_call": wall,
+                     "host_ms_per_call": (top[0].cpu_time_total / 1e3 / calls) if top else None,
+                     "device_ms_per_call": dev / 1e3 / calls})
+        tables.append(f"== {name} ({calls} calls)\n" + avg.table(sort_by="cpu_time_total", row_limit=25))
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "host-profile.txt"), "w") as f:
+        f.write("\n\n".join(tables) + "\n")
+    return rows
+
+
 def main(args) -> int:
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
