@@ -44,7 +44,7 @@ class Choice:
         side = "autopar's kernel" if self.use_kernel else "PyTorch's op"
         times = "" if self.kernel_ms is None else f": kernel {self.kernel_ms:.3f} ms, PyTorch {self.torch_ms:.3f} ms " \
                                                   f"forward + backward{' (cached)' if self.cached else ''}"
-        return f"{self.op} {self.shape} -> {side}{times}; {self.reason}"
+        return f"{self.op}{' ' + self.shape if self.shape else ''} -> {side}{times}; {self.reason}"
 
 
 def cache_path() -> str:
@@ -207,6 +207,13 @@ def decide(op: str, shape: str, timer, device: torch.device | str) -> Choice:
     why = (f"measured {hit['torch_ms'] / hit['kernel_ms']:.2f}x faster" if faster
            else f"the kernel measured {hit['kernel_ms'] / hit['torch_ms']:.2f}x slower") + f" on {name}"
     return Choice(op, shape, faster, why, hit["kernel_ms"], hit["torch_ms"], cached)
+
+
+def not_timed(device_type: str) -> Choice:
+    """kernels="auto" where nothing is timed: a mesh that is not CUDA, or no Triton."""
+    return Choice("attention and linear + activation", "", False,
+                  f"not timed: the mesh runs on {device_type}, where Triton would run interpreted (or Triton is "
+                  "not installed); kernels='on' forces the kernels")
 
 
 def as_dicts(choices) -> list[dict]:

@@ -241,6 +241,10 @@ def lower_pass(state):
     ``state.kernel_choices``; "off": nothing changes. ``state.lowered`` counts rewrites per rule."""
     mode = state.options.lower
     if mode == "off":
+        if state.options.given.kernels == "auto":  # said in the report: auto chose PyTorch's ops untimed
+            from autopar.kernels import choice
+
+            state.kernel_choices = [choice.not_timed(state.mesh.device_type)]
         return state
     decide = None
     if mode == "auto":

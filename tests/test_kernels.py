@@ -226,6 +226,21 @@ def test_auto_picks_the_side_that_measured_faster_and_caches_it(monkeypatch, tmp
     assert not cpu.use_kernel and "interpreted" in cpu.reason and len(calls) == 4
 
 
+def test_auto_on_a_cpu_mesh_says_it_kept_pytorchs_ops():
+    """kernels='auto' (the default) on a CPU mesh: nothing lowered, nothing timed, and the report
+    says so (what autopar decides on the user's behalf, it reports)."""
+    import autopar
+    from autopar.testing import build_model
+
+    model, batches, loss_fn = build_model("llama")
+    with _one_rank() as mesh:
+        pm = autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn, plan={"dp": "ddp"},
+                             capture_eval=False)
+        assert pm.ctx.lowered == {}
+        assert "kernels='auto': attention and linear + activation -> PyTorch's op; not timed: the mesh runs on cpu" \
+            in pm.report()
+
+
 def test_auto_decides_per_op_at_the_per_rank_shape(monkeypatch, tmp_path):
     """The lower pass under "auto" asks once per match, with the shape a rank runs (here one rank:
     the graph's own shapes, in the compute dtype), rewrites only what was chosen and reports every
