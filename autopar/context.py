@@ -21,7 +21,8 @@ class Context:
     __slots__ = ("mesh", "axis_names", "axis_sizes", "coord", "device", "plan", "placed", "dp_axes", "cp_axes",
                  "timings", "compute_dtype", "reduce_dtype", "recompute", "accumulate", "loss_scale", "progress",
                  "bucket_mb", "prefetch", "reshard_after_forward", "kept_gathered", "sync_grads", "output_roles",
-                 "strategy_cache", "_groups", "boundary", "lowered", "kernel_choices", "derived_rules", "masks", "cache_layout")
+                 "strategy_cache", "_groups", "boundary", "lowered", "kernel_choices", "derived_rules", "masks",
+                 "cache_layout")
 
     def __init__(self, mesh: DeviceMesh, plan: Plan, placed: Placed, *, compute_dtype: torch.dtype | None,
                  reduce_dtype: torch.dtype | None, recompute: str, accumulate: int, loss_scale: str | float | None,

@@ -89,6 +89,20 @@ def _heads(pid_bh, H, G):
 
 
 @triton.jit
+def _query_block(H, G, M, DH, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A (query block, batch x query head) program's indices: the forward's and dQ's grid; under
+    the causal mask the longest rows are scheduled first."""
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    pid_bh = tl.program_id(1)
+    b, h, hk = _heads(pid_bh, H, G)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    return pid_m, pid_bh, b, h, hk, offs_m, offs_d, offs_m < M, offs_d < DH
+
+
+@triton.jit
 def _score_tile(q, k, Bias, bias_base, rows, cols, n_ok, sbm, sbn, qk_scale, HAS_BIAS: tl.constexpr):
     """[rows, cols] scores in base 2: q k^T * scale * log2(e) (+ the additive mask * log2(e))."""
     s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -136,15 +150,7 @@ def _fwd(Q, K, V, Bias, O, LSE,
          HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
          EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_m = tl.program_id(0)
-    if CAUSAL:  # the longest rows first
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1)
-    b, h, hk = _heads(pid_bh, H, G)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < M
-    d_ok = offs_d < DH
+    pid_m, pid_bh, b, h, hk, offs_m, offs_d, m_ok, d_ok = _query_block(H, G, M, DH, CAUSAL, BLOCK_M, BLOCK_D)
     q = _load_tile(Q + b * sqb + h * sqh, offs_m, offs_d, sqm, sqd, m_ok, d_ok, EVEN_M, EVEN_D, UPCAST)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -317,15 +323,7 @@ def _bwd_dq(Q, K, V, Bias, DO, LSE, Delta, DQ,
             HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
             EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_m = tl.program_id(0)
-    if CAUSAL:  # the longest rows first
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1)
-    b, h, hk = _heads(pid_bh, H, G)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < M
-    d_ok = offs_d < DH
+    pid_m, pid_bh, b, h, hk, offs_m, offs_d, m_ok, d_ok = _query_block(H, G, M, DH, CAUSAL, BLOCK_M, BLOCK_D)
     q = _load_tile(Q + b * sqb + h * sqh, offs_m, offs_d, sqm, sqd, m_ok, d_ok, EVEN_M, EVEN_D, UPCAST)
     do = _load_tile(DO + b * sob + h * soh, offs_m, offs_d, som, sod, m_ok, d_ok, EVEN_M, EVEN_D, UPCAST)
     if EVEN_M:

@@ -209,11 +209,9 @@ def decide(op: str, shape: str, timer, device: torch.device | str) -> Choice:
     return Choice(op, shape, faster, why, hit["kernel_ms"], hit["torch_ms"], cached)
 
 
-def not_timed(device_type: str) -> Choice:
-    """kernels="auto" where nothing is timed: a mesh that is not CUDA, or no Triton."""
-    return Choice("attention and linear + activation", "", False,
-                  f"not timed: the mesh runs on {device_type}, where Triton would run interpreted (or Triton is "
-                  "not installed); kernels='on' forces the kernels")
+def not_timed(why: str) -> Choice:
+    """kernels="auto" where nothing is timed (a mesh that is not CUDA, or no Triton), and why."""
+    return Choice("attention and linear + activation", "", False, f"not timed: {why}; kernels='on' forces the kernels")
 
 
 def as_dicts(choices) -> list[dict]:

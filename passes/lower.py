@@ -243,8 +243,12 @@ def lower_pass(state):
     if mode == "off":
         if state.options.given.kernels == "auto":  # said in the report: auto chose PyTorch's ops untimed
             from autopar.kernels import choice
+            from autopar.kernels.ops import available
 
-            state.kernel_choices = [choice.not_timed(state.mesh.device_type)]
+            ok, how = available()
+            why = (how if not ok else f"the mesh runs on {state.mesh.device_type}, where Triton would run "
+                   "interpreted")
+            state.kernel_choices = [choice.not_timed(why)]
         return state
     decide = None
     if mode == "auto":

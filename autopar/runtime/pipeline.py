@@ -235,7 +235,9 @@ class PipelineModule(Runtime):
         some = next(iter(self.local.values()), None)  # (the masks pass ran before the split: one list)
         lines += [f"attention masks: {m}" for m in (some.ctx.masks if some is not None else [])]
         lines += [f"kernels='auto': {line}" for line in summary(some.ctx.kernel_choices if some is not None else [])]
-        lines += [f"no rule, derived: {line}" for line in (some.ctx.derived_rules if some is not None else [])]
+        # propagate runs per stage: every local stage's derived rules, once each
+        derived = dict.fromkeys(line for sp in self.local.values() for line in sp.ctx.derived_rules)
+        lines += [f"no rule, derived: {line}" for line in derived]
         lines += ["", "stages:"]
         for r in self.describe_stages():
             lines.append(f"  stage {r['stage']} (pp rank {r['rank']}): {r['first']} .. {r['last']}, "

@@ -274,7 +274,7 @@ def analyse(args, rank: int, progress: Progress, loaded=None) -> Analysis:
         ctxs = [sp.ctx for sp in pm.local.values()] if pm.pipelined else [pm.ctx]
         notes += [f"attention masks: {m}" for m in (ctxs[0].masks if ctxs else [])]  # (passes/masks.py)
         notes += [f"kernels='auto': {line}" for line in choice.summary(ctxs[0].kernel_choices if ctxs else [])]
-        notes += [f"no rule, derived: {line}" for line in (ctxs[0].derived_rules if ctxs else [])]
+        notes += [f"no rule, derived: {line}" for line in dict.fromkeys(d for c in ctxs for d in c.derived_rules)]
         twins = [s for s, st in pm.stages.items() if st.twin_of is not None] if pm.pipelined else []
         if twins:
             notes.append(f"{len(twins)} of {len(pm.stages)} pipeline stages compile to an earlier stage's program and "
