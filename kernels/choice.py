@@ -21,7 +21,7 @@ import json
 import os
 import statistics
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -212,10 +212,6 @@ def decide(op: str, shape: str, timer, device: torch.device | str) -> Choice:
 def not_timed(why: str) -> Choice:
     """kernels="auto" where nothing is timed (a mesh that is not CUDA, or no Triton), and why."""
     return Choice("attention and linear + activation", "", False, f"not timed: {why}; kernels='on' forces the kernels")
-
-
-def as_dicts(choices) -> list[dict]:
-    return [asdict(c) for c in choices]
 
 
 def summary(choices) -> list[str]:
