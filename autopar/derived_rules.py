@@ -5,13 +5,15 @@ elementwise (a third-party custom op, a new aten op), used to stop the compile w
 rule". Under a data-parallel axis that is no reason to refuse: every rank may well run the op on
 its own rows, as DDP would. ``derive`` decides it per mesh axis from what the op does:
 
-1. the inputs as they arrive on that axis (each sharded on its dim, or whole): the op runs on
-   random inputs of the traced shapes whole, and on the axis's chunks of them one chunk at a
-   time; each output must be the chunks' outputs put together: concatenated on one dim (sharded
-   there), all equal to the whole (replicated) or summing to it (a partial sum). Checked with two
-   seeds, so a coincidence does not pass;
-2. else (or where it cannot be run here: a mutating op, a non-tensor input, inputs past
-   ``MAX_ELEMENTS``, an op that raises on random values) the inputs are gathered whole on that
+1. the inputs as they arrive on that axis (each sharded on its dim, strided-sharded as a fused
+   projection's weight is, or whole): the op runs on random inputs of the traced shapes whole,
+   and on each rank's pieces of them one rank at a time; each output must be the pieces' outputs
+   put together: concatenated on one dim (sharded there), in the strided layout of an input
+   (strided-sharded), all equal to the whole (replicated) or summing to it (a partial sum).
+   Checked with two seeds, so a coincidence does not pass. Inputs past ``MAX_ELEMENTS`` (planning
+   at scale) are run on shapes scaled down, each distinct large size to its own small one;
+2. else (or where it cannot be run here: a mutating op, a non-tensor input, an op that raises on
+   random values) the inputs are gathered whole on that
    axis, the op runs replicated, and the reason says so; propagate then inserts the collective,
    which the program's communication lists like any other.
 
@@ -23,13 +25,17 @@ that no DTensor rule decided as they are).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from autopar import torch_compat as tc
 from autopar.ir import RuleResult, fmt_placements, tensor_args
 
-MAX_ELEMENTS = 1 << 20  # per input: larger traced shapes (planning at scale) are not run here
+MAX_ELEMENTS = 1 << 20  # per input: larger traced shapes (planning at scale) are run scaled down
+_SMALL = 64  # sizes up to this are kept when scaling down
 SEEDS = (0, 1)
 DERIVED = "derived by running the op: "  # the RuleResult's name starts so
 _CACHE: dict = {}
@@ -104,48 +110,97 @@ def _fmt(p) -> str:
 
 def _check(n: fx.Node, args, given, size: int, outs):
     """Output placements that make chunk-wise runs equal the whole run, or (None, why not)."""
+    return measure(n, args, [a.meta.get("val") for a in args], given, size)
+
+
+def measure(n: fx.Node, args, vals, given, size: int):
+    """How ``n``'s outputs come out when its tensor inputs ``args`` (traced values ``vals``) are
+    split as ``given`` over ``size`` ranks: (a placement per output, None for a non-tensor, in
+    words how it was checked), or (None, why it could not be). Also used by the tensor-parallel
+    derivation (autopar/analysis/tp_flow.py) to follow an op it has no table entry for.
+
+    Inputs past ``MAX_ELEMENTS`` are checked on shapes scaled down (each distinct large size to
+    its own small one, divisible as the split needs), the reason says so."""
     schema = getattr(n.target, "_schema", None)
     if schema is not None and schema.is_mutable:
         return None, "it writes to an input"
     if any(isinstance(p, Partial) for p in given):
         return None, "an input is a pending partial sum"
-    vals = [a.meta.get("val") for a in args]
     if any(not isinstance(v, torch.Tensor) for v in vals):
         return None, "an input is not a tensor"
-    if any(v.numel() > MAX_ELEMENTS for v in vals):
-        return None, f"inputs larger than {MAX_ELEMENTS} elements are not run to check it"
+    factors = sorted({p.split_factor for p in given if isinstance(p, tc.StridedShard)})
     for p, v in zip(given, vals):
-        if isinstance(p, Shard) and v.shape[p.dim] % size:
+        if _split_dim(p) is not None and v.shape[p.dim] % (size * _factor(p)):
             return None, f"a sharded dim ({v.shape[p.dim]}) does not split into {size}"
+    shapes, scaled = _shapes(vals, given, size)
+    if shapes is None:
+        return None, f"inputs larger than {MAX_ELEMENTS} elements that cannot be scaled down to check it"
     found = None
     for seed in SEEDS:
         try:
-            whole_in = _random(vals, seed)
+            whole_in = _random(shapes, [v.dtype for v in vals], seed)
             whole = _outputs(n, args, whole_in)
-            parts = [_outputs(n, args, [x.chunk(size, p.dim)[i] if isinstance(p, Shard) else x
-                                        for x, p in zip(whole_in, given)]) for i in range(size)]
+            parts = [_outputs(n, args, [_local(x, p, i, size) for x, p in zip(whole_in, given)])
+                     for i in range(size)]
         except Exception as e:  # noqa: BLE001 - the op cannot be checked on random values
             return None, f"running it on random inputs raised {type(e).__name__}"
-        got = [_placement(w, [pt[j] for pt in parts]) if isinstance(w, torch.Tensor) else None
+        got = [_placement(w, [pt[j] for pt in parts], factors) if isinstance(w, torch.Tensor) else None
                for j, w in enumerate(whole)]
         if any(g is False for g in got):
             return None, "its chunk-wise results do not make up the whole"
         if found is not None and got != found:
             return None, "the seeds disagree"
         found = got
-    return found, f"checked by running it whole and in {size} chunks on random inputs, {len(SEEDS)} seeds"
+    how = f"checked by running it whole and in {size} chunks on random inputs, {len(SEEDS)} seeds"
+    return found, how + (f", on shapes scaled down to {', '.join(str(list(s)) for s in shapes)}" if scaled else "")
 
 
-def _random(vals, seed: int):
+def _split_dim(p):
+    return p.dim if isinstance(p, (Shard, tc.StridedShard)) else None
+
+
+def _factor(p) -> int:
+    return p.split_factor if isinstance(p, tc.StridedShard) else 1
+
+
+def _local(x: torch.Tensor, p, i: int, size: int) -> torch.Tensor:
+    """Rank i's piece of the whole ``x`` placed as ``p`` (a strided shard: its i-th chunk of every part)."""
+    if isinstance(p, tc.StridedShard):  # (before Shard: on some torch versions a subclass of it)
+        return torch.cat([q.chunk(size, p.dim)[i] for q in x.chunk(p.split_factor, p.dim)], p.dim)
+    if isinstance(p, Shard):
+        return x.chunk(size, p.dim)[i]
+    return x
+
+
+def _shapes(vals, given, size: int):
+    """The shapes to run on: the traced ones, or where an input is past ``MAX_ELEMENTS``, each
+    distinct size above ``_SMALL`` mapped to its own small size (divisible by every split it
+    takes); (shapes, scaled) or (None, False) where even that is too large."""
+    shapes = [tuple(v.shape) for v in vals]
+    if all(v.numel() <= MAX_ELEMENTS for v in vals):
+        return shapes, False
+    unit = size
+    for p in given:
+        unit = unit * _factor(p) // math.gcd(unit, _factor(p))
+    unit = unit * 2 // math.gcd(unit, 2)  # room for an op that halves a dim (gate | up)
+    large = sorted({s for sh in shapes for s in sh if s > _SMALL})
+    small = {s: unit * max(1, -(-_SMALL // unit)) + unit * i for i, s in enumerate(large)}
+    out = [tuple(small.get(s, s) for s in sh) for sh in shapes]
+    if any(math.prod(sh) > MAX_ELEMENTS for sh in out):
+        return None, False
+    return out, True
+
+
+def _random(shapes, dtypes, seed: int):
     g = torch.Generator().manual_seed(seed)
     out = []
-    for v in vals:
-        if v.dtype.is_floating_point:
-            out.append(torch.randn(v.shape, generator=g).to(v.dtype))
-        elif v.dtype == torch.bool:
-            out.append(torch.rand(v.shape, generator=g) < 0.5)
+    for shape, dtype in zip(shapes, dtypes):
+        if dtype.is_floating_point:
+            out.append(torch.randn(shape, generator=g).to(dtype))
+        elif dtype == torch.bool:
+            out.append(torch.rand(shape, generator=g) < 0.5)
         else:  # small non-negative integers: valid as indices into any dim of size >= 2
-            out.append(torch.randint(0, 2, v.shape, generator=g).to(v.dtype))
+            out.append(torch.randint(0, 2, shape, generator=g).to(dtype))
     return out
 
 
@@ -163,8 +218,9 @@ def _outputs(n: fx.Node, args, values) -> list:
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
-def _placement(whole: torch.Tensor, parts: list):
-    """Shard(d) / Replicate() / Partial() for how ``parts`` make up ``whole``, or False."""
+def _placement(whole: torch.Tensor, parts: list, factors=()):
+    """Shard(d) / a strided shard of one of the inputs' split ``factors`` / Replicate() /
+    Partial() for how ``parts`` make up ``whole``, or False."""
     if any(not isinstance(p, torch.Tensor) for p in parts):
         return False
     tol = dict(rtol=1e-2, atol=1e-2) if whole.dtype in (torch.bfloat16, torch.float16) else dict(rtol=1e-4, atol=1e-5)
@@ -178,6 +234,11 @@ def _placement(whole: torch.Tensor, parts: list):
                 return Shard(d)
         except RuntimeError:  # shapes that do not concatenate on d
             continue
+    for k in factors:
+        for d in range(whole.dim()):
+            if all(p.dim() == whole.dim() and p.shape[d] % k == 0 for p in parts) and \
+                    same(torch.cat([torch.cat([p.chunk(k, d)[j] for p in parts], d) for j in range(k)], d), whole):
+                return tc.StridedShard(d, split_factor=k)
     if all(same(p, whole) for p in parts):
         return Replicate()
     if whole.dtype.is_floating_point and same(torch.stack(parts).sum(0), whole):

@@ -11,7 +11,8 @@ placements of each output, and, when the op cannot simply run on local shards, a
 implementation. An implementation may contain collectives; they are traced into the per-rank
 graph like any other and tagged with the rule's name as their reason.
 
-Every rule is checked against the unsharded op by tests/test_rules.py.
+Every rule is checked against the unsharded op by tests/test_rules.py; those for parts of a
+sharded dim (autopar/rules_parts.py) by tests/test_hf_breadth.py's GPT-2 and gpt-oss cases.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from autopar.errors import PlanError
 from autopar.ir import RuleResult, ShardSpec, source_line
 from autopar.experts import MOE_OPS, ep_impl, expert_axes
 from autopar.layout import ring_axes, ulysses_axes
+from autopar.rules_parts import PARTS_RULES
 from autopar.ring import kv_repeat, ring_impl
 
 aten = torch.ops.aten
@@ -34,7 +36,7 @@ R = Replicate()
 PSUM = Partial("sum")
 
 
-RULES: dict[object, Callable] = {}
+RULES: dict[object, Callable] = dict(PARTS_RULES)  # split / cat / slice of a sharded dim's parts
 
 
 def rule(*ops):
@@ -467,62 +469,6 @@ for _op in POINTWISE_UNTAGGED:
     rule(_op)(pointwise_rule)
 
 
-# ---------------------------------------------------------------------------------------
-# fused projections: [q | k | v] (or [gate | up]) split after a column-parallel matmul whose
-# weight is strided-sharded (autopar/analysis/tensor_parallel.py), and the gradients' cat back
-
-
-def _split_parts(node, x: ShardSpec) -> tuple[int, list[int]]:
-    """(dim, part sizes) of aten.split.Tensor / split_with_sizes on ``x``."""
-    dim = _norm(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), len(x.shape))
-    size = node.args[1]
-    if isinstance(size, int):
-        n = x.shape[dim]
-        return dim, [min(size, n - i) for i in range(0, n, size)]
-    return dim, list(size)
-
-
-@rule(aten.split.Tensor, aten.split_with_sizes.default)
-def strided_split_rule(node, in_specs, ctx):
-    """A dim strided-sharded with split factor k (each rank holds its 1/tp of every k-th part),
-    split into k equal parts: each part is plainly sharded on that dim, and each rank's local
-    tensor splits into its k local parts (no communication). Any other split: DTensor's rule."""
-    (x,) = in_specs[:1]
-    dim, parts = _split_parts(node, x)
-    k = len(parts)
-    axes = [a for a, p in enumerate(x.placements)
-            if isinstance(p, tc.StridedShard) and p.dim == dim and p.split_factor == k]
-    if not axes or len(set(parts)) != 1 or any(
-            isinstance(p, (Shard, tc.StridedShard)) and p.dim == dim and a not in axes for a, p in enumerate(x.placements)):
-        return None
-    out = tuple(Shard(dim) if a in axes else p for a, p in enumerate(x.placements))
-
-    def impl(ctx, x, *_):
-        return tuple(torch.split(x, x.shape[dim] // k, dim))
-
-    return RuleResult([tuple(x.placements)], tuple(out for _ in parts), impl, "split of a strided shard into its parts")
-
-
-@rule(aten.cat.default)
-def strided_cat_rule(node, in_specs, ctx):
-    """k equal tensors each sharded on the cat dim over the same axes: the result is that dim
-    strided-sharded with split factor k (each rank's local parts, concatenated: no
-    communication). The inverse of ``strided_split_rule`` (a fused projection's gradient).
-    Anything else: DTensor's rule."""
-    specs = [s for s in in_specs if s is not None]
-    if len(specs) < 2 or any(len(s.shape) != len(specs[0].shape) for s in specs):
-        return None
-    dim = _norm(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(specs[0].shape))
-    first = specs[0].placements
-    axes = [a for a, p in enumerate(first) if isinstance(p, Shard) and p.dim == dim]
-    if not axes or any(tuple(s.placements) != tuple(first) or s.shape != specs[0].shape for s in specs):
-        return None
-    if any(isinstance(p, tc.StridedShard) or isinstance(p, Partial) for p in first) or len(axes) > 1:
-        return None
-    out = tuple(tc.StridedShard(dim, split_factor=len(specs)) if a in axes else p for a, p in enumerate(first))
-    return RuleResult([tuple(first) for _ in in_specs], out, None, "cat of shards into a strided shard")
-
-
 @rule(aten.copy.default)
 def copy_rule(node, in_specs, ctx):
     """copy(dst, src): the functional form of ``dst.copy_(src)`` (src broadcast to dst's shape and
@@ -560,3 +506,4 @@ def moe_rule(node, in_specs, ctx):
         return RuleResult([tuple(i) for i in ins], outputs, ep_impl(ep[0], backward),
                           f"expert parallel ({ctx.axis_names[ep[0]]}=expert)")
     return RuleResult([tuple(i) for i in ins], outputs, None, "experts over tokens")
+

@@ -41,15 +41,64 @@ def test_an_op_no_split_computes_gathers_its_inputs_and_says_so(pools):
 
 
 def test_what_cannot_be_checked_is_replicated_with_the_reason(monkeypatch):
-    """Inputs past the size limit are not run: the op is replicated, and the reason names the limit."""
+    """Inputs past the size limit that stay past it scaled down are not run: the op is replicated,
+    and the reason names the limit."""
     import autopar
     from autopar import derived_rules
     from autopar.mesh import fake_mesh
+    from autopar.passes import propagate
 
     monkeypatch.setattr(derived_rules, "MAX_ELEMENTS", 16)
     monkeypatch.setattr(derived_rules, "_CACHE", {})
+    monkeypatch.setattr(propagate, "_SHARED_STRATEGIES", {})
     model, batches, loss_fn = unruled.build()
     with fake_mesh({"dp": 2}, 0) as mesh:
         pm = autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn, plan={"dp": "ddp"},
                              capture_eval=False)
-    assert any("inputs larger than 16 elements are not run to check it" in line for line in pm.ctx.derived_rules)
+    assert any("inputs larger than 16 elements that cannot be scaled down to check it" in line
+               for line in pm.ctx.derived_rules), pm.ctx.derived_rules
+
+
+def test_inputs_past_the_limit_are_checked_scaled_down(monkeypatch):
+    """Planning at scale: inputs past the size limit are run on shapes scaled down (each distinct
+    large size to its own small one), which finds the same rule as the traced shapes do."""
+    import autopar
+    from autopar import derived_rules
+    from autopar.mesh import fake_mesh
+    from autopar.passes import propagate
+
+    monkeypatch.setattr(derived_rules, "MAX_ELEMENTS", 64)
+    monkeypatch.setattr(derived_rules, "_SMALL", 2)
+    monkeypatch.setattr(derived_rules, "_CACHE", {})
+    monkeypatch.setattr(propagate, "_SHARED_STRATEGIES", {})  # DTensor's answers shared by the process's compiles
+    model, batches, loss_fn = unruled.build()
+    with fake_mesh({"dp": 2}, 0) as mesh:
+        pm = autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn, plan={"dp": "ddp"},
+                             capture_eval=False)
+    gate = next(line for line in pm.ctx.derived_rules if line.startswith("demo_unruled.gate.default"))
+    assert "inputs S(0), R -> outputs S(0) (checked by running it" in gate, gate
+    assert "on shapes scaled down to [2, 4, 6], [6]" in gate, gate
+
+
+def test_strided_shards_are_split_and_found_as_such():
+    """A weight strided-sharded as a fused projection's is (each rank holds its share of every
+    part) is split that way when the op runs in pieces, and an output laid out the same way is
+    found as a strided shard: a column-wise op keeps the layout, a contraction gives a partial sum."""
+    from torch import fx
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from autopar import derived_rules
+    from autopar import torch_compat as tc
+
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    mm = g.call_function(torch.ops.aten.mm.default, (x, w))
+    vals = [torch.empty(6, 8), torch.empty(8, 12)]
+    strided = tc.StridedShard(1, split_factor=2)
+    found, how = derived_rules.measure(mm, [x, w], vals, [Replicate(), strided], 2)
+    assert found == [strided], how
+    found, _ = derived_rules.measure(mm, [x, w], vals, [Shard(1), Shard(0)], 2)
+    assert found == [Partial()]
+    # taken for a plain shard, the strided pieces would not make up the whole: never Shard(1)
+    found, _ = derived_rules.measure(mm, [x, w], vals, [Replicate(), Shard(1)], 2)
+    assert found == [Shard(1)]

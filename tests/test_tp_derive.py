@@ -53,7 +53,14 @@ CASES = {
     "OLMo2": {"self_attn.q_proj.weight": (Shard(0), "column"), "self_attn.q_norm.weight": (Shard(0), "with-column"),
               "self_attn.o_proj.weight": (Shard(1), "row")},
     # the router's softmax is over the experts: replicated, whatever it is called
-    "Mixtral": {"mlp.gate.weight": (R, "replicated"), "self_attn.q_proj.weight": (Shard(0), "column")},
+    "Mixtral": {"mlp.gate.weight": (R, "replicated"), "self_attn.q_proj.weight": (Shard(0), "column"),
+                # stacked experts [E, 2 x ffn, hidden] / [E, hidden, ffn] through an op with no table
+                # entry (transformers' grouped_mm_fallback): followed by running it
+                "mlp.experts.gate_up_proj": (_StridedShard(1, split_factor=2), "column"),
+                "mlp.experts.down_proj": (Shard(2), "row")},
+    # gate and up interleaved in one expert projection ([..., ::2] / [..., 1::2]), a bias per expert
+    "gpt-oss": {"mlp.experts.gate_up_proj": (Shard(2), "column"), "mlp.experts.gate_up_proj_bias": (Shard(1), "with-column"),
+                "mlp.experts.down_proj": (Shard(1), "row"), "mlp.router.weight": (R, "replicated")},
 }
 
 

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from autopar.analysis.tp_graph import (CAT, EXPAND, MATMUL, NORM, PERMUTE, REDUCE, RESHAPE, SAME, SPLIT, STATISTICS,
-                                       Fail, Graph, apply_permute, dims_arg, op_name, pointwise, reshape_track,
-                                       shape_of, val_of, where_of)
+from autopar.analysis.tp_graph import (CAT, EXPAND, KNOWN, MATMUL, NORM, PERMUTE, REDUCE, RESHAPE, SAME, SPLIT,
+                                       STATISTICS, Fail, Graph, apply_permute, dims_arg, op_name, pointwise,
+                                       reshape_track, shape_of, val_of, where_of)
+from autopar.analysis.tp_measured import measured_start, measured_step
 
 
 # --------------------------------------------------------------------------------- one flow
@@ -74,7 +75,10 @@ def start_of(g: Graph, n: fx.Node) -> tuple | None:
         _, wname, _, out_pdim, bias = mw
         return wname, out_pdim, bias, -1
     parsed = _einsum(n)
-    if parsed is None or len(parsed[2]) != 2:
+    if parsed is None:
+        name = op_name(n)
+        return None if name in KNOWN or pointwise(name) else measured_start(g, n)
+    if len(parsed[2]) != 2:
         return None
     ins, out, ops = parsed
     views = [g.param_view(a) for a in ops]
@@ -184,7 +188,7 @@ def _step(g: Graph, flow: Flow, u: fx.Node, tp: int):
     if name in SPLIT and tx is not None:
         return _split(u, name, tx, tp)
     if name == "getitem" and tx is not None:
-        return _index(u, tx)
+        return _index(u, tx, tp)
     if name in NORM and tx is not None:
         ns = u.args[1] if len(u.args) > 1 else u.kwargs.get("normalized_shape")
         k = len(ns) if isinstance(ns, (list, tuple)) else 1
@@ -234,7 +238,7 @@ def _step(g: Graph, flow: Flow, u: fx.Node, tp: int):
         return [t] * len(val) if isinstance(val, (tuple, list)) else t
     if pointwise(name) or name in ("where", "masked_fill"):
         return _elementwise(g, flow, u)
-    raise Fail(f"{name}{where_of(u)}: an op whose sharding autopar does not derive")
+    return measured_step(g, flow, u, flow.tracks)  # no table entry: how it splits, found by running it
 
 
 def _elementwise_function(g: Graph, u: fx.Node) -> bool:
@@ -284,7 +288,7 @@ def _split(u: fx.Node, name: str, tx, tp: int):
     raise Fail(f"{name} into parts {parts}{where_of(u)} crosses the shards", outer=n // unit // o)
 
 
-def _index(u: fx.Node, tx):
+def _index(u: fx.Node, tx, tp: int):
     """x[idx] with slices, None, ints and Ellipsis: the sharded dim must be kept whole."""
     idx = u.args[1] if isinstance(u.args[1], tuple) else (u.args[1],)
     src = shape_of(u.args[0])
@@ -306,9 +310,13 @@ def _index(u: fx.Node, tx):
         if d_in == tx[0]:
             if isinstance(i, slice) and i == slice(None):
                 return d_out, tx[1]
+            n, o = src[d_in], tx[1]
+            if isinstance(i, slice) and i.step not in (None, 1) and o == 1:  # [..., ::2]: interleaved parts
+                lo, hi, step = i.indices(n)
+                if lo < step and hi == n and (n // tp) % step == 0:  # each rank's part holds whole strides
+                    return d_out, 1
             if not isinstance(i, slice) or i.step not in (None, 1):
                 raise Fail(f"indexing into the sharded dim{where_of(u)}")
-            n, o = src[d_in], tx[1]
             lo, hi, _ = i.indices(n)
             m = n // o
             if lo % m == 0 and hi % m == 0 and hi > lo:  # whole parts: [q | k | v][..., :q_size]
@@ -350,6 +358,9 @@ def _param_back(g: Graph, a, dim: int, o: int):
         return None
     s_in, s_out = shape_of(src), shape_of(a)
     try:
+        if name == "getitem" and isinstance(a.args[1], fx.Node) and shape_of(a.args[1]) is not None:
+            k = len(shape_of(a.args[1]))  # param[idx]: rows picked per token (a bias per expert)
+            return _param_back(g, src, dim - k + 1, o) if dim >= k else None
         if name in SAME:
             return _param_back(g, src, dim, o)
         if name in EXPAND:

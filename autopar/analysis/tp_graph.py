@@ -26,6 +26,11 @@ NORM = {"layer_norm", "rms_norm"}
 STATISTICS = {"mean", "sum", "var", "amax", "norm"}  # reductions whose result is small and linear-ish to combine
 MATMUL = {"linear", "addmm", "mm", "matmul", "bmm", "baddbmm"}
 CAT = {"cat", "concat", "concatenate", "stack"}
+# every op some table or case of the derivation handles (others are followed by running them:
+# autopar/analysis/tp_measured.py)
+KNOWN = (SAME | RESHAPE | EXPAND | PERMUTE | SPLIT | REDUCE | NORM | MATMUL | CAT |
+         {"getitem", "getattr", "repeat", "repeat_interleave", "embedding", "einsum", "cross_entropy", "nll_loss",
+          "scaled_dot_product_attention", "flash_attention", "linear_act", "where", "masked_fill", "output"})
 OPERATOR = {"truediv": "div", "floordiv": "floor_divide", "iadd": "add", "isub": "sub", "imul": "mul",
             "itruediv": "div", "ipow": "pow", "and_": "bitwise_and", "or_": "bitwise_or", "invert": "bitwise_not",
             "getitem": "getitem", "matmul": "matmul", "neg": "neg", "pos": "positive"}

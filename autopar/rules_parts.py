@@ -1,0 +1,138 @@
+"""autopar's sharding rules for parts of a sharded dim (``PARTS_RULES``, which autopar/rules.py
+adds to its ``RULES``): a fused projection's ``[q | k | v]`` or ``[gate | up]`` split after a column-parallel
+matmul whose weight is strided-sharded (autopar/analysis/tensor_parallel.py) and the gradients'
+cat back; interleaved parts (``x[..., 0::2]``, ``x[..., 1::2]``: gpt-oss's gate and up) taken
+from a dim sharded in pieces that hold whole strides, and their backward."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor.placement_types import Partial, Shard
+
+from autopar import torch_compat as tc
+from autopar.ir import RuleResult, ShardSpec
+
+aten = torch.ops.aten
+PARTS_RULES: dict = {}  # op -> rule; autopar/rules.py puts them into its RULES
+
+
+def rule(*ops):
+    def register(fn):
+        for op in ops:
+            PARTS_RULES[op] = fn
+        return fn
+    return register
+
+
+def _norm(dim: int, ndim: int) -> int:
+    return dim % ndim if ndim else 0
+
+
+# ---------------------------------------------------------------------------------------
+# fused projections: [q | k | v] (or [gate | up]) split after a column-parallel matmul whose
+# weight is strided-sharded (autopar/analysis/tensor_parallel.py), and the gradients' cat back
+
+
+def _split_parts(node, x: ShardSpec) -> tuple[int, list[int]]:
+    """(dim, part sizes) of aten.split.Tensor / split_with_sizes on ``x``."""
+    dim = _norm(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), len(x.shape))
+    size = node.args[1]
+    if isinstance(size, int):
+        n = x.shape[dim]
+        return dim, [min(size, n - i) for i in range(0, n, size)]
+    return dim, list(size)
+
+
+@rule(aten.split.Tensor, aten.split_with_sizes.default)
+def strided_split_rule(node, in_specs, ctx):
+    """A dim strided-sharded with split factor k (each rank holds its 1/tp of every k-th part),
+    split into k equal parts: each part is plainly sharded on that dim, and each rank's local
+    tensor splits into its k local parts (no communication). Any other split: DTensor's rule."""
+    (x,) = in_specs[:1]
+    dim, parts = _split_parts(node, x)
+    k = len(parts)
+    axes = [a for a, p in enumerate(x.placements)
+            if isinstance(p, tc.StridedShard) and p.dim == dim and p.split_factor == k]
+    if not axes or len(set(parts)) != 1 or any(
+            isinstance(p, (Shard, tc.StridedShard)) and p.dim == dim and a not in axes for a, p in enumerate(x.placements)):
+        return None
+    out = tuple(Shard(dim) if a in axes else p for a, p in enumerate(x.placements))
+
+    def impl(ctx, x, *_):
+        return tuple(torch.split(x, x.shape[dim] // k, dim))
+
+    return RuleResult([tuple(x.placements)], tuple(out for _ in parts), impl, "split of a strided shard into its parts")
+
+
+@rule(aten.cat.default)
+def strided_cat_rule(node, in_specs, ctx):
+    """k equal tensors each sharded on the cat dim over the same axes: the result is that dim
+    strided-sharded with split factor k (each rank's local parts, concatenated: no
+    communication). The inverse of ``strided_split_rule`` (a fused projection's gradient).
+    Anything else: DTensor's rule."""
+    specs = [s for s in in_specs if s is not None]
+    if len(specs) < 2 or any(len(s.shape) != len(specs[0].shape) for s in specs):
+        return None
+    dim = _norm(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(specs[0].shape))
+    first = specs[0].placements
+    axes = [a for a, p in enumerate(first) if isinstance(p, Shard) and p.dim == dim]
+    if not axes or any(tuple(s.placements) != tuple(first) or s.shape != specs[0].shape for s in specs):
+        return None
+    if any(isinstance(p, tc.StridedShard) or isinstance(p, Partial) for p in first) or len(axes) > 1:
+        return None
+    out = tuple(tc.StridedShard(dim, split_factor=len(specs)) if a in axes else p for a, p in enumerate(first))
+    return RuleResult([tuple(first) for _ in in_specs], out, None, "cat of shards into a strided shard")
+
+
+def _strides_kept(ctx, placements, dim: int, n: int, start, end, step) -> bool:
+    """``[start:end:step]`` of a dim of ``n`` split in contiguous pieces over the axes that shard
+    it (plainly) takes each piece's own ``[start::step]``: it runs to the end, starts within the
+    first stride, and every piece holds whole strides."""
+    axes = [a for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim]
+    if not isinstance(step, int) or step <= 1 or not axes or any(
+            isinstance(p, tc.StridedShard) and p.dim == dim for p in placements):
+        return False
+    start = 0 if start is None else (start + n if start < 0 else start)
+    end = n if end is None or end >= n else (end + n if end < 0 else end)
+    pieces = math.prod(ctx.axis_sizes[a] for a in axes)
+    return 0 <= start < step and end == n and n % pieces == 0 and (n // pieces) % step == 0
+
+
+def _slice_args(args, first: int):
+    dim, start, end, step = (list(args[first:first + 4]) + [0, None, None, 1][len(args) - first:])[:4]
+    return dim, start, end, step
+
+
+@rule(aten.slice.Tensor)
+def strided_slice_rule(node, in_specs, ctx):
+    """``x[..., start::step]`` over a dim sharded in pieces that hold whole strides: each rank's
+    slice of its piece is its piece of the result (no communication). Anything else: DTensor's."""
+    x = in_specs[0]
+    dim, start, end, step = _slice_args(node.args, 1)
+    dim = _norm(dim, len(x.shape))
+    if any(isinstance(p, Partial) for p in x.placements) or \
+            not _strides_kept(ctx, x.placements, dim, x.shape[dim], start, end, step):
+        return None
+    return RuleResult([tuple(x.placements)], tuple(x.placements), None, "strided slice of a sharded dim")
+
+
+@rule(aten.slice_backward.default)
+def strided_slice_backward_rule(node, in_specs, ctx):
+    """The gradient of ``strided_slice_rule``'s slice: each rank scatters its piece of the
+    gradient into its piece of the input's shape."""
+    g = in_specs[0]
+    sizes = list(node.args[1])
+    dim, start, end, step = _slice_args(node.args, 2)
+    dim = _norm(dim, len(sizes))
+    if any(isinstance(p, Partial) for p in g.placements) or \
+            not _strides_kept(ctx, g.placements, dim, sizes[dim], start, end, step):
+        return None
+
+    def impl(ctx, grad, input_sizes, dim_, start_, end_, step_):
+        local = list(grad.shape)
+        local[dim] = grad.shape[dim] * step
+        return aten.slice_backward(grad, local, dim_, start_, local[dim], step_)
+
+    return RuleResult([tuple(g.placements)], tuple(g.placements), impl, "strided slice of a sharded dim, backward")
