@@ -2,14 +2,15 @@
 adds to its ``RULES``): a fused projection's ``[q | k | v]`` or ``[gate | up]`` split after a column-parallel
 matmul whose weight is strided-sharded (autopar/analysis/tensor_parallel.py) and the gradients'
 cat back; interleaved parts (``x[..., 0::2]``, ``x[..., 1::2]``: gpt-oss's gate and up) taken
-from a dim sharded in pieces that hold whole strides, and their backward."""
+from a dim sharded in pieces that hold whole strides, and their backward; a buffer filled by
+``slice_scatter`` with values sharded along another dim, sharded like them."""
 
 from __future__ import annotations
 
 import math
 
 import torch
-from torch.distributed.tensor.placement_types import Partial, Shard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from autopar import torch_compat as tc
 from autopar.ir import RuleResult, ShardSpec
@@ -136,3 +137,29 @@ def strided_slice_backward_rule(node, in_specs, ctx):
         return aten.slice_backward(grad, local, dim_, start_, local[dim], step_)
 
     return RuleResult([tuple(g.placements)], tuple(g.placements), impl, "strided slice of a sharded dim, backward")
+
+
+@rule(aten.slice_scatter.default)
+def sharded_slice_scatter_rule(node, in_specs, ctx):
+    """``slice_scatter(buffer, src, dim, ...)`` with ``src`` sharded along another dim on axes where
+    the buffer is whole: the buffer is taken sharded the same way (each rank's part of it: no
+    communication) and so is the result, rather than gathering ``src`` (DeepSeek's keys:
+    ``k = new_empty(...); k[..., :a].copy_(k_nope)``, k_nope sharded by heads). Anything else:
+    DTensor's rule."""
+    base, src = in_specs[:2]
+    if base is None or src is None or len(base.shape) != len(src.shape):
+        return None
+    dim = _norm(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), len(base.shape))
+    outs, moved = [], False
+    for pb, ps in zip(base.placements, src.placements):
+        plain = isinstance(ps, Shard) and not isinstance(ps, tc.StridedShard)
+        if plain and ps.dim != dim and isinstance(pb, Replicate) and base.shape[ps.dim] == src.shape[ps.dim]:
+            outs.append(ps)
+            moved = True
+        elif pb == ps and (isinstance(pb, Replicate) or (plain and ps.dim != dim)):
+            outs.append(pb)
+        else:
+            return None
+    if not moved:
+        return None
+    return RuleResult([tuple(outs), tuple(outs)], tuple(outs), None, "slice_scatter into a buffer sharded like its source")

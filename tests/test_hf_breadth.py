@@ -49,6 +49,9 @@ CASES = [  # (architecture, plan, config overrides, rules that must have decided
     ("Mixtral", "megatron", ONE_LAYER, set()),
     # gpt-oss: gate and up interleaved (gate_up[..., ::2], [..., 1::2]) with a bias per expert
     ("gpt-oss", "megatron", ONE_LAYER, {"strided slice of a sharded dim", "strided slice of a sharded dim, backward"}),
+    # DeepSeek's MLA: keys assembled in a fresh buffer by slice assignment ([k_nope | k_rope], the
+    # rope part one head broadcast to all), which stays sharded by heads rather than gathered
+    ("DeepSeek-V3", "megatron", ONE_LAYER, {"slice_scatter into a buffer sharded like its source"}),
 ]
 
 

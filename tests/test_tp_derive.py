@@ -58,6 +58,12 @@ CASES = {
                 # entry (transformers' grouped_mm_fallback): followed by running it
                 "mlp.experts.gate_up_proj": (_StridedShard(1, split_factor=2), "column"),
                 "mlp.experts.down_proj": (Shard(2), "row")},
+    # MLA: the latent down-projections are reduced by a norm over their whole output (replicated,
+    # as Megatron does); the up-projections are split by heads, the keys assembled by slice
+    # assignment into a fresh buffer ([k_nope | k_rope]: the rope part broadcast to every head)
+    "DeepSeek-V3": {"self_attn.q_b_proj.weight": (Shard(0), "column"), "self_attn.kv_b_proj.weight": (Shard(0), "column"),
+                    "self_attn.o_proj.weight": (Shard(1), "row"), "self_attn.q_a_proj.weight": (R, "replicated"),
+                    "self_attn.kv_a_proj_with_mqa.weight": (R, "replicated")},
     # gate and up interleaved in one expert projection ([..., ::2] / [..., 1::2]), a bias per expert
     "gpt-oss": {"mlp.experts.gate_up_proj": (Shard(2), "column"), "mlp.experts.gate_up_proj_bias": (Shard(1), "with-column"),
                 "mlp.experts.down_proj": (Shard(1), "row"), "mlp.router.weight": (R, "replicated")},

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from autopar.analysis.tp_graph import (CAT, EXPAND, KNOWN, MATMUL, NORM, PERMUTE, REDUCE, RESHAPE, SAME, SPLIT,
+from autopar.analysis.tp_graph import (CAT, EXPAND, FRESH, KNOWN, MATMUL, NORM, PERMUTE, REDUCE, RESHAPE, SAME, SPLIT,
                                        STATISTICS, Fail, Graph, apply_permute, dims_arg, op_name, pointwise,
                                        reshape_track, shape_of, val_of, where_of)
 from autopar.analysis.tp_measured import measured_start, measured_step
@@ -34,6 +34,7 @@ class Flow:
     fail: Fail | None = None
     trail: list = field(default_factory=list)  # the graph facts worth printing
     logp: set = field(default_factory=set)  # log_softmax over the sharded dim (nll_loss may read them)
+    written: list = field(default_factory=list)  # (buffer, track): fresh buffers a copy_ fills with the sharded values
     # a statistic over the sharded dim (a norm's mean of squares) allowed: each rank reduces its
     # part and the small result is all-reduced (the second pass, for starts the first left out)
     relaxed: bool = False
@@ -142,6 +143,11 @@ def run_flow(g: Graph, flow: Flow, tp: int) -> None:
         if out is not None:
             flow.tracks[u] = out
             push(u)
+        while flow.written:  # a buffer filled in place: its later readers read the sharded values
+            buf, t = flow.written.pop()
+            if buf not in flow.tracks:
+                flow.tracks[buf] = t
+                push(buf)
 
 
 def _track(flow: Flow, a):
@@ -158,8 +164,10 @@ def _step(g: Graph, flow: Flow, u: fx.Node, tp: int):
     val = val_of(u)
     if name == "getitem" and isinstance(tx, list):
         return tx[u.args[1]]
-    if not isinstance(val, (torch.Tensor, tuple, list)):
-        return None  # metadata (x.size(), x.dim()): no data moves
+    if not isinstance(val, (torch.Tensor, tuple, list)) or name in FRESH:
+        return None  # metadata (x.size(), x.dim()), or a fresh tensor of its shape: no data moves
+    if name == "copy_":
+        return _copy_into(g, flow, u)
     if name in SAME and tx is not None:
         return tx
     if name == "getattr" and tx is not None and u.args[1] in ("T", "mT"):
@@ -329,10 +337,46 @@ def _index(u: fx.Node, tx, tp: int):
     raise Fail(f"indexing autopar cannot follow{where_of(u)}")
 
 
+def _copy_into(g: Graph, flow: Flow, u: fx.Node):
+    """``dst.copy_(src)``: sharded values written into a slice of a fresh buffer (DeepSeek's
+    keys, ``k = new_empty(...); k[..., :a].copy_(k_nope); k[..., a:].copy_(k_rope)``) make the
+    buffer sharded the same way, when the slice keeps the sharded dim whole; a value written
+    into a sharded buffer must be sharded the same way (or broadcast along that dim)."""
+    dst, src = u.args[0], u.args[1]
+    td, ts = _track(flow, dst), _track(flow, src)
+    if td is not None:
+        if ts is None:
+            _operand_needs(g, flow, u, src, td[0] - (len(shape_of(dst)) - len(shape_of(src))), td[1])
+        elif ts != td:
+            raise Fail(f"copy_{where_of(u)} writes values sharded differently")
+        return td
+    base = dst
+    while isinstance(base, fx.Node) and op_name(base) == "getitem" and not isinstance(base.args[1], fx.Node):
+        base = base.args[0]
+    d, o = ts
+    if base is dst or op_name(base) not in FRESH or shape_of(dst) != shape_of(src) or \
+            len(shape_of(base)) != len(shape_of(dst)) or shape_of(base)[d] != shape_of(dst)[d]:
+        raise Fail(f"copy_{where_of(u)}: the sharded values written in place into a tensor autopar cannot follow")
+    flow.written.append((base, (d, o)))
+    return d, o
+
+
+def _broadcast(a, dim: int) -> bool:
+    """``a`` is an expand of a value of size 1 at ``dim`` (the same on every rank's part)."""
+    if not isinstance(a, fx.Node) or op_name(a) not in EXPAND or not isinstance(a.args[0], fx.Node):
+        return False
+    src, out = shape_of(a.args[0]), shape_of(a)
+    ds = dim - (len(out) - len(src))
+    return ds < 0 or src[ds] == 1
+
+
 def _operand_needs(g: Graph, flow: Flow, u: fx.Node, a, dim: int, o: int) -> None:
     """An untracked operand ``a`` holding the sharded dim's full extent at its dim ``dim``: a
     parameter is sharded with it; a value that needs no gradient (a mask, rotary tables) is
-    sliced locally; a value that needs one must come sharded the same way from another flow."""
+    sliced locally, as is a value broadcast along that dim (its gradient: a partial sum); a
+    value that needs one must come sharded the same way from another flow."""
+    if _broadcast(a, dim):
+        return
     pv = _param_back(g, a, dim, o)
     if pv is not None:
         pname, pdim, o = pv

@@ -26,10 +26,12 @@ NORM = {"layer_norm", "rms_norm"}
 STATISTICS = {"mean", "sum", "var", "amax", "norm"}  # reductions whose result is small and linear-ish to combine
 MATMUL = {"linear", "addmm", "mm", "matmul", "bmm", "baddbmm"}
 CAT = {"cat", "concat", "concatenate", "stack"}
+# a fresh tensor shaped like its input: no data flows from it (a buffer filled by writes after)
+FRESH = {"new_empty", "new_zeros", "new_ones", "new_full", "empty_like", "zeros_like", "ones_like", "full_like"}
 # every op some table or case of the derivation handles (others are followed by running them:
 # autopar/analysis/tp_measured.py)
 KNOWN = (SAME | RESHAPE | EXPAND | PERMUTE | SPLIT | REDUCE | NORM | MATMUL | CAT |
-         {"getitem", "getattr", "repeat", "repeat_interleave", "embedding", "einsum", "cross_entropy", "nll_loss",
+         FRESH | {"getitem", "getattr", "copy_", "repeat", "repeat_interleave", "embedding", "einsum", "cross_entropy", "nll_loss",
           "scaled_dot_product_attention", "flash_attention", "linear_act", "where", "masked_fill", "output"})
 OPERATOR = {"truediv": "div", "floordiv": "floor_divide", "iadd": "add", "isub": "sub", "imul": "mul",
             "itruediv": "div", "ipow": "pow", "and_": "bitwise_and", "or_": "bitwise_or", "invert": "bitwise_not",
@@ -111,7 +113,7 @@ class Graph:
         self.from_input: set[fx.Node] = set()
         for n in self.nodes:
             ins = n.all_input_nodes
-            if n in self.param or any(a in self.grad for a in ins):
+            if n in self.param or (op_name(n) not in FRESH and any(a in self.grad for a in ins)):
                 self.grad.add(n)
             if n.op == "placeholder" or any(a in self.from_input for a in ins):
                 self.from_input.add(n)
