@@ -3,7 +3,8 @@ adds to its ``RULES``): a fused projection's ``[q | k | v]`` or ``[gate | up]`` 
 matmul whose weight is strided-sharded (autopar/analysis/tensor_parallel.py) and the gradients'
 cat back; interleaved parts (``x[..., 0::2]``, ``x[..., 1::2]``: gpt-oss's gate and up) taken
 from a dim sharded in pieces that hold whole strides, and their backward; a buffer filled by
-``slice_scatter`` with values sharded along another dim, sharded like them."""
+``slice_scatter`` with values sharded along another dim, sharded like them; a convolution with
+one filter per channel over input sharded on its channels (Mamba's conv1d), and its backward."""
 
 from __future__ import annotations
 
@@ -163,3 +164,58 @@ def sharded_slice_scatter_rule(node, in_specs, ctx):
     if not moved:
         return None
     return RuleResult([tuple(outs), tuple(outs)], tuple(outs), None, "slice_scatter into a buffer sharded like its source")
+
+
+def _depthwise_axes(x, w, groups, transposed):
+    """The axes on which a one-filter-per-channel convolution's input is sharded on its channels
+    (the rest whole), or None where the rule does not apply."""
+    if transposed or groups != x.shape[1] or w.shape[0] != x.shape[1] or w.shape[1] != 1:
+        return None
+    axes = []
+    for a, p in enumerate(x.placements):
+        if isinstance(p, Shard) and not isinstance(p, tc.StridedShard) and p.dim == 1:
+            axes.append(a)
+        elif not isinstance(p, Replicate):
+            return None
+    return axes or None
+
+
+@rule(aten.convolution.default)
+def depthwise_conv_rule(node, in_specs, ctx):
+    """A convolution with one filter per channel (``groups`` = channels: Mamba's causal conv1d)
+    on input sharded on its channels: each rank convolves its channels with its filters (weight
+    and bias sharded on dim 0; ``groups`` = its channel count). Anything else: DTensor's rule."""
+    x, w = in_specs[:2]
+    has_bias = len(in_specs) > 2 and in_specs[2] is not None
+    axes = _depthwise_axes(x, w, node.args[8], node.args[6])
+    if axes is None:
+        return None
+    on = tuple(Shard(1) if a in axes else Replicate() for a in range(len(x.placements)))
+    per_channel = tuple(Shard(0) if a in axes else Replicate() for a in range(len(x.placements)))
+
+    def impl(ctx, x, w, b, stride, padding, dilation, transposed, output_padding, groups):
+        return aten.convolution(x, w, b, stride, padding, dilation, transposed, output_padding, x.shape[1])
+
+    ins = [on, per_channel] + ([per_channel] if has_bias else [])
+    return RuleResult(ins, on, impl, "convolution per channel, sharded on the channels")
+
+
+@rule(aten.convolution_backward.default)
+def depthwise_conv_backward_rule(node, in_specs, ctx):
+    """The backward of ``depthwise_conv_rule``'s convolution: the input's gradient sharded on the
+    channels, the weight's and the bias's on dim 0, each rank on its own channels."""
+    g, x, w = in_specs[:3]
+    axes = _depthwise_axes(x, w, node.args[9], node.args[7])
+    if axes is None or tuple(g.placements) != tuple(x.placements):
+        return None
+    on = tuple(Shard(1) if a in axes else Replicate() for a in range(len(x.placements)))
+    per_channel = tuple(Shard(0) if a in axes else Replicate() for a in range(len(x.placements)))
+    mask = node.args[10]
+
+    def impl(ctx, g, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask):
+        sizes = [w.shape[0]] if bias_sizes is not None else None
+        return aten.convolution_backward(g, x, w, sizes, stride, padding, dilation, transposed, output_padding,
+                                         x.shape[1], output_mask)
+
+    outs = (on if mask[0] else None, per_channel if mask[1] else None, per_channel if mask[2] else None)
+    return RuleResult([on, on, per_channel], outs, impl, "convolution per channel, sharded on the channels, backward")

@@ -52,6 +52,10 @@ CASES = [  # (architecture, plan, config overrides, rules that must have decided
     # DeepSeek's MLA: keys assembled in a fresh buffer by slice assignment ([k_nope | k_rope], the
     # rope part one head broadcast to all), which stays sharded by heads rather than gathered
     ("DeepSeek-V3", "megatron", ONE_LAYER, {"slice_scatter into a buffer sharded like its source"}),
+    # Mamba: the inner channels sharded through its per-channel conv1d (groups = channels) and
+    # selective scan; dt_proj multiplied weight first (dt_proj.weight @ x)
+    ("Mamba", "megatron", dict(ONE_LAYER, seq=8), {"convolution per channel, sharded on the channels",
+                                                  "convolution per channel, sharded on the channels, backward"}),
 ]
 
 

@@ -64,6 +64,14 @@ CASES = {
     "DeepSeek-V3": {"self_attn.q_b_proj.weight": (Shard(0), "column"), "self_attn.kv_b_proj.weight": (Shard(0), "column"),
                     "self_attn.o_proj.weight": (Shard(1), "row"), "self_attn.q_a_proj.weight": (R, "replicated"),
                     "self_attn.kv_a_proj_with_mqa.weight": (R, "replicated")},
+    # Mamba: in_proj's [x | gate] strided; a conv1d per channel, the scan's per-channel parameters
+    # (A_log through -exp, D, dt_proj's bias) sharded with the channels; dt_proj multiplied weight
+    # first; x_proj and out_proj contract the channels
+    "Mamba": {"mixer.in_proj.weight": (_StridedShard(0, split_factor=2), "column"),
+              "mixer.conv1d.weight": (Shard(0), "with-column"), "mixer.conv1d.bias": (Shard(0), "with-column"),
+              "mixer.x_proj.weight": (Shard(1), "row"), "mixer.dt_proj.weight": (Shard(0), "column"),
+              "mixer.dt_proj.bias": (Shard(0), "with-column"), "mixer.A_log": (Shard(0), "with-column"),
+              "mixer.D": (Shard(0), "with-column"), "mixer.out_proj.weight": (Shard(1), "row")},
     # gate and up interleaved in one expert projection ([..., ::2] / [..., 1::2]), a bias per expert
     "gpt-oss": {"mlp.experts.gate_up_proj": (Shard(2), "column"), "mlp.experts.gate_up_proj_bias": (Shard(1), "with-column"),
                 "mlp.experts.down_proj": (Shard(1), "row"), "mlp.router.weight": (R, "replicated")},

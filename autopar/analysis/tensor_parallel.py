@@ -40,7 +40,8 @@ import torch
 from torch import fx
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from autopar.analysis.tp_flow import Flow, run_flow, start_of
+from autopar.analysis.tp_flow import Flow, run_flow
+from autopar.analysis.tp_starts import start_of
 from autopar.analysis.tp_graph import Fail, Graph, NORM, op_name, pointwise, shape_of, where_of
 
 R = Replicate()

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from autopar.analysis.tp_graph import (CAT, EXPAND, FRESH, KNOWN, MATMUL, NORM, PERMUTE, REDUCE, RESHAPE, SAME, SPLIT,
+from autopar.analysis.tp_graph import (CAT, CONV, EXPAND, FRESH, MATMUL, NORM, PERMUTE, REDUCE, RESHAPE, SAME, SPLIT,
                                        STATISTICS, Fail, Graph, apply_permute, dims_arg, op_name, pointwise,
                                        reshape_track, shape_of, val_of, where_of)
-from autopar.analysis.tp_measured import measured_start, measured_step
+from autopar.analysis.tp_measured import measured_step
+from autopar.analysis.tp_starts import parse_einsum, matmul_weight, weight_first
 
 
 # --------------------------------------------------------------------------------- one flow
@@ -38,75 +39,6 @@ class Flow:
     # a statistic over the sharded dim (a norm's mean of squares) allowed: each rank reduces its
     # part and the small result is all-reduced (the second pass, for starts the first left out)
     relaxed: bool = False
-
-
-def matmul_weight(g: Graph, n: fx.Node):
-    """(activation, weight name, the weight's contracted dim, its output dim, bias name) of a
-    matmul with a 2-D weight; None for others."""
-    name = op_name(n)
-    if name in ("linear", "linear_act"):  # (autopar::linear_act: the lower pass's linear + activation)
-        x, w = n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs.get("weight")
-        b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
-        pv = g.param_view(w)
-        if pv is None or len(pv[1]) != 2:
-            return None
-        bias = g.param_view(b) if isinstance(b, fx.Node) else None
-        return x, pv[0], pv[1][1], pv[1][0], bias[0] if bias else None
-    if name in ("addmm", "mm", "matmul"):
-        args = list(n.args)
-        b = args.pop(0) if name == "addmm" else None
-        if len(args) < 2:
-            return None
-        x, w = args[0], args[1]
-        pv = g.param_view(w)
-        if pv is None or len(pv[1]) != 2 or g.param_view(x) is not None:
-            return None
-        bias = g.param_view(b) if isinstance(b, fx.Node) else None
-        return x, pv[0], pv[1][0], pv[1][1], bias[0] if bias else None
-    return None
-
-
-def start_of(g: Graph, n: fx.Node) -> tuple | None:
-    """(weight, its dim the output dim comes from, bias, the output's dim holding it) where ``n``
-    multiplies an activation by a weight: a matmul (the output's last dim), or an einsum where
-    exactly one of the weight's letters is kept and not the activation's (``becd,edf->becf``:
-    ``f``, stacked experts); None for anything else."""
-    mw = matmul_weight(g, n)
-    if mw is not None:
-        _, wname, _, out_pdim, bias = mw
-        return wname, out_pdim, bias, -1
-    parsed = _einsum(n)
-    if parsed is None:
-        name = op_name(n)
-        return None if name in KNOWN or pointwise(name) else measured_start(g, n)
-    if len(parsed[2]) != 2:
-        return None
-    ins, out, ops = parsed
-    views = [g.param_view(a) for a in ops]
-    if sum(v is not None for v in views) != 1:
-        return None
-    w = 0 if views[0] is not None else 1
-    (wname, perm), x_letters = views[w], ins[1 - w]
-    kept = [c for c in ins[w] if c in out and c not in x_letters]
-    if len(kept) != 1:
-        return None
-    return wname, perm[ins[w].index(kept[0])], None, out.index(kept[0])
-
-
-def _einsum(n: fx.Node) -> tuple[list[str], str, list] | None:
-    """(the operands' subscripts, the output's, the operands) of ``torch.einsum(eq, *ops)``
-    (explicit ``->``, no ellipsis); None otherwise."""
-    if op_name(n) != "einsum" or not n.args or not isinstance(n.args[0], str):
-        return None
-    eq = n.args[0].replace(" ", "")
-    ops = list(n.args[1]) if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else list(n.args[1:])
-    if "->" not in eq or "." in eq:
-        return None
-    lhs, out = eq.split("->")
-    ins = lhs.split(",")
-    if len(ins) != len(ops) or any(len(s) != len(shape_of(a) or ()) for s, a in zip(ins, ops)):
-        return None
-    return ins, out, ops
 
 
 def run_flow(g: Graph, flow: Flow, tp: int) -> None:
@@ -234,6 +166,8 @@ def _step(g: Graph, flow: Flow, u: fx.Node, tp: int):
         raise Fail(f"an embedding lookup indexed by the sharded values{where_of(u)}")
     if name in MATMUL:
         return _matmul(g, flow, u, name, tp)
+    if name in CONV and tx is not None:
+        return _depthwise(g, flow, u, tx)
     if name == "einsum":
         return _einsum_step(g, flow, u)
     if name in ("scaled_dot_product_attention", "flash_attention"):  # (autopar::flash_attention: (out, lse))
@@ -402,6 +336,11 @@ def _param_back(g: Graph, a, dim: int, o: int):
         return None
     s_in, s_out = shape_of(src), shape_of(a)
     try:
+        if name == "getitem" and _only_new_dims(a.args[1]):  # p[None, :, None]
+            d, o2 = reshape_track(s_out, s_in, dim, o, 1)
+            return _param_back(g, src, d, o2)
+        if pointwise(name) and [x for x in a.all_input_nodes] == [src] and s_in == s_out:  # -exp(A_log)
+            return _param_back(g, src, dim, o)
         if name == "getitem" and isinstance(a.args[1], fx.Node) and shape_of(a.args[1]) is not None:
             k = len(shape_of(a.args[1]))  # param[idx]: rows picked per token (a bias per expert)
             return _param_back(g, src, dim - k + 1, o) if dim >= k else None
@@ -416,6 +355,28 @@ def _param_back(g: Graph, a, dim: int, o: int):
     except Fail:
         return None
     return None
+
+
+def _only_new_dims(idx) -> bool:
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    return any(i is None for i in idx) and all(i is None or i is Ellipsis or i == slice(None) for i in idx)
+
+
+def _depthwise(g: Graph, flow: Flow, u: fx.Node, tx):
+    """A convolution with one filter per channel (``groups`` = channels: Mamba's causal conv1d)
+    over values sharded on the channels: each rank convolves its channels, the weight and bias
+    sharded with them."""
+    args = list(u.args) + [None] * 7
+    x, w, b = args[0], args[1] if args[1] is not None else u.kwargs.get("weight"), \
+        args[2] if args[2] is not None else u.kwargs.get("bias")
+    groups = args[6] if len(u.args) > 6 else u.kwargs.get("groups", 1)
+    sx, sw = shape_of(x), shape_of(w)
+    if x is not u.args[0] or tx[0] != 1 or groups != sx[1] or sw[0] != sx[1] or sw[1] != 1:
+        raise Fail(f"{op_name(u)}{where_of(u)} mixes the sharded channels")
+    for a in (w, b):
+        if isinstance(a, fx.Node):
+            _operand_needs(g, flow, u, a, 0, tx[1])
+    return 1, tx[1]
 
 
 def _elementwise(g: Graph, flow: Flow, u: fx.Node):
@@ -469,6 +430,17 @@ def _matmul(g: Graph, flow: Flow, u: fx.Node, name: str, tp: int):
             flow.rows.append((u, wname, contracted, tx[1]))
             return None
         return tx  # the matmul acts along another dim (per head): the sharded dim passes through
+    wf = weight_first(g, u)
+    if wf is not None:
+        x, wname, contracted, _ = wf
+        tx = _track(flow, x)
+        if tx is None:
+            raise Fail(f"a weight{where_of(u)} multiplied by the sharded values")
+        nx, no = len(shape_of(x)), len(shape_of(u))
+        if tx[0] == nx - 2:  # W @ x contracts x's rows: row-parallel
+            flow.rows.append((u, wname, contracted, tx[1]))
+            return None
+        return tx[0] + no - nx, tx[1]
     args = [a for a in list(u.args) + [u.kwargs.get(k) for k in ("input", "batch1", "batch2", "other")]
             if isinstance(a, fx.Node)]
     if name == "baddbmm":
@@ -489,16 +461,17 @@ def _matmul(g: Graph, flow: Flow, u: fx.Node, name: str, tp: int):
     if len(sa) < 3 or len(sb) < 3:
         raise Fail(f"{name}{where_of(u)}: a matmul of the sharded values autopar cannot follow")
     outs = set()
-    for v, t, s in ((a, ta, sa), (b, tb, sb)):
+    # per operand: its dim the product contracts, and its matrix dim the output keeps (a's rows, b's columns)
+    for t, s, gone, kept, at in ((ta, sa, len(sa) - 1, len(sa) - 2, len(so) - 2), (tb, sb, len(sb) - 2, len(sb) - 1, len(so) - 1)):
         if t is not None:
-            if t[0] >= len(s) - 2:
-                raise Fail(f"{name}{where_of(u)} contracts or keeps the sharded dim as a matrix dim")
-            outs.add((t[0] + len(so) - len(s), t[1]))
+            if t[0] == gone:
+                raise Fail(f"{name}{where_of(u)} contracts the sharded dim between values that are not a weight")
+            outs.add((at, t[1]) if t[0] == kept else (t[0] + len(so) - len(s), t[1]))
     if len(outs) != 1:
         raise Fail(f"{name}{where_of(u)} multiplies values sharded differently")
     ((d, o),) = outs
     for v, t, s in ((a, ta, sa), (b, tb, sb)):
-        if t is None:
+        if t is None and d < len(so) - 2:  # a batch dim: the other operand holds it too
             dv = d - (len(so) - len(s))
             if dv >= 0 and s[dv] == so[d]:
                 _operand_needs(g, flow, u, v, dv, o)
@@ -509,7 +482,7 @@ def _einsum_step(g: Graph, flow: Flow, u: fx.Node):
     """An einsum reading the sharded values: a letter the output keeps passes through (the other
     operands holding it follow, as in an elementwise op); a letter contracted with a weight's
     ends the flow there (row-parallel, that weight sharded on the letter's dim)."""
-    parsed = _einsum(u)
+    parsed = parse_einsum(u)
     if parsed is None:
         raise Fail(f"einsum{where_of(u)}: an equation autopar cannot follow (ellipsis or implicit output)")
     ins, out, ops = parsed

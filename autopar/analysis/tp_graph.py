@@ -26,11 +26,12 @@ NORM = {"layer_norm", "rms_norm"}
 STATISTICS = {"mean", "sum", "var", "amax", "norm"}  # reductions whose result is small and linear-ish to combine
 MATMUL = {"linear", "addmm", "mm", "matmul", "bmm", "baddbmm"}
 CAT = {"cat", "concat", "concatenate", "stack"}
+CONV = {"conv1d", "conv2d", "conv3d"}
 # a fresh tensor shaped like its input: no data flows from it (a buffer filled by writes after)
 FRESH = {"new_empty", "new_zeros", "new_ones", "new_full", "empty_like", "zeros_like", "ones_like", "full_like"}
 # every op some table or case of the derivation handles (others are followed by running them:
 # autopar/analysis/tp_measured.py)
-KNOWN = (SAME | RESHAPE | EXPAND | PERMUTE | SPLIT | REDUCE | NORM | MATMUL | CAT |
+KNOWN = (SAME | RESHAPE | EXPAND | PERMUTE | SPLIT | REDUCE | NORM | MATMUL | CAT | CONV |
          FRESH | {"getitem", "getattr", "copy_", "repeat", "repeat_interleave", "embedding", "einsum", "cross_entropy", "nll_loss",
           "scaled_dot_product_attention", "flash_attention", "linear_act", "where", "masked_fill", "output"})
 OPERATOR = {"truediv": "div", "floordiv": "floor_divide", "iadd": "add", "isub": "sub", "imul": "mul",
