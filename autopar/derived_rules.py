@@ -10,7 +10,8 @@ its own rows, as DDP would. ``derive`` decides it per mesh axis from what the op
    and on each rank's pieces of them one rank at a time; each output must be the pieces' outputs
    put together: concatenated on one dim (sharded there), in the strided layout of an input
    (strided-sharded), all equal to the whole (replicated) or summing to it (a partial sum).
-   Checked with two seeds, so a coincidence does not pass. Inputs past ``MAX_ELEMENTS`` (planning
+   Checked with two seeds, so a coincidence does not pass. An input that arrives as a pending
+   partial sum is reduced first (the op is not known to be linear in it), the others kept. Inputs past ``MAX_ELEMENTS`` (planning
    at scale) are run on shapes scaled down, each distinct large size to its own small one;
 2. else (or where it cannot be run here: a mutating op, a non-tensor input, an op that raises on
    random values) the inputs are gathered whole on that
@@ -89,6 +90,11 @@ def _derive(n: fx.Node, args, placements, ctx):
         if all(isinstance(p, Replicate) for p in given):
             continue  # whole on this axis: the op runs as is
         name = ctx.axis_names[axis]
+        pending = [i for i, p in enumerate(given) if isinstance(p, Partial)]
+        if pending:  # a pending partial sum is reduced first (the op is not known to be linear in it)
+            given = [Replicate() if i in pending else p for i, p in enumerate(given)]
+            for i in pending:
+                ins[i][axis] = Replicate()
         found, why = _check(n, args, given, ctx.axis_sizes[axis], outs)
         if found is None:  # gathered whole on this axis
             for p in ins:
@@ -98,6 +104,8 @@ def _derive(n: fx.Node, args, placements, ctx):
         for o, pl in zip(out_p, found):
             if pl is not None:
                 o[axis] = pl
+        if pending:
+            why += "; its partial-sum inputs reduced first"
         said.append(f"on {name}: inputs {', '.join(_fmt(p) for p in given)} -> outputs "
                     f"{', '.join(_fmt(p) for p in found if p is not None)} ({why})")
     outputs = tuple(tuple(o) if o[0] is not None else None for o in out_p)

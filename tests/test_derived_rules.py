@@ -102,3 +102,26 @@ def test_strided_shards_are_split_and_found_as_such():
     # taken for a plain shard, the strided pieces would not make up the whole: never Shard(1)
     found, _ = derived_rules.measure(mm, [x, w], vals, [Replicate(), Shard(1)], 2)
     assert found == [Shard(1)]
+
+
+def test_a_custom_grouped_matmul_is_sharded_by_tensor_parallelism(pools):
+    """Stacked experts through an op nobody wrote a rule or a table entry for (segment_mm: tokens
+    in E groups, each times its expert's [K, N] matrix): the tensor-parallel derivation runs it
+    whole and in pieces and finds the up projection column-parallel (N split) and the down
+    projection row-parallel (K split, a partial sum); the compiled rules, derived the same way,
+    keep everything local (no gather), and two steps on tp=2 match one process."""
+    from torch.distributed.tensor.placement_types import Shard
+
+    from autopar.analysis.tensor_parallel import derive
+    from autopar.capture import capture_graph
+
+    model, batches, loss_fn = unruled.build(experts=4)
+    dec = derive(capture_graph(model, batches[0], loss_fn), model, 2).decisions
+    assert (dec["w_up"].placement, dec["w_up"].role) == (Shard(2), "column"), dec["w_up"]
+    assert (dec["w_down"].placement, dec["w_down"].role) == (Shard(1), "row"), dec["w_down"]
+    assert "segment_mm contracts it with w_down split on dim 1 (found by running it)" in dec["w_up"].why
+    out = pools(2).run(unruled.job, {"tp": 2}, {"tp": "megatron"}, False, experts=4)
+    _close(out, unruled.reference(False, experts=4))
+    assert out["placements"]["w_up"] == "(Shard(dim=2),)" and out["placements"]["w_down"] == "(Shard(dim=1),)"
+    segment = [line for line in out["derived"] if line.startswith("demo_unruled.segment_mm")]
+    assert segment and not any("gathered whole" in line for line in segment), out["derived"]

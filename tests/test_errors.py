@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.tensor.placement_types import Shard
 
 import autopar
 from autopar.models.llama import Llama, LlamaConfig, cross_entropy
@@ -77,8 +78,8 @@ class UsesMystery(torch.nn.Module):
 def test_op_without_rule(fake):
     """Rules that shard a value into an op nobody wrote a rule for: autopar derives the op's rule
     by running it whole and in chunks (autopar/derived_rules.py; tests/test_derived_rules.py checks
-    the numbers against one process) and says so, naming the op. The megatron preset does not
-    shard through it: it replicates the weights around it and says so."""
+    the numbers against one process) and says so, naming the op. The megatron preset follows the
+    split through it the same way (autopar/analysis/tp_measured.py) and says so."""
     rules = [("up_proj.weight", "S(0)"), ("down_proj.weight", "S(1)")]
     with fake(tp=2) as mesh:
         pm = autopar.compile(UsesMystery(), mesh, example_inputs=(torch.randn(4, 8),), plan={"tp": rules})
@@ -87,8 +88,10 @@ def test_op_without_rule(fake):
         assert "no rule, derived: autopar_test.mystery.default" in pm.report()
     with fake(tp=2) as mesh:
         pm = autopar.compile(UsesMystery(), mesh, example_inputs=(torch.randn(4, 8),), plan={"tp": "megatron"})
-        why = dict(pm.ctx.placed.replicated["tp"])
-    assert "mystery" in why["up_proj.weight"] and "test_errors.py" in why["up_proj.weight"]
+        why = pm.ctx.plan.derived["tp"].decisions["up_proj.weight"].why
+        assert [tuple(p.placements) for p in (pm.module.up_proj.weight, pm.module.down_proj.weight)] == \
+            [(Shard(0),), (Shard(1),)]
+    assert "mystery keeps the split (found by running it) at tests/test_errors.py:" in why, why
 
 
 def test_batch_shape_mismatch(fake):

@@ -130,6 +130,8 @@ def measured_step(g: Graph, flow, u: fx.Node, tracks: dict):
     p, why = _run(g, u, args, tuple(base))
     t = _track_of(p)
     if t is not None:
+        if len(flow.trail) < 4:
+            flow.trail.append(f"{name} keeps the split (found by running it){where_of(u)}")
         return t
     views = [(i, g.param_view(a)) for i, a in enumerate(args) if a not in tracks]
     weights = [(i, v) for i, v in views if v is not None and len(v[1]) >= 2]

@@ -4,8 +4,12 @@
 token's output depends on that token only), with its backward ``demo_unruled::gate_backward``
 (dx row-wise, dw a sum over every token: a partial sum when tokens are split). ``demo_unruled::
 center(x)`` subtracts the mean over the batch (every row depends on every row: no split of the
-batch gives its result). Neither autopar nor DTensor knows them; autopar/derived_rules.py derives
-their rules by running them.
+batch gives its result). ``demo_unruled::segment_mm(x, w)`` multiplies the tokens, in E equal
+contiguous groups, each by its expert's matrix ``w[e]`` (stacked experts ``[E, K, N]``, as
+transformers' grouped_mm is), with its backward. Neither autopar nor DTensor knows them;
+autopar/derived_rules.py derives their rules by running them, and the tensor-parallel derivation
+(autopar/analysis/tp_measured.py) follows segment_mm the same way (the experts' up projection
+column-parallel, the down projection row-parallel).
 """
 
 from __future__ import annotations
@@ -63,37 +67,72 @@ def _(x):
 center.register_autograd(lambda ctx, dy: torch.ops.demo_unruled.center(dy), setup_context=lambda ctx, inputs, output: None)
 
 
-class Unruled(nn.Module):
-    """Embedding -> linear -> gate (-> center over the batch) -> LM head."""
+@torch.library.custom_op("demo_unruled::segment_mm", mutates_args=())
+def segment_mm(x: Tensor, w: Tensor) -> Tensor:
+    return torch.cat([xe @ we for xe, we in zip(x.chunk(w.shape[0]), w)])
 
-    def __init__(self, vocab: int = 64, dim: int = 32, centered: bool = False):
+
+@segment_mm.register_fake
+def _(x, w):
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
+@torch.library.custom_op("demo_unruled::segment_mm_backward", mutates_args=())
+def segment_mm_backward(dy: Tensor, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+    e = w.shape[0]
+    dx = torch.cat([dye @ we.T for dye, we in zip(dy.chunk(e), w)])
+    dw = torch.stack([xe.T @ dye for xe, dye in zip(x.chunk(e), dy.chunk(e))])
+    return dx, dw
+
+
+@segment_mm_backward.register_fake
+def _(dy, x, w):
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+segment_mm.register_autograd(lambda ctx, dy: tuple(torch.ops.demo_unruled.segment_mm_backward(dy, *ctx.saved_tensors)),
+                             setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs))
+
+
+class Unruled(nn.Module):
+    """Embedding -> linear -> gate (-> center over the batch) -> LM head; ``experts``: a residual
+    block of stacked experts through segment_mm (up, GELU, down) after the gate."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, centered: bool = False, experts: int = 0):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.proj = nn.Linear(dim, dim)
         self.w = nn.Parameter(torch.randn(dim) / dim ** 0.5)
         self.head = nn.Linear(dim, vocab)
         self.centered = centered
+        if experts:
+            self.w_up = nn.Parameter(torch.randn(experts, dim, 2 * dim) / dim ** 0.5)
+            self.w_down = nn.Parameter(torch.randn(experts, 2 * dim, dim) / (2 * dim) ** 0.5)
 
     def forward(self, tokens):
         h = torch.ops.demo_unruled.gate(self.proj(self.embed(tokens)), self.w)
         if self.centered:
             h = torch.ops.demo_unruled.center(h)
+        if hasattr(self, "w_up"):
+            flat = h.flatten(0, 1)
+            up = nn.functional.gelu(torch.ops.demo_unruled.segment_mm(flat, self.w_up))
+            h = h + torch.ops.demo_unruled.segment_mm(up, self.w_down).view_as(h)
         return self.head(h)
 
 
-def build(centered: bool = False, seed: int = 0):
+def build(centered: bool = False, seed: int = 0, experts: int = 0):
     """(model, batches, loss_fn): global batches of 4 x 8 tokens."""
     torch.manual_seed(seed)
-    model = Unruled(centered=centered)
+    model = Unruled(centered=centered, experts=experts)
     g = torch.Generator().manual_seed(seed + 1)
     batches = [(torch.randint(0, 64, (4, 8), generator=g), torch.randint(0, 64, (4, 8), generator=g))
                for _ in range(2)]
     return model, batches, lambda logits, y: nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def reference(centered: bool, steps: int = 2) -> dict:
+def reference(centered: bool, steps: int = 2, experts: int = 0) -> dict:
     """One eager process: losses and gradients of each step (SGD in between)."""
-    model, batches, loss_fn = build(centered)
+    model, batches, loss_fn = build(centered, experts=experts)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, grads = [], []
     for x, y in batches[:steps]:
@@ -106,12 +145,12 @@ def reference(centered: bool, steps: int = 2) -> dict:
     return {"losses": losses, "grads": grads}
 
 
-def job(axes: dict, plan: dict, centered: bool, steps: int = 2) -> dict:
+def job(axes: dict, plan: dict, centered: bool, steps: int = 2, experts: int = 0) -> dict:
     """On every rank of a pool: compile under ``plan``, the same steps; what was derived."""
     import autopar
     from autopar.runtime.common import full_tensor
 
-    model, batches, loss_fn = build(centered)
+    model, batches, loss_fn = build(centered, experts=experts)
     pm = autopar.compile(model, autopar.mesh(**axes), example_inputs=batches[0], loss_fn=loss_fn, plan=plan,
                          capture_eval=False)
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
@@ -122,4 +161,5 @@ def job(axes: dict, plan: dict, centered: bool, steps: int = 2) -> dict:
         opt.step()
         opt.zero_grad()
     return {"losses": losses, "grads": grads, "derived": list(pm.ctx.derived_rules), "report": pm.report(),
+            "placements": {n: str(tuple(p.placements)) for n, p in pm.named_parameters() if hasattr(p, "placements")},
             "collectives": [str(r.kind) if hasattr(r, "kind") else str(r) for r in pm.collectives()]}
