@@ -187,12 +187,11 @@ def _shapes(vals, given, size: int):
     shapes = [tuple(v.shape) for v in vals]
     if all(v.numel() <= MAX_ELEMENTS for v in vals):
         return shapes, False
-    unit = size
-    for p in given:
-        unit = unit * _factor(p) // math.gcd(unit, _factor(p))
-    unit = unit * 2 // math.gcd(unit, 2)  # room for an op that halves a dim (gate | up)
+    unit = 2  # room for an op that halves a dim (gate | up)
+    for p in given:  # a strided dim splits into size pieces of each of its parts
+        unit = math.lcm(unit, size * _factor(p))
     large = sorted({s for sh in shapes for s in sh if s > _SMALL})
-    small = {s: unit * max(1, -(-_SMALL // unit)) + unit * i for i, s in enumerate(large)}
+    small = {s: unit * (_SMALL // unit + 1 + i) for i, s in enumerate(large)}  # distinct, above every kept size
     out = [tuple(small.get(s, s) for s in sh) for sh in shapes]
     if any(math.prod(sh) > MAX_ELEMENTS for sh in out):
         return None, False

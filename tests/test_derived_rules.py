@@ -67,7 +67,7 @@ def test_inputs_past_the_limit_are_checked_scaled_down(monkeypatch):
     from autopar.mesh import fake_mesh
     from autopar.passes import propagate
 
-    monkeypatch.setattr(derived_rules, "MAX_ELEMENTS", 64)
+    monkeypatch.setattr(derived_rules, "MAX_ELEMENTS", 256)  # the traced [4, 8, 32] has 1,024
     monkeypatch.setattr(derived_rules, "_SMALL", 2)
     monkeypatch.setattr(derived_rules, "_CACHE", {})
     monkeypatch.setattr(propagate, "_SHARED_STRATEGIES", {})  # DTensor's answers shared by the process's compiles
@@ -77,7 +77,7 @@ def test_inputs_past_the_limit_are_checked_scaled_down(monkeypatch):
                              capture_eval=False)
     gate = next(line for line in pm.ctx.derived_rules if line.startswith("demo_unruled.gate.default"))
     assert "inputs S(0), R -> outputs S(0) (checked by running it" in gate, gate
-    assert "on shapes scaled down to [2, 4, 6], [6]" in gate, gate
+    assert "on shapes scaled down to [4, 6, 8], [8]" in gate, gate
 
 
 def test_strided_shards_are_split_and_found_as_such():
