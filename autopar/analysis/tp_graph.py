@@ -110,6 +110,7 @@ class Graph:
                 if kind == "param":
                     self.param[n] = name
         self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}  # every parameter
+        self.measured: dict = {}  # (node, input placements) -> what running it split gave (tp_measured.py)
         self.grad: set[fx.Node] = set()
         self.from_input: set[fx.Node] = set()
         for n in self.nodes:

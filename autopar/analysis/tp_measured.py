@@ -40,14 +40,15 @@ def runnable(n: fx.Node) -> bool:
     if schema is not None:
         return not schema.is_mutable
     if callable(getattr(t, "overloads", None)):  # an OpOverloadPacket (torch.ops.lib.op)
-        schemas = [getattr(t, o)._schema for o in t.overloads()]
+        packet = t
     elif getattr(t, "__module__", None) == "torch":
         packet = getattr(torch.ops.aten, getattr(t, "__name__", ""), None)
         if packet is None:
             return False
-        schemas = [getattr(packet, o)._schema for o in packet.overloads()]
     else:
         return False
+    # (an ``out=`` overload writes to its out argument only: not what the graph calls)
+    schemas = [getattr(packet, o)._schema for o in packet.overloads() if "out" not in o]
     return bool(schemas) and not any(s.is_mutable for s in schemas)
 
 
@@ -61,7 +62,7 @@ def _run(g: Graph, n: fx.Node, args: list, given: tuple):
     """The op's output placement with its tensor inputs split as ``given``, or None (with why)."""
     from autopar.derived_rules import measure
 
-    cache = g.__dict__.setdefault("_measured", {})
+    cache = g.measured
     key = (n, given)
     if key not in cache:
         found, why = measure(n, args, [val_of(a) for a in args], list(given), _PROBE)
