@@ -83,6 +83,34 @@ def _drop_legacy_empty_cat_inputs(graph: fx.Graph) -> None:
             n.args = ([t for t, e in zip(tensors, empty) if not e],) + tuple(n.args[1:])
 
 
+_aten = torch.ops.aten
+# ops that only view their input (no arithmetic) and may hand it to several readers
+_FAN_OUT_VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.transpose.int,
+                  _aten.t.default, _aten.permute.default, _aten.select.int, _aten.slice.Tensor,
+                  _aten.unsqueeze.default, _aten.squeeze.dim, _aten.squeeze.default, _aten.alias.default,
+                  _aten.split.Tensor, _aten.split_with_sizes.default}
+
+
+def _reduced_before_fan_out(n: fx.Node, in_specs, seq) -> dict:
+    """A pending partial sum viewed by an op whose result several ops read (a row-parallel
+    output split into parts, a tensor read once per loop step) is reduced once, there, rather than
+    by each reader on its part; and the backward then reads the reduced value, not a partial sum
+    that it would combine with sharded values by gathering them (Mamba's scan, which reads x_proj's
+    B and C once per token). Not on sequence-parallel axes, where a partial sum is reduce-scattered
+    (autopar/layout.py)."""
+    if n.target not in _FAN_OUT_VIEWS or len(n.users) < 2:
+        return {}
+    skip = set(seq.axes) if seq is not None and seq.active else set()
+    out = {}
+    for a, have in zip(tensor_args(n), in_specs):
+        if have is None:
+            continue
+        pl = tuple(Replicate() if isinstance(p, Partial) and ax not in skip else p for ax, p in enumerate(have.placements))
+        if pl != tuple(have.placements):
+            out[a] = ShardSpec(pl, have.shape, have.dtype)
+    return out
+
+
 def _spec_from_val(val, placements) -> ShardSpec | None:
     if isinstance(val, torch.Tensor):
         return ShardSpec(tuple(placements), tuple(val.shape), val.dtype)
@@ -101,6 +129,7 @@ def _propagate_node(n: fx.Node, ctx, seq: SequenceDims | None = None) -> None:
     read_as = seq.gathered(n, in_specs) if seq is not None else {}
     # a "ulysses" axis: attention's head-sharded outputs are read back sequence-sharded (an all-to-all)
     read_as.update(heads_to_sequence(n, in_specs, ctx, ATTENTION_OPS))
+    read_as.update(_reduced_before_fan_out(n, in_specs, seq))
     in_specs = [read_as.get(a, s) for a, s in zip(args, in_specs)]
     res = _decide(n, in_specs, ctx, read_as)
     # ... and a Partial activation the choice above resolves to Replicate is resolved to Shard(seq)

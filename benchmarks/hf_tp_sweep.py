@@ -1,0 +1,133 @@
+"""Every causal-LM architecture of transformers under derived tensor parallelism, on a fake mesh.
+
+For each ``model_type`` in transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (189 in 5.23), in a
+process of its own (a time limit each): build it from its config class with the tiny sizes of
+autopar/models/hf_archs.py (``COMMON``, the MoE fields, the sweep's own extras where hf_archs names
+the family), run one eager forward + backward (an architecture that does not is "not buildable" with
+the error), then compile it under ``{"tp": "megatron"}`` on a fake tp=2 mesh (capture, the derived
+placements, propagation, localize: the whole compile, no numerics) and report the share of the
+repeated blocks' matrix parameters sharded on tp (``hf_archs.tp_sharded``). The numerics against
+one process are benchmarks/hf_breadth.py's, for the 34 families it trains.
+
+    .venv/bin/python benchmarks/hf_tp_sweep.py [--jobs 2] [--timeout 240] [--out FILE.md] [TYPE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def one(model_type: str) -> dict:
+    """Build, run eagerly, compile on a fake tp=2 mesh; what happened, as a dict."""
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import autopar
+    from autopar.mesh import fake_mesh
+    from autopar.models import hf_archs
+
+    transformers.logging.set_verbosity_error()
+    extra = next((e for t, e in hf_archs.ARCHS.values() if t == model_type), {})
+    fields = {**hf_archs.COMMON, **hf_archs._MOE, **extra}
+    fields = {k: v for k, v in fields.items() if v is not hf_archs._DROP}
+    t0 = time.time()
+    try:
+        cfg = AutoConfig.for_model(model_type, **fields)
+        for k, v in cfg.to_dict().items():
+            if ("dropout" in k or "pdrop" in k) and isinstance(v, float):
+                setattr(cfg, k, 0.0)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg)
+        g = torch.Generator().manual_seed(1)
+        vocab = int(getattr(cfg, "vocab_size", hf_archs.VOCAB) or hf_archs.VOCAB)
+        x = torch.randint(3, min(vocab, hf_archs.VOCAB), (hf_archs.BATCH, hf_archs.SEQ), generator=g)
+        y = torch.randint(0, min(vocab, hf_archs.VOCAB), (hf_archs.BATCH, hf_archs.SEQ), generator=g)
+
+        def loss_fn(out, t):
+            logits = hf_archs._logits(out)
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), t.flatten(0, 1))
+
+        loss_fn(model(x), y).backward()
+        model.zero_grad()
+    except Exception as e:  # noqa: BLE001 - the architecture cannot be built at these sizes
+        return {"type": model_type, "status": "not buildable", "why": f"{type(e).__name__}: {str(e)[:160]}"}
+    try:
+        with fake_mesh({"tp": 2}, 0) as mesh:
+            pm = autopar.compile(model, mesh, example_inputs=(x, y), loss_fn=loss_fn, plan={"tp": "megatron"},
+                                 capture_eval=False)
+        share = hf_archs.tp_sharded(pm)
+        left = sorted({d.why.split(" at ")[0][:90] for n, d in pm.ctx.plan.derived["tp"].decisions.items()
+                       if d.role == "replicated" and len(pm.module.get_parameter(n).shape) >= 2
+                       and hf_archs_block(n)})
+        return {"type": model_type, "status": "ok", "share": share, "s": round(time.time() - t0, 1),
+                "replicated": left[:3], "derived_ops": len(pm.ctx.derived_rules)}
+    except Exception as e:  # noqa: BLE001 - reported per architecture
+        return {"type": model_type, "status": "compile failed", "why": f"{type(e).__name__}: {str(e)[:200]}",
+                "s": round(time.time() - t0, 1)}
+
+
+def hf_archs_block(name: str) -> bool:
+    from autopar.modpath import block_of
+
+    return bool(block_of(name))
+
+
+def _run(model_type: str, timeout: float) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", model_type]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=os.path.dirname(HERE))
+    except subprocess.TimeoutExpired:
+        return {"type": model_type, "status": "timeout", "why": f"over {timeout:.0f} s"}
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    return {"type": model_type, "status": "crashed", "why": (p.stderr.strip().splitlines() or ["?"])[-1][:200]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("types", nargs="*")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=240)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    if a.one:
+        print(json.dumps(one(a.one)))
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    types = a.types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    t0 = time.time()
+    with ThreadPoolExecutor(a.jobs) as ex:
+        rows = list(ex.map(lambda t: _run(t, a.timeout), types))
+    ok = [r for r in rows if r["status"] == "ok"]
+    built = [r for r in rows if r["status"] != "not buildable"]
+    most = [r for r in ok if r["share"] is not None and r["share"] >= 0.9]
+    lines = ["| model_type | status | share of the blocks' matrices sharded on tp | replicated (first reasons) / error |",
+             "|---|---|---|---|"]
+    for r in rows:
+        share = f"{100 * r['share']:.0f}%" if r.get("share") is not None else ""
+        why = "; ".join(r.get("replicated", [])) if r["status"] == "ok" else r.get("why", "")
+        lines.append(f"| {r['type']} | {r['status']} | {share} | {why.replace('|', '/')} |")
+    lines += ["", f"{len(types)} architectures, {len(built)} buildable at the tiny sizes, {len(ok)} compiled under "
+              f"megatron on a fake tp=2 mesh, {len(most)} of them with at least 90% of their blocks' matrices "
+              f"sharded ({100 * len(most) / max(1, len(built)):.0f}% of the buildable); {time.time() - t0:.0f} s"]
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
