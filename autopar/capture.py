@@ -239,6 +239,11 @@ def joint_program(gm: fx.GraphModule, example_inputs: tuple, model: nn.Module, s
     are their gradients, and which also returns the gradients of its floating-point inputs.
     ``device``: the device the program will run on (``_meta_autograd``)."""
     from autopar import capture_cache as cc
+    from autopar import joint_splice
+
+    spliced = joint_splice.joint_for(gm, model, stage)  # (``autopar plan``'s depths 4 and 5: from depth 3's)
+    if spliced is not None:
+        return spliced
 
     def keyed():
         return cc.graph_key(gm, model, example_inputs, stage, str(device), any(p.is_meta for p in model.parameters()))

@@ -63,6 +63,14 @@ def bypassed():
     return setting(_OFF, True)
 
 
+def used():
+    """Lookups and entries inside even where ``bypassed`` (``autopar plan``'s depths: the deeper
+    ones capture the shallowest's blocks again)."""
+    from autopar.scoped import setting
+
+    return setting(_OFF, False)
+
+
 class _Unkeyable(Exception):
     """The fingerprint met something it cannot compare by value or identity: trace afresh."""
 

@@ -15,7 +15,12 @@ BLOCK = re.compile(r"^((?:[^.]*\.)*?\d+)(\.|$)")  # the first list element on th
 def module_path(n: fx.Node) -> str:
     """The module path a torch-level node was traced in, as the model names it
     (``layers.0.self_attn``), whatever form dynamo wrote it in."""
-    st = n.meta.get("nn_module_stack")
+    return stack_path(n.meta.get("nn_module_stack"))
+
+
+def stack_path(st) -> str:
+    """``module_path`` of a module stack (a node's ``nn_module_stack``, or a backward node's
+    ``fwd_nn_module_stack``)."""
     if not st:
         return ""
     p = list(st.values())[-1][0]

@@ -331,9 +331,9 @@ def _shape(v):
     return type(v).__name__
 
 
-def _renumber(p: str, path: str, j: int) -> str:
-    """A module path of block 2 as block ``j``'s (dotted, indexed or getattr form)."""
+def _renumber(p: str, path: str, j: int, src: int = 2) -> str:
+    """A module path of block ``src`` as block ``j``'s (dotted, indexed or getattr form)."""
     attr = re.escape(path.rpartition(".")[2])
-    p = re.sub(rf"({attr})\.2(?=\D|$)", rf"\g<1>.{j}", p)
-    p = re.sub(rf"({attr})\[2\]", rf"\g<1>[{j}]", p)
-    return re.sub(rf"({attr}), '2'\)", rf"\g<1>, '{j}')", p)
+    p = re.sub(rf"({attr})\.{src}(?=\D|$)", rf"\g<1>.{j}", p)
+    p = re.sub(rf"({attr})\[{src}\]", rf"\g<1>[{j}]", p)
+    return re.sub(rf"({attr}), '{src}'\)", rf"\g<1>, '{j}')", p)

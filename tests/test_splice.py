@@ -91,3 +91,52 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.parametrize("spec,field,precision", [
+    ("llama-small", "n_layers", "fp32"),
+    ("llama-small", "n_layers", "bf16"),  # the weights' casts, each with its block
+    ("hf-llama-tiny", "num_hidden_layers", "fp32"),
+])
+def test_spliced_joint_graph_equals_the_traced_one(spec, field, precision):
+    """``autopar plan``'s depths 4 and 5 (and any deeper) take depth 3's joint graph spliced
+    (autopar/joint_splice.py): node for node what AOTAutograd traces (ops, arguments, shapes,
+    module paths), with the same placeholder and output roles and buffers."""
+    from autopar import joint_splice
+    from autopar.compiler import build
+    from autopar.depth import repeated
+    from autopar.ir import info
+    from autopar.options import CompileOptions
+
+    loaded = zoo.load(spec, meta=True, batch=2, seq=32, overrides={field: 6})
+    rep = repeated(loaded.model, loaded.example_inputs, loaded.loss_fn)
+
+    def traced(d):
+        at = rep.at(d)
+        with fake_mesh({"dp": 2, "tp": 2}, 0) as mesh, splice.spliced():
+            st = build(at.model, mesh, CompileOptions(example_inputs=at.example_inputs, loss_fn=at.loss_fn,
+                                                      plan={"dp": "fsdp", "tp": "megatron"}, capture_eval=False,
+                                                      precision=precision), stop_after="autograd")
+        return at, st.stages[0]
+
+    three, s3 = traced(3)
+    for d in (4, 6):
+        at, sd = traced(d)
+        before = joint_splice.STATS.get("spliced", 0)
+        with joint_splice.based_on(s3.gm, s3.program, three.model):
+            got = joint_splice.joint_for(sd.gm, at.model, None)
+        assert joint_splice.STATS.get("spliced", 0) == before + 1
+        want = sd.program
+        assert joint_splice.same_graph(got.graph, want.graph)
+        assert (got.inputs, got.outputs, list(got.buffers)) == (want.inputs, want.outputs, list(want.buffers))
+        assert all(got.buffers[k] is want.buffers[k] for k in got.buffers)
+        roles = [[info(n).role for n in p.graph.nodes if n.op == "placeholder"] for p in (got, want)]
+        assert roles[0] == roles[1]
+    # a graph that is not depth 3's spliced (another batch): traced, not spliced
+    other = zoo.load(spec, meta=True, batch=4, seq=32, overrides={field: 6})
+    with fake_mesh({"dp": 2, "tp": 2}, 0) as mesh, splice.spliced():
+        st = build(other.model, mesh, CompileOptions(example_inputs=other.example_inputs, loss_fn=other.loss_fn,
+                                                     plan={"dp": "fsdp", "tp": "megatron"}, capture_eval=False,
+                                                     precision=precision), stop_after="split")
+    with joint_splice.based_on(s3.gm, s3.program, three.model):
+        assert joint_splice.joint_for(st.stages[0].gm, other.model, None) is None

@@ -245,10 +245,11 @@ def dump_after(args, rank: int, progress: Progress) -> str:
         return state_text(state)
 
 
-def analyse(args, rank: int, progress: Progress, loaded=None) -> Analysis:
+def analyse(args, rank: int, progress: Progress, loaded=None, stop_after: str | None = None) -> Analysis:
     """Build the model (or take ``loaded``, a ``zoo.Loaded``), compile it for ``rank`` of a fake
-    process group, run the cost model."""
-    from autopar.compiler import compile_with
+    process group, run the cost model. ``stop_after``: the compile's state after that pass instead
+    (autopar/tools/extrapolate.py: the depth the deeper ones' joint graphs are spliced from)."""
+    from autopar.compiler import build, compile_with
     from autopar.analysis import cost
     from autopar.models import zoo
 
@@ -266,6 +267,9 @@ def analyse(args, rank: int, progress: Progress, loaded=None) -> Analysis:
     notes = []
     with fake_mesh(axes, rank) as mesh:
         t1 = time.perf_counter()
+        if stop_after is not None:
+            return build(loaded.model, mesh, compile_options(args, loaded, balanced_for(plan, dev.name), rank, progress),
+                         stop_after=stop_after)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             pm = compile_with(loaded.model, mesh, compile_options(args, loaded, balanced_for(plan, dev.name), rank,

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 
 from autopar.forked import Forked, can_fork, shared_heap
 from autopar.tools.render import Analysis, summary
@@ -165,6 +166,7 @@ def analyse_by_depth(args, plan: dict, rank: int, progress, analyse, loaded) -> 
     its block list cut to depths 3-5 (``plan``: the parsed ``--plan``) and the summary extrapolated
     to the model's depth; None when the model or plan does not qualify or the blocks are not
     identical (the caller then compiles every block; the reason is in ``args.depth_note``)."""
+    from autopar import capture_cache, joint_splice, splice
     from autopar.depth import repeated
     from autopar.pipeline_plan import is_pipeline_strategy
 
@@ -179,6 +181,23 @@ def analyse_by_depth(args, plan: dict, rank: int, progress, analyse, loaded) -> 
     def at(d: int, report) -> Analysis:
         return analyse(args, rank, lambda s: report(f"{s} (depth {d} of {layers})"), loaded=rep.at(d))
 
+    with capture_cache.used(), splice.spliced(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*LeafSpec", FutureWarning)  # (torch's, copying a graph's pytree codegen)
+        # depth 3 traced once, here, before the fork (capture and joint graph): its compile below
+        # finds both in the capture cache, the deeper depths capture its three blocks from there
+        # and splice them (autopar/splice.py), and their joint graphs are depth 3's spliced
+        # (autopar/joint_splice.py); each is checked to be what a trace would give, else traced
+        shallowest = rep.at(DEPTHS[0])
+        state = analyse(args, rank, lambda s: progress(f"{s} (depth {DEPTHS[0]} of {layers}, shared)"),
+                        loaded=shallowest, stop_after="autograd")
+        base = (state.stages[0].gm, state.stages[0].program, shallowest.model) if len(state.stages) == 1 else None
+        with joint_splice.based_on(*base) if base else contextlib.nullcontext():
+            return _by_depth(args, rank, rep, at, progress)
+
+
+def _by_depth(args, rank: int, rep, at, progress) -> Analysis | None:
+    """``analyse_by_depth`` from the fork on."""
+    layers = rep.layers
     # the shallower depths one after the other in one forked child (started first; the second
     # compile finds dynamo, DTensor's strategies and the model code warm), the deepest here: two
     # processes for the 2 cores, not three

@@ -1,0 +1,360 @@
+"""A deep model's joint graph from a three-block one: ``autopar plan``'s depths 4 and 5.
+
+``autopar plan`` compiles a model with a repeated block list at depths 3, 4 and 5 and extrapolates
+(autopar/tools/extrapolate.py). AOTAutograd's joint forward + backward trace is the largest part
+of each of those compiles. Inside ``based_on(gm3, joint3)`` (the depth-3 compile's torch-level
+graph after the passes before autograd, and its joint graph), the autograd pass of a deeper
+model takes its joint graph from depth 3's instead of tracing it, where that is what a trace
+would give:
+
+- the deeper model's torch-level graph must be depth 3's spliced (autopar/splice.py) to its
+  depth, node for node (op, target, arguments, shapes): the same program, more blocks;
+- in depth 3's joint graph every node is labelled with its block (forward nodes by their module
+  stack, backward nodes by their forward's, parameters by name, a gradient sum without a module
+  by the block of its latest input), and the blocks' nodes must come in runs 0, 1, 2 (prologue
+  casts, forward, parameters) or 2, 1, 0 (backward), with nothing between;
+- block 1 (the inner block) must be block 0 node for node (op, target, shapes, dtypes), each
+  argument shifted by one block: its own nodes at the same position, a read of block 2 where block
+  0 reads block 1 (the next block's gradients), a read of block 0 where block 0 reads the prologue
+  (the previous block's output), the prologue's and epilogue's values the same node. Nothing but
+  block 1 and the epilogue reads block 2, nothing but block 1 and the prologue's backward reads
+  block 0.
+
+Then the deep joint graph is depth 3's with block 1's nodes repeated for blocks 1 .. L-2 (each
+copy reading the previous copy where block 1 read block 0, and the next copy where it read block
+2) and block 2's as block L-1: in the order a trace emits them (forward ascending, backward
+descending). Any check failing: traced as usual. Planning only: the graph keeps no pytree codegen,
+and a copy's ``from_node`` (which keys dropout's random stream in a real run) still names block 1's.
+``tests/test_splice.py`` compares spliced joint graphs with traced ones node for node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import copy
+
+import torch
+from torch import fx
+
+from autopar.modpath import block_of, stack_path
+from autopar.splice import _renumber, _shape
+from autopar.scoped import setting
+
+_BASE: contextvars.ContextVar = contextvars.ContextVar("autopar_joint_base", default=None)
+STATS: dict[str, int] = {}
+
+
+@contextlib.contextmanager
+def based_on(gm3: fx.GraphModule, joint3, model3):
+    """Deeper models' joint graphs from ``joint3`` (the joint Program of ``gm3``, the torch-level
+    graph of ``model3``, the model cut to 3 blocks) where the checks allow (module docstring)."""
+    from autopar.capture_cache import gm_template, program_template
+
+    with setting(_BASE, (gm_template(gm3, model3), program_template(joint3, model3))):
+        yield
+
+
+def joint_for(gm: fx.GraphModule, model, stage) -> object | None:
+    """The joint Program of ``gm`` (``model``'s torch-level graph) spliced from the base, or None."""
+    from autopar import splice
+    from autopar.capture_cache import gm_from_template
+
+    base = _BASE.get()
+    if base is None or stage is not None:
+        return None
+    found = splice.block_list(model, splice.KEEP + 1)
+    if found is None:
+        return None
+    gm3, joint3 = base
+    if gm3 is None:
+        return None
+    path, blocks = found
+    with torch.no_grad():  # depth 3's graph read as the first three blocks of ``model``, spliced to its depth
+        expected = splice.splice(gm_from_template(gm3, model), model, path, blocks)
+    if expected is None or not same_graph(expected.graph, gm.graph):
+        STATS["refused"] = STATS.get("refused", 0) + 1
+        return None
+    out = splice_joint(joint3, model, path, len(blocks))
+    STATS["spliced" if out is not None else "refused"] = STATS.get("spliced" if out is not None else "refused", 0) + 1
+    return out
+
+
+def same_graph(a: fx.Graph, b: fx.Graph) -> bool:
+    """Node for node the same program (op, target, arguments by position, shapes, module paths);
+    names aside."""
+    na, nb = list(a.nodes), list(b.nodes)
+    if len(na) != len(nb):
+        return False
+    pos = {n: i for i, n in enumerate(na)}
+    posb = {n: i for i, n in enumerate(nb)}
+    ok = True
+
+    def same(x, y):
+        nonlocal ok
+        if isinstance(x, fx.Node) or isinstance(y, fx.Node):
+            ok = ok and isinstance(x, fx.Node) and isinstance(y, fx.Node) and pos[x] == posb[y]
+        elif isinstance(x, (list, tuple)):
+            ok = ok and type(x) is type(y) and len(x) == len(y)
+            if ok:
+                for p, q in zip(x, y):
+                    same(p, q)
+        elif isinstance(x, dict):
+            ok = ok and isinstance(y, dict) and x.keys() == y.keys()
+            if ok:
+                for k in x:
+                    same(x[k], y[k])
+        else:
+            ok = ok and type(x) is type(y) and x == y
+    for x, y in zip(na, nb):
+        if x.op != y.op or (x.op not in ("get_attr", "placeholder") and x.target != y.target):
+            return False
+        same(x.args, y.args)
+        same(x.kwargs, y.kwargs)
+        if not ok or any(_shape(x.meta.get(k)) != _shape(y.meta.get(k)) for k in ("example_value", "val")):
+            return False
+        if any(stack_path(x.meta.get(k)) != stack_path(y.meta.get(k)) for k in ("nn_module_stack", "fwd_nn_module_stack")):
+            return False
+    return True
+
+
+def _labels(graph: fx.Graph, path: str, keep: int) -> dict[fx.Node, int] | None:
+    """node -> its block (0 .. keep-1); nodes of no block are absent."""
+    from autopar.ir import info
+    from autopar.splice import _index_in
+
+    out: dict[fx.Node, int] = {}
+    pos = {n: k for k, n in enumerate(graph.nodes)}
+    for n in graph.nodes:
+        if n.op == "output":
+            continue
+        if n.op == "placeholder":
+            role = info(n).role
+            i = _index_in(str(role[1]), path) if role and role[0] in ("param", "buffer") else None
+        else:
+            st = n.meta.get("nn_module_stack") if "nn_module_stack" in n.meta else n.meta.get("fwd_nn_module_stack")
+            p = stack_path(st)
+            b = block_of(p) if p else ""
+            if b:
+                i = _index_in(b + ".", path)
+                if i is None:
+                    return None  # another module list (not the one spliced)
+            elif p:
+                i = None  # the prologue's or epilogue's own module
+            else:  # no module (a gradient sum, a cast): the block of its latest input
+                ins = [a for a in n.all_input_nodes if a in out]
+                i = out[max(ins, key=pos.__getitem__)] if ins else None
+        if i is not None:
+            if not 0 <= i < keep:
+                return None
+            out[n] = i
+    return out
+
+
+def splice_joint(template, model, path: str, layers: int, keep: int = 3):
+    """The joint Program of ``model`` (``layers`` blocks) from ``template``, its 3-block one; None
+    where a check of the module docstring fails."""
+    from autopar.ir import NodeInfo, Program, info
+
+    g3 = template.graph
+    nodes = list(g3.nodes)
+    label = _labels(g3, path, keep)
+    if label is None or layers < keep:
+        return None
+    blocks = [[n for n in nodes if label.get(n) == i] for i in range(keep)]
+    if any(not b for b in blocks) or len(blocks[0]) != len(blocks[1]):
+        return None
+    idx = {n: k for b in blocks for k, n in enumerate(b)}
+    # runs of block nodes: each group of consecutive runs is 0, 1, 2 or 2, 1, 0
+    groups: list[list[int]] = []
+    prev = None
+    for n in nodes:
+        b = label.get(n)
+        if b is None:
+            prev = None
+            continue
+        if prev is None:
+            groups.append([b])
+        elif b != groups[-1][-1]:
+            groups[-1].append(b)
+        prev = b
+    if any(gr not in ([0, 1, 2], [2, 1, 0]) for gr in groups):
+        return None
+    # who reads what
+    for n in nodes[:-1]:  # (the output node: gradients, every block's)
+        mine = label.get(n)
+        for a in n.all_input_nodes:
+            ba = label.get(a)
+            if ba is None or ba == mine:
+                continue
+            if ba == 2 and mine != 1 and mine is not None:
+                return None
+            if ba == 1 and mine not in (0, 2):
+                return None
+            if ba == 0 and mine not in (1, None):
+                return None
+    # block 1 is block 0 shifted by one: ``nxt`` maps a block-2 node block 1 reads to the block-1
+    # node block 0 reads in its place
+    nxt: dict[fx.Node, fx.Node] = {}
+
+    def same_arg(x, y) -> bool:
+        if isinstance(x, fx.Node) != isinstance(y, fx.Node):
+            return False
+        if isinstance(x, fx.Node):
+            bx, by = label.get(x), label.get(y)
+            if bx is None:
+                return x is y
+            if bx == 1:
+                return by == 0 and idx[x] == idx[y]
+            if bx == 0:
+                return by is None  # the previous block's value / the prologue's
+            if by != 1 or nxt.setdefault(x, y) is not y:
+                return False
+            return True
+        if isinstance(x, (list, tuple)):
+            return type(x) is type(y) and len(x) == len(y) and all(same_arg(p, q) for p, q in zip(x, y))
+        if isinstance(x, dict):
+            return x.keys() == y.keys() and all(same_arg(x[k], y[k]) for k in x)
+        return type(x) is type(y) and x == y
+
+    for a, b in zip(blocks[1], blocks[0]):
+        if a.op != b.op or _shape(a.meta.get("val")) != _shape(b.meta.get("val")):
+            return None
+        if a.op == "placeholder":
+            ra, rb = info(a).role, info(b).role
+            if ra[0] != rb[0] or str(ra[1]).replace(f"{path}.1.", f"{path}.0.", 1) != rb[1]:
+                return None
+            continue
+        if a.target != b.target or not same_arg(a.args, b.args) or not same_arg(a.kwargs, b.kwargs):
+            return None
+    if len(set(nxt.values())) != len(nxt):
+        return None
+
+    # ---- emit
+    g = fx.Graph()
+    copies: dict[int, dict[fx.Node, fx.Node]] = {}  # deep block j -> (template node -> its copy)
+    env: dict[fx.Node, fx.Node] = {}  # nodes of no block, block 0's and block 2's (as block L-1)
+    last = layers - 1
+
+    def renamed(name: str, i: int, j: int) -> str:
+        return name.replace(f"{path}.{i}.", f"{path}.{j}.", 1)
+
+    def read(a: fx.Node, j: int | None, src: int | None) -> fx.Node:
+        """What deep block ``j`` (made from block ``src``; None: no block) reads for ``a``."""
+        ba = label.get(a)
+        if src is None or ba is None or (ba == src and src != 1):
+            return env[a]
+        if src != 1:  # block 0 or block 2 (as block L-1) reading block 1: its first or last copy
+            return copies[1 if src == 0 else last - 1][a]
+        if ba == 1:
+            return copies[j][a]
+        if ba == 0:  # copy j reads copy j - 1 where block 1 read block 0 (block 0 itself for j = 1)
+            return env[a] if j == 1 else copies[j - 1][blocks[1][idx[a]]]
+        # block 2: copy j reads copy j + 1 (block 2 itself, as block L-1, for the last copy)
+        return env[a] if j == last - 1 else copies[j + 1][nxt[a]]
+
+    def emit(n: fx.Node, j: int | None, src: int | None) -> fx.Node:
+        if n.op == "placeholder":
+            role = info(n).role
+            new = g.placeholder(n.name if src is None or j == src else f"{n.name}_b{j}")
+            new.meta = dict(n.meta)
+            rec = copy.copy(info(n))
+            if src is not None and j != src:
+                rec.role = (role[0], renamed(role[1], src, j))
+            new.meta["autopar"] = rec
+            return new
+        new = g.node_copy(n, lambda a: read(a, j, src))
+        rec = new.meta.get("autopar")
+        if isinstance(rec, NodeInfo):
+            new.meta["autopar"] = copy.copy(rec)
+        if src is not None and j != src:  # the module stacks name the deep model's block
+            for key in ("nn_module_stack", "fwd_nn_module_stack"):
+                st = n.meta.get(key)
+                if st:
+                    new.meta[key] = {k: (_renumber(v[0], path, j, src), *v[1:]) if isinstance(v, tuple) else v
+                                     for k, v in st.items()}
+        return new
+
+    # spans of consecutive block nodes, each emitted for every deep block in its order
+    spans, k = [], 0
+    while k < len(nodes):
+        if label.get(nodes[k]) is None:
+            k += 1
+            continue
+        e = k
+        while e < len(nodes) and label.get(nodes[e]) is not None:
+            e += 1
+        spans.append((k, e))
+        k = e
+    span_at = {s: e for s, e in spans}
+    k = 0
+    while k < len(nodes) - 1:
+        n = nodes[k]
+        if k not in span_at:
+            env[n] = emit(n, None, None)
+            k += 1
+            continue
+        e = span_at[k]
+        run = {i: [m for m in nodes[k:e] if label[m] == i] for i in range(keep)}
+        ascending = label[nodes[k]] == 0
+        for j in (range(layers) if ascending else range(layers - 1, -1, -1)):
+            src = 0 if j == 0 else (2 if j == last else 1)
+            for m in run[src]:
+                new = emit(m, j, src)
+                if src == 1:
+                    copies.setdefault(j, {})[m] = new
+                else:
+                    env[m] = new
+        k = e
+    out_node = nodes[-1]
+    if out_node.op != "output":
+        return None
+    flat, roles = list(out_node.args[0]), list(template.outputs)
+    if len(flat) != len(roles):
+        return None
+    blocked = [_grad_block(r, path) for r in roles]
+    new_flat, new_roles = [], []
+    for pos, (v, r) in enumerate(zip(flat, roles)):
+        i = blocked[pos]
+        if i is None:
+            new_flat.append(env[v] if isinstance(v, fx.Node) else v)
+            new_roles.append(r)
+        elif i == 0 and (pos == 0 or blocked[pos - 1] is None):  # the run of blocks' gradients
+            e = pos
+            while e < len(flat) and blocked[e] is not None:
+                e += 1
+            run = {b: [(flat[q], roles[q]) for q in range(pos, e) if blocked[q] == b] for b in range(keep)}
+            if [blocked[q] for q in range(pos, e)] != sorted(blocked[q] for q in range(pos, e)):
+                return None
+            for j in range(layers):
+                src = 0 if j == 0 else (2 if j == last else 1)
+                for v2, r2 in run[src]:
+                    if isinstance(v2, fx.Node):
+                        v2 = copies[j][v2] if src == 1 else env[v2]
+                    new_flat.append(v2)
+                    new_roles.append((r2[0], renamed(r2[1], src, j)))
+        elif pos == 0 or blocked[pos - 1] is None:
+            return None  # a run of blocks' gradients that does not start at block 0
+    if len(new_flat) != len(flat) + (layers - keep) * blocked.count(1):
+        return None
+    out = g.output(type(out_node.args[0])(new_flat))
+    out.meta = {k: v for k, v in out_node.meta.items() if k != "desc"}
+    inputs = [info(p).role for p in g.nodes if p.op == "placeholder"]
+    bufs = dict(model.named_buffers(remove_duplicate=False))
+    buffers = {}
+    for kind, name in inputs:
+        if kind == "buffer":
+            v = template.buffers.get(name)
+            if v is None and name not in bufs:
+                return None
+            buffers[name] = bufs[name] if v is None else v
+    g.lint()
+    return Program(graph=g, inputs=inputs, outputs=new_roles, buffers=buffers)
+
+
+def _grad_block(role, path: str) -> int | None:
+    from autopar.splice import _index_in
+
+    if role[0] != "grad":
+        return None
+    return _index_in(str(role[1]), path)
