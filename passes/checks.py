@@ -134,8 +134,11 @@ def check_placements(graph: fx.Graph, program, ctx) -> None:
         wants = rec.wants if rec is not None else None
         if wants is None:
             continue
-        for a, want in zip(tensor_args(n), wants):
-            have = spec_of(a)
+        # (the output's wants are one per output, None where an output is not a value: a frozen
+        # parameter's gradient; an op's are one per tensor argument)
+        args = list(n.args[0]) if n.op == "output" else tensor_args(n)
+        for a, want in zip(args, wants):
+            have = spec_of(a) if isinstance(a, fx.Node) else None
             if want is not None and isinstance(have, ShardSpec) and tuple(have.placements) != tuple(want):
                 raise Broken(n, f"wants {fmt_placements(want)} for {a.name}, which is "
                                 f"{fmt_placements(have.placements)} (no redistribute between them)")

@@ -120,44 +120,47 @@ class Unruled(nn.Module):
         return self.head(h)
 
 
-def build(centered: bool = False, seed: int = 0, experts: int = 0):
-    """(model, batches, loss_fn): global batches of 4 x 8 tokens."""
+def build(centered: bool = False, seed: int = 0, experts: int = 0, frozen: tuple = ()):
+    """(model, batches, loss_fn): global batches of 4 x 8 tokens; ``frozen``: parameters that
+    need no gradient."""
     torch.manual_seed(seed)
     model = Unruled(centered=centered, experts=experts)
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
     g = torch.Generator().manual_seed(seed + 1)
     batches = [(torch.randint(0, 64, (4, 8), generator=g), torch.randint(0, 64, (4, 8), generator=g))
                for _ in range(2)]
     return model, batches, lambda logits, y: nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def reference(centered: bool, steps: int = 2, experts: int = 0) -> dict:
+def reference(centered: bool, steps: int = 2, experts: int = 0, frozen: tuple = ()) -> dict:
     """One eager process: losses and gradients of each step (SGD in between)."""
-    model, batches, loss_fn = build(centered, experts=experts)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, batches, loss_fn = build(centered, experts=experts, frozen=frozen)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     losses, grads = [], []
     for x, y in batches[:steps]:
         loss = loss_fn(model(x), y)
         loss.backward()
         losses.append(loss.item())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         opt.step()
         opt.zero_grad()
     return {"losses": losses, "grads": grads}
 
 
-def job(axes: dict, plan: dict, centered: bool, steps: int = 2, experts: int = 0) -> dict:
+def job(axes: dict, plan: dict, centered: bool, steps: int = 2, experts: int = 0, frozen: tuple = ()) -> dict:
     """On every rank of a pool: compile under ``plan``, the same steps; what was derived."""
     import autopar
     from autopar.runtime.common import full_tensor
 
-    model, batches, loss_fn = build(centered, experts=experts)
+    model, batches, loss_fn = build(centered, experts=experts, frozen=frozen)
     pm = autopar.compile(model, autopar.mesh(**axes), example_inputs=batches[0], loss_fn=loss_fn, plan=plan,
                          capture_eval=False)
-    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.1)
     losses, grads = [], []
     for x, y in batches[:steps]:
         losses.append(pm.train_step(x, y).item())
-        grads.append({n: full_tensor(p.grad).clone() for n, p in pm.named_parameters()})
+        grads.append({n: full_tensor(p.grad).clone() for n, p in pm.named_parameters() if p.grad is not None})
         opt.step()
         opt.zero_grad()
     return {"losses": losses, "grads": grads, "derived": list(pm.ctx.derived_rules), "report": pm.report(),
