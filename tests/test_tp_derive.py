@@ -181,7 +181,10 @@ SEQUENCE = {(p, k): 2 for p in ("forward", "backward") for k in ("all_gather", "
 COUNTS = [("Llama", "megatron", MEGATRON), ("GPT-2", "megatron", MEGATRON),
           # one norm feeds both branches: their input gradients are summed before one all-reduce
           ("GPT-J", "megatron", {("forward", "all_reduce"): 2, ("backward", "all_reduce"): 1}),
-          ("Llama", "sequence", SEQUENCE), ("GPT-2", "sequence", SEQUENCE)]
+          ("Llama", "sequence", SEQUENCE), ("GPT-2", "sequence", SEQUENCE),
+          # stacked experts through transformers' grouped_mm_fallback (followed by running it); Mamba's
+          # scan reading x_proj's output once per token (reduced once, where it is split)
+          ("Mixtral", "megatron", MEGATRON), ("Mamba", "megatron", MEGATRON)]
 
 
 @pytest.mark.parametrize("arch,strategy,expected", COUNTS, ids=[f"{a}-{s}" for a, s, _ in COUNTS])
