@@ -11,12 +11,13 @@ its own rows, as DDP would. ``derive`` decides it per mesh axis from what the op
    put together: concatenated on one dim (sharded there), in the strided layout of an input
    (strided-sharded), all equal to the whole (replicated) or summing to it (a partial sum).
    Checked with two seeds, so a coincidence does not pass. An input that arrives as a pending
-   partial sum is reduced first (the op is not known to be linear in it), the others kept. Inputs past ``MAX_ELEMENTS`` (planning
-   at scale) are run on shapes scaled down, each distinct large size to its own small one;
+   partial sum is reduced first (the op is not known to be linear in it), the others kept.
+   Inputs past ``MAX_ELEMENTS`` (planning at scale) are run on shapes scaled down, each distinct
+   large size to its own small one;
 2. else (or where it cannot be run here: a mutating op, a non-tensor input, an op that raises on
-   random values) the inputs are gathered whole on that
-   axis, the op runs replicated, and the reason says so; propagate then inserts the collective,
-   which the program's communication lists like any other.
+   random values) the inputs are gathered whole on that axis, the op runs replicated, and the
+   reason says so; propagate then inserts the collective, which the program's communication
+   lists like any other.
 
 What was derived is cached per op, torch version, shapes, dtypes and input placements for the
 process, and each decision is recorded in ``ctx.derived_rules`` (``pm.report()``, ``autopar
@@ -125,7 +126,7 @@ def measure(n: fx.Node, args, vals, given, size: int):
     """How ``n``'s outputs come out when its tensor inputs ``args`` (traced values ``vals``) are
     split as ``given`` over ``size`` ranks: (a placement per output, None for a non-tensor, in
     words how it was checked), or (None, why it could not be). Also used by the tensor-parallel
-    derivation (autopar/analysis/tp_flow.py) to follow an op it has no table entry for.
+    derivation (autopar/analysis/tp_measured.py) to follow an op it has no table entry for.
 
     Inputs past ``MAX_ELEMENTS`` are checked on shapes scaled down (each distinct large size to
     its own small one, divisible as the split needs), the reason says so."""

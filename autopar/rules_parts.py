@@ -166,32 +166,40 @@ def sharded_slice_scatter_rule(node, in_specs, ctx):
     return RuleResult([tuple(outs), tuple(outs)], tuple(outs), None, "slice_scatter into a buffer sharded like its source")
 
 
-def _depthwise_axes(x, w, groups, transposed):
-    """The axes on which a one-filter-per-channel convolution's input is sharded on its channels
-    (the rest whole), or None where the rule does not apply."""
+def _depthwise_layout(x, w, groups, transposed):
+    """Per mesh axis, how a one-filter-per-channel convolution's input is split: "c" (its
+    channels), "b" (its batch: data parallelism), "r" (whole); None where the rule does not apply
+    (not such a convolution, another split, or no axis splitting the channels)."""
     if transposed or groups != x.shape[1] or w.shape[0] != x.shape[1] or w.shape[1] != 1:
         return None
-    axes = []
-    for a, p in enumerate(x.placements):
-        if isinstance(p, Shard) and not isinstance(p, tc.StridedShard) and p.dim == 1:
-            axes.append(a)
-        elif not isinstance(p, Replicate):
+    kinds = []
+    for p in x.placements:
+        plain = isinstance(p, Shard) and not isinstance(p, tc.StridedShard)
+        if plain and p.dim in (0, 1):
+            kinds.append("cb"[p.dim == 0])
+        elif isinstance(p, Replicate):
+            kinds.append("r")
+        else:
             return None
-    return axes or None
+    return kinds if "c" in kinds else None
+
+
+_R = Replicate()
 
 
 @rule(aten.convolution.default)
 def depthwise_conv_rule(node, in_specs, ctx):
     """A convolution with one filter per channel (``groups`` = channels: Mamba's causal conv1d)
     on input sharded on its channels: each rank convolves its channels with its filters (weight
-    and bias sharded on dim 0; ``groups`` = its channel count). Anything else: DTensor's rule."""
+    and bias sharded on dim 0; ``groups`` = its channel count); on a data-parallel axis, its rows
+    with the whole filters. Anything else: DTensor's rule."""
     x, w = in_specs[:2]
     has_bias = len(in_specs) > 2 and in_specs[2] is not None
-    axes = _depthwise_axes(x, w, node.args[8], node.args[6])
-    if axes is None:
+    kinds = _depthwise_layout(x, w, node.args[8], node.args[6])
+    if kinds is None:
         return None
-    on = tuple(Shard(1) if a in axes else Replicate() for a in range(len(x.placements)))
-    per_channel = tuple(Shard(0) if a in axes else Replicate() for a in range(len(x.placements)))
+    on = tuple({"c": Shard(1), "b": Shard(0), "r": _R}[k] for k in kinds)
+    per_channel = tuple(Shard(0) if k == "c" else _R for k in kinds)
 
     def impl(ctx, x, w, b, stride, padding, dilation, transposed, output_padding, groups):
         return aten.convolution(x, w, b, stride, padding, dilation, transposed, output_padding, x.shape[1])
@@ -202,14 +210,16 @@ def depthwise_conv_rule(node, in_specs, ctx):
 
 @rule(aten.convolution_backward.default)
 def depthwise_conv_backward_rule(node, in_specs, ctx):
-    """The backward of ``depthwise_conv_rule``'s convolution: the input's gradient sharded on the
-    channels, the weight's and the bias's on dim 0, each rank on its own channels."""
+    """The backward of ``depthwise_conv_rule``'s convolution: the input's gradient split as the
+    input, the weight's and the bias's on dim 0 where the channels are split and partial sums
+    where the batch is."""
     g, x, w = in_specs[:3]
-    axes = _depthwise_axes(x, w, node.args[9], node.args[7])
-    if axes is None or tuple(g.placements) != tuple(x.placements):
+    kinds = _depthwise_layout(x, w, node.args[9], node.args[7])
+    if kinds is None or tuple(g.placements) != tuple(x.placements):
         return None
-    on = tuple(Shard(1) if a in axes else Replicate() for a in range(len(x.placements)))
-    per_channel = tuple(Shard(0) if a in axes else Replicate() for a in range(len(x.placements)))
+    on = tuple({"c": Shard(1), "b": Shard(0), "r": _R}[k] for k in kinds)
+    per_channel = tuple(Shard(0) if k == "c" else _R for k in kinds)
+    grads = tuple({"c": Shard(0), "b": Partial(), "r": _R}[k] for k in kinds)
     mask = node.args[10]
 
     def impl(ctx, g, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask):
@@ -217,5 +227,5 @@ def depthwise_conv_backward_rule(node, in_specs, ctx):
         return aten.convolution_backward(g, x, w, sizes, stride, padding, dilation, transposed, output_padding,
                                          x.shape[1], output_mask)
 
-    outs = (on if mask[0] else None, per_channel if mask[1] else None, per_channel if mask[2] else None)
+    outs = (on if mask[0] else None, grads if mask[1] else None, grads if mask[2] else None)
     return RuleResult([on, on, per_channel], outs, impl, "convolution per channel, sharded on the channels, backward")

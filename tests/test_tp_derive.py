@@ -235,3 +235,26 @@ def test_stacked_experts_through_einsum_against_one_process(pools, references):
 
     out = pools(2).run(parity_job, "moe", {"tp": 2}, {"tp": "megatron"})
     assert_parity(references("moe"), out, "moe")
+
+
+def test_mamba_under_fsdp_and_megatron_gathers_nothing_on_tp():
+    """Mamba's per-channel conv1d on a 2-D mesh: its input split on the batch (dp) and on the
+    channels (tp) is convolved where it is (autopar/rules_parts.py), no all-gather on tp (DTensor's
+    convolution rule gathered the channels: 3 all-gathers each way per block)."""
+    from autopar.mesh import fake_mesh
+    from autopar.models.hf_archs import build_hf
+
+    model, batches, loss_fn = build_hf("Mamba", seq=8, num_hidden_layers=1)
+    with fake_mesh({"dp": 2, "tp": 2}, 0) as mesh:
+        pm = autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn,
+                             plan={"dp": "fsdp", "tp": "megatron"}, capture_eval=False)
+    gathers = [r.reason for r in pm.collectives() if r.axis == "tp" and r.kind == "all_gather"]
+    assert not gathers, gathers
+    assert any(info_rule == "convolution per channel, sharded on the channels, backward"
+               for info_rule in _rule_names(pm))
+
+
+def _rule_names(pm):
+    from autopar.ir import info
+
+    return {info(n).rule.name for n in pm.program.graph.nodes if info(n).rule is not None}
