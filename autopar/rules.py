@@ -17,7 +17,6 @@ sharded dim (autopar/rules_parts.py) by tests/test_hf_breadth.py's GPT-2 and gpt
 
 from __future__ import annotations
 
-from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -28,7 +27,8 @@ from autopar.errors import PlanError
 from autopar.ir import RuleResult, ShardSpec, source_line
 from autopar.experts import MOE_OPS, ep_impl, expert_axes
 from autopar.layout import ring_axes, ulysses_axes
-from autopar.rules_parts import PARTS_RULES
+from autopar.rule_registry import RULES, norm_dim, rule  # noqa: F401 (RULES: re-exported for propagate)
+from autopar import rules_parts  # noqa: F401,E402 - registers its rules in RULES
 from autopar.ring import kv_repeat, ring_impl
 
 aten = torch.ops.aten
@@ -36,20 +36,8 @@ R = Replicate()
 PSUM = Partial("sum")
 
 
-RULES: dict[object, Callable] = dict(PARTS_RULES)  # split / cat / slice of a sharded dim's parts
-
-
-def rule(*ops):
-    def register(fn):
-        for op in ops:
-            RULES[op] = fn
-        return fn
-
-    return register
-
-
-def _norm(dim: int, ndim: int) -> int:
-    return dim % ndim if ndim else 0
+# (the registry is shared with autopar/rules_parts.py: split / cat / slice of a sharded dim's parts)
+_norm = norm_dim
 
 
 def _shard_dim(p: Placement) -> int | None:

@@ -1,5 +1,5 @@
-"""autopar's sharding rules for parts of a sharded dim (``PARTS_RULES``, which autopar/rules.py
-adds to its ``RULES``): a fused projection's ``[q | k | v]`` or ``[gate | up]`` split after a column-parallel
+"""autopar's sharding rules for parts of a sharded dim (registered in autopar/rule_registry.py's
+``RULES``, as autopar/rules.py's are): a fused projection's ``[q | k | v]`` or ``[gate | up]`` split after a column-parallel
 matmul whose weight is strided-sharded (autopar/analysis/tensor_parallel.py) and the gradients'
 cat back; interleaved parts (``x[..., 0::2]``, ``x[..., 1::2]``: gpt-oss's gate and up) taken
 from a dim sharded in pieces that hold whole strides, and their backward; a buffer filled by
@@ -15,21 +15,10 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from autopar import torch_compat as tc
 from autopar.ir import RuleResult, ShardSpec
+from autopar.rule_registry import norm_dim, rule
 
 aten = torch.ops.aten
-PARTS_RULES: dict = {}  # op -> rule; autopar/rules.py puts them into its RULES
-
-
-def rule(*ops):
-    def register(fn):
-        for op in ops:
-            PARTS_RULES[op] = fn
-        return fn
-    return register
-
-
-def _norm(dim: int, ndim: int) -> int:
-    return dim % ndim if ndim else 0
+_norm = norm_dim
 
 
 # ---------------------------------------------------------------------------------------

@@ -42,18 +42,9 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from autopar.analysis.tp_flow import Flow, run_flow
 from autopar.analysis.tp_starts import start_of
-from autopar.analysis.tp_graph import Fail, Graph, NORM, op_name, pointwise, shape_of, where_of
+from autopar.analysis.tp_graph import Fail, Graph, NORM, op_name, pointwise, shape_of, strided, where_of
 
 R = Replicate()
-
-
-def strided(dim: int, outer: int) -> Placement:
-    """Shard(dim), or dim strided-sharded with ``outer`` parts (each rank holds 1/tp of each)."""
-    if outer == 1:
-        return Shard(dim)
-    from autopar import torch_compat as tc
-
-    return tc.StridedShard(dim, split_factor=outer)
 
 
 @dataclass

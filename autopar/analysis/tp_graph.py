@@ -39,6 +39,17 @@ OPERATOR = {"truediv": "div", "floordiv": "floor_divide", "iadd": "add", "isub":
             "getitem": "getitem", "matmul": "matmul", "neg": "neg", "pos": "positive"}
 
 
+def strided(dim: int, outer: int):
+    """Shard(dim), or dim strided-sharded with ``outer`` parts (each rank holds 1/tp of each)."""
+    from torch.distributed.tensor.placement_types import Shard
+
+    if outer == 1:
+        return Shard(dim)
+    from autopar import torch_compat as tc
+
+    return tc.StridedShard(dim, split_factor=outer)
+
+
 def op_name(n: fx.Node) -> str:
     if n.op == "call_method":
         return n.target

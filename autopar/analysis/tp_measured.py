@@ -25,7 +25,7 @@ import torch
 from torch import fx
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from autopar.analysis.tp_graph import Graph, shape_of, val_of
+from autopar.analysis.tp_graph import Graph, shape_of, strided, val_of
 
 _PROBE = 2  # ranks the op is split over to see what it does (a structural question: any size > 1 tells)
 
@@ -69,14 +69,6 @@ def _run(g: Graph, n: fx.Node, args: list, given: tuple):
         single = found[0] if found is not None and len(found) == 1 else None
         cache[key] = (single, why)
     return cache[key]
-
-
-def _placed(dim: int, outer: int):
-    if outer == 1:
-        return Shard(dim)
-    from autopar import torch_compat as tc
-
-    return tc.StridedShard(dim, split_factor=outer)
 
 
 def _track_of(p) -> tuple[int, int] | None:
@@ -125,7 +117,7 @@ def measured_step(g: Graph, flow, u: fx.Node, tracks: dict):
     if not runnable(u):
         raise Fail(f"{name}{where_of(u)}: an op whose sharding autopar does not derive")
     args = _tensors(u)
-    base = [_placed(*tracks[a]) if a in tracks and isinstance(tracks[a], tuple) else Replicate() for a in args]
+    base = [strided(*tracks[a]) if a in tracks and isinstance(tracks[a], tuple) else Replicate() for a in args]
     outer = {tracks[a][1] for a in args if a in tracks and isinstance(tracks[a], tuple)}
     o = outer.pop() if len(outer) == 1 else None
     p, why = _run(g, u, args, tuple(base))
@@ -143,7 +135,7 @@ def measured_step(g: Graph, flow, u: fx.Node, tracks: dict):
             if shape[j] % (_PROBE * o):
                 continue
             given = list(base)
-            given[i] = _placed(j, o)
+            given[i] = strided(j, o)
             q, why_j = _run(g, u, args, tuple(given))
             if isinstance(q, Partial):
                 flow.rows.append((u, wname, perm[j], o))
