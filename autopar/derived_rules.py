@@ -221,8 +221,9 @@ def _outputs(n: fx.Node, args, values) -> list:
         if isinstance(x, (list, tuple)):
             return type(x)(sub(i) for i in x)
         return x
+    args, kwargs = sub(tuple(n.args)), {k: sub(v) for k, v in n.kwargs.items()}
     with torch.no_grad():
-        out = n.target(*sub(tuple(n.args)), **{k: sub(v) for k, v in n.kwargs.items()})
+        out = getattr(args[0], n.target)(*args[1:], **kwargs) if n.op == "call_method" else n.target(*args, **kwargs)
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 

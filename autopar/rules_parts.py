@@ -103,10 +103,52 @@ def strided_slice_rule(node, in_specs, ctx):
     x = in_specs[0]
     dim, start, end, step = _slice_args(node.args, 1)
     dim = _norm(dim, len(x.shape))
-    if any(isinstance(p, Partial) for p in x.placements) or \
-            not _strides_kept(ctx, x.placements, dim, x.shape[dim], start, end, step):
+    if any(isinstance(p, Partial) for p in x.placements):
+        return None
+    part = _whole_part(x.placements, dim, x.shape[dim], start, end, step)
+    if part is not None:  # one of a strided shard's parts (a cat's backward): each rank's piece of it
+        j, k, axes = part
+        out = tuple(Shard(dim) if a in axes else p for a, p in enumerate(x.placements))
+
+        def impl(ctx, x, *_):
+            m = x.shape[dim] // k
+            return x.narrow(dim, j * m, m)
+
+        return RuleResult([tuple(x.placements)], out, impl, "a part of a strided shard")
+    if not _strides_kept(ctx, x.placements, dim, x.shape[dim], start, end, step):
         return None
     return RuleResult([tuple(x.placements)], tuple(x.placements), None, "strided slice of a sharded dim")
+
+
+def _whole_part(placements, dim: int, n: int, start, end, step):
+    """(j, k, axes) where ``[start:end]`` (step 1) is exactly the j-th of the k parts of a dim
+    strided-sharded with split factor k on ``axes``, and no other axis splits that dim; else None."""
+    axes = [a for a, p in enumerate(placements) if isinstance(p, tc.StridedShard) and p.dim == dim]
+    if not axes or step not in (None, 1) or any(
+            isinstance(p, Shard) and p.dim == dim and a not in axes for a, p in enumerate(placements)):
+        return None
+    ks = {placements[a].split_factor for a in axes}
+    if len(ks) != 1 or len(axes) != 1:
+        return None
+    (k,) = ks
+    start = 0 if start is None else (start + n if start < 0 else start)
+    end = n if end is None or end >= n else (end + n if end < 0 else end)
+    if n % k or start % (n // k) or end - start != n // k:
+        return None
+    return start // (n // k), k, axes
+
+
+@rule(aten.tril.default, aten.triu.default)
+def triangle_rule(node, in_specs, ctx):
+    """``tril`` / ``triu`` mask the last two dims: a value split (or partial) along any other dim
+    is masked where it is (a chunked scan's per-head scores). Anything else: DTensor's rule."""
+    x = in_specs[0]
+    nd = len(x.shape)
+    if any(isinstance(p, (Shard, tc.StridedShard)) and _norm(p.dim, nd) >= nd - 2 for p in x.placements):
+        return None
+    if all(isinstance(p, Replicate) for p in x.placements):
+        return None
+    return RuleResult([tuple(x.placements)], tuple(x.placements), None, "triangle mask of the last two dims, split elsewhere")
 
 
 @rule(aten.slice_backward.default)
@@ -157,20 +199,28 @@ def sharded_slice_scatter_rule(node, in_specs, ctx):
 
 def _depthwise_layout(x, w, groups, transposed):
     """Per mesh axis, how a one-filter-per-channel convolution's input is split: "c" (its
-    channels), "b" (its batch: data parallelism), "r" (whole); None where the rule does not apply
-    (not such a convolution, another split, or no axis splitting the channels)."""
+    channels; also in k parts, each split: a ``cat`` of q, k, v before one conv), "b" (its batch:
+    data parallelism), "r" (whole), each with the channels' split factor; None where the rule does
+    not apply (not such a convolution, another split, or no axis splitting the channels)."""
     if transposed or groups != x.shape[1] or w.shape[0] != x.shape[1] or w.shape[1] != 1:
         return None
     kinds = []
     for p in x.placements:
-        plain = isinstance(p, Shard) and not isinstance(p, tc.StridedShard)
-        if plain and p.dim in (0, 1):
-            kinds.append("cb"[p.dim == 0])
+        if isinstance(p, tc.StridedShard) and p.dim == 1:
+            kinds.append(("c", p.split_factor))
+        elif isinstance(p, Shard) and not isinstance(p, tc.StridedShard) and p.dim in (0, 1):
+            kinds.append(("cb"[p.dim == 0], 1))
         elif isinstance(p, Replicate):
-            kinds.append("r")
+            kinds.append(("r", 1))
         else:
             return None
-    return kinds if "c" in kinds else None
+    return kinds if any(k == "c" for k, _ in kinds) else None
+
+
+def _on(kinds, dim: int):
+    """The placements per axis of a value split on the channels at ``dim`` as ``kinds`` say."""
+    return tuple((tc.StridedShard(dim, split_factor=f) if f > 1 else Shard(dim)) if k == "c" else
+                 Shard(0) if k == "b" else _R for k, f in kinds)
 
 
 _R = Replicate()
@@ -180,15 +230,14 @@ _R = Replicate()
 def depthwise_conv_rule(node, in_specs, ctx):
     """A convolution with one filter per channel (``groups`` = channels: Mamba's causal conv1d)
     on input sharded on its channels: each rank convolves its channels with its filters (weight
-    and bias sharded on dim 0; ``groups`` = its channel count); on a data-parallel axis, its rows
-    with the whole filters. Anything else: DTensor's rule."""
+    and bias sharded on dim 0 the same way; ``groups`` = its channel count); on a data-parallel
+    axis, its rows with the whole filters. Anything else: DTensor's rule."""
     x, w = in_specs[:2]
     has_bias = len(in_specs) > 2 and in_specs[2] is not None
     kinds = _depthwise_layout(x, w, node.args[8], node.args[6])
     if kinds is None:
         return None
-    on = tuple({"c": Shard(1), "b": Shard(0), "r": _R}[k] for k in kinds)
-    per_channel = tuple(Shard(0) if k == "c" else _R for k in kinds)
+    on, per_channel = _on(kinds, 1), tuple(_R if k == "b" else p for (k, _), p in zip(kinds, _on(kinds, 0)))
 
     def impl(ctx, x, w, b, stride, padding, dilation, transposed, output_padding, groups):
         return aten.convolution(x, w, b, stride, padding, dilation, transposed, output_padding, x.shape[1])
@@ -206,9 +255,8 @@ def depthwise_conv_backward_rule(node, in_specs, ctx):
     kinds = _depthwise_layout(x, w, node.args[9], node.args[7])
     if kinds is None or tuple(g.placements) != tuple(x.placements):
         return None
-    on = tuple({"c": Shard(1), "b": Shard(0), "r": _R}[k] for k in kinds)
-    per_channel = tuple(Shard(0) if k == "c" else _R for k in kinds)
-    grads = tuple({"c": Shard(0), "b": Partial(), "r": _R}[k] for k in kinds)
+    on, per_channel = _on(kinds, 1), tuple(_R if k == "b" else p for (k, _), p in zip(kinds, _on(kinds, 0)))
+    grads = tuple(Partial() if k == "b" else p for (k, _), p in zip(kinds, per_channel))
     mask = node.args[10]
 
     def impl(ctx, g, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask):

@@ -35,7 +35,7 @@ def _short(e: BaseException | str) -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("names", nargs="*", help=f"architectures (default: all {len(ARCHS)})")
+    ap.add_argument("names", nargs="*", help=f"architectures (default: all {len(ARCHS)}), or transformers model_types")
     ap.add_argument("--plans", default=",".join(PLANS),
                     help="comma-separated, of: " + ", ".join({**PLANS, **MORE_PLANS}) + " (each on as many gloo ranks as its mesh)")
     ap.add_argument("--no-debug", action="store_true", help="skip the invariant checks after every pass")

@@ -258,3 +258,29 @@ def _rule_names(pm):
     from autopar.ir import info
 
     return {info(n).rule.name for n in pm.program.graph.nodes if info(n).rule is not None}
+
+
+def test_a_linear_attention_block_and_bmm_experts_against_one_process(pools):
+    """autopar/models/linear_attn.py (written here: the shapes of Kimi-Linear's / Qwen3-Next's
+    linear attention and Llama-4's experts): q, k, v joined by ``cat`` before one depthwise conv
+    are column-parallel and the conv's filters strided over the three parts; the chunked scan
+    writes each chunk into a fresh buffer (``out[:, :, a:b] = ...``), through ``.tril()`` (a
+    method) and ``F.pad`` (no table entry: followed by running them); the per-head decay is seen
+    through ``zeros(...) + decay.view(...)``; the bmm experts are column / row. On tp=2 the
+    shards stay where they are (no tp all-gather) and two steps match one process."""
+    from autopar.models import linear_attn, unruled
+    from test_derived_rules import _close
+
+    model, batches, loss_fn = linear_attn.build()
+    dec = derive(capture_graph(model, batches[0], loss_fn), model, 2).decisions
+    want = {"q.weight": (Shard(0), "column"), "k.weight": (Shard(0), "column"), "v.weight": (Shard(0), "column"),
+            "conv.weight": (_StridedShard(0, split_factor=3), "with-column"), "decay": (Shard(0), "with-column"),
+            "o.weight": (Shard(1), "row"), "w_gate_up": (_StridedShard(2, split_factor=2), "column"),
+            "w_down": (Shard(1), "row")}
+    for suffix, expected in want.items():
+        d = dec[f"layers.0.{suffix}"]
+        assert (d.placement, d.role) == expected, (suffix, d)
+    assert "cat of 3 parts, each sharded" in dec["layers.0.q.weight"].why
+    out = pools(2).run(unruled.job, {"tp": 2}, {"tp": "megatron"}, False, model="linear_attn")
+    _close(out, unruled.reference(False, model="linear_attn"))
+    assert not [c for c in out["collectives"] if c == "all_gather"], out["collectives"]

@@ -96,6 +96,8 @@ def _step(g: Graph, flow: Flow, u: fx.Node, tp: int):
     val = val_of(u)
     if name == "getitem" and isinstance(tx, list):
         return tx[u.args[1]]
+    if name == "setitem" and len(u.args) == 3:
+        return _setitem(g, flow, u, tp)
     if not isinstance(val, (torch.Tensor, tuple, list)) or name in FRESH:
         return None  # metadata (x.size(), x.dim()), or a fresh tensor of its shape: no data moves
     if name == "copy_":
@@ -295,6 +297,42 @@ def _copy_into(g: Graph, flow: Flow, u: fx.Node):
     return d, o
 
 
+def _setitem(g: Graph, flow: Flow, u: fx.Node, tp: int):
+    """``buf[idx] = value`` (a chunked scan filling its output chunk by chunk): as ``copy_`` into
+    ``buf[idx]``. Sharded values written where the index keeps the sharded dim whole make a
+    fresh buffer sharded the same way; a value written into a sharded buffer must be sharded the
+    same way (or broadcast along that dim). Ends nothing: the buffer's readers carry on."""
+    dst, idx, src = u.args
+    td, ts = _track(flow, dst), _track(flow, src)
+    if td is not None:
+        d, o = _index(u, td, tp)  # the sharded dim in buf[idx] (u's args are getitem's: buf, idx)
+        if ts is None:
+            if isinstance(src, fx.Node):
+                _operand_needs(g, flow, u, src, d - (len(_view_shape(u)) - len(shape_of(src))), o)
+        elif ts != (d - (len(_view_shape(u)) - len(shape_of(src))), o):
+            raise Fail(f"setitem{where_of(u)} writes values sharded differently")
+        return None
+    if ts is None or not isinstance(dst, fx.Node) or op_name(dst) not in FRESH:
+        raise Fail(f"setitem{where_of(u)}: the sharded values written in place into a tensor autopar cannot follow")
+    view = _view_shape(u)
+    if tuple(shape_of(src)) != tuple(view):
+        raise Fail(f"setitem{where_of(u)} broadcasts the sharded values")
+    for d_in in range(len(shape_of(dst))):  # the buffer's dim that holds the value's sharded dim whole
+        try:
+            if _index(u, (d_in, ts[1]), tp) == ts and shape_of(dst)[d_in] == view[ts[0]]:
+                flow.written.append((dst, (d_in, ts[1])))
+                return None
+        except Fail:
+            continue
+    raise Fail(f"setitem{where_of(u)}: the sharded values written across the buffer's dims")
+
+
+def _view_shape(u: fx.Node) -> tuple:
+    """The shape of ``buf[idx]`` for ``setitem(buf, idx, value)``."""
+    return tuple(val_of(u.args[0])[u.args[1]].shape) if not any(
+        isinstance(i, fx.Node) for i in (u.args[1] if isinstance(u.args[1], tuple) else (u.args[1],))) else ()
+
+
 def _broadcast(a, dim: int) -> bool:
     """``a`` is an expand of a value of size 1 at ``dim`` (the same on every rank's part)."""
     if not isinstance(a, fx.Node) or op_name(a) not in EXPAND or not isinstance(a.args[0], fx.Node):
@@ -341,6 +379,12 @@ def _param_back(g: Graph, a, dim: int, o: int):
             return _param_back(g, src, d, o2)
         if pointwise(name) and [x for x in a.all_input_nodes] == [src] and s_in == s_out:  # -exp(A_log)
             return _param_back(g, src, dim, o)
+        grads = [x for x in a.all_input_nodes if x in g.grad]
+        if pointwise(name) and len(grads) == 1 and shape_of(grads[0]) is not None:
+            # constant + param (RWKV's max_state + time_decay): the parameter's dim, broadcast as it is
+            s_p = shape_of(grads[0])
+            d = dim - (len(s_out) - len(s_p))
+            return _param_back(g, grads[0], d, o) if d >= 0 and s_p[d] == s_out[dim] else None
         if name == "getitem" and isinstance(a.args[1], fx.Node) and shape_of(a.args[1]) is not None:
             k = len(shape_of(a.args[1]))  # param[idx]: rows picked per token (a bias per expert)
             return _param_back(g, src, dim - k + 1, o) if dim >= k else None
@@ -408,7 +452,7 @@ def _cat(g: Graph, flow: Flow, u: fx.Node, name: str):
     dim = (dims_arg(u, 1, nd + (name == "stack")) or {0}).pop()
     d, o = flow.tracks[ref]
     if name != "stack" and dim == d:
-        raise Fail(f"{name} along the sharded dim{where_of(u)}")
+        return _cat_parts(g, flow, u, name, tensors, d, o)
     for a in tensors:
         t = _track(flow, a)
         if t is None:
@@ -418,7 +462,30 @@ def _cat(g: Graph, flow: Flow, u: fx.Node, name: str):
     return (d + (1 if name == "stack" and dim <= d else 0)), o
 
 
+def _cat_parts(g: Graph, flow: Flow, u: fx.Node, name: str, tensors, d: int, o: int):
+    """``cat`` of k equal parts along their sharded dim (``cat((q, k, v), -1)`` before a shared
+    depthwise conv): each rank holds its share of every part, side by side (a strided layout of k
+    parts, as a fused projection's); the parts not this flow's must come sharded so from another."""
+    sizes = {shape_of(a)[d] for a in tensors}
+    if o != 1 or len(sizes) != 1:
+        raise Fail(f"{name} along the sharded dim{where_of(u)}"
+                   + (" of unequal parts" if len(sizes) > 1 else " of values already in parts"))
+    for a in tensors:
+        t = _track(flow, a)
+        if t is None:
+            if a not in g.grad:  # a constant part (no gradient) has no shards to match
+                raise Fail(f"{name} along the sharded dim with a value no flow shards{where_of(u)}")
+            flow.needs.append((u, a, (d, 1)))
+        elif t != (d, 1):
+            raise Fail(f"{name}{where_of(u)} joins values sharded differently")
+    if len(flow.trail) < 4:
+        flow.trail.append(f"{name} of {len(tensors)} parts, each sharded{where_of(u)}")
+    return d, len(tensors)
+
+
 def _matmul(g: Graph, flow: Flow, u: fx.Node, name: str, tp: int):
+    if parse_einsum(u) is not None and any(g.param_view(a) is not None for a in u.args):
+        return _einsum_step(g, flow, u)  # a batched matmul with a stacked weight (bmm(x, W_experts))
     mw = matmul_weight(g, u)
     if mw is not None:
         x, wname, contracted, _, _ = mw

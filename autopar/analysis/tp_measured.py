@@ -27,12 +27,17 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from autopar.analysis.tp_graph import Graph, shape_of, strided, val_of
 
+# where a python function that is an ATen op under another name lives (``torch.nn.functional.pad``)
+_TORCH_NAMESPACES = ("torch", "torch.nn.functional", "torch._C._nn", "torch.functional", "torch._C._special")
 _PROBE = 2  # ranks the op is split over to see what it does (a structural question: any size > 1 tells)
 
 
 def runnable(n: fx.Node) -> bool:
     """An op that can be run here to see how it splits: a torch op with a schema that writes to
     none of its inputs (an ``OpOverload``, its packet, or a ``torch.*`` function naming an ATen op)."""
+    if n.op == "call_method":  # x.tril(-1): the ATen op of the method's name
+        packet = getattr(torch.ops.aten, n.target, None) if isinstance(n.target, str) else None
+        return packet is not None and _pure(packet)
     if n.op != "call_function":
         return False
     t = n.target
@@ -41,13 +46,18 @@ def runnable(n: fx.Node) -> bool:
         return not schema.is_mutable
     if callable(getattr(t, "overloads", None)):  # an OpOverloadPacket (torch.ops.lib.op)
         packet = t
-    elif getattr(t, "__module__", None) == "torch":
+    elif getattr(t, "__module__", None) in _TORCH_NAMESPACES:
         packet = getattr(torch.ops.aten, getattr(t, "__name__", ""), None)
         if packet is None:
             return False
     else:
         return False
-    # (an ``out=`` overload writes to its out argument only: not what the graph calls)
+    return _pure(packet)
+
+
+def _pure(packet) -> bool:
+    """No overload of the ATen op writes to an input (an ``out=`` overload writes to its out
+    argument only: not what the graph calls)."""
     schemas = [getattr(packet, o)._schema for o in packet.overloads() if "out" not in o]
     return bool(schemas) and not any(s.is_mutable for s in schemas)
 

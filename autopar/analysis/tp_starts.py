@@ -82,7 +82,11 @@ def start_of(g: Graph, n: fx.Node) -> tuple | None:
 
 def parse_einsum(n: fx.Node) -> tuple[list[str], str, list] | None:
     """(the operands' subscripts, the output's, the operands) of ``torch.einsum(eq, *ops)``
-    (explicit ``->``, no ellipsis); None otherwise."""
+    (explicit ``->``, no ellipsis), or of a batched matmul of two 3-D values (``bmm(x, W)``:
+    Llama-4's stacked experts ``[E, T, H] @ [E, H, F]`` read as ``eth,ehf->etf``); None otherwise."""
+    if op_name(n) in ("bmm", "matmul") and len(n.args) == 2 and not n.kwargs and \
+            all(len(shape_of(a) or ()) == 3 for a in n.args):
+        return ["bmk", "bkn"], "bmn", list(n.args)
     if op_name(n) != "einsum" or not n.args or not isinstance(n.args[0], str):
         return None
     eq = n.args[0].replace(" ", "")

@@ -84,14 +84,15 @@ def _ce(logits, targets):
 
 
 def build_hf(name: str, seed: int = 0, seq: int = SEQ, router_aux: float = 0.0, **overrides):
-    """(model, batches, loss_fn) for ``ARCHS[name]`` (``overrides``: config fields on top);
+    """(model, batches, loss_fn) for ``ARCHS[name]``, or for a transformers ``model_type`` not
+    in it (with the MoE fields, as benchmarks/hf_tp_sweep.py builds it) (``overrides``: config fields on top);
     batches are GLOBAL (tokens, targets) of ``seq`` tokens. ``router_aux``: a MoE model is wrapped
     in ``RouterAux`` and the loss adds ``router_aux`` x its load-balancing loss."""
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     transformers.logging.set_verbosity_error()
-    model_type, extra = ARCHS[name]
+    model_type, extra = ARCHS[name] if name in ARCHS else (name, _MOE)  # any model_type, as the sweep builds it
     fields = {k: v for k, v in {**COMMON, **extra, **overrides}.items() if v is not _DROP}
     cfg = AutoConfig.for_model(model_type, **fields)
     # dropout off: the reference is eager torch, whose masks autopar does not draw (tests/test_dropout.py)
@@ -192,8 +193,9 @@ def breadth_job(name: str, plan_name: str, debug: bool = True, **overrides) -> d
 
 
 def tp_sharded(pm) -> float | None:
-    """The share of the repeated blocks' matrix parameters (elements of those with 2+ dims) that
-    a tensor-parallel axis ("tp") shards; None without one."""
+    """The share of the repeated blocks' matrix parameters (elements of those with 2+ dims of size
+    > 1: RWKV's [1, 1, hidden] mixing vectors are no matrix) that a tensor-parallel axis ("tp")
+    shards; None without one."""
     from torch.distributed.tensor.placement_types import Replicate
 
     from autopar.modpath import block_of
@@ -202,7 +204,7 @@ def tp_sharded(pm) -> float | None:
     if "tp" not in ctx.axis_names:
         return None
     i = ctx.axis_names.index("tp")
-    mats = {n: p for n, p in pm.module.named_parameters() if p.dim() >= 2 and block_of(n)}
+    mats = {n: p for n, p in pm.module.named_parameters() if sum(s > 1 for s in p.shape) >= 2 and block_of(n)}
     total = sum(p.numel() for p in mats.values())
     sharded = sum(p.numel() for n, p in mats.items() if not isinstance(ctx.placed.compute[n][i], Replicate))
     return sharded / total if total else None

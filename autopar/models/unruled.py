@@ -133,9 +133,18 @@ def build(centered: bool = False, seed: int = 0, experts: int = 0, frozen: tuple
     return model, batches, lambda logits, y: nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def reference(centered: bool, steps: int = 2, experts: int = 0, frozen: tuple = ()) -> dict:
+def _build(centered: bool, experts: int, frozen: tuple, model: str):
+    """``model``: "unruled" (this file's), or "linear_attn" (autopar/models/linear_attn.py)."""
+    if model == "linear_attn":
+        from autopar.models import linear_attn
+
+        return linear_attn.build()
+    return build(centered, experts=experts, frozen=frozen)
+
+
+def reference(centered: bool, steps: int = 2, experts: int = 0, frozen: tuple = (), model: str = "unruled") -> dict:
     """One eager process: losses and gradients of each step (SGD in between)."""
-    model, batches, loss_fn = build(centered, experts=experts, frozen=frozen)
+    model, batches, loss_fn = _build(centered, experts, frozen, model)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     losses, grads = [], []
     for x, y in batches[:steps]:
@@ -148,12 +157,13 @@ def reference(centered: bool, steps: int = 2, experts: int = 0, frozen: tuple = 
     return {"losses": losses, "grads": grads}
 
 
-def job(axes: dict, plan: dict, centered: bool, steps: int = 2, experts: int = 0, frozen: tuple = ()) -> dict:
+def job(axes: dict, plan: dict, centered: bool, steps: int = 2, experts: int = 0, frozen: tuple = (),
+        model: str = "unruled") -> dict:
     """On every rank of a pool: compile under ``plan``, the same steps; what was derived."""
     import autopar
     from autopar.runtime.common import full_tensor
 
-    model, batches, loss_fn = build(centered, experts=experts, frozen=frozen)
+    model, batches, loss_fn = _build(centered, experts, frozen, model)
     pm = autopar.compile(model, autopar.mesh(**axes), example_inputs=batches[0], loss_fn=loss_fn, plan=plan,
                          capture_eval=False)
     opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.1)
