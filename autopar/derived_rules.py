@@ -97,6 +97,14 @@ def _derive(n: fx.Node, args, placements, ctx):
             for i in pending:
                 ins[i][axis] = Replicate()
         found, why = _check(n, args, given, ctx.axis_sizes[axis], outs)
+        aligned = aligned_indices([a.meta.get("val") for a in args], given)
+        if found is None and aligned:  # an index (no gradient) as long as the split dim: split it too
+            given = [aligned[i] if i in aligned else p for i, p in enumerate(given)]
+            found, why = _check(n, args, given, ctx.axis_sizes[axis], outs)
+            if found is not None:
+                for i, p in aligned.items():
+                    ins[i][axis] = p
+                why += "; the index inputs split with it"
         if found is None:  # gathered whole on this axis
             for p in ins:
                 p[axis] = Replicate()
@@ -111,6 +119,21 @@ def _derive(n: fx.Node, args, placements, ctx):
                     f"{', '.join(_fmt(p) for p in found if p is not None)} ({why})")
     outputs = tuple(tuple(o) if o[0] is not None else None for o in out_p)
     return [tuple(p) for p in ins], (outputs if multi else outputs[0]), "; ".join(said) or "replicated"
+
+
+def aligned_indices(vals, given) -> dict:
+    """{i: the placement} for the integer / bool inputs (an index: no gradient) that arrive whole
+    but have as many dims as an input split on one dim, and the same size there: splitting them
+    the same way is free (each rank slices its copy), and is what an op such as
+    ``gather(x, -1, idx)`` with ``x`` split by heads needs to run where it is."""
+    split = [(p, v) for p, v in zip(given, vals) if isinstance(p, (Shard, tc.StridedShard))
+             and isinstance(v, torch.Tensor)]
+    if len({(p.dim, _factor(p)) for p, _ in split}) != 1:
+        return {}
+    p, ref = split[0]
+    return {i: p for i, (q, v) in enumerate(zip(given, vals)) if isinstance(q, Replicate) and isinstance(v, torch.Tensor)
+            and not (v.dtype.is_floating_point or v.dtype.is_complex) and v.dim() == ref.dim()
+            and v.shape[p.dim] == ref.shape[p.dim]}
 
 
 def _fmt(p) -> str:

@@ -45,6 +45,7 @@ from autopar.analysis.tp_starts import start_of
 from autopar.analysis.tp_graph import Fail, Graph, NORM, op_name, pointwise, shape_of, strided, where_of
 
 R = Replicate()
+NOT_READ = "not read by the program"  # (a vision tower a text-only batch never reaches)
 
 
 @dataclass
@@ -254,7 +255,7 @@ def _decide_rest(g: Graph, out: Derived, failed: dict[str, str], indivisible: di
             continue
         n = first_use.get(name)
         if n is None:
-            dec[name] = Decision(R, "replicated", "not read by the program")
+            dec[name] = Decision(R, "replicated", NOT_READ)
             continue
         what = op_name(n)
         if what in NORM:

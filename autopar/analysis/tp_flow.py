@@ -573,22 +573,25 @@ def _einsum_step(g: Graph, flow: Flow, u: fx.Node):
 def _attention(g: Graph, flow: Flow, u: fx.Node):
     q, k, v = u.args[:3]
     mask = u.args[3] if len(u.args) > 3 else u.kwargs.get("attn_mask")
-    if isinstance(mask, fx.Node) and _track(flow, mask) is not None:
-        raise Fail(f"the attention mask is sharded{where_of(u)}")
-    ts = [_track(flow, a) for a in (q, k, v)]
-    t = next(x for x in ts if x is not None)
     nd = len(shape_of(q))
-    if t[0] != nd - 3 or any(x is not None and x != t for x in ts):
+    heads = None  # the mask's heads dim, where it has one of more than one head
+    if isinstance(mask, fx.Node):
+        h = nd - 3 - (nd - len(shape_of(mask)))
+        heads = h if h >= 0 and shape_of(mask)[h] > 1 else None
+    tm = _track(flow, mask) if isinstance(mask, fx.Node) else None
+    if tm is not None and (heads is None or tm[0] != heads):
+        raise Fail(f"the attention mask is sharded{where_of(u)} other than by heads")
+    ts = [_track(flow, a) for a in (q, k, v)]
+    t = next((x for x in ts if x is not None), None) or (nd - 3, tm[1])
+    if t[0] != nd - 3 or any(x is not None and x != t for x in ts) or (tm is not None and tm[1] != t[1]):
         raise Fail(f"attention{where_of(u)} over values not sharded by heads")
     for a, x in zip((q, k, v), ts):
         if x is None:
             _operand_needs(g, flow, u, a, nd - 3, t[1])
     if len(flow.trail) < 4:
         flow.trail.append(f"attention over heads{where_of(u)}")
-    if isinstance(mask, fx.Node) and mask in g.grad:
-        heads = nd - 3 - (nd - len(shape_of(mask)))  # the mask's heads dim, if it has one
-        if heads >= 0 and shape_of(mask)[heads] > 1:
-            raise Fail(f"a trained attention bias per head{where_of(u)}")
+    if tm is None and heads is not None and mask in g.grad:  # a trained bias per head: split by heads with them
+        _operand_needs(g, flow, u, mask, heads, t[1])
     return t
 
 

@@ -132,6 +132,13 @@ def measured_step(g: Graph, flow, u: fx.Node, tracks: dict):
     o = outer.pop() if len(outer) == 1 else None
     p, why = _run(g, u, args, tuple(base))
     t = _track_of(p)
+    if t is None and o is not None:  # an index (no gradient) as long as the split dim, split with it
+        from autopar.derived_rules import aligned_indices
+
+        aligned = aligned_indices([val_of(a) for a in args], base)
+        if aligned:
+            p2, _ = _run(g, u, args, tuple(aligned.get(i, b) for i, b in enumerate(base)))
+            t = _track_of(p2)
     if t is not None:
         if len(flow.trail) < 4:
             flow.trail.append(f"{name} keeps the split (found by running it){where_of(u)}")

@@ -195,16 +195,21 @@ def breadth_job(name: str, plan_name: str, debug: bool = True, **overrides) -> d
 def tp_sharded(pm) -> float | None:
     """The share of the repeated blocks' matrix parameters (elements of those with 2+ dims of size
     > 1: RWKV's [1, 1, hidden] mixing vectors are no matrix) that a tensor-parallel axis ("tp")
-    shards; None without one."""
+    shards, of those the program reads (a multimodal model's vision tower, which a batch of
+    tokens never reaches, is left out); None without one."""
     from torch.distributed.tensor.placement_types import Replicate
 
+    from autopar.analysis.tensor_parallel import NOT_READ
     from autopar.modpath import block_of
 
     ctx = pm.ctx
     if "tp" not in ctx.axis_names:
         return None
     i = ctx.axis_names.index("tp")
-    mats = {n: p for n, p in pm.module.named_parameters() if sum(s > 1 for s in p.shape) >= 2 and block_of(n)}
+    derived = ctx.plan.derived.get("tp")
+    unread = {n for n, d in derived.decisions.items() if d.why == NOT_READ} if derived is not None else set()
+    mats = {n: p for n, p in pm.module.named_parameters()
+            if sum(s > 1 for s in p.shape) >= 2 and block_of(n) and n not in unread}
     total = sum(p.numel() for p in mats.values())
     sharded = sum(p.numel() for n, p in mats.items() if not isinstance(ctx.placed.compute[n][i], Replicate))
     return sharded / total if total else None
