@@ -56,6 +56,10 @@ CASES = [  # (architecture, plan, config overrides, rules that must have decided
     # selective scan; dt_proj multiplied weight first (dt_proj.weight @ x)
     ("Mamba", "megatron", dict(ONE_LAYER, seq=8), {"convolution per channel, sharded on the channels",
                                                   "convolution per channel, sharded on the channels, backward"}),
+    # multi-query attention (one KV head, repeated for every query head: fewer KV heads than
+    # ranks): the queries and the output projection sharded by heads, the key / value projections
+    # held whole (each rank takes its heads' copies of the one head)
+    ("Llama", "megatron", dict(ONE_LAYER, num_key_value_heads=1), set()),
 ]
 
 

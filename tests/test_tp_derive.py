@@ -50,6 +50,10 @@ CASES = {
     "GPT-NeoX": {"attention.query_key_value.weight": (Shard(0), "column"), "attention.dense.weight": (Shard(1), "row"),
                  "embed_in.weight": (Shard(0), "vocab"), "lm_head.weight": (Shard(0), "vocab")},
     # a norm over the whole projected q and k: sharded in the second pass, its statistic all-reduced
+    # multi-query (one KV head for all query heads, fewer than the ranks): q and o sharded by
+    # heads, k and v held whole; the repeated head reaches every rank's query heads as it is
+    "Llama-MQA": {"self_attn.q_proj.weight": (Shard(0), "column"), "self_attn.k_proj.weight": (R, "replicated"),
+                  "self_attn.v_proj.weight": (R, "replicated"), "self_attn.o_proj.weight": (Shard(1), "row")},
     "OLMo2": {"self_attn.q_proj.weight": (Shard(0), "column"), "self_attn.q_norm.weight": (Shard(0), "with-column"),
               "self_attn.o_proj.weight": (Shard(1), "row")},
     # the router's softmax is over the experts: replicated, whatever it is called
@@ -78,9 +82,13 @@ CASES = {
 }
 
 
+VARIANTS = {"Llama-MQA": ("Llama", dict(num_key_value_heads=1))}  # case -> (architecture, config overrides)
+
+
 @pytest.mark.parametrize("arch", list(CASES))
 def test_placements_come_from_the_graph(arch):
-    dec = _derived(*_hf(arch))
+    name, overrides = VARIANTS.get(arch, (arch, {}))
+    dec = _derived(*_hf(name, **overrides))
     for suffix, (placement, role) in CASES[arch].items():
         name = next(n for n in dec if n.endswith(suffix) and (".0." in n or "layers" not in n and ".h." not in n))
         assert (dec[name].placement, dec[name].role) == (placement, role), (name, dec[name])
@@ -284,3 +292,28 @@ def test_a_linear_attention_block_and_bmm_experts_against_one_process(pools):
     out = pools(2).run(unruled.job, {"tp": 2}, {"tp": "megatron"}, False, model="linear_attn")
     _close(out, unruled.reference(False, model="linear_attn"))
     assert not [c for c in out["collectives"] if c == "all_gather"], out["collectives"]
+
+
+def test_a_table_with_fewer_rows_than_ranks_is_held_whole_with_the_reason():
+    """A lookup indexed by the program's input with fewer rows than the tensor-parallel ranks
+    (RoBERTa-XL's one-row token-type table) has nothing to split: replicated, and the reason
+    says so. A table whose rows the ranks do not divide is still a PlanError that names it."""
+
+    class Typed(nn.Module):
+        def __init__(self, rows):
+            super().__init__()
+            self.words, self.types = nn.Embedding(64, 16), nn.Embedding(rows, 16)
+            self.out = nn.Linear(16, 64, bias=False)
+
+        def forward(self, tokens):
+            return self.out(self.words(tokens) + self.types(tokens.clamp(max=0)))
+
+    tokens = torch.randint(0, 64, (2, 8))
+    dec = _derived(Typed(1), (tokens, tokens), _ce)
+    assert dec["types.weight"].placement == R
+    assert "a lookup of 1 row(s), fewer than the 2 ranks: nothing to split" in dec["types.weight"].why
+    assert dec["words.weight"].placement == Shard(0)
+    from autopar.errors import PlanError
+
+    with pytest.raises(PlanError, match=r"types.weight \[3, 16\]"):
+        _derived(Typed(3), (tokens, tokens), _ce)

@@ -240,6 +240,9 @@ def _decide_rest(g: Graph, out: Derived, failed: dict[str, str], indivisible: di
                 if name in dec:
                     why = dec[name].why + "; and " + why
                 dec[name] = Decision(Shard(0), "vocab", why)
+            elif rows < out.tp and name not in dec:  # (RoBERTa's one-row token-type table)
+                dec[name] = Decision(R, "replicated", f"a lookup of {rows} row(s), fewer than the {out.tp} ranks: "
+                                     f"nothing to split{where_of(uses[0])}")
             else:
                 indivisible.setdefault(name, f"a lookup indexed by the program's input (vocabulary-parallel) of {rows} "
                                              f"rows, not divisible by {out.tp}")

@@ -334,12 +334,35 @@ def _view_shape(u: fx.Node) -> tuple:
 
 
 def _broadcast(a, dim: int) -> bool:
-    """``a`` is an expand of a value of size 1 at ``dim`` (the same on every rank's part)."""
+    """``a`` is an expand of a value of size 1 at ``dim`` (the same on every rank's part), or a
+    reshape merging such expanded dims (one key / value head repeated for every query head:
+    ``repeat_kv`` with one KV head, multi-query attention)."""
+    if isinstance(a, fx.Node) and op_name(a) in RESHAPE and isinstance(a.args[0], fx.Node):
+        group = _merged_into(shape_of(a.args[0]), shape_of(a), dim)
+        return bool(group) and all(_broadcast(a.args[0], j) for j in group)
     if not isinstance(a, fx.Node) or op_name(a) not in EXPAND or not isinstance(a.args[0], fx.Node):
         return False
     src, out = shape_of(a.args[0]), shape_of(a)
     ds = dim - (len(out) - len(src))
     return ds < 0 or src[ds] == 1
+
+
+def _merged_into(src, out, dim: int) -> list[int]:
+    """The dims of ``src`` that a reshape to ``out`` merges into its dim ``dim`` (of size > 1),
+    or [] where the reshape does not map whole dims onto it."""
+    i = j = 0
+    while i < len(src) and j < len(out):
+        group, a, b = [i], src[i], out[j]
+        while a != b and i + 1 < len(src) and a < b:
+            i += 1
+            group.append(i)
+            a *= src[i]
+        if a != b:
+            return []
+        if j == dim:
+            return group if b > 1 else []
+        i, j = i + 1, j + 1
+    return []
 
 
 def _operand_needs(g: Graph, flow: Flow, u: fx.Node, a, dim: int, o: int) -> None:
