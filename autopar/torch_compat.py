@@ -393,6 +393,28 @@ def strategy_selector(choose: Callable) -> SharedPatch:
     return SharedPatch(apply, lambda undo: setattr(undo[0], "_select_min_cost_strategy", undo[1]))
 
 
+def known_output_meta(meta_of: Callable) -> SharedPatch:
+    """While applied, DTensor's sharding propagator takes an op's output ``TensorMeta`` from
+    ``meta_of(op_schema)`` (a one-element tuple holding it) instead of running the op on fake
+    tensors of a fresh ``FakeTensorMode``; ``meta_of`` answering None (every caller but autopar's
+    propagation, which knows each output from the traced graph) gets DTensor's own. A torch whose
+    propagator has no such method: nothing replaced (DTensor computes it; the same answer, slower)."""
+    def apply():
+        prop = sharding_propagator()
+        own = getattr(type(prop), "_propagate_tensor_meta_non_cached", None)
+        if own is None:
+            return None
+
+        def meta(op_schema):
+            got = meta_of(op_schema)
+            return own(prop, op_schema) if got is None else got[0]
+
+        prop._propagate_tensor_meta_non_cached = meta
+        return prop
+
+    return SharedPatch(apply, lambda prop: prop and prop.__dict__.pop("_propagate_tensor_meta_non_cached", None))
+
+
 def _same_split_factor(expected, actual) -> bool:
     """torch 2.13's ``_split_factor_matches`` for autopar's static shapes (2.12 compares with ``==``;
     2.11 has neither)."""

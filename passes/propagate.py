@@ -246,7 +246,7 @@ def _dtensor_rule_uncached(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResul
     schema = tc.OpSchema(op, tuple(conv(a) for a in n.args), {k: conv(v) for k, v in n.kwargs.items()},
                          schema_info=tc.dtensor_schema_info(op))
     try:
-        with _choose_with(n):
+        with _choose_with(n), setting(_KNOWN, (schema, _output_meta(n.meta.get("val"))), _OUTPUT_META):
             out = prop.propagate_op_sharding_non_cached(schema)
     except TorchVersionError:
         raise
@@ -272,6 +272,32 @@ def _dtensor_rule_uncached(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResul
     else:
         outputs = outs.placements
     return RuleResult(wanted, outputs, None, "dtensor")
+
+
+# DTensor computes an op's output shape, stride and dtype by running it on fake tensors of a new
+# FakeTensorMode (a third of its strategy choices' time); the traced graph has them already. Only
+# for the schema autopar asks about, in this thread; None: the node's value is not known.
+_KNOWN: contextvars.ContextVar = contextvars.ContextVar("autopar_output_meta", default=None)
+
+
+def _output_meta(val):
+    """What DTensor's ``_propagate_tensor_meta_non_cached`` returns for an op whose output is
+    ``val`` (as a one-element tuple); None where ``val`` is not a tensor or a sequence of them."""
+    def one(v):
+        return tc.TensorMeta(v.shape, v.stride(), v.dtype) if isinstance(v, torch.Tensor) else None
+    if isinstance(val, torch.Tensor):
+        return (one(val),)
+    if isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val):
+        return (type(val)(one(v) for v in val),)
+    return None
+
+
+def _known_output_meta(op_schema):
+    known = _KNOWN.get()
+    return known[1] if known is not None and known[0] is op_schema else None
+
+
+_OUTPUT_META = tc.known_output_meta(lambda schema: _known_output_meta(schema))  # (looked up per call: tests wrap it)
 
 
 # Penalty (in DTensor's cost units, which are ~microseconds) for choices that are cheap for

@@ -21,6 +21,7 @@ import torch
 
 import autopar
 from autopar import torch_compat as tc
+from autopar.ir import info
 from autopar.models.llama import Llama, LlamaConfig, cross_entropy
 
 
@@ -230,3 +231,56 @@ def test_a_torch_version_error_is_a_plan_error():
     err = tc.unavailable("torch.x._y", "something")
     assert isinstance(err, autopar.PlanError) and torch.__version__ in str(err)
     assert tc.SUPPORTED == ("2.11", "2.13")
+
+
+
+@pytest.mark.parametrize("which", ["llama", "hf_gpt2"])
+def test_propagation_gives_dtensor_the_output_meta_of_the_trace(which, fake, monkeypatch):
+    """propagate hands DTensor each op's output shape, stride and dtype from the traced graph
+    (``tc.known_output_meta``) instead of DTensor running the op on fake tensors of its own: the
+    shapes and strides are DTensor's own (the dtypes may differ: for bf16 layer norm's statistics
+    the trace has fp32, DTensor's fake run bf16), every placement chosen is the same as with
+    DTensor's own, and the patch is undone after."""
+    import sys
+
+    from autopar import capture_cache
+    from autopar.passes import propagate
+
+    monkeypatch.setattr(capture_cache, "enabled", lambda: False)
+    prop = tc.sharding_propagator()
+    own = type(prop)._propagate_tensor_meta_non_cached
+    given, seen = propagate._known_output_meta, []
+
+    def flat(m):
+        return [m] if m is None or isinstance(m, tc.TensorMeta) else list(m)
+
+    def check(schema):
+        got = given(schema)
+        if got is not None:
+            mine, theirs = flat(got[0]), flat(own(prop, schema))
+            assert [(m.shape, m.stride) if m else None for m in mine] == \
+                [(m.shape, m.stride) if m else None for m in theirs], schema.op
+            seen.append(schema.op)
+        return got
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    try:
+        import foreign_models
+    finally:
+        sys.path.pop(0)
+    placed = []
+    for known in (check, lambda schema: None):  # the trace's output meta, then DTensor's own
+        if which == "llama":
+            (model, inputs), loss_fn, plan = _llama(), cross_entropy, {"dp": "fsdp", "tp": "megatron"}
+        else:
+            (model, inputs, loss_fn), plan = getattr(foreign_models, which)(), {"dp": "zero2", "tp": "megatron"}
+        monkeypatch.setattr(propagate, "_SHARED_STRATEGIES", {})
+        monkeypatch.setattr(propagate, "_known_output_meta", known)
+        with fake(dp=2, tp=2) as mesh:
+            pm = autopar.compile(model, mesh, example_inputs=inputs, loss_fn=loss_fn, plan=plan, capture_eval=False,
+                                 precision="bf16")
+        placed.append([(n.name, info(n).spec, info(n).wants, info(n).rule.name if info(n).rule else None)
+                       for n in pm.program.graph.nodes])
+    assert len(seen) > 20
+    assert placed[0] == placed[1]
+    assert "_propagate_tensor_meta_non_cached" not in prop.__dict__
