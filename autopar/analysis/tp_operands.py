@@ -1,0 +1,88 @@
+"""What an operand of a sharded value is, seen back through the ops that made it (the
+tensor-parallel derivation, autopar/analysis/tp_flow.py): the same on every rank's part (an
+expand of size 1, one key / value head repeated for every query head), or a parameter seen
+through views, casts, elementwise functions and constants."""
+
+from __future__ import annotations
+
+from torch import fx
+
+from autopar.analysis.tp_graph import EXPAND, RESHAPE, SAME, Fail, Graph, op_name, pointwise, reshape_track, shape_of
+
+
+def broadcast(a, dim: int) -> bool:
+    """``a`` is an expand of a value of size 1 at ``dim`` (the same on every rank's part), or a
+    reshape merging such expanded dims (one key / value head repeated for every query head:
+    ``repeat_kv`` with one KV head, multi-query attention)."""
+    if isinstance(a, fx.Node) and op_name(a) in RESHAPE and isinstance(a.args[0], fx.Node):
+        group = merged_into(shape_of(a.args[0]), shape_of(a), dim)
+        return bool(group) and all(broadcast(a.args[0], j) for j in group)
+    if not isinstance(a, fx.Node) or op_name(a) not in EXPAND or not isinstance(a.args[0], fx.Node):
+        return False
+    src, out = shape_of(a.args[0]), shape_of(a)
+    ds = dim - (len(out) - len(src))
+    return ds < 0 or src[ds] == 1
+
+
+def merged_into(src, out, dim: int) -> list[int]:
+    """The dims of ``src`` that a reshape to ``out`` merges into its dim ``dim`` (of size > 1),
+    or [] where the reshape does not map whole dims onto it."""
+    i = j = 0
+    while i < len(src) and j < len(out):
+        group, a, b = [i], src[i], out[j]
+        while a != b and i + 1 < len(src) and a < b:
+            i += 1
+            group.append(i)
+            a *= src[i]
+        if a != b:
+            return []
+        if j == dim:
+            return group if b > 1 else []
+        i, j = i + 1, j + 1
+    return []
+
+
+def param_back(g: Graph, a, dim: int, o: int):
+    """(parameter, its dim, outer parts) if ``a`` is a parameter seen through casts, transposes,
+    views and expands (per-head attention sinks broadcast to [B, H, S, 1]) whose dim ``dim`` comes
+    from that parameter dim; else None."""
+    pv = g.param_view(a)
+    if pv is not None:
+        return pv[0], pv[1][dim], o
+    if not isinstance(a, fx.Node) or a.op not in ("call_function", "call_method") or not a.args:
+        return None
+    name, src = op_name(a), a.args[0]
+    if not isinstance(src, fx.Node) or shape_of(src) is None:
+        return None
+    s_in, s_out = shape_of(src), shape_of(a)
+    try:
+        if name == "getitem" and only_new_dims(a.args[1]):  # p[None, :, None]
+            d, o2 = reshape_track(s_out, s_in, dim, o, 1)
+            return param_back(g, src, d, o2)
+        if pointwise(name) and [x for x in a.all_input_nodes] == [src] and s_in == s_out:  # -exp(A_log)
+            return param_back(g, src, dim, o)
+        grads = [x for x in a.all_input_nodes if x in g.grad]
+        if pointwise(name) and len(grads) == 1 and shape_of(grads[0]) is not None:
+            # constant + param (RWKV's max_state + time_decay): the parameter's dim, broadcast as it is
+            s_p = shape_of(grads[0])
+            d = dim - (len(s_out) - len(s_p))
+            return param_back(g, grads[0], d, o) if d >= 0 and s_p[d] == s_out[dim] else None
+        if name == "getitem" and isinstance(a.args[1], fx.Node) and shape_of(a.args[1]) is not None:
+            k = len(shape_of(a.args[1]))  # param[idx]: rows picked per token (a bias per expert)
+            return param_back(g, src, dim - k + 1, o) if dim >= k else None
+        if name in SAME:
+            return param_back(g, src, dim, o)
+        if name in EXPAND:
+            d = dim - (len(s_out) - len(s_in))
+            return param_back(g, src, d, o) if d >= 0 and s_in[d] == s_out[dim] else None
+        if name in RESHAPE:
+            d, o2 = reshape_track(s_out, s_in, dim, o, 1)
+            return param_back(g, src, d, o2)
+    except Fail:
+        return None
+    return None
+
+
+def only_new_dims(idx) -> bool:
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    return any(i is None for i in idx) and all(i is None or i is Ellipsis or i == slice(None) for i in idx)
