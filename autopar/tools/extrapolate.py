@@ -20,13 +20,13 @@ the same way, and the largest taken (``autopar.analysis.liveness.peak_in_depth``
 Any figure that fails its check, or that a depth adds or drops (a collective kind that appears
 only from some depth on), makes ``plan`` compile every block instead, and say why.
 
-The depths are compiled side by side where the process can fork (autopar/forked.py: the command
-line; ``AUTOPAR_PLAN_FORK=0`` switches it off): depths 3 and 4 one after the other in a forked
-copy of this process, which sends back only the figures the extrapolation reads (``_figures``),
-depth 5 here (its program is what ``plan`` shows). Two processes for a 2-core machine: with one
-child per depth, three processes shared the cores and each paid the first compile's one-time
-costs (dynamo, DTensor's strategy choices, the model code); the child's second compile finds
-them warm. If the child fails, its depths are compiled here instead.
+Depth 3 is compiled first, whole, in this process; the deeper depths' per-rank programs are spliced
+from its (autopar/local_splice.py, checked node for node, else traced and said why). Then depths 4
+and 5 are compiled side by side where the process can fork (autopar/forked.py: the command line;
+``AUTOPAR_PLAN_FORK=0`` switches it off): depth 4 in a forked copy of this process, which sends
+back only the figures the extrapolation reads (``_figures``), depth 5 here (its program is what
+``plan`` shows). Two processes for a 2-core machine, both starting warm (dynamo, DTensor's strategy
+choices, the model code: depth 3 paid them). If the child fails, its depth is compiled here instead.
 
 Where it applies: any model with a repeated block list (``splice.find_blocks``: Hugging Face's
 ``model.layers``, GPT-2's ``transformer.h``, a factory's own ``nn.ModuleList``) of more than 5
