@@ -38,7 +38,7 @@ import torch
 from torch import fx
 
 from autopar.modpath import block_of, stack_path
-from autopar.splice import _renumber, _shape
+from autopar.splice import _index_in, _renumber, _shape
 from autopar.scoped import setting
 
 _BASE: contextvars.ContextVar = contextvars.ContextVar("autopar_joint_base", default=None)
@@ -161,74 +161,15 @@ def splice_joint(template, model, path: str, layers: int, keep: int = 3):
     label = _labels(g3, path, keep)
     if label is None or layers < keep:
         return None
-    blocks = [[n for n in nodes if label.get(n) == i] for i in range(keep)]
-    if any(not b for b in blocks) or len(blocks[0]) != len(blocks[1]):
-        return None
-    idx = {n: k for b in blocks for k, n in enumerate(b)}
-    # runs of block nodes: each group of consecutive runs is 0, 1, 2 or 2, 1, 0
-    groups: list[list[int]] = []
-    prev = None
-    for n in nodes:
-        b = label.get(n)
-        if b is None:
-            prev = None
-            continue
-        if prev is None:
-            groups.append([b])
-        elif b != groups[-1][-1]:
-            groups[-1].append(b)
-        prev = b
-    if any(gr not in ([0, 1, 2], [2, 1, 0]) for gr in groups):
-        return None
-    # who reads what
-    for n in nodes[:-1]:  # (the output node: gradients, every block's)
-        mine = label.get(n)
-        for a in n.all_input_nodes:
-            ba = label.get(a)
-            if ba is None or ba == mine:
-                continue
-            if ba == 2 and mine != 1 and mine is not None:
-                return None
-            if ba == 1 and mine not in (0, 2):
-                return None
-            if ba == 0 and mine not in (1, None):
-                return None
-    # block 1 is block 0 shifted by one: ``nxt`` maps a block-2 node block 1 reads to the block-1
-    # node block 0 reads in its place
-    nxt: dict[fx.Node, fx.Node] = {}
 
-    def same_arg(x, y) -> bool:
-        if isinstance(x, fx.Node) != isinstance(y, fx.Node):
-            return False
-        if isinstance(x, fx.Node):
-            bx, by = label.get(x), label.get(y)
-            if bx is None:
-                return x is y
-            if bx == 1:
-                return by == 0 and idx[x] == idx[y]
-            if bx == 0:
-                return by is None  # the previous block's value / the prologue's
-            if by != 1 or nxt.setdefault(x, y) is not y:
-                return False
-            return True
-        if isinstance(x, (list, tuple)):
-            return type(x) is type(y) and len(x) == len(y) and all(same_arg(p, q) for p, q in zip(x, y))
-        if isinstance(x, dict):
-            return x.keys() == y.keys() and all(same_arg(x[k], y[k]) for k in x)
-        return type(x) is type(y) and x == y
+    def same_placeholder(a, b):
+        ra, rb = info(a).role, info(b).role
+        return ra[0] == rb[0] and str(ra[1]).replace(f"{path}.1.", f"{path}.0.", 1) == rb[1]
 
-    for a, b in zip(blocks[1], blocks[0]):
-        if a.op != b.op or _shape(a.meta.get("val")) != _shape(b.meta.get("val")):
-            return None
-        if a.op == "placeholder":
-            ra, rb = info(a).role, info(b).role
-            if ra[0] != rb[0] or str(ra[1]).replace(f"{path}.1.", f"{path}.0.", 1) != rb[1]:
-                return None
-            continue
-        if a.target != b.target or not same_arg(a.args, b.args) or not same_arg(a.kwargs, b.kwargs):
-            return None
-    if len(set(nxt.values())) != len(nxt):
+    sh = Shift(nodes, label, layers, same_placeholder)
+    if sh.why:
         return None
+    blocks, idx, nxt = sh.blocks, sh.idx, sh.nxt
 
     # ---- emit
     g = fx.Graph()
@@ -358,3 +299,159 @@ def _grad_block(role, path: str) -> int | None:
     if role[0] != "grad":
         return None
     return _index_in(str(role[1]), path)
+
+
+KEEP = 3
+
+
+# ---- the shift checks and the expansion, over any graph with block labels
+
+
+class Shift:
+    """Block labels of a 3-block graph checked to repeat (block 1 = block 0 shifted by one), and
+    the order and reads of its expansion to ``layers`` blocks. A node of the expansion is a key
+    ``(node, j)``: ``node`` of the 3-block graph as deep block ``j`` (None: of no block)."""
+
+    def __init__(self, nodes, label, layers: int, same_placeholder):
+        self.nodes, self.label, self.layers, self.last = nodes, label, layers, layers - 1
+        self.why = self._check(same_placeholder)
+
+    def _check(self, same_placeholder) -> str:
+        nodes, label = self.nodes, self.label
+        if self.layers < KEEP:
+            return f"{self.layers} blocks"
+        blocks = self.blocks = [[n for n in nodes if label.get(n) == i] for i in range(KEEP)]
+        if any(not b for b in blocks) or len(blocks[0]) != len(blocks[1]):
+            return "blocks 0 and 1 differ in node count"
+        self.idx = idx = {n: k for b in blocks for k, n in enumerate(b)}
+        groups: list[list[int]] = []
+        prev = None
+        for n in nodes:
+            b = label.get(n)
+            if b is None:
+                prev = None
+                continue
+            if prev is None:
+                groups.append([b])
+            elif b != groups[-1][-1]:
+                groups[-1].append(b)
+            prev = b
+        if any(gr not in ([0, 1, 2], [2, 1, 0]) for gr in groups):
+            return "the blocks' nodes do not come in runs 0, 1, 2 or 2, 1, 0"
+        for n in nodes:
+            if n.op == "output":
+                continue
+            mine = label.get(n)
+            for a in n.all_input_nodes:
+                ba = label.get(a)
+                if ba is None or ba == mine:
+                    continue
+                if (ba == 2 and mine != 1 and mine is not None) or (ba == 1 and mine not in (0, 2)) or \
+                        (ba == 0 and mine not in (1, None)):
+                    return f"{n.name} (block {mine}) reads {a.name} (block {ba})"
+        self.nxt = nxt = {}
+
+        def same_arg(x, y) -> bool:
+            if isinstance(x, fx.Node) != isinstance(y, fx.Node):
+                return False
+            if isinstance(x, fx.Node):
+                bx, by = label.get(x), label.get(y)
+                if bx is None:
+                    return x is y
+                if bx == 1:
+                    return by == 0 and idx[x] == idx[y]
+                if bx == 0:
+                    return by is None
+                return by == 1 and nxt.setdefault(x, y) is y
+            if isinstance(x, (list, tuple)):
+                return type(x) is type(y) and len(x) == len(y) and all(same_arg(p, q) for p, q in zip(x, y))
+            if isinstance(x, dict):
+                return x.keys() == y.keys() and all(same_arg(x[k], y[k]) for k in x)
+            return type(x) is type(y) and x == y
+
+        for a, b in zip(blocks[1], blocks[0]):
+            if a.op != b.op or _shape(a.meta.get("val")) != _shape(b.meta.get("val")):
+                return f"block 1's {a.name} is not block 0's {b.name} (op or shape)"
+            if a.op == "placeholder":
+                if not same_placeholder(a, b):
+                    return f"block 1's input {a.name} is not block 0's {b.name}"
+                continue
+            if a.target != b.target or not same_arg(a.args, b.args) or not same_arg(a.kwargs, b.kwargs):
+                return f"block 1's {a.name} is not block 0's {b.name} shifted by one block"
+        if len(set(nxt.values())) != len(nxt):
+            return "block 1 reads block 2's values where block 0 reads one of block 1's"
+        return ""
+
+    def canon(self, n) -> int | None:
+        b = self.label.get(n)
+        return self.last if b == 2 else b
+
+    def read(self, a: fx.Node, j: int | None, src: int | None) -> tuple:
+        """The key deep block ``j`` (made from block ``src``; None: no block) reads for ``a``."""
+        ba = self.label.get(a)
+        if ba is None:
+            return (a, None)
+        if src is None or (ba == src and src != 1):
+            return (a, self.canon(a))
+        if src != 1:  # block 0 or block 2 (as block L-1) reading block 1: its first or last copy
+            return (a, 1 if src == 0 else self.last - 1)
+        if ba == 1:
+            return (a, j)
+        if ba == 0:  # the previous copy where block 1 read block 0
+            return (a, 0) if j == 1 else (self.blocks[1][self.idx[a]], j - 1)
+        return (a, self.last) if j == self.last - 1 else (self.nxt[a], j + 1)
+
+    def order(self):
+        """(node, j, src) of the expansion in a trace's order (forward ascending, backward
+        descending), the output node left out."""
+        nodes, label = self.nodes, self.label
+        k = 0
+        while k < len(nodes):
+            n = nodes[k]
+            if n.op == "output":
+                k += 1
+                continue
+            if label.get(n) is None:
+                yield n, None, None
+                k += 1
+                continue
+            e = k
+            while e < len(nodes) and label.get(nodes[e]) is not None:
+                e += 1
+            run = {i: [m for m in nodes[k:e] if label[m] == i] for i in range(KEEP)}
+            for j in (range(self.layers) if label[n] == 0 else range(self.layers - 1, -1, -1)):
+                src = 0 if j == 0 else (2 if j == self.last else 1)
+                for m in run[src]:
+                    yield m, j, src
+            k = e
+
+    def outputs(self, flat, roles, path: str):
+        """[(value key or constant, role)] of the expansion's output node, or why not."""
+        if len(flat) != len(roles):
+            return "the outputs and their roles differ in count"
+        blocked = [_index_in(str(r[1]), path) if r[0] == "grad" else None for r in roles]
+        out = []
+        for pos, (v, r) in enumerate(zip(flat, roles)):
+            i = blocked[pos]
+            if i is None:
+                out.append(((v, self.canon(v)) if isinstance(v, fx.Node) else v, r))
+            elif i == 0 and (pos == 0 or blocked[pos - 1] is None):
+                e = pos
+                while e < len(flat) and blocked[e] is not None:
+                    e += 1
+                if [blocked[q] for q in range(pos, e)] != sorted(blocked[q] for q in range(pos, e)):
+                    return "the blocks' gradients are not in block order"
+                run = {b: [q for q in range(pos, e) if blocked[q] == b] for b in range(KEEP)}
+                for j in range(self.layers):
+                    src = 0 if j == 0 else (2 if j == self.last else 1)
+                    for q in run[src]:
+                        v2 = flat[q]
+                        out.append(((v2, j) if isinstance(v2, fx.Node) else v2,
+                                    (roles[q][0], _renamed(roles[q][1], path, src, j))))
+            elif pos == 0 or blocked[pos - 1] is None:
+                return "a run of the blocks' gradients does not start at block 0"
+        return out
+
+
+def _renamed(name: str, path: str, i: int, j: int) -> str:
+    return name.replace(f"{path}.{i}.", f"{path}.{j}.", 1)

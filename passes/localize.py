@@ -59,7 +59,16 @@ COLLECTIVES = {
 
 def localize_pass(program: Program, ctx) -> Program:
     """After it: ``program.local`` is the per-rank program (local shapes), every redistribute an
-    explicit ``_c10d_functional`` collective with a CommRecord, each followed by its wait."""
+    explicit ``_c10d_functional`` collective with a CommRecord, each followed by its wait.
+    Traced, or (``autopar plan``'s depths 4 and 5) spliced from depth 3's (autopar/local_splice.py)."""
+    from autopar import local_splice
+
+    local_splice.localized(program, ctx, trace_local, _annotate_collectives)
+    return program
+
+
+def trace_local(program: Program, ctx) -> Program:
+    """``program.local`` traced: the placed graph run on fake tensors of local shapes (make_fx)."""
     graph = program.graph
     for n in graph.nodes:
         n.meta["custom"] = {"autopar_origin": n.name}

@@ -146,7 +146,7 @@ def grad_sync_program(program: Program, ctx, debug: bool = False) -> Program:
     cast down for the reduction and back up after it.
     """
     from autopar.passes.checks import PLACED, verify_program
-    from autopar.passes.localize import localize_pass
+    from autopar.passes.localize import trace_local
 
     graph = fx.Graph()
     out_old = next(n for n in program.graph.nodes if n.op == "output")
@@ -175,7 +175,7 @@ def grad_sync_program(program: Program, ctx, debug: bool = False) -> Program:
     info(out).wants = [None] * len(results)
     sync = Program(graph=graph, inputs=inputs, outputs=outputs)
     verify_program(sync, ctx, "schedule (the gradient-sync program before localize)", PLACED + ("placements",), debug)
-    return localize_pass(sync, ctx)
+    return trace_local(sync, ctx)
 
 
 def _cast(graph: fx.Graph, x: fx.Node, dtype) -> fx.Node:

@@ -38,13 +38,14 @@ def _close(got, want, rel: float, path: str = ""):
 
 @pytest.mark.slow  # (14 s; test_depth's CI cases make the same check on Hugging Face models)
 def test_extrapolated_plan_equals_every_block_compiled(monkeypatch):
-    """(Depths 3 and 4 compiled in forked processes, as on the command line: the test runner's
+    """(Depth 4 compiled in a forked process, as on the command line: the test runner's
     threads would otherwise keep them in this one.)"""
     argv = ["llama-tiny", "--mesh", "dp=2,tp=2", "--plan", "dp=fsdp,tp=megatron", "--set", "n_layers=8",
             "--batch", "4", "--seq", "32"]
     monkeypatch.setenv("AUTOPAR_PLAN_FORK", "always")
     fast, full = _plan_json(*argv), _plan_json(*argv, "--full-depth")
-    assert fast["extrapolated"] == {"depths": [3, 4, 5], "layers": 8, "blocks": "layers", "forked": [3, 4]}
+    assert fast["extrapolated"] == {"depths": [3, 4, 5], "layers": 8, "blocks": "layers", "forked": [4],
+                                    "localized": {"3": ["recorded"], "4": ["spliced"], "5": ["spliced"]}}
     assert "extrapolated" not in full
     for key in ("parameters", "comm_bytes", "comm_calls", "flops"):
         assert fast[key] == full[key], key

@@ -140,3 +140,102 @@ def test_spliced_joint_graph_equals_the_traced_one(spec, field, precision):
                                                      precision=precision), stop_after="split")
     with joint_splice.based_on(s3.gm, s3.program, three.model):
         assert joint_splice.joint_for(st.stages[0].gm, other.model, None) is None
+
+
+def _local_canon(gm: fx.GraphModule) -> list:
+    """A per-rank program, names aside: per node its op, target, arguments by position, fake value
+    (shape, stride, dtype, offset, and which earlier node's storage it shares), origin, CommRecord
+    (its node name left out) and module path."""
+    from autopar.analysis.liveness import _storages
+    from autopar.modpath import stack_path
+
+    pos, first, out = {}, {}, []
+    for k, n in enumerate(gm.graph.nodes):
+        pos[n] = k
+        vals = n.meta.get("val")
+        vals = list(vals) if isinstance(vals, (list, tuple)) else [vals]
+        shapes = [(tuple(v.shape), v.stride(), v.dtype, v.storage_offset()) if isinstance(v, torch.Tensor) else v
+                  for v in vals]
+        shares = [first.setdefault(key, k) for key, _ in _storages(n.meta.get("val"))]
+        rec = n.meta.get("autopar")
+        comm = rec.comm if rec is not None else None
+        comm = None if comm is None else {**vars(comm), "name": None}
+        args = fx.map_arg((n.args, n.kwargs), lambda a: ("node", pos[a]))
+        out.append((n.op, str(n.target), repr(args), shapes, shares, (n.meta.get("custom") or {}).get("autopar_origin"),
+                    comm, stack_path(n.meta.get("nn_module_stack"))))
+    return out
+
+
+@pytest.mark.parametrize("spec,field,plan,precision", [
+    ("llama-small", "n_layers", {"dp": "fsdp", "tp": "megatron"}, "fp32"),
+    ("llama-small", "n_layers", {"dp": "zero2", "tp": "sequence"}, "bf16"),
+    ("hf-llama-tiny", "num_hidden_layers", {"dp": "fsdp", "tp": "megatron"}, "bf16"),
+])
+def test_spliced_per_rank_program_equals_the_traced_one(spec, field, plan, precision):
+    """``autopar plan``'s depths 4 and 5 take depth 3's per-rank program spliced
+    (autopar/local_splice.py): node for node what localize traces (ops, arguments, local shapes and
+    strides, which values share a storage, origins, CommRecords), and the same memory figures after
+    the passes that follow; a dropout refuses it, with the reason logged."""
+    from autopar import local_splice
+    from autopar.analysis.liveness import program_memory
+    from autopar.compiler import build
+    from autopar.depth import repeated
+    from autopar.options import CompileOptions
+
+    loaded = zoo.load(spec, meta=True, batch=2, seq=32, overrides={field: 6})
+    rep = repeated(loaded.model, loaded.example_inputs, loaded.loss_fn)
+
+    def compiled(d, stop_after=None):
+        at = rep.at(d)
+        with fake_mesh({"dp": 2, "tp": 2}, 0) as mesh, splice.spliced():
+            st = build(at.model, mesh, CompileOptions(example_inputs=at.example_inputs, loss_fn=at.loss_fn,
+                                                      plan=plan, capture_eval=False, precision=precision),
+                       stop_after=stop_after)
+        return st.stages[0].program
+
+    def memory(p):
+        return vars(program_memory(p.local, p.inputs, p.outputs))
+
+    for stop in ("localize", None):
+        with local_splice.recording(rep.path):
+            seen = len(local_splice.LOG)
+            compiled(3, stop)
+            spliced = {d: compiled(d, stop) for d in (4, 6)}
+            assert local_splice.LOG[seen:] == ["recorded", "spliced", "spliced"]
+        for d, got in spliced.items():
+            want = compiled(d, stop)
+            if stop:
+                assert _local_canon(got.local) == _local_canon(want.local)
+            m = memory(got)
+            assert m == memory(want)
+            assert m["peak"] > 0
+
+
+def test_a_dropout_refuses_the_per_rank_splice():
+    """A dropout's mask is keyed by its node's name: depth 3 is not recorded, the deeper depths
+    are traced, and the log says why."""
+    import transformers
+
+    from autopar import local_splice
+    from autopar.compiler import build
+    from autopar.depth import repeated
+    from autopar.options import CompileOptions
+    from autopar.testing import _ce
+
+    cfg = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=6, n_head=4, resid_pdrop=0.1,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(cfg)
+    x = torch.zeros(2, 32, dtype=torch.long)
+    rep = repeated(model, (x, x), _ce)
+    with local_splice.recording(rep.path):
+        seen = len(local_splice.LOG)
+        for d in (3, 4):
+            at = rep.at(d)
+            with fake_mesh({"dp": 2, "tp": 2}, 0) as mesh, splice.spliced():
+                build(at.model, mesh, CompileOptions(example_inputs=at.example_inputs, loss_fn=at.loss_fn,
+                                                     plan={"dp": "fsdp", "tp": "megatron"}, capture_eval=False),
+                      stop_after="localize")
+        why = "a dropout (its mask is keyed by its node's name)"
+        assert local_splice.LOG[seen:] == [f"depth 3 not recorded: {why}",
+                                           f"traced: depth 3's program was not recorded ({why})"]

@@ -20,13 +20,13 @@ the same way, and the largest taken (``autopar.analysis.liveness.peak_in_depth``
 Any figure that fails its check, or that a depth adds or drops (a collective kind that appears
 only from some depth on), makes ``plan`` compile every block instead, and say why.
 
-The depths are compiled side by side where the process can fork (autopar/forked.py: the command
-line; ``AUTOPAR_PLAN_FORK=0`` switches it off): depths 3 and 4 one after the other in a forked
-copy of this process, which sends back only the figures the extrapolation reads (``_figures``),
-depth 5 here (its program is what ``plan`` shows). Two processes for a 2-core machine: with one
-child per depth, three processes shared the cores and each paid the first compile's one-time
-costs (dynamo, DTensor's strategy choices, the model code); the child's second compile finds
-them warm. If the child fails, its depths are compiled here instead.
+Depth 3 is compiled first, whole, in this process; the deeper depths' per-rank programs are spliced
+from its (autopar/local_splice.py, checked node for node, else traced and said why). Then depths 4
+and 5 are compiled side by side where the process can fork (autopar/forked.py: the command line;
+``AUTOPAR_PLAN_FORK=0`` switches it off): depth 4 in a forked copy of this process, which sends
+back only the figures the extrapolation reads (``_figures``), depth 5 here (its program is what
+``plan`` shows). Two processes for a 2-core machine, both starting warm (dynamo, DTensor's strategy
+choices, the model code: depth 3 paid them). If the child fails, its depth is compiled here instead.
 
 Where it applies: any model with a repeated block list (``splice.find_blocks``: Hugging Face's
 ``model.layers``, GPT-2's ``transformer.h``, a factory's own ``nn.ModuleList``) of more than 5
@@ -166,7 +166,7 @@ def analyse_by_depth(args, plan: dict, rank: int, progress, analyse, loaded) -> 
     its block list cut to depths 3-5 (``plan``: the parsed ``--plan``) and the summary extrapolated
     to the model's depth; None when the model or plan does not qualify or the blocks are not
     identical (the caller then compiles every block; the reason is in ``args.depth_note``)."""
-    from autopar import capture_cache, joint_splice, splice
+    from autopar import capture_cache, joint_splice, local_splice, splice
     from autopar.depth import repeated
     from autopar.pipeline_plan import is_pipeline_strategy
 
@@ -191,24 +191,38 @@ def analyse_by_depth(args, plan: dict, rank: int, progress, analyse, loaded) -> 
         state = analyse(args, rank, lambda s: progress(f"{s} (depth {DEPTHS[0]} of {layers}, shared)"),
                         loaded=shallowest, stop_after="autograd")
         base = (state.stages[0].gm, state.stages[0].program, shallowest.model) if len(state.stages) == 1 else None
-        with joint_splice.based_on(*base) if base else contextlib.nullcontext():
+        with joint_splice.based_on(*base) if base else contextlib.nullcontext(), \
+                local_splice.recording(rep.path) if base else contextlib.nullcontext():
             return _by_depth(args, rank, rep, at, progress)
 
 
 def _by_depth(args, rank: int, rep, at, progress) -> Analysis | None:
     """``analyse_by_depth`` from the fork on."""
+    from autopar import local_splice
+
     layers = rep.layers
-    # the shallower depths one after the other in one forked child (started first; the second
-    # compile finds dynamo, DTensor's strategies and the model code warm), the deepest here: two
-    # processes for the 2 cores, not three
-    shallow = list(DEPTHS[:-1])
+
+    def figures_at(d: int, report):
+        """depth ``d``'s figures, with how its per-rank program was made (autopar/local_splice.py)"""
+        seen = len(local_splice.LOG)
+        a = at(d, report)
+        f = _figures(a)
+        if f is not None:
+            f["localized"] = local_splice.LOG[seen:]
+        return a, f
+
+    # the shallowest depth first, here, before the fork: the deeper ones' per-rank programs are
+    # spliced from its (autopar/local_splice.py), and both processes after the fork find dynamo,
+    # DTensor's strategies and the model code warm; then the middle depths in one forked child
+    # (started first), the deepest here: two processes for the 2 cores
+    _, first = figures_at(DEPTHS[0], progress)
+    shallow = list(DEPTHS[1:-1])
     child = None
     if can_fork():
         with shared_heap():
-            child = Forked(lambda: [_figures(at(d, lambda s: None)) for d in shallow])
+            child = Forked(lambda: [figures_at(d, lambda s: None)[1] for d in shallow])
     try:
-        last = at(DEPTHS[-1], progress)
-        deepest = _figures(last)
+        last, deepest = figures_at(DEPTHS[-1], progress)
     except BaseException:
         if child is not None:
             child.kill()
@@ -226,8 +240,8 @@ def _by_depth(args, rank: int, rep, at, progress) -> Analysis | None:
                      "them here")
             child = None
     if figs is None:
-        figs = [_figures(at(d, progress)) for d in shallow]
-    figs.append(deepest)
+        figs = [figures_at(d, progress)[1] for d in shallow]
+    figs = [first, *figs, deepest]
     if any(f is None for f in figs):
         return None
     lists = [_all_blocks(f["lists"], rep.path, d, layers) for f, d in zip(figs, DEPTHS)]
@@ -256,7 +270,8 @@ def _by_depth(args, rank: int, rep, at, progress) -> Analysis | None:
     seconds = {k: sum(f["seconds"].get(k, 0.0) for f in figs) for k in ("build", "compile", "cost_model", "total")}
     out["seconds"] = seconds
     out["extrapolated"] = {"depths": list(DEPTHS), "layers": layers, "blocks": rep.path,
-                           "forked": shallow if child is not None else []}
+                           "forked": shallow if child is not None else [],
+                           "localized": {d: f.get("localized", []) for d, f in zip(DEPTHS, figs)}}
     return Analysis(last.model, last.axes, last.plan, rank, last.coord, last.options, last.pm, last.memory,
                     last.time, last.device, last.links, seconds, last.notes, int(out["parameters"]),
                     extrapolated=out)

@@ -476,7 +476,7 @@ def plan_table(results: list[Analysis]) -> str:
            f"{', '.join(map(str, ex['depths']))} blocks to its {ex['layers']} (every block's increment checked equal; "
            "--full-depth compiles every block"
            + (f"; depth(s) {', '.join(map(str, ex['forked']))} compiled in a forked process beside this one, "
-              "the times above their sum" if ex.get("forked") else "") + ")"
+              "the times above their sum" if ex.get("forked") else "") + _localized(ex) + ")"
            if (ex := sums[0].get("extrapolated")) else "")
         + (f"; {world} ranks: each stage's ranks run the same program on their own shards (SPMD), stages "
            "exchange activations point to point" if pipes else
@@ -573,3 +573,15 @@ def explain_text(a: Analysis) -> str:
               "collective's real per-rank size; time = roofline per op + alpha-beta per collective, "
               "communication overlapped only where the program's order allows."]
     return "\n".join(lines) + "\n"
+
+
+def _localized(ex: dict) -> str:
+    """How the extrapolation's depths got their per-rank programs (autopar/local_splice.py): the
+    depths spliced from the first's, and each one traced in full with why."""
+    loc = ex.get("localized") or {}
+    spliced = [d for d, lines in loc.items() if lines and all(x == "spliced" for x in lines)]
+    why = [f"depth {d}'s per-rank program traced in full, {'; '.join(x.removeprefix('traced: ') for x in lines if x not in ('spliced', 'recorded'))}"
+           for d, lines in loc.items() if any(x not in ("spliced", "recorded") for x in lines)]
+    head = (f"; depth(s) {', '.join(map(str, spliced))}'s per-rank programs spliced from depth {ex['depths'][0]}'s"
+            if spliced else "")
+    return head + "".join(f"; {w}" for w in why)
