@@ -117,14 +117,26 @@ def _copy_graph(g: fx.Graph) -> tuple[fx.Graph, dict]:
 
 
 def _record(rec: _Record, program) -> str:
-    if any(n.target is torch.ops.aten.native_dropout.default for n in program.graph.nodes):
-        return "a dropout (its mask is keyed by its node's name)"
+    why = _random(program.graph)
+    if why:
+        return why
     if any(n.op == "get_attr" for n in program.local.graph.nodes):
         return "the per-rank program reads attributes"
     rec.g3, _ = _copy_graph(program.graph)
     lg, _ = _copy_graph(program.local.graph)
     rec.l3 = fx.GraphModule(program.local, lg)
     rec.roles = list(program.outputs)
+    return ""
+
+
+def _random(graph: fx.Graph) -> str:
+    """Why a graph is not spliced for its dropout, or "": localize draws each training dropout's mask
+    from a key made of its node's name (autopar/dropout.py) and bakes it into the per-rank program, so
+    a copy would reuse depth 3's key. Other seeded ops are copied as a trace lays them out (the same
+    ops in the same order: the splice's test compares them), and SDPA, tagged seeded for its
+    ``dropout_p``, is deterministic at 0: torch's ``nondeterministic_seeded`` tag is too wide here."""
+    if any(n.target is torch.ops.aten.native_dropout.default for n in graph.nodes):
+        return "a dropout (its mask is keyed by its node's name)"
     return ""
 
 
@@ -249,8 +261,9 @@ def splice_local(rec: _Record, program, ctx, annotate):
     """The per-rank program of ``program`` (a deeper depth's, after collectives) spliced from the
     record, or why not (module docstring); ``annotate``: localize's ``_annotate_collectives``."""
 
-    if any(n.target is torch.ops.aten.native_dropout.default for n in program.graph.nodes):
-        return "a dropout (its mask is keyed by its node's name)"
+    why = _random(program.graph)
+    if why:
+        return why
     deep_label = _labels(program.graph, rec.path, 10 ** 6)
     if deep_label is None:
         return "the deeper placed graph has nodes of no block it can name"
