@@ -97,8 +97,8 @@ def _derive(n: fx.Node, args, placements, ctx):
             for i in pending:
                 ins[i][axis] = Replicate()
         found, why = _check(n, args, given, ctx.axis_sizes[axis], outs)
-        aligned = aligned_indices([a.meta.get("val") for a in args], given)
-        if found is None and aligned:  # an index (no gradient) as long as the split dim: split it too
+        aligned = aligned_indices([a.meta.get("val") for a in args], given) if found is None else {}
+        if aligned:  # an index (no gradient) as long as the split dim: split it too
             given = [aligned[i] if i in aligned else p for i, p in enumerate(given)]
             found, why = _check(n, args, given, ctx.axis_sizes[axis], outs)
             if found is not None:
