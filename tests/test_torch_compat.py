@@ -233,7 +233,6 @@ def test_a_torch_version_error_is_a_plan_error():
     assert tc.SUPPORTED == ("2.11", "2.13")
 
 
-
 @pytest.mark.parametrize("which", ["llama", "hf_gpt2"])
 def test_propagation_gives_dtensor_the_output_meta_of_the_trace(which, fake, monkeypatch):
     """propagate hands DTensor each op's output shape, stride and dtype from the traced graph
@@ -241,8 +240,6 @@ def test_propagation_gives_dtensor_the_output_meta_of_the_trace(which, fake, mon
     shapes and strides are DTensor's own (the dtypes may differ: for bf16 layer norm's statistics
     the trace has fp32, DTensor's fake run bf16), every placement chosen is the same as with
     DTensor's own, and the patch is undone after."""
-    import sys
-
     from autopar import capture_cache
     from autopar.passes import propagate
 
@@ -263,11 +260,8 @@ def test_propagation_gives_dtensor_the_output_meta_of_the_trace(which, fake, mon
             seen.append(schema.op)
         return got
 
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    try:
-        import foreign_models
-    finally:
-        sys.path.pop(0)
+    import foreign_models  # (tests/: on the path, as test_autoplan imports it)
+
     placed = []
     for known in (check, lambda schema: None):  # the trace's output meta, then DTensor's own
         if which == "llama":
