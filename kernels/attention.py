@@ -46,10 +46,13 @@ L = tune.Launch.of
 # h100.md) chose 64x64 w4 for the forward but at D128 past 4k (128x128 w8), 64x128 w8 for dK/dV at D128
 # (32x128 w4 spilled its two [128, 128] fp32 accumulators: 3x slower), 128x64 w8 for dQ.
 # forward: BLOCK_M query rows, BLOCK_N keys; BLOCK_N divides BLOCK_M (the causal split needs it)
+# WS=True: the key loop warp-specialised by Triton (tl.range's warp_specialize), where it compiles.
 FWD = {64: [L(4, 3, BLOCK_M=64, BLOCK_N=64), L(4, 4, BLOCK_M=64, BLOCK_N=64), L(4, 3, BLOCK_M=128, BLOCK_N=64),
-            L(8, 3, BLOCK_M=128, BLOCK_N=128)],
+            L(8, 3, BLOCK_M=128, BLOCK_N=128), L(8, 4, BLOCK_M=128, BLOCK_N=64), L(4, 4, BLOCK_M=128, BLOCK_N=32),
+            L(4, 3, BLOCK_M=128, BLOCK_N=64, WS=True), L(8, 3, BLOCK_M=128, BLOCK_N=128, WS=True)],
        128: [L(4, 3, BLOCK_M=64, BLOCK_N=64), L(8, 3, BLOCK_M=128, BLOCK_N=128), L(8, 3, BLOCK_M=128, BLOCK_N=64),
-             L(4, 2, BLOCK_M=64, BLOCK_N=64)]}
+             L(4, 2, BLOCK_M=64, BLOCK_N=64), L(8, 4, BLOCK_M=128, BLOCK_N=64), L(8, 2, BLOCK_M=128, BLOCK_N=128),
+             L(8, 3, BLOCK_M=128, BLOCK_N=128, WS=True), L(4, 3, BLOCK_M=128, BLOCK_N=64, WS=True)]}
 # dK/dV: a block of BLOCK_N keys walks query blocks of BLOCK_M rows; BLOCK_M divides BLOCK_N
 DKDV = {64: [L(4, 3, BLOCK_M=32, BLOCK_N=128), L(8, 3, BLOCK_M=64, BLOCK_N=128), L(4, 3, BLOCK_M=64, BLOCK_N=64)],
         128: [L(8, 3, BLOCK_M=64, BLOCK_N=128), L(8, 2, BLOCK_M=64, BLOCK_N=128), L(4, 3, BLOCK_M=64, BLOCK_N=64),
@@ -116,23 +119,33 @@ def _score_tile(q, k, Bias, bias_base, rows, cols, n_ok, sbm, sbn, qk_scale, HAS
 def _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, offs_m, offs_d, d_ok, lo, hi,
                 skn, skd, svn, svd, sbm, sbn, N, qk_scale,
                 DIAG: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-                UPCAST: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key/value blocks [lo, hi) of one query block; DIAG: the causal mask applies in them."""
+                UPCAST: tl.constexpr, FOLD: tl.constexpr, WS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key/value blocks [lo, hi) of one query block; DIAG: the causal mask applies in them. FOLD (no
+    bias, a positive scale): max(s * c) = max(s) * c, so the [rows, keys] tile is never scaled on
+    its own: one multiply-add per score instead of a multiply and a subtract. WS: Triton's warp
+    specialisation of the loop (a candidate the tuner may pick where this Triton and chip run it)."""
     offs_n = tl.arange(0, BLOCK_N)
-    for start in range(lo, hi, BLOCK_N):
+    for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         start = tl.multiple_of(start, BLOCK_N)
         cols = start + offs_n
         n_ok = cols < N
         k = _load_tile(K + k_base, cols, offs_d, skn, skd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST)
-        s = _score_tile(q, k, Bias, bias_base, offs_m, cols, n_ok, sbm, sbn, qk_scale, HAS_BIAS)
+        if FOLD:  # raw scores: the scale goes into the row max and, fused, into exp2's argument
+            s = tl.dot(q, tl.trans(k))
+        else:
+            s = _score_tile(q, k, Bias, bias_base, offs_m, cols, n_ok, sbm, sbn, qk_scale, HAS_BIAS)
         if DIAG:
             s = tl.where(cols[None, :] <= offs_m[:, None], s, float("-inf"))
         if not EVEN_N:
             s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if HAS_BIAS:  # a mask of -inf can hide a whole row so far
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_new[:, None])
+        if FOLD:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            if HAS_BIAS:  # a mask of -inf can hide a whole row so far
+                m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_tile(V + v_base, cols, offs_d, svn, svd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST)
@@ -147,7 +160,7 @@ def _fwd(Q, K, V, Bias, O, LSE,
          sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
          sbb, sbh, sbm, sbn, sob, soh, som, sod,
          H, G, M, N, DH, scale,
-         HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+         HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, FOLD: tl.constexpr, WS: tl.constexpr,
          EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m, pid_bh, b, h, hk, offs_m, offs_d, m_ok, d_ok = _query_block(H, G, M, DH, CAUSAL, BLOCK_M, BLOCK_D)
@@ -164,15 +177,15 @@ def _fwd(Q, K, V, Bias, O, LSE,
         # below the diagonal: every key visible to every row of the block, no mask
         acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, offs_m, offs_d, d_ok,
                                     0, tl.minimum(first, N), skn, skd, svn, svd, sbm, sbn, N, qk_scale,
-                                    False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, BLOCK_N)
+                                    False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, BLOCK_N)
         # the blocks the diagonal crosses
         acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, offs_m, offs_d, d_ok,
                                     first, tl.minimum(first + BLOCK_M, N), skn, skd, svn, svd, sbm, sbn, N,
-                                    qk_scale, True, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, BLOCK_N)
+                                    qk_scale, True, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, BLOCK_N)
     else:
         acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, offs_m, offs_d, d_ok,
                                     0, N, skn, skd, svn, svd, sbm, sbn, N, qk_scale,
-                                    False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, BLOCK_N)
+                                    False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, BLOCK_N)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     o_ptrs = O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod
@@ -392,8 +405,9 @@ def forward(q, k, v, bias, causal: bool, scale: float):
 
     def run(c: tune.Launch):
         _fwd[(triton.cdiv(m, c["BLOCK_M"]), b * h)](
-            *args, HAS_BIAS=bias is not None, CAUSAL=causal, UPCAST=_upcast(q), EVEN_M=_even(m, c["BLOCK_M"]),
-            EVEN_N=_even(n, c["BLOCK_N"]), EVEN_D=bd == d, BLOCK_D=bd, **c.kwargs(INTERPRETED))
+            *args, HAS_BIAS=bias is not None, CAUSAL=causal, UPCAST=_upcast(q), FOLD=bias is None and scale > 0,
+            EVEN_M=_even(m, c["BLOCK_M"]), EVEN_N=_even(n, c["BLOCK_N"]), EVEN_D=bd == d, BLOCK_D=bd,
+            **{"WS": False, **c.kwargs(INTERPRETED)})
 
     run(tune.choose("attention_fwd", _key(q, k, bias, causal), _for_d(FWD, bd), run, FWD_I if INTERPRETED else None))
     return out, lse

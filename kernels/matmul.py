@@ -33,26 +33,32 @@ def _act(z, ACT: tl.constexpr):
 
 
 @triton.jit
-def _matmul(A, B, Bias, C, Z, M, N, K,
-            sam, sak, sbk, sbn, scm, scn,
-            HAS_BIAS: tl.constexpr, ACT: tl.constexpr, STORE_Z: tl.constexpr, UPCAST: tl.constexpr,
-            EVEN_K: tl.constexpr, EVEN_MN: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
+def _tile(tile_id, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Output tile ``tile_id``'s rows and first column, in grouped order (GROUP_M rows of tiles
+    share B's tiles in cache)."""
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     width = GROUP_M * grid_n
-    group = pid // width
+    group = tile_id // width
     first_m = group * GROUP_M
     size_m = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # rows / columns past the edge wrap around (loaded unmasked, never stored): only K is masked,
-    # and only where the block does not divide it
-    am = rm % M
-    bn = rn % N
+    pid_m = first_m + (tile_id % width) % size_m
+    pid_n = (tile_id % width) // size_m
+    return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N
+
+
+@triton.jit
+def _main_loop(A, B, rm, rn, M, N, K, sam, sak, sbk, sbn, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
+               EVEN_MN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc = A[rm, :] @ B[:, rn] in fp32. Where the tiles do not divide the output, rows / columns
+    past the edge wrap around (loaded unmasked, never stored); only K is masked, and only where
+    the block does not divide it."""
+    if EVEN_MN:
+        am = rm
+        bn = rn
+    else:
+        am = rm % M
+        bn = rn % N
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = A + am[:, None].to(tl.int64) * sam + rk[None, :] * sak
     b_ptrs = B + rk[:, None] * sbk + bn[None, :].to(tl.int64) * sbn
@@ -70,8 +76,18 @@ def _matmul(A, B, Bias, C, Z, M, N, K,
         acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * sak
         b_ptrs += BLOCK_K * sbk
+    return acc
+
+
+@triton.jit
+def _store(acc, rm, rn, Bias, C, Z, M, N, scm, scn, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+           STORE_Z: tl.constexpr, EVEN_MN: tl.constexpr):
+    """The epilogue of one [rows, cols] piece of a tile: + bias, z stored, act(z) stored."""
     if HAS_BIAS:
-        acc += tl.load(Bias + bn).to(tl.float32)[None, :]
+        if EVEN_MN:
+            acc += tl.load(Bias + rn).to(tl.float32)[None, :]
+        else:
+            acc += tl.load(Bias + rn % N).to(tl.float32)[None, :]
     c_off = rm[:, None].to(tl.int64) * scm + rn[None, :] * scn
     if EVEN_MN:  # the tiles divide the output: unmasked (vector) stores
         if STORE_Z:
@@ -82,6 +98,54 @@ def _matmul(A, B, Bias, C, Z, M, N, K,
         if STORE_Z:
             tl.store(Z + c_off, acc.to(Z.dtype.element_ty), mask=ok)
         tl.store(C + c_off, _act(acc, ACT).to(C.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _epilogue(acc, rm, start_n, Bias, C, Z, M, N, scm, scn, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+              STORE_Z: tl.constexpr, EVEN_MN: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """EPI_SPLIT: the tile's epilogue in two halves of its columns (fewer registers live at once
+    while the activation runs and the stores drain), else whole."""
+    if EPI_SPLIT:
+        left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        half = start_n + tl.arange(0, BLOCK_N // 2)
+        _store(left, rm, half, Bias, C, Z, M, N, scm, scn, HAS_BIAS, ACT, STORE_Z, EVEN_MN)
+        _store(right, rm, half + BLOCK_N // 2, Bias, C, Z, M, N, scm, scn, HAS_BIAS, ACT, STORE_Z, EVEN_MN)
+    else:
+        _store(acc, rm, start_n + tl.arange(0, BLOCK_N), Bias, C, Z, M, N, scm, scn, HAS_BIAS, ACT, STORE_Z,
+               EVEN_MN)
+
+
+@triton.jit
+def _matmul(A, B, Bias, C, Z, M, N, K,
+            sam, sak, sbk, sbn, scm, scn,
+            HAS_BIAS: tl.constexpr, ACT: tl.constexpr, STORE_Z: tl.constexpr, UPCAST: tl.constexpr,
+            EVEN_K: tl.constexpr, EVEN_MN: tl.constexpr, EPI_SPLIT: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """One program per output tile."""
+    rm, start_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = _main_loop(A, B, rm, start_n + tl.arange(0, BLOCK_N), M, N, K, sam, sak, sbk, sbn, UPCAST, EVEN_K,
+                     EVEN_MN, BLOCK_M, BLOCK_N, BLOCK_K)
+    _epilogue(acc, rm, start_n, Bias, C, Z, M, N, scm, scn, HAS_BIAS, ACT, STORE_Z, EVEN_MN, EPI_SPLIT, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _matmul_persistent(A, B, Bias, C, Z, M, N, K,
+                       sam, sak, sbk, sbn, scm, scn,
+                       HAS_BIAS: tl.constexpr, ACT: tl.constexpr, STORE_Z: tl.constexpr, UPCAST: tl.constexpr,
+                       EVEN_K: tl.constexpr, EVEN_MN: tl.constexpr, EPI_SPLIT: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                       NUM_SMS: tl.constexpr):
+    """One program per multiprocessor, walking output tiles NUM_SMS apart. The tile loop and the K
+    loop are flattened into one software pipeline, so the next tile's first loads are in flight
+    while this tile's epilogue (bias, activation, stores) runs."""
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
+        rm, start_n = _tile(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = _main_loop(A, B, rm, start_n + tl.arange(0, BLOCK_N), M, N, K, sam, sak, sbk, sbn, UPCAST, EVEN_K,
+                         EVEN_MN, BLOCK_M, BLOCK_N, BLOCK_K)
+        _epilogue(acc, rm, start_n, Bias, C, Z, M, N, scm, scn, HAS_BIAS, ACT, STORE_Z, EVEN_MN, EPI_SPLIT, BLOCK_M,
+                  BLOCK_N)
 
 
 @triton.jit
@@ -105,8 +169,14 @@ L = tune.Launch.of
 # (BLOCK_M, BLOCK_N, BLOCK_K), warps, stages: tiles that suit Hopper's and Ampere's matrix units
 # (the first H100 run, benchmarks/results/gpu-check-2026-11-26-h100.md: 128x256 w8 won the plain products,
 # 128x128 w4 s4 the GELU / SiLU epilogues)
+# EPI_SPLIT=1: the epilogue in two column halves; PERSISTENT=1: one program per multiprocessor
+# (``_matmul_persistent``), the next tile's loads overlapping this one's epilogue.
 CANDIDATES = [L(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64), L(8, 4, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64),
-              L(4, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), L(8, 3, BLOCK_M=256, BLOCK_N=128, BLOCK_K=64)]
+              L(4, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), L(8, 3, BLOCK_M=256, BLOCK_N=128, BLOCK_K=64),
+              L(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, EPI_SPLIT=1),
+              L(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, PERSISTENT=1),
+              L(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, EPI_SPLIT=1, PERSISTENT=1),
+              L(4, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, PERSISTENT=1)]
 INTERPRETED_TILES = L(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32)
 
 
@@ -114,8 +184,9 @@ def _fit(c: tune.Launch, m: int, n: int, k: int) -> tune.Launch:
     """A candidate's tiles shrunk to the problem where it is smaller (at least 16)."""
     def clamp(block, size):
         return min(block, max(16, triton.next_power_of_2(size)))
-    return tune.Launch.of(c.num_warps, c.num_stages, BLOCK_M=clamp(c["BLOCK_M"], m), BLOCK_N=clamp(c["BLOCK_N"], n),
-                          BLOCK_K=clamp(c["BLOCK_K"], k))
+    sizes = {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}
+    return tune.Launch.of(c.num_warps, c.num_stages, **{name: clamp(v, sizes[name]) if name in sizes else v
+                                                        for name, v in c.blocks})
 
 
 def _layout(t) -> str:
@@ -134,15 +205,36 @@ def matmul(a, b, bias=None, act: str = "none", store_z: bool = False):
 
     def run(cfg: tune.Launch):
         cfg = _fit(cfg, m, n, k)
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-        _matmul[grid](*args, HAS_BIAS=bias is not None, ACT=ACTS[act], STORE_Z=store_z,
-                      UPCAST=a.dtype == torch.bfloat16 and INTERPRETED, EVEN_K=k % cfg["BLOCK_K"] == 0,
-                      EVEN_MN=m % cfg["BLOCK_M"] == 0 and n % cfg["BLOCK_N"] == 0, GROUP_M=8,
-                      **cfg.kwargs(INTERPRETED))
+        kw = {"EPI_SPLIT": 0, **cfg.kwargs(INTERPRETED)}
+        tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+        kernel, grid = _matmul, (tiles,)
+        if kw.pop("PERSISTENT", 0):
+            sms = _multiprocessors(a.device)
+            kernel, grid = _matmul_persistent, (min(sms, tiles),)
+            kw["NUM_SMS"] = min(sms, tiles)
+        kernel[grid](*args, HAS_BIAS=bias is not None, ACT=ACTS[act], STORE_Z=store_z,
+                     UPCAST=a.dtype == torch.bfloat16 and INTERPRETED, EVEN_K=k % cfg["BLOCK_K"] == 0,
+                     EVEN_MN=m % cfg["BLOCK_M"] == 0 and n % cfg["BLOCK_N"] == 0, GROUP_M=8, **kw)
 
     key = (str(a.dtype), tune.bucket(m), n, k, _layout(a), _layout(b), act, store_z, bias is not None)
     run(tune.choose("matmul", key, CANDIDATES, run, INTERPRETED_TILES if INTERPRETED else None))
     return (c, z) if store_z else c
+
+
+_SMS: dict = {}
+
+
+def _multiprocessors(device) -> int:
+    """The device's multiprocessor count (a persistent kernel's grid); 2 on CPU (the interpreter:
+    small, so that its programs walk several tiles)."""
+    if device.type != "cuda":
+        return 2
+    import torch
+
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
 def act_grad(dy, z, act: str):

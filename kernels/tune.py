@@ -16,6 +16,7 @@ configs and cache into that twin; the choice also has to be reported (``chosen()
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -23,6 +24,7 @@ from typing import Callable
 _LOCK = threading.Lock()
 _CHOSEN: dict[tuple, "Launch"] = {}
 _TIMES: dict[tuple, dict[str, float | str]] = {}
+_FORCED: dict[str, "Launch"] = {}  # kernel name -> the configuration every launch takes (``force``)
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,9 @@ def choose(name: str, key: tuple, candidates: list[Launch], run: Callable[[Launc
     """The launch configuration for kernel ``name`` on shape class ``key``: ``interpreted`` when
     that is given (an interpreted launch), else the fastest of ``candidates`` by ``run(config)``,
     timed on first use of the key and remembered."""
+    forced = _FORCED.get(name)
+    if forced is not None:
+        return forced
     if interpreted is not None:
         return interpreted
     full = (name, key)
@@ -81,6 +86,22 @@ def choose(name: str, key: tuple, candidates: list[Launch], run: Callable[[Launc
             raise first_error
         _CHOSEN[full], _TIMES[full] = best, times
         return best
+
+
+@contextlib.contextmanager
+def force(name: str, config: "Launch"):
+    """Inside the block every launch of kernel ``name`` takes ``config``, interpreted launches too,
+    and nothing is timed or remembered: how tests run each device candidate through Triton's
+    interpreter, and how ``autopar bench --kernels --variants`` checks and times every candidate."""
+    old = _FORCED.get(name)
+    _FORCED[name] = config
+    try:
+        yield
+    finally:
+        if old is None:
+            _FORCED.pop(name, None)
+        else:
+            _FORCED[name] = old
 
 
 def chosen() -> list[dict]:

@@ -323,3 +323,44 @@ def test_auto_rank_zero_decides_for_every_rank(monkeypatch):
     monkeypatch.setattr(choice, "decide", broken)
     failed = d.decide("attention", "S", lambda: None)
     assert not failed.use_kernel and "timing failed: RuntimeError: out of shared memory" in failed.reason
+
+
+# ------------------------------------------------------------------ every device candidate
+def _candidates(table) -> list:
+    return [c for cs in (table.values() if isinstance(table, dict) else [table]) for c in cs]
+
+
+@pytest.mark.parametrize("which", ["fwd", "dkdv", "dq"])
+def test_every_device_attention_candidate_computes_the_same(which):
+    """Each launch configuration the GPU tuner may pick (kernels/attention.py FWD / DKDV / DQ, and
+    the forward's warp-specialised loop) forced through Triton's interpreter: on a GPU the tuner
+    picks by speed alone, so each one must be right. Causal and not, GQA, a sequence the blocks do
+    not divide; head dims 64 and 128."""
+    from autopar.kernels import attention, tune
+
+    table = {"fwd": attention.FWD, "dkdv": attention.DKDV, "dq": attention.DQ}[which]
+    name = {"fwd": "attention_fwd", "dkdv": "attention_bwd_dkdv", "dq": "attention_bwd_dq"}[which]
+    extra = [tune.Launch.of(8, 3, BLOCK_M=128, BLOCK_N=64, WS=True)] if which == "fwd" else []
+    cases = [(256, True), (200, False), (200, True), (256, False)]  # taken in turn, candidate by candidate
+    for i, (d, c) in enumerate((d, c) for d, configs in table.items() for c in configs + extra):
+        s, causal = cases[i % len(cases)]
+        with tune.force(name, c):
+            r = run_attention_case(1, 4, 2, s, s, d, causal, False, torch.float32)
+        close(r["out"], r["ref"], torch.float32, f"{c} D{d} S{s} out")
+        for g, a, ref in zip("qkv", r["grads"], r["ref_grads"]):
+            close(a, ref, torch.float32, f"{c} D{d} S{s} d{g}")
+
+
+def test_every_device_matmul_candidate_computes_the_same():
+    """The matmul's launch configurations (kernels/matmul.py CANDIDATES: the split epilogue, the
+    persistent kernel) forced through the interpreter, on sizes the tiles divide and sizes they do
+    not, forward and both backward products."""
+    from autopar.kernels import matmul, tune
+
+    for c in matmul.CANDIDATES:
+        for rows, k, n in (((2, 128), 128, 512), ((3, 67), 72, 300)):
+            with tune.force("matmul", c):
+                r = run_linear_act_case("gelu", torch.float32, rows=rows, k=k, n=n)
+            close(r["y"], r["ref"], torch.float32, f"{c} y")
+            for name, a, ref in zip(("dx", "dw", "db"), r["grads"], r["ref_grads"]):
+                close(a, ref, torch.float32, f"{c} {name}")

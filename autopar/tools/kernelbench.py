@@ -120,25 +120,56 @@ def matmul_rows(sizes, dtype, device, reps):
     return rows
 
 
+def _issue_ms(fn, calls: int) -> float:
+    """Host milliseconds per call of issuing ``fn`` ``calls`` times without waiting for the device
+    (the rate at which the host can launch it), after one warm-up call."""
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    ms = (time.perf_counter() - t0) * 1e3 / calls
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return ms
+
+
 def host_profile(out_dir: str, smoke: bool = False, calls: int = 20) -> list[dict]:
-    """Where a forward call's time goes at a short sequence (B4 H32/8 S1024 D64 causal on a GPU;
-    tiny with ``smoke``): ``calls`` back-to-back forward calls of each side under torch.profiler.
-    Per call: the wall time (CUDA events), the host time of the op's outermost profiled event (its
-    dispatch, allocation and launch) and the device time of its kernels. The profiler's full table
-    goes to ``out_dir``/host-profile.txt."""
+    """Where a forward call's time goes at a short sequence (B4 H32/8 S1024, D64 and D128, causal and
+    not, on a GPU; tiny with ``smoke``): ``calls`` back-to-back forward calls of each side under
+    torch.profiler. Per call: the wall time (CUDA events), the host time of the op's outermost
+    profiled event (its dispatch, allocation and launch) and the device time of its kernels; for
+    autopar also the host's issue time per call through the custom op with autograd, under no_grad,
+    and of the kernel module's ``forward`` alone (no custom op): which layer the host time is in.
+    The profiler's tables go to ``out_dir``/host-profile.txt."""
+    rows, tables = [], []
+    cuda = torch.cuda.is_available()
+    shapes = [(64, True)] if smoke or not cuda else [(64, True), (64, False), (128, True), (128, False)]
+    for d, causal in shapes:
+        r, t = _host_profile_one(d, causal, smoke, calls)
+        rows += r
+        tables += t
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "host-profile.txt"), "w") as f:
+        f.write("\n\n".join(tables) + "\n")
+    return rows
+
+
+def _host_profile_one(d: int, causal: bool, smoke: bool, calls: int):
     import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
 
-    import autopar.kernels.ops  # noqa: F401
+    import autopar.kernels.ops as ops
 
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    b, h, hkv, s, d = (1, 4, 2, 64, 64) if smoke or not cuda else (4, 32, 8, 1024, 64)
+    b, h, hkv, s = (1, 4, 2, 64) if smoke or not cuda else (4, 32, 8, 1024)
     q = torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(b, hkv, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
-    sides = {"autopar": (lambda: torch.ops.autopar.flash_attention(q, k, v, None, True, d ** -0.5)[0],
+    sides = {"autopar": (lambda: torch.ops.autopar.flash_attention(q, k, v, None, causal, d ** -0.5)[0],
                          "autopar::flash_attention"),
-             "torch": (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+             "torch": (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True),
                        "aten::scaled_dot_product_attention")}
     rows, tables = [], []
     for name, (fn, event) in sides.items():
@@ -152,15 +183,20 @@ def host_profile(out_dir: str, smoke: bool = False, calls: int = 20) -> list[dic
         avg = prof.key_averages()
         top = [e for e in avg if e.key == event]
         dev = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in avg)
-        rows.append({"side": name, "shape": f"B{b} H{h}/{hkv} S{s} D{d} causal {str(dtype)[6:]}",
-                     "wall_ms_per_call": wall,
-                     "host_ms_per_call": (top[0].cpu_time_total / 1e3 / calls) if top else None,
-                     "device_ms_per_call": dev / 1e3 / calls})
-        tables.append(f"== {name} ({calls} calls)\n" + avg.table(sort_by="cpu_time_total", row_limit=25))
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "host-profile.txt"), "w") as f:
-        f.write("\n\n".join(tables) + "\n")
-    return rows
+        shape = f"B{b} H{h}/{hkv} S{s} D{d}{' causal' if causal else ''} {str(dtype)[6:]}"
+        row = {"side": name, "shape": shape, "wall_ms_per_call": wall,
+               "host_ms_per_call": (top[0].cpu_time_total / 1e3 / calls) if top else None,
+               "device_ms_per_call": dev / 1e3 / calls, "issue_ms_per_call": _issue_ms(fn, calls)}
+        if name == "autopar":
+            with torch.no_grad():
+                row["issue_ms_no_grad"] = _issue_ms(fn, calls)
+            module = ops._triton(q)[0]
+            qd, kd, vd = q.detach(), k.detach(), v.detach()
+            row["issue_ms_kernel_module"] = _issue_ms(lambda: module.forward(qd, kd, vd, None, causal, d ** -0.5),
+                                                      calls)
+        rows.append(row)
+        tables.append(f"== {name} {shape} ({calls} calls)\n" + avg.table(sort_by="cpu_time_total", row_limit=25))
+    return rows, tables
 
 
 def main(args) -> int:
