@@ -567,6 +567,10 @@ def summary_md(record: dict) -> str:
                   f"{r['device_ms_per_call']:.3f} | {_fmt(r.get('issue_ms_per_call'), '.3f')} / "
                   f"{_fmt(r.get('issue_ms_no_grad'), '.3f')} / {_fmt(r.get('issue_ms_kernel_module'), '.3f')} |"
                   for r in prof]
+        for r in prof:
+            if r.get("kernels"):
+                lines += ["", f"{r['side']}, {r['shape']}, device ms per call by kernel: " + ", ".join(
+                    f"{k['name']} {k['ms']:.3f}" for k in r["kernels"])]
     if any(n.startswith("step-") for n in record["sections"]):
         m = meta["model"]
         lines += ["", f"## Whole step: Llama {m}, batch {meta['batch']} x {meta['seq']}, bf16, AdamW, one rank",

@@ -46,13 +46,14 @@ L = tune.Launch.of
 # h100.md) chose 64x64 w4 for the forward but at D128 past 4k (128x128 w8), 64x128 w8 for dK/dV at D128
 # (32x128 w4 spilled its two [128, 128] fp32 accumulators: 3x slower), 128x64 w8 for dQ.
 # forward: BLOCK_M query rows, BLOCK_N keys; BLOCK_N divides BLOCK_M (the causal split needs it)
-# WS=True: the key loop warp-specialised by Triton (tl.range's warp_specialize), where it compiles.
+# WS=True: the key loop warp-specialised by Triton (tl.range's warp_specialize). On the H200 with Triton 3.6
+# (benchmarks/results/gpu-2026-11-26-h200.md, run 1) it compiled with 8 warps and won D128 at S >= 2048 by up
+# to 5%; with 4 warps Triton's NVGPUWarpSpecialization pass failed, and at D64 it never won.
 FWD = {64: [L(4, 3, BLOCK_M=64, BLOCK_N=64), L(4, 4, BLOCK_M=64, BLOCK_N=64), L(4, 3, BLOCK_M=128, BLOCK_N=64),
-            L(8, 3, BLOCK_M=128, BLOCK_N=128), L(8, 4, BLOCK_M=128, BLOCK_N=64), L(4, 4, BLOCK_M=128, BLOCK_N=32),
-            L(4, 3, BLOCK_M=128, BLOCK_N=64, WS=True), L(8, 3, BLOCK_M=128, BLOCK_N=128, WS=True)],
+            L(8, 3, BLOCK_M=128, BLOCK_N=128), L(8, 4, BLOCK_M=128, BLOCK_N=64)],
        128: [L(4, 3, BLOCK_M=64, BLOCK_N=64), L(8, 3, BLOCK_M=128, BLOCK_N=128), L(8, 3, BLOCK_M=128, BLOCK_N=64),
-             L(4, 2, BLOCK_M=64, BLOCK_N=64), L(8, 4, BLOCK_M=128, BLOCK_N=64), L(8, 2, BLOCK_M=128, BLOCK_N=128),
-             L(8, 3, BLOCK_M=128, BLOCK_N=128, WS=True), L(4, 3, BLOCK_M=128, BLOCK_N=64, WS=True)]}
+             L(4, 2, BLOCK_M=64, BLOCK_N=64), L(8, 4, BLOCK_M=128, BLOCK_N=64),
+             L(8, 3, BLOCK_M=128, BLOCK_N=128, WS=True)]}
 # dK/dV: a block of BLOCK_N keys walks query blocks of BLOCK_M rows; BLOCK_M divides BLOCK_N
 DKDV = {64: [L(4, 3, BLOCK_M=32, BLOCK_N=128), L(8, 3, BLOCK_M=64, BLOCK_N=128), L(4, 3, BLOCK_M=64, BLOCK_N=64)],
         128: [L(8, 3, BLOCK_M=64, BLOCK_N=128), L(8, 2, BLOCK_M=64, BLOCK_N=128), L(4, 3, BLOCK_M=64, BLOCK_N=64),

@@ -150,10 +150,53 @@ def host_profile(out_dir: str, smoke: bool = False, calls: int = 20) -> list[dic
         r, t = _host_profile_one(d, causal, smoke, calls)
         rows += r
         tables += t
+    r, t = _linear_profile(smoke)
+    rows += r
+    tables += t
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "host-profile.txt"), "w") as f:
         f.write("\n\n".join(tables) + "\n")
     return rows
+
+
+def _linear_profile(smoke: bool, calls: int = 5):
+    """linear + GELU forward + backward (8192 x 4096 -> 14336 on a GPU), each side: wall ms per call
+    and every device kernel's ms per call (where the backward's time goes)."""
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    import autopar.kernels.ops  # noqa: F401
+
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    m, n, k = (64, 96, 64) if smoke or not cuda else (8192, 14336, 4096)
+    x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
+    w = (torch.randn(n, k, device=device, dtype=dtype) / k ** 0.5).requires_grad_()
+    bias = torch.randn(n, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(m, n, device=device, dtype=dtype)
+    sides = {"autopar": lambda: torch.ops.autopar.linear_act(x, w, bias, "gelu")[0],
+             "torch": lambda: F.gelu(F.linear(x, w, bias))}
+    rows, tables = [], []
+    for name, fn in sides.items():
+        def both(fn=fn):
+            return torch.autograd.grad(fn(), (x, w, bias), dy)
+        wall = _time(both, calls, cuda) * 1e3
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=acts) as prof:
+            for _ in range(calls):
+                both()
+            if cuda:
+                torch.cuda.synchronize()
+        avg = prof.key_averages()
+        kernels = sorted(((getattr(e, "self_device_time_total", 0) / 1e3 / calls, e.key) for e in avg
+                          if getattr(e, "self_device_time_total", 0) > 0), reverse=True)
+        rows.append({"side": name, "shape": f"linear + GELU fwd+bwd {m}x{k} -> {n} {str(dtype)[6:]}",
+                     "wall_ms_per_call": wall, "host_ms_per_call": None,
+                     "device_ms_per_call": sum(ms for ms, _ in kernels),
+                     "kernels": [{"name": key[:80], "ms": ms} for ms, key in kernels[:8]]})
+        tables.append(f"== {name} linear + GELU fwd+bwd ({calls} calls)\n"
+                      + avg.table(sort_by="self_device_time_total" if cuda else "cpu_time_total", row_limit=20))
+    return rows, tables
 
 
 def _host_profile_one(d: int, causal: bool, smoke: bool, calls: int):
