@@ -163,7 +163,6 @@ def _linear_profile(smoke: bool, calls: int = 5):
     """linear + GELU forward + backward (8192 x 4096 -> 14336 on a GPU), each side: wall ms per call
     and every device kernel's ms per call (where the backward's time goes)."""
     import torch.nn.functional as F
-    from torch.profiler import ProfilerActivity, profile
 
     import autopar.kernels.ops  # noqa: F401
 
@@ -180,14 +179,7 @@ def _linear_profile(smoke: bool, calls: int = 5):
     for name, fn in sides.items():
         def both(fn=fn):
             return torch.autograd.grad(fn(), (x, w, bias), dy)
-        wall = _time(both, calls, cuda) * 1e3
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profile(activities=acts) as prof:
-            for _ in range(calls):
-                both()
-            if cuda:
-                torch.cuda.synchronize()
-        avg = prof.key_averages()
+        wall, avg = _profiled(both, calls)
         kernels = sorted(((getattr(e, "self_device_time_total", 0) / 1e3 / calls, e.key) for e in avg
                           if getattr(e, "self_device_time_total", 0) > 0), reverse=True)
         rows.append({"side": name, "shape": f"linear + GELU fwd+bwd {m}x{k} -> {n} {str(dtype)[6:]}",
@@ -199,9 +191,23 @@ def _linear_profile(smoke: bool, calls: int = 5):
     return rows, tables
 
 
+def _profiled(fn, calls: int):
+    """Wall milliseconds per call of ``fn`` back to back, and torch.profiler's averages over ``calls``
+    more calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    wall = _time(fn, calls, cuda) * 1e3
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    return wall, prof.key_averages()
+
+
 def _host_profile_one(d: int, causal: bool, smoke: bool, calls: int):
     import torch.nn.functional as F
-    from torch.profiler import ProfilerActivity, profile
 
     import autopar.kernels.ops as ops
 
@@ -216,14 +222,7 @@ def _host_profile_one(d: int, causal: bool, smoke: bool, calls: int):
                        "aten::scaled_dot_product_attention")}
     rows, tables = [], []
     for name, (fn, event) in sides.items():
-        wall = _time(fn, calls, cuda) * 1e3
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profile(activities=acts) as prof:
-            for _ in range(calls):
-                fn()
-            if cuda:
-                torch.cuda.synchronize()
-        avg = prof.key_averages()
+        wall, avg = _profiled(fn, calls)
         top = [e for e in avg if e.key == event]
         dev = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in avg)
         shape = f"B{b} H{h}/{hkv} S{s} D{d}{' causal' if causal else ''} {str(dtype)[6:]}"
