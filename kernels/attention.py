@@ -53,7 +53,7 @@ FWD = {64: [L(4, 3, BLOCK_M=64, BLOCK_N=64), L(4, 4, BLOCK_M=64, BLOCK_N=64), L(
             L(8, 3, BLOCK_M=128, BLOCK_N=128), L(8, 4, BLOCK_M=128, BLOCK_N=64)],
        128: [L(4, 3, BLOCK_M=64, BLOCK_N=64), L(8, 3, BLOCK_M=128, BLOCK_N=128), L(8, 3, BLOCK_M=128, BLOCK_N=64),
              L(4, 2, BLOCK_M=64, BLOCK_N=64), L(8, 4, BLOCK_M=128, BLOCK_N=64),
-             L(8, 3, BLOCK_M=128, BLOCK_N=128, WS=True)]}
+             L(8, 3, BLOCK_M=128, BLOCK_N=128, WS=True), L(8, 2, BLOCK_M=128, BLOCK_N=128, WS=True)]}
 # dK/dV: a block of BLOCK_N keys walks query blocks of BLOCK_M rows; BLOCK_M divides BLOCK_N
 DKDV = {64: [L(4, 3, BLOCK_M=32, BLOCK_N=128), L(8, 3, BLOCK_M=64, BLOCK_N=128), L(4, 3, BLOCK_M=64, BLOCK_N=64)],
         128: [L(8, 3, BLOCK_M=64, BLOCK_N=128), L(8, 2, BLOCK_M=64, BLOCK_N=128), L(4, 3, BLOCK_M=64, BLOCK_N=64),
