@@ -563,7 +563,8 @@ def summary_md(record: dict) -> str:
         lines += ["", "## One forward call, back to back (torch.profiler; host-profile.txt)", "",
                   "| side | shape | wall ms per call | host ms (the op's outermost event) | device ms (kernels) | "
                   "host issue ms per call: as timed / no_grad / kernel module alone |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['side']} | {r['shape']} | {r['wall_ms_per_call']:.3f} | {_fmt(r['host_ms_per_call'], '.3f')} | "
+        lines += [f"| {r['side']} | {r['shape']} | {r['wall_ms_per_call']:.3f} | "
+                  f"{_fmt(r['host_ms_per_call'], '.3f')} | "
                   f"{r['device_ms_per_call']:.3f} | {_fmt(r.get('issue_ms_per_call'), '.3f')} / "
                   f"{_fmt(r.get('issue_ms_no_grad'), '.3f')} / {_fmt(r.get('issue_ms_kernel_module'), '.3f')} |"
                   for r in prof]

@@ -126,7 +126,8 @@ def _matmul(A, B, Bias, C, Z, M, N, K,
     rm, start_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = _main_loop(A, B, rm, start_n + tl.arange(0, BLOCK_N), M, N, K, sam, sak, sbk, sbn, UPCAST, EVEN_K,
                      EVEN_MN, BLOCK_M, BLOCK_N, BLOCK_K)
-    _epilogue(acc, rm, start_n, Bias, C, Z, M, N, scm, scn, HAS_BIAS, ACT, STORE_Z, EVEN_MN, EPI_SPLIT, BLOCK_M, BLOCK_N)
+    _epilogue(acc, rm, start_n, Bias, C, Z, M, N, scm, scn, HAS_BIAS, ACT, STORE_Z, EVEN_MN, EPI_SPLIT, BLOCK_M,
+              BLOCK_N)
 
 
 @triton.jit
