@@ -52,7 +52,7 @@ SMOKE_CAP_SCALE = 3  # --smoke on a CPU: Inductor's C++ compiles take longer tha
 # (section, cap in seconds on an H100), in the order they run: what the issue needs most first
 SECTIONS = [("correctness", 90), ("kernel-table", 240), ("step-eager", 60), ("step-autopar-off", 90),
             ("step-autopar-auto", 100), ("step-compile", 120), ("step-autopar-inductor", 150),
-            ("step-autopar-on", 100), ("kernel-profile", 40)]
+            ("step-autopar-on", 100), ("kernel-profile", 120)]
 
 # step variant: (system, autopar kernels, autopar inductor)
 VARIANTS = {"eager": ("eager", None, False), "compile": ("torch.compile", None, False),

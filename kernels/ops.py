@@ -133,9 +133,15 @@ def _attn_setup(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, bias)
     ctx.causal, ctx.scale = causal, scale
+    ctx.set_materialize_grads(False)  # lse's gradient is never used: no zeros made for it
 
 
 def _attn_backward(ctx, do, dlse):
+    if dlse is not None:
+        raise NotImplementedError("autopar::flash_attention: the gradient through its log-sum-exp output is not "
+                                  "implemented; differentiate through the attention output only")
+    if do is None:  # the output took no part in what was differentiated
+        return None, None, None, None, None, None
     q, k, v, out, lse, bias = ctx.saved_tensors
     dq, dk, dv = torch.ops.autopar.flash_attention_backward(do, q, k, v, out, lse, bias, ctx.causal, ctx.scale)
     return dq, dk, dv, None, None, None
@@ -201,9 +207,18 @@ def _la_setup(ctx, inputs, output):
     _, z = output
     ctx.save_for_backward(x, w, z)
     ctx.act, ctx.has_bias = act, b is not None
+    # z (the pre-activation, kept for the backward) gets no gradient: without this autograd would
+    # allocate and fill a zero tensor of the output's size for it at every backward (0.07 ms at
+    # 8192 x 14336 on the H200, run 3)
+    ctx.set_materialize_grads(False)
 
 
-def _la_backward(ctx, dy, dz_unused):
+def _la_backward(ctx, dy, dz):
+    if dz is not None:
+        raise NotImplementedError("autopar::linear_act: the gradient through its pre-activation output z is not "
+                                  "implemented; differentiate through y = act(z) only")
+    if dy is None:
+        return None, None, None, None
     x, w, z = ctx.saved_tensors
     dx, dw, db = torch.ops.autopar.linear_act_backward(dy, x, w, z, ctx.act)
     return dx, dw, (db if ctx.has_bias else None), None

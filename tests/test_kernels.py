@@ -372,3 +372,20 @@ def test_every_device_matmul_candidate_computes_the_same():
             close(r["y"], r["ref"], torch.float32, f"{c} y")
             for name, a, ref in zip(("dx", "dw", "db"), r["grads"], r["ref_grads"]):
                 close(a, ref, torch.float32, f"{c} {name}")
+
+
+def test_no_gradient_made_for_the_side_outputs_and_none_accepted_through_them():
+    """lse and z (kept for the backward) get no zero gradient tensors (autograd's materialised zeros
+    cost a memset of the output's size at every backward); a gradient through them is refused, not
+    dropped."""
+    x = torch.randn(5, 8, requires_grad=True)
+    w = torch.randn(6, 8, requires_grad=True)
+    y, z = torch.ops.autopar.linear_act(x, w, None, "gelu")
+    (gx,) = torch.autograd.grad(y.sum(), (x,))
+    assert gx.shape == x.shape
+    with pytest.raises(NotImplementedError, match="pre-activation"):
+        torch.autograd.grad((y.sum() + z.sum()), (x,))
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    out, lse = torch.ops.autopar.flash_attention(q, q, q, None, True, 0.25)
+    with pytest.raises(NotImplementedError, match="log-sum-exp"):
+        torch.autograd.grad(lse.sum(), (q,))
