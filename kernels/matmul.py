@@ -195,6 +195,9 @@ def _layout(t) -> str:
     return "r" if t.stride(1) == 1 else "c" if t.stride(0) == 1 else "s"
 
 
+_PLANS = tune.Plans()
+
+
 def matmul(a, b, bias=None, act: str = "none", store_z: bool = False):
     """a [M, K] @ b [K, N] (+ bias [N]) -> act(.) [M, N] (and z, the pre-activation, if store_z)."""
     import torch
@@ -203,9 +206,17 @@ def matmul(a, b, bias=None, act: str = "none", store_z: bool = False):
     n = b.shape[1]
     c = torch.empty((m, n), device=a.device, dtype=a.dtype)
     z = torch.empty_like(c) if store_z else c
-    args = (a, b, bias if bias is not None else a, c, z, m, n, k, *a.stride(), *b.stride(), *c.stride())
+    bias_arg = bias if bias is not None else a
+    sig = None if tune.forced("matmul") is not None else \
+        (a.shape, b.shape, a.stride(), b.stride(), a.dtype, a.device, bias is not None, act, store_z)
+    plan = _PLANS.get(sig) if sig is not None else None
+    if plan is not None:  # the same shapes, strides and flags as an earlier call: the launch it computed
+        kernel, grid, scalars, kw = plan
+        kernel[grid](a, b, bias_arg, c, z, *scalars, **kw)
+        return (c, z) if store_z else c
+    scalars = (m, n, k, *a.stride(), *b.stride(), *c.stride())
 
-    def run(cfg: tune.Launch):
+    def launch(cfg: tune.Launch):
         cfg = _fit(cfg, m, n, k)
         kw = {"EPI_SPLIT": 0, **cfg.kwargs(INTERPRETED)}
         tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
@@ -214,12 +225,20 @@ def matmul(a, b, bias=None, act: str = "none", store_z: bool = False):
             sms = _multiprocessors(a.device)
             kernel, grid = _matmul_persistent, (min(sms, tiles),)
             kw["NUM_SMS"] = min(sms, tiles)
-        kernel[grid](*args, HAS_BIAS=bias is not None, ACT=ACTS[act], STORE_Z=store_z,
-                     UPCAST=a.dtype == torch.bfloat16 and INTERPRETED, EVEN_K=k % cfg["BLOCK_K"] == 0,
-                     EVEN_MN=m % cfg["BLOCK_M"] == 0 and n % cfg["BLOCK_N"] == 0, GROUP_M=8, **kw)
+        kw.update(HAS_BIAS=bias is not None, ACT=ACTS[act], STORE_Z=store_z,
+                  UPCAST=a.dtype == torch.bfloat16 and INTERPRETED, EVEN_K=k % cfg["BLOCK_K"] == 0,
+                  EVEN_MN=m % cfg["BLOCK_M"] == 0 and n % cfg["BLOCK_N"] == 0, GROUP_M=8)
+        return kernel, grid, scalars, kw
+
+    def run(cfg: tune.Launch):
+        kernel, grid, scalars_, kw = launch(cfg)
+        kernel[grid](a, b, bias_arg, c, z, *scalars_, **kw)
 
     key = (str(a.dtype), tune.bucket(m), n, k, _layout(a), _layout(b), act, store_z, bias is not None)
-    run(tune.choose("matmul", key, CANDIDATES, run, INTERPRETED_TILES if INTERPRETED else None))
+    cfg = tune.choose("matmul", key, CANDIDATES, run, INTERPRETED_TILES if INTERPRETED else None)
+    run(cfg)
+    if sig is not None:
+        _PLANS.put(sig, launch(cfg))
     return (c, z) if store_z else c
 
 

@@ -104,6 +104,33 @@ def force(name: str, config: "Launch"):
             _FORCED[name] = old
 
 
+def forced(name: str) -> "Launch | None":
+    """The configuration ``force`` set for kernel ``name``, if any."""
+    return _FORCED.get(name)
+
+
+class Plans:
+    """Launch plans remembered by call signature: what a kernel module computes on the host for a
+    call (the grid, the scalar arguments, the constexprs of the configuration ``choose`` picked)
+    depends only on the tensors' shapes, strides, dtype and device and the call's flags, so a
+    second call with the same signature reuses it and goes straight to Triton's launcher (the
+    host's time per call is what a short kernel waits on: docs/kernels.md). At most ``limit``
+    signatures are kept (then the table starts again), so varying shapes cannot grow it without
+    bound."""
+
+    def __init__(self, limit: int = 256):
+        self.limit = limit
+        self._plans: dict = {}
+
+    def get(self, sig):
+        return self._plans.get(sig)
+
+    def put(self, sig, plan) -> None:
+        if len(self._plans) >= self.limit:
+            self._plans.clear()
+        self._plans[sig] = plan
+
+
 def chosen() -> list[dict]:
     """Every choice made in this process: kernel, shape class, the chosen configuration and each
     candidate's median milliseconds (or its error)."""

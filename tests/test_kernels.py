@@ -389,3 +389,29 @@ def test_no_gradient_made_for_the_side_outputs_and_none_accepted_through_them():
     out, lse = torch.ops.autopar.flash_attention(q, q, q, None, True, 0.25)
     with pytest.raises(NotImplementedError, match="log-sum-exp"):
         torch.autograd.grad(lse.sum(), (q,))
+
+
+def test_a_remembered_launch_plan_serves_later_calls_of_the_same_signature():
+    """The second call of a signature goes through the plan the first one remembered (tune.Plans):
+    fresh values each call, both right; a new shape or flag makes its own plan."""
+    from autopar.kernels import attention, matmul
+    from autopar.kernels.interpreter import interpreted
+
+    att, mm = interpreted(attention), interpreted(matmul)
+    tables = (att._FWD_PLANS, att._BWD_PLANS, mm._PLANS)
+    for t in tables:
+        t._plans.clear()
+    counts = []
+    for causal in (True, True, False):  # the second call runs from the first's plans
+        r = run_attention_case(1, 2, 1, 40, 40, 16, causal, False, torch.float32)
+        close(r["out"], r["ref"], torch.float32, "out")
+        for g, a, ref in zip("qkv", r["grads"], r["ref_grads"]):
+            close(a, ref, torch.float32, f"d{g}")
+        counts.append((len(tables[0]._plans), len(tables[1]._plans)))
+    assert counts == [(1, 1), (1, 1), (2, 2)]
+    for i in range(2):
+        r = run_linear_act_case("silu", torch.float32)
+        close(r["y"], r["ref"], torch.float32, "y")
+        for name, a, ref in zip(("dx", "dw", "db"), r["grads"], r["ref_grads"]):
+            close(a, ref, torch.float32, name)
+        assert len(tables[2]._plans) == 3  # the forward and the backward's two products, made once
