@@ -285,7 +285,8 @@ def analyse(args, rank: int, progress: Progress, loaded=None, stop_after: str | 
                          "were copied from it, renamed (passes/twins.py; AUTOPAR_STAGE_TWINS=0 traces every stage)")
         t2 = time.perf_counter()
         progress(f"rank {rank}: cost model")
-        memory = cost.predict_memory(pm, args.optimizer)
+        memory = cost.predict_memory(pm, args.optimizer, fused=getattr(args, "inductor", False),
+                                     device="cpu" if dev.cores else "gpu")
         pipelined = pm.pipelined
         links = (cost._pipeline_links(pm, dev) if pipelined
                  else cost.axis_links(pm.ctx.axis_names, pm.ctx.axis_sizes, dev))
