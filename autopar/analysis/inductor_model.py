@@ -130,6 +130,8 @@ HEAVY = {"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh"}
 REDUCTIONS = {"amax", "amin", "argmax", "argmin", "prod", "any", "all", "var", "var_mean", "std", "logsumexp"}
 LAZY = {"full", "scalar_tensor", "iota", "arange", "embedding", "gather", "index", "clone", "convert_element_type",
         "_to_copy", "where", "empty_like", "zeros_like", "ones_like", "full_like"}
+INDEXED_WRITES = {"scatter", "scatter_add", "scatter_reduce", "index_put", "_unsafe_index_put", "index_add",
+                  "index_copy", "_unsafe_masked_index_put_accumulate", "_index_put_impl"}
 _DECOMPOSED: dict = {}
 
 
@@ -245,6 +247,8 @@ class Buffers:
     extern: set = field(default_factory=set)  # extern kernels and ops left as calls
     last: dict = field(default_factory=dict)  # buffer -> last position read
     same: dict = field(default_factory=dict)  # buffer -> the buffer whose memory it reuses (in place)
+    events: list = field(default_factory=list)  # (buffer, position, the kernel reading it or None)
+    groups: list = field(default_factory=list)  # kernels fused into one ([nodes], position)
 
 
 def plan(gm: fx.GraphModule, device: str = "gpu") -> Buffers:
@@ -277,13 +281,11 @@ def plan(gm: fx.GraphModule, device: str = "gpu") -> Buffers:
         if r in b.reads:
             reads = b.reads.pop(r)
             b.stored[r] = at
-            b.kernels.append((r, at, val_bytes(r.meta.get("val")) + sum(val_bytes(y.meta.get("val")) for y in reads), reads))
-            for y in reads:
-                b.last[y] = max(b.last.get(y, 0), at)
+            b.kernels.append((r, at, 0, reads))
+            b.events += [(y, at, r) for y in reads]
 
     def read(x, at):
-        for y in read_set(x):
-            b.last[y] = max(b.last.get(y, 0), at)
+        b.events += [(y, at, None) for y in read_set(x)]
 
     def inside(u, n):
         return u.op != "output" and seg.get(u) is not None and seg.get(u) == seg.get(n)
@@ -325,9 +327,8 @@ def plan(gm: fx.GraphModule, device: str = "gpu") -> Buffers:
         reads = set().union(*[read_set(a) for a in n.all_input_nodes]) if n.all_input_nodes else set()
         if kind in ("reduction", "stored"):
             b.stored[n] = i
-            b.kernels.append((n, i, val_bytes(n.meta.get("val")) + sum(val_bytes(y.meta.get("val")) for y in reads), reads))
-            for y in reads:
-                b.last[y] = max(b.last.get(y, 0), i)
+            b.kernels.append((n, i, 0, reads))
+            b.events += [(y, i, n) for y in reads]
             continue
         count = 1 + sum(ops.get(root(a), (0, False))[0] for a in n.all_input_nodes)
         heavy = _name(n.target) in HEAVY or any(ops.get(root(a), (0, False))[1] for a in n.all_input_nodes)
@@ -339,16 +340,98 @@ def plan(gm: fx.GraphModule, device: str = "gpu") -> Buffers:
             store(n, i)
         elif any(not inside(u, n) for u in n.users):
             store(n, seg_end[seg[n]])  # a segment's output: stored when the segment's graph ends
-    _in_place(b, seg, nodes)
+    _fuse(b, seg)
+    _in_place(b, seg)
     return b
 
 
-def _in_place(b: Buffers, seg: dict, nodes: list) -> None:
+def _numel(v) -> int:
+    return sum(t.numel() for t in (v if isinstance(v, (list, tuple)) else (v,)) if isinstance(t, torch.Tensor))
+
+
+def _loop(k: fx.Node) -> tuple[int, int | None]:
+    """A kernel's iteration: (elements it loops over, elements it reduces to: None if pointwise)."""
+    out = _numel(k.meta.get("val"))
+    if _kind(k) != "reduction":
+        return out, None
+    return max((_numel(a.meta.get("val")) for a in k.all_input_nodes), default=out), out
+
+
+def _fuse(b: Buffers, seg: dict) -> None:
+    """Inductor's scheduler fusion, greedily in program order: first vertically (a kernel joins
+    the group of a kernel whose output it reads), then horizontally (a group joins an earlier
+    one that reads a buffer it reads), as Inductor fuses the pairs that share the most bytes
+    first (a producer and its consumer share the producer's output). Groups fuse when they are in
+    the same segment and loop over as many elements (reductions: to as many), and everything the
+    later one reads is written when the earlier one runs (no cycle). A scatter or an index-put
+    writes its buffer by index: a kernel alone, its buffer always allocated. The group runs where its
+    first kernel ran; a buffer only the group reads is never allocated; the group reads each
+    outside buffer once and writes the buffers read outside it. Sets ``groups``, ``kernels``
+    (one per group: bytes read + written), ``last``; drops the buffers never allocated from
+    ``stored``."""
+    def fits(g, h) -> bool:
+        if g["alone"] or h["alone"]:
+            return False
+        same_loop = g["seg"] == h["seg"] and g["size"] == h["size"] and (None in (g["red"], h["red"])
+                                                                          or g["red"] == h["red"])
+        return same_loop and all(y in g["out"] or b.stored.get(y, 0) < g["at"] for y in h["reads"] - h["out"])
+
+    def merge(g, h) -> None:
+        g["nodes"] += h["nodes"]
+        g["out"] |= h["out"]
+        g["reads"] |= h["reads"]
+        g["red"] = g["red"] if h["red"] is None else h["red"]
+
+    groups: list[dict] = []
+    for k, at, _, reads in b.kernels:
+        size, red = _loop(k)
+        h = {"seg": seg.get(k), "size": size, "red": red, "out": {k}, "reads": set(reads), "at": at, "nodes": [k],
+             "alone": _name(k.target) in INDEXED_WRITES}
+        g = next((g for g in groups if reads & g["out"] and fits(g, h)), None)
+        if g is None:
+            groups.append(h)
+        else:
+            merge(g, h)
+    merged: list[dict] = []
+    for h in groups:
+        g = next((g for g in merged if (h["reads"] - h["out"]) & (g["reads"] - g["out"]) and fits(g, h)), None)
+        if g is None:
+            merged.append(h)
+        else:
+            merge(g, h)
+    groups = merged
+    of = {k: g for g in groups for k in g["nodes"]}
+    readers: dict = {}
+    for y, at, r in b.events:
+        readers.setdefault(y, []).append(r)
+    b.kernels, b.groups = [], []
+    for g in groups:
+        inner = {k for k in g["out"] if all(r is not None and of.get(r) is g for r in readers.get(k, ()))}
+        for k in g["out"]:
+            if k in inner:
+                b.stored.pop(k, None)
+            else:
+                b.stored[k] = g["at"]
+        outside = g["reads"] - g["out"]
+        moved = sum(val_bytes(y.meta.get("val")) for y in outside)
+        moved += sum(val_bytes(k.meta.get("val")) for k in g["out"] - inner)
+        b.kernels.append((g["nodes"][0], g["at"], moved, outside))
+        b.groups.append((g["nodes"], g["at"]))
+    for y, at, r in b.events:
+        if r is not None and r in of:
+            if y in of[r]["out"]:
+                continue
+            at = of[r]["at"]
+        b.last[y] = max(b.last.get(y, 0), at)
+
+
+def _in_place(b: Buffers, seg: dict) -> None:
     """A generated kernel's output written over a buffer of its segment that it reads last
     (same size; not the segment's input): Inductor's in-place reuse."""
     taken = set()
-    for k, at, _, reads in b.kernels:
-        if k not in b.stored or k.op == "placeholder" or _kind(k) == "reduction":
+    for (nodes, at), (_, _, _, reads) in zip(b.groups, b.kernels):
+        k = next((k for k in nodes if k in b.stored and _kind(k) != "reduction"), None)
+        if k is None:
             continue
         size = val_bytes(k.meta.get("val"))
         for y in sorted(reads, key=lambda y: y.name):
