@@ -21,8 +21,10 @@ collective counter); tests compare the two.
   dispatch, on a GPU or compiled nothing. A formula that raises, or a matmul-like op with none
   (autopar/analysis/ops.py, the one FLOP counter), makes the FLOPs unknown, never 0: the estimate lists
   them (``TimeEstimate.unknown_flops``) and ``autopar plan`` shows "unknown".
-- **Compiled programs** (``compile(inductor=True)``, ``autopar plan --inductor``): elementwise
-  chains fused as Inductor fuses them, counted conservatively (``Fusion``: vertical chains only).
+- **Compiled programs** (``compile(inductor=True)``, ``autopar plan --inductor``): the buffers
+  Inductor allocates (autopar/analysis/inductor_model.py: its decompositions, which elementwise
+  values it stores or recomputes, its scheduler's fusions): the liveness walk runs over those
+  alone and the roofline charges each fused kernel the bytes it reads and writes (``Fusion``).
 - **Time** (``simulate``): one compute stream and one communication stream. A collective starts
   when its input is ready and the link is free; ``wait_tensor`` stalls compute until it is done.
   Communication hidden under compute is what the program's ordering buys.
@@ -256,7 +258,7 @@ def simulate(gm: fx.GraphModule, dev: Device, links, share: float = 1.0, fused: 
     axis's stream is free; a ``wait_tensor`` stalls the compute stream until its collective is
     done (that stall is the exposed communication, charged to the collective's axis).
     ``fused``: the program's compute compiled by Inductor (``compile(inductor=True)``), its
-    elementwise chains fused (``Fusion``). ``blocking``: every collective runs on the compute
+    kernels fused as Inductor fuses them (``Fusion``). ``blocking``: every collective runs on the compute
     stream where it is issued (an oversubscribed CPU: ``oversubscribed``)."""
     est = TimeEstimate()
     fusion = fusion_of(gm, "cpu" if dev.cores else "gpu") if fused else None

@@ -50,7 +50,7 @@ def search(spec: str | ModelInfo, world: int, *, device: str = "h100", budget: i
     ``CP_FROM_SEQ`` tokens on, none below: at shorter sequences attention's activations rarely
     decide the plan and each cp choice costs its own block compiles); ``expert``: search expert
     parallelism (None: on a MoE model whose experts can be split); ``inductor``: cost each plan's
-    per-rank programs as ``compile(inductor=True)`` runs them (elementwise chains fused)."""
+    per-rank programs as ``compile(inductor=True)`` runs them (Inductor's buffers and fused kernels)."""
     from autopar.analysis import cost as C
     from autopar.analysis.budget import parse_budget
 

@@ -336,8 +336,8 @@ def _run(command: str, argv) -> int:
                        help="--plan auto: context-parallel strategies to search, comma-separated (ulysses,context) "
                             "or none; default: both from 8192 tokens per sequence on, none below")
         p.add_argument("--inductor", action="store_true",
-                       help="cost the per-rank programs as compile(inductor=True) runs them (elementwise chains "
-                            "fused into one kernel each; default: op by op, as eager)")
+                       help="cost the per-rank programs as compile(inductor=True) runs them (the buffers Inductor "
+                            "allocates, its fused kernels' bytes; default: op by op, as eager)")
         p.add_argument("--full-depth", action="store_true",
                        help="compile every block (default, for a model with a repeated block list of more than 5 "
                             "blocks: compile it with the list cut to 3, 4 and 5 blocks, check that each block adds "
