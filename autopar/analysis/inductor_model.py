@@ -249,6 +249,7 @@ class Buffers:
     same: dict = field(default_factory=dict)  # buffer -> the buffer whose memory it reuses (in place)
     events: list = field(default_factory=list)  # (buffer, position, the kernel reading it or None)
     groups: list = field(default_factory=list)  # kernels fused into one ([nodes], position)
+    seg: dict = field(default_factory=dict)  # node -> its compiled segment's number (None: a call)
 
 
 def plan(gm: fx.GraphModule, device: str = "gpu") -> Buffers:
@@ -256,7 +257,7 @@ def plan(gm: fx.GraphModule, device: str = "gpu") -> Buffers:
     ``device``: "gpu" or "cpu" (Inductor's thresholds differ, ``THRESHOLDS``)."""
     th = THRESHOLDS[device]
     g, parent, seg = expanded(gm)
-    b = Buffers(g, parent)
+    b = Buffers(g, parent, seg=seg)
     nodes = list(g.nodes)
     # positions: node k runs at 2k + 1; a value its inputs need stored is computed at 2k, just
     # before it (its kernel reads what it reads there, not while node k runs)
@@ -447,6 +448,37 @@ def _dtype(n):
     return getattr(n.meta.get("val"), "dtype", None)
 
 
+def _pooled(b: Buffers, live: dict) -> None:
+    """Inductor's buffer reuse inside a compiled segment: a buffer the segment allocated is not
+    freed after its last read when a later allocation of the same segment has its size and dtype;
+    that allocation takes it over (the generated code's ``bufN = bufM  # reuse``; the most recently
+    freed first), so the memory stays held from the one's write to the other's last read."""
+    events = []
+    for n, (first, last, nbytes, _, _) in live.items():
+        s = b.seg.get(n)
+        if s is not None and n.op != "placeholder":
+            events.append((first, 1, n, s))
+            events.append((last + 1, 0, n, s))
+    pool: dict = {}
+    owner: dict = {}  # buffer -> the record now holding its memory
+    ends = {}
+    for n in live:
+        s = b.seg.get(n)
+        if s is not None:
+            ends[s] = max(ends.get(s, 0), live[n][1])
+    for at, kind, n, s in sorted(events, key=lambda e: (e[0], e[1])):
+        if kind == 0:  # freed: pooled if its segment is still running (a later allocation may take it)
+            r = owner.get(n, n)
+            if at <= ends[s] and r in live and live[r][1] + 1 == at:
+                pool.setdefault((s, live[r][2], _dtype(r)), []).append(r)
+            continue
+        free = pool.get((s, live[n][2], _dtype(n)))
+        if free:
+            r = free.pop()
+            live[r][1] = max(live[r][1], live.pop(n)[1])
+            owner[n] = r
+
+
 def memory(gm: fx.GraphModule, inputs, outputs, device: str = "gpu", held: frozenset = frozenset()) -> ProgramMemory:
     """``liveness.program_memory`` over the buffers Inductor allocates (``plan``): each alive from
     where it is written to its last read (an unread one dies at once), parameters and ``held``
@@ -470,6 +502,7 @@ def memory(gm: fx.GraphModule, inputs, outputs, device: str = "gpu", held: froze
     for k, y in b.same.items():
         if k in live and y in live:
             live[y][1] = max(live[y][1], live.pop(k)[1])
+    _pooled(b, live)
     delta = [dict.fromkeys(CATEGORIES, 0) for _ in range(slots + 1)]
     for first, last, nbytes, cat, _ in live.values():
         delta[first][cat] += nbytes
