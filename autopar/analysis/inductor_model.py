@@ -15,7 +15,8 @@ decomposition is one of:
   inputs are buffers, its output is one;
 - a reduction (sum, mean, amax...): its output is a buffer (Inductor realises reductions), its
   input is computed inside it, never stored;
-- a scatter, an index-put, a concatenation: its output is a buffer, its inputs computed inside;
+- a scatter, an index-put, a concatenation, and any other op with no pointwise tag: its output
+  is a buffer, its inputs computed inside;
 - elementwise (ATen's pointwise tag, casts, constants, gathers): no buffer of its own. Its
   consumers compute it where they read it, from the buffers it reads ("reads"), as Inductor
   inlines a pointwise value into each of its users. It is stored (a buffer) where Inductor
@@ -28,13 +29,19 @@ decomposition is one of:
 A value stored this way is recomputed wherever it is not: in a joint forward+backward segment an
 elementwise activation the backward reads is recomputed there from the buffers it reads, which
 then live until the backward (Inductor's choice inside one graph; which activations the joint
-program keeps at all is autopar's, before Inductor). A stored elementwise result writes into a
-buffer of its segment that dies at it with the same size (Inductor's in-place reuse,
-``inplace_buffers``); segment inputs are never reused.
+program keeps at all is autopar's, before Inductor).
 
-Not modelled: the scheduler's fusion of two stored values into one kernel (a reduction and its
-epilogue: the reduction's small output), horizontal fusion of kernels that read the same buffer
-(bytes are counted per kernel: an upper bound), and Inductor's reordering of kernels.
+The kernels that store values are then fused as Inductor's scheduler fuses them (``_fuse``:
+producer and consumer first, then kernels that read the same buffer; same loop size, no cycle;
+scatters and index-puts alone): a buffer only its fused kernel reads is never allocated, and the
+fused kernel's bytes are what it reads from outside and writes for outside. A fused kernel's
+output writes over a same-sized buffer of its segment that dies at it (``inplace_buffers``;
+segment inputs are never reused), and a dead buffer is held until a later allocation of its
+segment with its size takes it over (the generated code's ``# reuse``, ``_pooled``).
+
+Not modelled: where the scheduler places a fused kernel beyond "where its first kernel ran",
+fusions across loop shapes (a reduction into a pointwise of its output's size), and Triton's
+reduction strategies (persistent, split), which change bytes and launches, not buffers.
 """
 
 from __future__ import annotations
