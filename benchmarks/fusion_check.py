@@ -6,7 +6,7 @@ One process (a one-rank gloo group), the built-in Llama at two shapes: the same 
 run op by op (``inductor=False``) and compiled by Inductor (``inductor=True``), alternating step
 by step in the same process (forward + backward, ``train_step``, no optimizer). Measured: the
 median wall time of each. Predicted: the cost model's simulation of the same program on the
-calibrated ``cpu`` device row, op by op and with its elementwise chains fused (``cost.Fusion``).
+calibrated ``cpu`` device row, op by op and with its kernels fused as Inductor fuses them (``cost.Fusion``).
 Independent sides: the wall clock against the cost model. The figure compared is the speed-up
 (eager / compiled), measured against predicted, and each side's absolute time.
 """

@@ -80,12 +80,14 @@ def test_plan_table_matches_the_compiled_program(capsys):
     assert t["exposed_comm_s"] <= t["comm_s"]
     rc, out, _ = run(capsys, "plan", "llama-tiny", *MESH, "--rank", "0,3")
     assert rc == 0 and "rank 0 (0, 0)" in out and "rank 3 (1, 1)" in out and "assumptions: h100" in out
-    # --inductor: the same program costed as Inductor runs it: the same FLOPs, bytes and memory,
-    # less time in elementwise ops
+    # --inductor: the same program costed as Inductor runs it: the same FLOPs, bytes and
+    # persistent state, less time in elementwise ops and a lower peak (the intermediates inside
+    # its fused kernels are never allocated: autopar/analysis/inductor_model.py)
     rc, out, _ = run(capsys, "plan", "llama-tiny", *MESH, "--device", "h100", "--json", "--inductor")
     f = json.loads(out)[0]
     assert rc == 0 and f["inductor"] and not s["inductor"] and f["flops"] == s["flops"]
-    assert f["comm_bytes"] == s["comm_bytes"] and f["memory"]["step_peak"] == s["memory"]["step_peak"]
+    assert f["comm_bytes"] == s["comm_bytes"] and f["memory"]["parameters"] == s["memory"]["parameters"]
+    assert f["memory"]["step_peak"] < s["memory"]["step_peak"]
     assert f["time"]["compute_s"] < s["time"]["compute_s"]
 
 
@@ -186,9 +188,9 @@ def test_cost_model_arithmetic():
 
 def test_fused_elementwise_chains_by_hand():
     """compile(inductor=True) as the cost model sees it: x*2+1 then relu is one kernel that reads
-    x and writes relu's output (the matmul's input); the multiply after the matmul reads and
-    writes its own bytes. Eager, every elementwise op reads and writes. Views move nothing: free
-    on a GPU and when compiled, a dispatch each when run eagerly on a CPU."""
+    x and writes relu's output (the matmul's input, a buffer); the multiply after the matmul reads
+    and writes its own bytes (the program's output). Eager, every elementwise op reads and writes.
+    Views move nothing: free on a GPU and when compiled, a dispatch each when run eagerly on a CPU."""
     from dataclasses import replace
 
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -207,7 +209,8 @@ def test_fused_elementwise_chains_by_hand():
     x, y = 64 * 128 * 4, 64 * 32 * 4
     assert elementwise_bytes(fusion) == pytest.approx(x + x + y + y)
     assert elementwise_bytes(None) == pytest.approx(3 * (x + x) + y + y)
-    assert {n.target for n in fusion.inner} == {torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor}
+    inner = {n.target for n in gm.graph.nodes if n in fusion.generated and not fusion.kernels.get(n)}
+    assert inner == {torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor}  # computed inside relu's kernel
     view = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.view.default)
     cpu = cost.DEVICES["cpu"]
     assert cost.compute_seconds(view, cost.DEVICES["h100"], 0) == 0.0

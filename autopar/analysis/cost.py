@@ -21,8 +21,10 @@ collective counter); tests compare the two.
   dispatch, on a GPU or compiled nothing. A formula that raises, or a matmul-like op with none
   (autopar/analysis/ops.py, the one FLOP counter), makes the FLOPs unknown, never 0: the estimate lists
   them (``TimeEstimate.unknown_flops``) and ``autopar plan`` shows "unknown".
-- **Compiled programs** (``compile(inductor=True)``, ``autopar plan --inductor``): elementwise
-  chains fused as Inductor fuses them, counted conservatively (``Fusion``: vertical chains only).
+- **Compiled programs** (``compile(inductor=True)``, ``autopar plan --inductor``): the buffers
+  Inductor allocates (autopar/analysis/inductor_model.py: its decompositions, which elementwise
+  values it stores or recomputes, its scheduler's fusions): the liveness walk runs over those
+  alone and the roofline charges each fused kernel the bytes it reads and writes (``Fusion``).
 - **Time** (``simulate``): one compute stream and one communication stream. A collective starts
   when its input is ready and the link is free; ``wait_tensor`` stalls compute until it is done.
   Communication hidden under compute is what the program's ordering buys.
@@ -42,10 +44,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from autopar.analysis import inductor_model as IM
 from autopar.analysis.devices import DEVICES, Device, get_device, load_devices  # noqa: F401 (re-exported)
 from autopar.analysis.liveness import ProgramMemory, _storages, program_memory  # noqa: F401 (re-exported)
 from autopar.ir import CommRecord, info
-from autopar.analysis.ops import UnknownFlops, node_flops, val_bytes
+from autopar.analysis.ops import UnknownFlops, is_view as _is_view, node_flops, val_bytes
 
 aten = torch.ops.aten
 
@@ -74,13 +77,18 @@ def persistent_memory(pm, optimizer: str = "adamw") -> dict[str, int]:
     return {"parameters": params, "gradients": grads, "optimizer_state": state}
 
 
-def predict_memory(pm, optimizer: str = "adamw") -> dict:
-    """Predicted per-rank bytes, keyed like ``ParallelModule.memory_report``."""
+def predict_memory(pm, optimizer: str = "adamw", fused: bool | None = None, device: str | None = None) -> dict:
+    """Predicted per-rank bytes, keyed like ``ParallelModule.memory_report``. ``fused``: the
+    programs' buffers as Inductor allocates them (autopar/analysis/inductor_model.py; default:
+    whether ``pm`` was compiled with ``inductor=True``), on ``device`` ("gpu" or "cpu": Inductor's
+    thresholds; default: where ``pm`` runs). Pipelines: op by op."""
     if pm.pipelined:
         return predict_pipeline_memory(pm, optimizer)
+    if fused is None:
+        fused = getattr(pm, "inductor", None) is not None
     state = persistent_memory(pm, optimizer)
-    joint = program_memory(pm.program.local, pm.program.inputs, pm.program.outputs)
-    sync = (program_memory(pm.sync_program.local, pm.sync_program.inputs, pm.sync_program.outputs)
+    joint = program_liveness(pm.program, fused, device or _device_kind(pm))
+    sync = (program_liveness(pm.sync_program, fused, device or _device_kind(pm))
             if pm.sync_program is not None else ProgramMemory())
     # accumulate=K: from the second micro-batch on, the runtime holds the gradient sums (one per
     # gradient the program returns, as it returns them) while the joint program runs
@@ -96,6 +104,19 @@ def predict_memory(pm, optimizer: str = "adamw") -> dict:
     return out
 
 
+def program_liveness(program, fused: bool = False, device: str = "gpu") -> ProgramMemory:
+    """One per-rank program's liveness: op by op (``program_memory``) or over the buffers Inductor
+    allocates when it compiles the program (``fused``; ``device``: "gpu" or "cpu")."""
+    if fused:
+        return IM.memory(program.local, program.inputs, program.outputs, device)
+    return program_memory(program.local, program.inputs, program.outputs)
+
+
+def _device_kind(pm) -> str:
+    dev = getattr(getattr(pm, "executor", None), "device", None)
+    return "cpu" if dev is not None and torch.device(dev).type == "cpu" else "gpu"
+
+
 def accumulator_bytes(program) -> int:
     """Bytes of the gradients one run of ``program`` returns (what ``accumulate=K`` sums them into)."""
     out = next(n for n in program.local.graph.nodes if n.op == "output")
@@ -104,15 +125,6 @@ def accumulator_bytes(program) -> int:
 
 
 # ------------------------------------------------------------------------------------ compute
-def _is_view(target) -> bool:
-    """An op whose output aliases an input (the schema says so; ``_unsafe_view`` is a view at run
-    time though its schema returns a fresh tensor): it moves no data."""
-    if target is aten._unsafe_view.default:
-        return True
-    schema = getattr(target, "_schema", None)
-    return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
-
-
 def _dtype_key(n: fx.Node) -> str:
     v = n.meta.get("val")
     t = v[0] if isinstance(v, (list, tuple)) and v else v
@@ -122,88 +134,53 @@ def _dtype_key(n: fx.Node) -> str:
 
 def compute_seconds(n: fx.Node, dev: Device, flops: int, share: float = 1.0, fusion: "Fusion | None" = None) -> float:
     """Roofline time of one op; ``share`` >= 1 when ranks share a CPU's cores. With ``fusion``
-    (the program compiled by Inductor), an elementwise op fused into its consumer neither writes
-    its output nor launches a kernel, and its consumer does not read it back."""
+    (the program compiled by Inductor), an op whose code Inductor generates costs the kernels
+    charged to it (``Fusion``): none when it is computed inside its consumers."""
     if n.op != "call_function" or n.target is operator.getitem:
         return 0.0
     if _is_view(n.target):
         # eager on a CPU: the view's dispatch runs on the rank's core; on a GPU it launches no
         # kernel (its host cost hides under the queued kernels); compiled: index arithmetic
         return dev.op_overhead if dev.cores and fusion is None else 0.0
-    kernel = True
-    if fusion is not None and n in fusion.members:
-        moved = sum(val_bytes(a.meta.get("val")) for a in n.all_input_nodes if not fusion.fused(a))
-        kernel = n not in fusion.inner
-        if kernel:
-            moved += val_bytes(n.meta.get("val"))
-    else:
-        moved = val_bytes(n.meta.get("val")) + sum(val_bytes(a.meta.get("val")) for a in n.all_input_nodes)
+    if fusion is not None and n in fusion.generated:
+        return sum(_kernel(dev, moved / dev.mem_bw * share) for moved in fusion.kernels.get(n, ()))
+    moved = val_bytes(n.meta.get("val")) + sum(val_bytes(a.meta.get("val")) for a in n.all_input_nodes)
     t = moved / dev.mem_bw
     if flops:
         t = max(flops / (dev.flops[_dtype_key(n)] * dev.efficiency), t)
-    if not kernel:
-        return t * share  # inside a fused kernel: no launch of its own
+    return _kernel(dev, t * share)
+
+
+def _kernel(dev: Device, t: float) -> float:
     if not dev.cores:
         # a GPU: kernels are launched asynchronously, so the host's launch cost hides under the
         # previous kernel; an op takes its kernel time or the launch gap, whichever is longer
-        return max(t * share, dev.op_overhead)
-    return t * share + dev.op_overhead  # a CPU: eager dispatch runs before the op, on the same core
-
-
-def _fusible(target) -> bool:
-    """Elementwise ops (ATen's pointwise tag, and dtype casts) that Inductor fuses into one kernel."""
-    return target is aten._to_copy.default or torch.Tag.pointwise in getattr(target, "tags", ())
-
-
-def _reduction(target) -> bool:
-    return torch.Tag.reduction in getattr(target, "tags", ())
+        return max(t, dev.op_overhead)
+    return t + dev.op_overhead  # a CPU: eager dispatch runs before the op, on the same core
 
 
 @dataclass
 class Fusion:
-    """Which elementwise ops of a program Inductor fuses, conservatively: vertical chains only.
-    An elementwise op whose one consumer (through views) is another elementwise op or a
-    reduction is computed inside that consumer's kernel (``inner``): its output is neither written
-    nor read back. Anything else is written once (a matmul's input, a collective's, an op with
-    several consumers: Inductor may do better there, by horizontal fusion; the model does not
-    count on it)."""
-    members: set = field(default_factory=set)  # elementwise ops and reductions
-    inner: set = field(default_factory=set)  # elementwise ops computed inside their consumer
+    """A program as Inductor compiles it (autopar/analysis/inductor_model.py ``plan``): the
+    program's nodes whose code Inductor generates (``generated``: not the extern kernels, matmuls
+    and attention, nor the ops left as calls), and the bytes of each kernel charged to one of them
+    (``kernels``: the buffer it writes and the buffers its fused expression reads; an op computed
+    inside its consumers has none)."""
+    generated: set = field(default_factory=set)
+    kernels: dict = field(default_factory=dict)  # program node -> [bytes read + written, per kernel]
 
-    def fused(self, producer: fx.Node) -> bool:
-        """Is ``producer``'s value (seen through views) read from registers by its one consumer?"""
-        return _base(producer) in self.inner
+    def bytes(self) -> int:
+        return sum(sum(k) for k in self.kernels.values())
 
 
-def _base(n: fx.Node) -> fx.Node:
-    while n.op == "call_function" and _is_view(n.target) and n.args and isinstance(n.args[0], fx.Node):
-        n = n.args[0]
-    return n
-
-
-def _consumers(n: fx.Node) -> list[fx.Node]:
-    out = []
-    for u in n.users:
-        if u.op == "call_function" and _is_view(u.target):
-            out += _consumers(u)
-        else:
-            out.append(u)
-    return out
-
-
-def fusion_of(gm: fx.GraphModule) -> Fusion:
+def fusion_of(gm: fx.GraphModule, device: str = "gpu") -> Fusion:
+    """``gm``'s kernels as Inductor generates them on ``device`` ("gpu" or "cpu")."""
+    b = IM.plan(gm, device)
     f = Fusion()
-    for n in gm.graph.nodes:
-        if n.op != "call_function" or info(n).comm is not None:
-            continue
-        if _fusible(n.target) or _reduction(n.target):
-            f.members.add(n)
-    for n in f.members:
-        if not _fusible(n.target):
-            continue
-        users = _consumers(n)
-        if len(users) == 1 and users[0] in f.members:
-            f.inner.add(n)
+    extern_parents = {b.parent[x] for x in b.extern}
+    f.generated = {p for x, p in b.parent.items() if x.op == "call_function" and x not in b.base} - extern_parents
+    for k, _, moved, _ in b.kernels:
+        f.kernels.setdefault(b.parent[k], []).append(moved)
     return f
 
 
@@ -281,10 +258,10 @@ def simulate(gm: fx.GraphModule, dev: Device, links, share: float = 1.0, fused: 
     axis's stream is free; a ``wait_tensor`` stalls the compute stream until its collective is
     done (that stall is the exposed communication, charged to the collective's axis).
     ``fused``: the program's compute compiled by Inductor (``compile(inductor=True)``), its
-    elementwise chains fused (``Fusion``). ``blocking``: every collective runs on the compute
+    kernels fused as Inductor fuses them (``Fusion``). ``blocking``: every collective runs on the compute
     stream where it is issued (an oversubscribed CPU: ``oversubscribed``)."""
     est = TimeEstimate()
-    fusion = fusion_of(gm) if fused else None
+    fusion = fusion_of(gm, "cpu" if dev.cores else "gpu") if fused else None
     t_compute = 0.0
     t_link: dict[str, float] = {}
     done: dict[fx.Node, tuple[float, str]] = {}

@@ -34,6 +34,15 @@ def val_bytes(val) -> int:
                if isinstance(t, torch.Tensor))
 
 
+def is_view(target) -> bool:
+    """An op whose output aliases an input (the schema says so; ``_unsafe_view`` is a view at run
+    time though its schema returns a fresh tensor): it moves no data."""
+    if target is aten._unsafe_view.default:
+        return True
+    schema = getattr(target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
 VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 

@@ -50,7 +50,7 @@ def search(spec: str | ModelInfo, world: int, *, device: str = "h100", budget: i
     ``CP_FROM_SEQ`` tokens on, none below: at shorter sequences attention's activations rarely
     decide the plan and each cp choice costs its own block compiles); ``expert``: search expert
     parallelism (None: on a MoE model whose experts can be split); ``inductor``: cost each plan's
-    per-rank programs as ``compile(inductor=True)`` runs them (elementwise chains fused)."""
+    per-rank programs as ``compile(inductor=True)`` runs them (Inductor's buffers and fused kernels)."""
     from autopar.analysis import cost as C
     from autopar.analysis.budget import parse_budget
 
@@ -267,7 +267,8 @@ def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, 
             plan["pp"] = {**plan["pp"], "split": [f"{found[0]}.{i}" for i in range(per, depth, per)]}
         pm = compile_with(loaded.model, mesh, planning_options(loaded, plan=plan, precision=precision, recompute=c.recompute,
                                                                accumulate=c.microbatches if c.pp == 1 else 1))
-        mem = C.predict_memory(pm, optimizer)
+        kind = "cpu" if dev.cores else "gpu"
+        mem = C.predict_memory(pm, optimizer, fused=fused, device=kind)
         est = C.predict_time(pm, dev, optimizer, fused)
         by_axis: dict[str, int] = {}
         for r in pm.collectives():
@@ -275,7 +276,7 @@ def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, 
         # SPMD: the programs' liveness, for ``confirm`` to carry each point that can hold the peak
         programs = None if pm.pipelined else {
             "persistent": mem["parameters"] + mem["optimizer_state"], "accumulators": mem["accumulators"],
-            **{k: C.program_memory(p.local, p.inputs, p.outputs)
+            **{k: C.program_liveness(p, fused, kind)
                for k, p in (("joint", pm.program), ("sync", pm.sync_program)) if p is not None}}
         stages = (PC.pipeline_stage_costs(pm, dev, optimizer, fused), PC.pipeline_shape(pm)) if pm.pipelined else None
     grouped = _blocks_per_stage(pm.specs) if pm.pipelined else None

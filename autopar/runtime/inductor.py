@@ -40,15 +40,11 @@ import torch
 from torch import fx
 
 from autopar import torch_compat as tc
-from autopar.analysis.liveness import reduces_in_place
+from autopar.analysis.inductor_model import VIEWS as _VIEWS, boundary as _interface, opaque, segments as _segments
+
+__all__ = ["InductorStats", "compile_program", "opaque"]  # (opaque, _segments: autopar/analysis/inductor_model.py)
 
 aten = torch.ops.aten
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int, aten.permute.default,
-          aten.expand.default, aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim,
-          aten.squeeze.default, aten.detach.default, aten.alias.default, aten.reshape.default,
-          aten.split.Tensor, aten.as_strided.default, operator.getitem}
-
-
 @dataclass
 class InductorStats:
     """What compiling the programs did: ``segments`` compiled (calls of compiled code per run of
@@ -73,54 +69,8 @@ class InductorStats:
 _COMPILED: dict[tuple, object] = {}  # (segment code, input metadata) -> compiled function
 
 
-def opaque(n: fx.Node) -> bool:
-    """Whether node ``n`` stays a Python call of the stitched program (never compiled)."""
-    if n.op != "call_function":
-        return True
-    t = n.target
-    if t is operator.getitem:
-        return False
-    if not isinstance(t, tc.OpOverload) or t.namespace not in ("aten", "prims"):
-        return True  # collectives, waits, autopar's custom ops (dropout masks, kernels), Python functions
-    if torch.Tag.nondeterministic_seeded in t.tags or t._schema.is_mutable:
-        return True
-    if t is aten.cat.default and any(reduces_in_place(u) for u in n.users):
-        return True  # a gradient bucket: guarded.py fills last step's buffer and reduces it in place
-    return False
-
-
-def _segments(gm: fx.GraphModule) -> list[list[fx.Node]]:
-    """Maximal runs of compilable nodes in program order (a getitem joins its producer's side)."""
-    runs, cur, members = [], [], set()
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is operator.getitem and n.args[0] not in members:
-            ok = False
-        else:
-            ok = not opaque(n)
-        if ok:
-            cur.append(n)
-            members.add(n)
-        elif cur:
-            runs.append(cur)
-            cur, members = [], set()
-    if cur:
-        runs.append(cur)
-    return runs
-
-
 def _is_tensor(n) -> bool:
     return isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
-
-
-def _interface(run: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
-    inside = set(run)
-    inputs: list[fx.Node] = []
-    for n in run:
-        for a in n.all_input_nodes:
-            if a not in inside and a not in inputs:
-                inputs.append(a)
-    outputs = [n for n in run if any(u not in inside for u in n.users)]
-    return inputs, outputs
 
 
 def _segment_module(run, inputs, outputs) -> fx.GraphModule:

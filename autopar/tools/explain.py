@@ -285,7 +285,8 @@ def analyse(args, rank: int, progress: Progress, loaded=None, stop_after: str | 
                          "were copied from it, renamed (passes/twins.py; AUTOPAR_STAGE_TWINS=0 traces every stage)")
         t2 = time.perf_counter()
         progress(f"rank {rank}: cost model")
-        memory = cost.predict_memory(pm, args.optimizer)
+        memory = cost.predict_memory(pm, args.optimizer, fused=getattr(args, "inductor", False),
+                                     device="cpu" if dev.cores else "gpu")
         pipelined = pm.pipelined
         links = (cost._pipeline_links(pm, dev) if pipelined
                  else cost.axis_links(pm.ctx.axis_names, pm.ctx.axis_sizes, dev))
@@ -335,8 +336,8 @@ def _run(command: str, argv) -> int:
                        help="--plan auto: context-parallel strategies to search, comma-separated (ulysses,context) "
                             "or none; default: both from 8192 tokens per sequence on, none below")
         p.add_argument("--inductor", action="store_true",
-                       help="cost the per-rank programs as compile(inductor=True) runs them (elementwise chains "
-                            "fused into one kernel each; default: op by op, as eager)")
+                       help="cost the per-rank programs as compile(inductor=True) runs them (the buffers Inductor "
+                            "allocates, its fused kernels' bytes; default: op by op, as eager)")
         p.add_argument("--full-depth", action="store_true",
                        help="compile every block (default, for a model with a repeated block list of more than 5 "
                             "blocks: compile it with the list cut to 3, 4 and 5 blocks, check that each block adds "

@@ -128,12 +128,13 @@ def _memory(figs: list[dict], out: dict, layers: int) -> str:
 def _figures(r: Analysis) -> dict | None:
     """What the extrapolation reads of one depth's analysis (plain data: a forked child sends it
     back); None for a pipeline (its stage boundaries move with the depth)."""
-    from autopar.analysis.liveness import program_memory
+    from autopar.analysis.cost import program_liveness
 
     placed = r.pm.ctx.placed
     if r.pm.pipelined:
         return None
-    mems = {what: program_memory(p.local, p.inputs, p.outputs)
+    fused, kind = bool(r.options.get("inductor")), "cpu" if r.device.cores else "gpu"  # (as cost.predict_memory)
+    mems = {what: program_liveness(p, fused, kind)
             for what, p in (("joint", r.pm.program), ("sync", r.pm.sync_program)) if p is not None}
     # the per-parameter lists the table's notes name (plan['rest']'s, those stored whole)
     lists = {kind: {axis: list(names) for axis, names in getattr(placed, kind).items() if names}
