@@ -42,9 +42,14 @@ from torch import fx
 from autopar import torch_compat as tc
 from autopar.analysis.inductor_model import VIEWS as _VIEWS, boundary as _interface, opaque, segments as _segments
 
-__all__ = ["InductorStats", "compile_program", "opaque"]  # (opaque, _segments: autopar/analysis/inductor_model.py)
+# which nodes stay Python calls (``opaque``) and how a program is cut into segments (``_segments``)
+# are decided in autopar/analysis/inductor_model.py, so the cost model's Inductor memory and time
+# follow exactly the segments compiled here
+__all__ = ["InductorStats", "compile_program", "opaque"]
 
 aten = torch.ops.aten
+
+
 @dataclass
 class InductorStats:
     """What compiling the programs did: ``segments`` compiled (calls of compiled code per run of
