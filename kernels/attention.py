@@ -21,7 +21,10 @@ What makes it fast (Triton's fused-attention tutorial and FlashAttention-2 do th
 - ``acc = dot(p, v, acc)`` accumulates inside the matrix instruction;
 - query blocks are scheduled longest first under the causal mask (less tail at the end);
 - block sizes, warps and pipeline depth are chosen per shape class by timing on the device
-  (kernels/tune.py), among candidates that suit Hopper and Ampere.
+  (kernels/tune.py), among candidates that suit Hopper and Ampere;
+- the host's work for a call (grid, scalar arguments, constexprs) is remembered per call signature
+  (``tune.Plans``): a repeated call goes straight to Triton's launcher, since a short call's time is
+  the host's (docs/kernels.md).
 
 Launch only through ``kernels.ops`` (it picks the device path and checks shapes; on CPU tensors it
 launches this module's interpreted twin, ``kernels/interpreter.py``).
