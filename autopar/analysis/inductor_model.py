@@ -53,7 +53,8 @@ import torch
 from torch import fx
 
 from autopar import torch_compat as tc
-from autopar.analysis.liveness import CATEGORIES, ProgramMemory, _storages, categorize, reduces_in_place
+from autopar.analysis.liveness import (CATEGORIES, ProgramMemory, _storages, categorize, reduces_in_place,
+                                      summarize)
 from autopar.analysis.ops import flop_formula, is_view, val_bytes
 
 aten = torch.ops.aten
@@ -312,19 +313,12 @@ def plan(gm: fx.GraphModule, device: str = "gpu") -> Buffers:
         if compiled and _is_view(n) and n.args and isinstance(n.args[0], fx.Node):
             b.base[n] = n.args[0]
             continue
-        if not compiled:
-            if n.op == "call_function" and ("wait_tensor" in str(n.target) or reduces_in_place(n) or _is_view(n)) \
-                    and n.args and isinstance(n.args[0], fx.Node):
-                b.base[n] = n.args[0]  # the same storage (liveness.py folds these too)
-                read(n.args[0], i)
-                continue
-            for a in n.all_input_nodes:
-                store(a, i - 1)
-                read(a, i)
-            b.stored[n] = i
-            b.extern.add(n)
+        if not compiled and n.op == "call_function" and n.args and isinstance(n.args[0], fx.Node) \
+                and ("wait_tensor" in str(n.target) or reduces_in_place(n) or _is_view(n)):
+            b.base[n] = n.args[0]  # the same storage (liveness.py folds these too)
+            read(n.args[0], i)
             continue
-        kind = _kind(n)
+        kind = _kind(n) if compiled else "extern"  # a call left outside the compiled code: an extern
         if kind == "extern":
             for a in n.all_input_nodes:
                 store(a, i - 1)
@@ -528,12 +522,4 @@ def memory(gm: fx.GraphModule, inputs, outputs, device: str = "gpu", held: froze
         out.peak_without_grads = max(out.peak_without_grads, total - cur["grads_in_flight"])
         if total > out.peak:
             out.peak, out.at_peak, out.peak_node, at_peak = total, dict(cur), b.parent[n].name, i
-    if out.by_node:
-        totals = [sum(x.values()) for x in out.by_node]
-        act = max(range(len(totals)), key=lambda i: (totals[i] - out.by_node[i]["grads_in_flight"], totals[i]))
-        grads = max(range(len(totals)), key=lambda i: (out.by_node[i]["grads_in_flight"], totals[i]))
-        out.branches = {"peak": dict(out.at_peak), "activations": dict(out.by_node[act]),
-                        "gradients": dict(out.by_node[grads])}
-        out.alive_at_peak = sorted(((nb, name, c) for f, last, nb, c, name in live.values() if f <= at_peak <= last),
-                                   reverse=True)
-    return out
+    return summarize(out, live, at_peak if out.by_node else None)

@@ -145,15 +145,22 @@ def program_memory(gm: fx.GraphModule, inputs, outputs, held: frozenset = frozen
         out.peak_without_grads = max(out.peak_without_grads, total - cur["grads_in_flight"])
         if total > out.peak:
             out.peak, out.at_peak, out.peak_node = total, dict(cur), nodes[i].name
+    peak_at = index[next(n for n in nodes if n.name == out.peak_node)] if out.peak_node else None
+    return summarize(out, live, peak_at)
+
+
+def summarize(out: ProgramMemory, live: dict, peak_at: int | None) -> ProgramMemory:
+    """Fill ``out``'s branches (the categories at the peak, where activations and where gradients
+    in flight are largest) from its per-step curve ``by_node``, and the values alive at the peak
+    step ``peak_at`` from ``live`` (key -> [first, last, bytes, category, name])."""
     if out.by_node:
         totals = [sum(b.values()) for b in out.by_node]
         act = max(range(len(totals)), key=lambda i: (totals[i] - out.by_node[i]["grads_in_flight"], totals[i]))
         grads = max(range(len(totals)), key=lambda i: (out.by_node[i]["grads_in_flight"], totals[i]))
         out.branches = {"peak": dict(out.at_peak), "activations": dict(out.by_node[act]),
                         "gradients": dict(out.by_node[grads])}
-    if out.peak_node:
-        p = index[next(n for n in nodes if n.name == out.peak_node)]
-        out.alive_at_peak = sorted(((b, name, c) for f, last, b, c, name in live.values() if f <= p <= last),
+    if peak_at is not None:
+        out.alive_at_peak = sorted(((b, name, c) for f, last, b, c, name in live.values() if f <= peak_at <= last),
                                    reverse=True)
     return out
 
