@@ -49,6 +49,7 @@ _C._storage_Use_Count                                  -                    buck
 _C._dispatch_has_kernel_for_dispatch_key, DispatchKey  -                    TorchVersionError (pm.measure())
 _inductor.compile_fx.compile_fx_inner,                 -                    TorchVersionError (inductor=True)
   _inductor.decomposition.select_decomp_table, _guards
+_inductor.config (realize thresholds)                  -                    torch 2.13's defaults (cost model)
 _ops.OpOverload                                        -                    TorchVersionError
 _ops.OpOverloadPacket                                  -                    no capture cache (each compile traces)
 fx.graph_module._WrappedCall                           -                    TorchVersionError (twins)
@@ -168,6 +169,8 @@ PRIVATE: dict[str, Private] = {
     "DispatchKey": Private("torch._C", "DispatchKey", "counting collectives (pm.measure())"),
     "compile_fx_inner": Private("torch._inductor.compile_fx", "compile_fx_inner", "inductor=True"),
     "select_decomp_table": Private("torch._inductor.decomposition", "select_decomp_table", "inductor=True"),
+    "inductor_config": Private("torch._inductor.config", None, "the cost model's Inductor realize thresholds",
+                               "torch 2.13's defaults"),
     "TracingContext": Private("torch._guards", "TracingContext", "inductor=True"),
     "tracing": Private("torch._guards", "tracing", "inductor=True"),
     "OpOverload": Private("torch._ops", "OpOverload", "telling ATen ops apart"),

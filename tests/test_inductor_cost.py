@@ -124,3 +124,18 @@ def test_decided_buffers_by_hand():
         assert "aten.relu.default" in stored and "aten.mm.default" in stored, stored
         assert ("aten.exp.default" in kernels) is stores_exp, (device, kernels)
         assert not {"aten.add.Tensor", "aten.mul.Tensor"} & (stored | kernels)
+
+
+def test_thresholds_follow_inductors_config(monkeypatch):
+    """The realize thresholds the model applies are read from this process's Inductor config (a
+    user's setting, another torch's defaults), not copied from one torch version."""
+    import torch._inductor.config as cfg
+
+    from autopar.analysis import inductor_model as IM
+
+    assert IM.thresholds("gpu") == IM.DEFAULT_THRESHOLDS["gpu"]  # torch 2.13's defaults, as copied
+    assert IM.thresholds("cpu") == IM.DEFAULT_THRESHOLDS["cpu"]
+    monkeypatch.setattr(cfg, "realize_reads_threshold", 7)
+    monkeypatch.setattr(cfg, "realize_opcount_threshold", 99)
+    th = IM.thresholds("cpu")
+    assert (th.reuse_reads, th.opcount, th.acc_reads) == (7, 99, IM.DEFAULT_THRESHOLDS["cpu"].acc_reads)

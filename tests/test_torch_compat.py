@@ -168,6 +168,13 @@ def fake_meshes(fake):
         assert mesh.size() == 2
 
 
+def inductor_thresholds(fake):
+    from autopar.analysis import inductor_model as IM
+
+    th = IM.thresholds("cpu")
+    assert th.reuse_reads > 0 and th.opcount > 0 and th.acc_reads > 0
+
+
 # name -> what reads it
 CASES = {
     "dynamo_graph_capture_for_export": compiles, "constraint_check": compiles, "functional_export": compiles,
@@ -184,7 +191,8 @@ CASES = {
     "resolve_process_group": running_collectives,
     "storage_use_count": reusing_bucket_buffers, "has_kernel_for_dispatch_key": counting_collectives,
     "DispatchKey": counting_collectives, "compile_fx_inner": compiles_with_inductor,
-    "select_decomp_table": compiles_with_inductor, "TracingContext": compiles_with_inductor,
+    "select_decomp_table": compiles_with_inductor, "inductor_config": inductor_thresholds,
+    "TracingContext": compiles_with_inductor,
     "tracing": compiles_with_inductor, "OpOverload": compiles, "OpOverloadPacket": compiles_with_capture_cache,
     "WrappedCall": compiles_twin_stages, "mesh_flatten": whole_mesh_group, "fake_pg": fake_meshes,
     "FakeStore": fake_meshes,

@@ -24,7 +24,7 @@ decomposition is one of:
   expression reads more than ``reuse_reads`` buffers, has more than ``opcount`` ops, or (CPU)
   uses exp / log / sigmoid / tanh; or when it has accumulated more than ``acc_reads`` reads.
   (torch/_inductor/graph.py and ir.py ``should_realize_on_reuse``; the thresholds per device
-  are Inductor's config defaults, ``THRESHOLDS``.)
+  are read from Inductor's config, ``thresholds``.)
 
 A value stored this way is recomputed wherever it is not: in a joint forward+backward segment an
 elementwise activation the backward reads is recomputed there from the buffers it reads, which
@@ -133,7 +133,27 @@ class Thresholds:
     heavy_on_reuse: bool = False  # CPU: a reused value computed with a transcendental op is stored
 
 
-THRESHOLDS = {"gpu": Thresholds(), "cpu": Thresholds(4, 50, 12, True)}
+# torch 2.13's defaults, taken where this torch's Inductor config lacks a name (``thresholds``)
+DEFAULT_THRESHOLDS = {"gpu": Thresholds(), "cpu": Thresholds(4, 50, 12, True)}
+
+
+def thresholds(device: str) -> Thresholds:
+    """Inductor's realize thresholds on ``device`` ("gpu" / "cpu") as this process's Inductor config
+    has them (its defaults, or what the user set), read as torch/_inductor/ir.py reads them: an
+    explicit ``realize_*_threshold`` wins, else the CPU or the default one."""
+    d = DEFAULT_THRESHOLDS[device]
+    cfg = tc.find("inductor_config", None)
+    if cfg is None:
+        return d
+    cpu = device == "cpu"
+
+    def pick(name: str, fallback: int) -> int:
+        v = getattr(cfg, f"realize_{name}_threshold", None)
+        if v is None:
+            v = getattr(cfg, f"realize_cpu_{name}_threshold" if cpu else f"_realize_{name}_threshold_default", None)
+        return fallback if v is None else int(v)
+    return Thresholds(int(getattr(cfg, "realize_reads_threshold", d.reuse_reads)), pick("opcount", d.opcount),
+                      pick("acc_reads", d.acc_reads), d.heavy_on_reuse)
 HEAVY = {"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh"}
 REDUCTIONS = {"amax", "amin", "argmax", "argmin", "prod", "any", "all", "var", "var_mean", "std", "logsumexp"}
 LAZY = {"full", "scalar_tensor", "iota", "arange", "embedding", "gather", "index", "clone", "convert_element_type",
@@ -262,8 +282,8 @@ class Buffers:
 
 def plan(gm: fx.GraphModule, device: str = "gpu") -> Buffers:
     """Which values of ``gm`` Inductor stores, where, and which it recomputes (module docstring);
-    ``device``: "gpu" or "cpu" (Inductor's thresholds differ, ``THRESHOLDS``)."""
-    th = THRESHOLDS[device]
+    ``device``: "gpu" or "cpu" (Inductor's thresholds differ: ``thresholds``)."""
+    th = thresholds(device)
     g, parent, seg = expanded(gm)
     b = Buffers(g, parent, seg=seg)
     nodes = list(g.nodes)
