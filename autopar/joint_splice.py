@@ -38,7 +38,7 @@ import torch
 from torch import fx
 
 from autopar.modpath import block_of, stack_path
-from autopar.splice import _index_in, _renumber, _shape
+from autopar.splice import KEEP, _index_in, _renumber, _shape
 from autopar.scoped import setting
 
 _BASE: contextvars.ContextVar = contextvars.ContextVar("autopar_joint_base", default=None)
@@ -121,7 +121,6 @@ def same_graph(a: fx.Graph, b: fx.Graph) -> bool:
 def _labels(graph: fx.Graph, path: str, keep: int) -> dict[fx.Node, int] | None:
     """node -> its block (0 .. keep-1); nodes of no block are absent."""
     from autopar.ir import info
-    from autopar.splice import _index_in
 
     out: dict[fx.Node, int] = {}
     pos = {n: k for k, n in enumerate(graph.nodes)}
@@ -151,132 +150,58 @@ def _labels(graph: fx.Graph, path: str, keep: int) -> dict[fx.Node, int] | None:
     return out
 
 
-def splice_joint(template, model, path: str, layers: int, keep: int = 3):
+def splice_joint(template, model, path: str, layers: int):
     """The joint Program of ``model`` (``layers`` blocks) from ``template``, its 3-block one; None
     where a check of the module docstring fails."""
     from autopar.ir import NodeInfo, Program, info
 
     g3 = template.graph
     nodes = list(g3.nodes)
-    label = _labels(g3, path, keep)
-    if label is None or layers < keep:
+    label = _labels(g3, path, KEEP)
+    if label is None:
         return None
 
     def same_placeholder(a, b):
         ra, rb = info(a).role, info(b).role
-        return ra[0] == rb[0] and str(ra[1]).replace(f"{path}.1.", f"{path}.0.", 1) == rb[1]
+        return ra[0] == rb[0] and _renamed(str(ra[1]), path, 1, 0) == rb[1]
 
     sh = Shift(nodes, label, layers, same_placeholder)
     if sh.why:
         return None
-    blocks, idx, nxt = sh.blocks, sh.idx, sh.nxt
 
-    # ---- emit
+    # ---- emit: the expansion in the trace's order (Shift.order), each node reading what Shift.read says
     g = fx.Graph()
-    copies: dict[int, dict[fx.Node, fx.Node]] = {}  # deep block j -> (template node -> its copy)
-    env: dict[fx.Node, fx.Node] = {}  # nodes of no block, block 0's and block 2's (as block L-1)
-    last = layers - 1
-
-    def renamed(name: str, i: int, j: int) -> str:
-        return name.replace(f"{path}.{i}.", f"{path}.{j}.", 1)
-
-    def read(a: fx.Node, j: int | None, src: int | None) -> fx.Node:
-        """What deep block ``j`` (made from block ``src``; None: no block) reads for ``a``."""
-        ba = label.get(a)
-        if src is None or ba is None or (ba == src and src != 1):
-            return env[a]
-        if src != 1:  # block 0 or block 2 (as block L-1) reading block 1: its first or last copy
-            return copies[1 if src == 0 else last - 1][a]
-        if ba == 1:
-            return copies[j][a]
-        if ba == 0:  # copy j reads copy j - 1 where block 1 read block 0 (block 0 itself for j = 1)
-            return env[a] if j == 1 else copies[j - 1][blocks[1][idx[a]]]
-        # block 2: copy j reads copy j + 1 (block 2 itself, as block L-1, for the last copy)
-        return env[a] if j == last - 1 else copies[j + 1][nxt[a]]
-
-    def emit(n: fx.Node, j: int | None, src: int | None) -> fx.Node:
+    new: dict[tuple, fx.Node] = {}  # (template node, deep block j or None) -> its copy
+    for n, j, src in sh.order():
         if n.op == "placeholder":
-            role = info(n).role
-            new = g.placeholder(n.name if src is None or j == src else f"{n.name}_b{j}")
-            new.meta = dict(n.meta)
+            m = g.placeholder(n.name if src is None or j == src else f"{n.name}_b{j}")
+            m.meta = dict(n.meta)
             rec = copy.copy(info(n))
             if src is not None and j != src:
-                rec.role = (role[0], renamed(role[1], src, j))
-            new.meta["autopar"] = rec
-            return new
-        new = g.node_copy(n, lambda a: read(a, j, src))
-        rec = new.meta.get("autopar")
-        if isinstance(rec, NodeInfo):
-            new.meta["autopar"] = copy.copy(rec)
-        if src is not None and j != src:  # the module stacks name the deep model's block
-            for key in ("nn_module_stack", "fwd_nn_module_stack"):
-                st = n.meta.get(key)
-                if st:
-                    new.meta[key] = {k: (_renumber(v[0], path, j, src), *v[1:]) if isinstance(v, tuple) else v
-                                     for k, v in st.items()}
-        return new
-
-    # spans of consecutive block nodes, each emitted for every deep block in its order
-    spans, k = [], 0
-    while k < len(nodes):
-        if label.get(nodes[k]) is None:
-            k += 1
-            continue
-        e = k
-        while e < len(nodes) and label.get(nodes[e]) is not None:
-            e += 1
-        spans.append((k, e))
-        k = e
-    span_at = {s: e for s, e in spans}
-    k = 0
-    while k < len(nodes) - 1:
-        n = nodes[k]
-        if k not in span_at:
-            env[n] = emit(n, None, None)
-            k += 1
-            continue
-        e = span_at[k]
-        run = {i: [m for m in nodes[k:e] if label[m] == i] for i in range(keep)}
-        ascending = label[nodes[k]] == 0
-        for j in (range(layers) if ascending else range(layers - 1, -1, -1)):
-            src = 0 if j == 0 else (2 if j == last else 1)
-            for m in run[src]:
-                new = emit(m, j, src)
-                if src == 1:
-                    copies.setdefault(j, {})[m] = new
-                else:
-                    env[m] = new
-        k = e
+                rec.role = (rec.role[0], _renamed(rec.role[1], path, src, j))
+            m.meta["autopar"] = rec
+        else:
+            m = g.node_copy(n, lambda a: new[sh.read(a, j, src)])
+            rec = m.meta.get("autopar")
+            if isinstance(rec, NodeInfo):
+                m.meta["autopar"] = copy.copy(rec)
+            if src is not None and j != src:  # the module stacks name the deep model's block
+                for key in ("nn_module_stack", "fwd_nn_module_stack"):
+                    st = n.meta.get(key)
+                    if st:
+                        m.meta[key] = {k: (_renumber(v[0], path, j, src), *v[1:]) if isinstance(v, tuple) else v
+                                       for k, v in st.items()}
+        new[(n, j)] = m
     out_node = nodes[-1]
     if out_node.op != "output":
         return None
     flat, roles = list(out_node.args[0]), list(template.outputs)
-    if len(flat) != len(roles):
+    want = sh.outputs(flat, roles, path)
+    if isinstance(want, str):
         return None
-    blocked = [_grad_block(r, path) for r in roles]
-    new_flat, new_roles = [], []
-    for pos, (v, r) in enumerate(zip(flat, roles)):
-        i = blocked[pos]
-        if i is None:
-            new_flat.append(env[v] if isinstance(v, fx.Node) else v)
-            new_roles.append(r)
-        elif i == 0 and (pos == 0 or blocked[pos - 1] is None):  # the run of blocks' gradients
-            e = pos
-            while e < len(flat) and blocked[e] is not None:
-                e += 1
-            run = {b: [(flat[q], roles[q]) for q in range(pos, e) if blocked[q] == b] for b in range(keep)}
-            if [blocked[q] for q in range(pos, e)] != sorted(blocked[q] for q in range(pos, e)):
-                return None
-            for j in range(layers):
-                src = 0 if j == 0 else (2 if j == last else 1)
-                for v2, r2 in run[src]:
-                    if isinstance(v2, fx.Node):
-                        v2 = copies[j][v2] if src == 1 else env[v2]
-                    new_flat.append(v2)
-                    new_roles.append((r2[0], renamed(r2[1], src, j)))
-        elif pos == 0 or blocked[pos - 1] is None:
-            return None  # a run of blocks' gradients that does not start at block 0
-    if len(new_flat) != len(flat) + (layers - keep) * blocked.count(1):
+    new_flat = [new[v] if isinstance(v, tuple) else v for v, _ in want]
+    new_roles = [r for _, r in want]
+    if len(new_flat) != len(flat) + (layers - KEEP) * [_grad_block(r, path) for r in roles].count(1):
         return None
     out = g.output(type(out_node.args[0])(new_flat))
     out.meta = {k: v for k, v in out_node.meta.items() if k != "desc"}
@@ -294,14 +219,9 @@ def splice_joint(template, model, path: str, layers: int, keep: int = 3):
 
 
 def _grad_block(role, path: str) -> int | None:
-    from autopar.splice import _index_in
-
     if role[0] != "grad":
         return None
     return _index_in(str(role[1]), path)
-
-
-KEEP = 3
 
 
 # ---- the shift checks and the expansion, over any graph with block labels

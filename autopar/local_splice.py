@@ -36,19 +36,19 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import copy
 import re
 
 import torch
 from torch import fx
 
+from autopar.analysis.liveness import storage_key
+from autopar.capture_cache import copy_graph
 from autopar.ir import info
 from autopar.joint_splice import KEEP, Shift, _labels, _renamed
 from autopar.scoped import setting
 from autopar.splice import _renumber, _shape
 
 _BASE: contextvars.ContextVar = contextvars.ContextVar("autopar_local_base", default=None)
-STATS: dict[str, int] = {}
 LOG: list[str] = []  # one line per localize inside ``recording``: "recorded", "spliced" or why traced
 
 
@@ -70,8 +70,6 @@ def recording(path: str):
 
 def _log(what: str) -> None:
     LOG.append(what)
-    key = what if what in ("recorded", "spliced") else "traced"
-    STATS[key] = STATS.get(key, 0) + 1
 
 
 def localized(program, ctx, trace, annotate) -> None:
@@ -104,26 +102,14 @@ def localized(program, ctx, trace, annotate) -> None:
     _log("spliced")
 
 
-def _copy_graph(g: fx.Graph) -> tuple[fx.Graph, dict]:
-    new = fx.Graph()
-    env: dict = {}
-    out = new.graph_copy(g, env)
-    new.output(out)
-    for n, m in env.items():
-        rec = m.meta.get("autopar")
-        if rec is not None:
-            m.meta["autopar"] = copy.copy(rec)
-    return new, env
-
-
 def _record(rec: _Record, program) -> str:
     why = _random(program.graph)
     if why:
         return why
     if any(n.op == "get_attr" for n in program.local.graph.nodes):
         return "the per-rank program reads attributes"
-    rec.g3, _ = _copy_graph(program.graph)
-    lg, _ = _copy_graph(program.local.graph)
+    rec.g3 = copy_graph(program.graph)
+    lg = copy_graph(program.local.graph)
     rec.l3 = fx.GraphModule(program.local, lg)
     rec.roles = list(program.outputs)
     return ""
@@ -299,13 +285,13 @@ def splice_local(rec: _Record, program, ctx, annotate):
     owner: dict = {}
     for n in lnodes[:-1]:
         for pos, t in _tensors(n.meta.get("val")):
-            owner.setdefault(t.untyped_storage()._cdata, (n, pos))
+            owner.setdefault(storage_key(t), (n, pos))
     fake = next((t.fake_mode for n in lnodes for _, t in _tensors(n.meta.get("val")) if hasattr(t, "fake_mode")), None)
     if fake is None:
         return "depth 3's per-rank program holds no fake values"
     g = fx.Graph()
     new: dict = {}
-    bases: dict = {}  # (owner key, position) -> a tensor on the deep program's storage
+    bases: dict = {}  # (deep node, owning output position) -> a tensor on the deep program's storage
     ph = 0
     with fake:
         for n, j, src in sh.order():
@@ -358,12 +344,12 @@ def _fresh(n, key, j, src, sh, owner, bases, new):
         return val
     outs = list(val) if isinstance(val, (list, tuple)) else [val]
     for pos, t in _tensors(val):
-        sid = t.untyped_storage()._cdata
+        sid = storage_key(t)
         o, opos = owner[sid]
         base = None
         if o is not n:  # a view: of an argument's storage (its deep node's), else of the storage's first node's
             for a in n.all_input_nodes:
-                hit = next((q for q, u in _tensors(a.meta.get("val")) if u.untyped_storage()._cdata == sid), None)
+                hit = next((q for q, u in _tensors(a.meta.get("val")) if storage_key(u) == sid), None)
                 if hit is not None:
                     base = dict(_tensors(new[sh.read(a, j, src)].meta["val"]))[hit]
                     break
@@ -372,14 +358,14 @@ def _fresh(n, key, j, src, sh, owner, bases, new):
                 base = dict(_tensors(new[okey].meta["val"]))[opos]
         elif key[1] == sh.canon(n):
             continue  # depth 3's own node: its own value
-        else:  # a copy's own storage
-            base = bases.get((key, pos))
+        else:  # a copy's own storage (one per storage: outputs of ``n`` sharing one share the copy's)
+            base = bases.get((key, opos))
             if base is None:
                 s = t.untyped_storage().nbytes()
                 if s % t.element_size():
                     raise ValueError(f"{n.name}'s storage holds {s} bytes, not whole {t.dtype} elements")
-                base = bases[(key, pos)] = torch.empty((s // t.element_size(),), dtype=t.dtype, device=t.device)
-        if base.untyped_storage()._cdata == sid:
+                base = bases[(key, opos)] = torch.empty((s // t.element_size(),), dtype=t.dtype, device=t.device)
+        if storage_key(base) == sid:
             continue  # depth 3's storage: the value as it is
         if base.dtype != t.dtype:
             raise ValueError(f"{n.name} views a {base.dtype} storage as {t.dtype}")

@@ -49,11 +49,15 @@ def reduces_in_place(n: fx.Node) -> bool:
             and len(src.users) == 1)
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage (tensors that alias share it; fake tensors' storages too)."""
+    return t.untyped_storage()._cdata
+
+
 def _storages(val):
     for t in val if isinstance(val, (list, tuple)) else (val,):
         if isinstance(t, torch.Tensor):
-            s = t.untyped_storage()
-            yield s._cdata, s.nbytes()
+            yield storage_key(t), t.untyped_storage().nbytes()
 
 
 @dataclass
