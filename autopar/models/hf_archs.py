@@ -199,17 +199,18 @@ def tp_sharded(pm) -> float | None:
     tokens never reaches, is left out); None without one."""
     from torch.distributed.tensor.placement_types import Replicate
 
-    from autopar.analysis.tensor_parallel import NOT_READ
+    from autopar.ir import info
     from autopar.modpath import block_of
 
     ctx = pm.ctx
     if "tp" not in ctx.axis_names:
         return None
     i = ctx.axis_names.index("tp")
-    derived = ctx.plan.derived.get("tp")
-    unread = {n for n, d in derived.decisions.items() if d.why == NOT_READ} if derived is not None else set()
+    # what the program reads: the captured graph's parameter inputs that some node uses
+    read = {info(p).role[1] for p in pm.program.graph.nodes
+            if p.op == "placeholder" and p.users and (info(p).role or ("",))[0] == "param"}
     mats = {n: p for n, p in pm.module.named_parameters()
-            if sum(s > 1 for s in p.shape) >= 2 and block_of(n) and n not in unread}
+            if sum(s > 1 for s in p.shape) >= 2 and block_of(n) and n in read}
     total = sum(p.numel() for p in mats.values())
     sharded = sum(p.numel() for n, p in mats.items() if not isinstance(ctx.placed.compute[n][i], Replicate))
     return sharded / total if total else None
