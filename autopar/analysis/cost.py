@@ -261,7 +261,7 @@ def simulate(gm: fx.GraphModule, dev: Device, links, share: float = 1.0, fused: 
     kernels fused as Inductor fuses them (``Fusion``). ``blocking``: every collective runs on the compute
     stream where it is issued (an oversubscribed CPU: ``oversubscribed``)."""
     est = TimeEstimate()
-    fusion = fusion_of(gm, "cpu" if dev.cores else "gpu") if fused else None
+    fusion = fusion_of(gm, dev.kind) if fused else None
     t_compute = 0.0
     t_link: dict[str, float] = {}
     done: dict[fx.Node, tuple[float, str]] = {}

@@ -26,6 +26,12 @@ class Device:
     # between collectives (the OS must schedule each peer in turn); 0: not measured, intra_alpha
     loaded_alpha: float = 0.0
 
+    @property
+    def kind(self) -> str:
+        """The device's kind, "cpu" (its cores shared by the ranks) or "gpu": which Inductor
+        thresholds and generated code the cost model applies."""
+        return "cpu" if self.cores else "gpu"
+
     def describe(self) -> str:
         f = ", ".join(f"{k} {v / 1e12:g} TFLOP/s" for k, v in self.flops.items())
         return (f"{self.name}: {f} (x{self.efficiency:g} achievable); memory {self.mem_bytes / 2**30:.0f} GiB at "

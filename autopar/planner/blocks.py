@@ -120,7 +120,7 @@ def _embedding_seconds(pm, dev, links, fused: bool) -> tuple[float, float]:
     from autopar.ir import info as node_info
 
     gm = pm.program.local
-    fusion = cost.fusion_of(gm, "cpu" if dev.cores else "gpu") if fused else None
+    fusion = cost.fusion_of(gm, dev.kind) if fused else None
     share = cost.core_share(dev, math.prod(pm.ctx.axis_sizes))
     out = next(n for n in gm.graph.nodes if n.op == "output")
 

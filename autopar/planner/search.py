@@ -267,7 +267,7 @@ def compiled(c: Candidate, info: ModelInfo, dev, depth: int, *, precision: str, 
             plan["pp"] = {**plan["pp"], "split": [f"{found[0]}.{i}" for i in range(per, depth, per)]}
         pm = compile_with(loaded.model, mesh, planning_options(loaded, plan=plan, precision=precision, recompute=c.recompute,
                                                                accumulate=c.microbatches if c.pp == 1 else 1))
-        kind = "cpu" if dev.cores else "gpu"
+        kind = dev.kind
         mem = C.predict_memory(pm, optimizer, fused=fused, device=kind)
         est = C.predict_time(pm, dev, optimizer, fused)
         by_axis: dict[str, int] = {}

@@ -286,7 +286,7 @@ def analyse(args, rank: int, progress: Progress, loaded=None, stop_after: str | 
         t2 = time.perf_counter()
         progress(f"rank {rank}: cost model")
         memory = cost.predict_memory(pm, args.optimizer, fused=getattr(args, "inductor", False),
-                                     device="cpu" if dev.cores else "gpu")
+                                     device=dev.kind)
         pipelined = pm.pipelined
         links = (cost._pipeline_links(pm, dev) if pipelined
                  else cost.axis_links(pm.ctx.axis_names, pm.ctx.axis_sizes, dev))

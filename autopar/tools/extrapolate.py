@@ -133,7 +133,7 @@ def _figures(r: Analysis) -> dict | None:
     placed = r.pm.ctx.placed
     if r.pm.pipelined:
         return None
-    fused, kind = bool(r.options.get("inductor")), "cpu" if r.device.cores else "gpu"  # (as cost.predict_memory)
+    fused, kind = bool(r.options.get("inductor")), r.device.kind  # (as cost.predict_memory)
     mems = {what: program_liveness(p, fused, kind)
             for what, p in (("joint", r.pm.program), ("sync", r.pm.sync_program)) if p is not None}
     # the per-parameter lists the table's notes name (plan['rest']'s, those stored whole)
