@@ -62,15 +62,11 @@ def _runs(model_type: str, extra: dict):
     """(model, tokens, targets, loss_fn) of ``model_type`` at the sweep's tiny sizes (dropout off),
     after one eager forward + backward ran."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from autopar.models import hf_archs
 
-    fields = {k: v for k, v in {**hf_archs.COMMON, **hf_archs._MOE, **extra}.items() if v is not hf_archs._DROP}
-    cfg = AutoConfig.for_model(model_type, **fields)
-    for k, v in cfg.to_dict().items():
-        if ("dropout" in k or "pdrop" in k) and isinstance(v, float):
-            setattr(cfg, k, 0.0)
+    cfg = hf_archs.hf_config(model_type, {**hf_archs._MOE, **extra})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     g = torch.Generator().manual_seed(1)

@@ -83,22 +83,31 @@ def _ce(logits, targets):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
 
 
+def hf_config(model_type: str, extra: dict, **overrides):
+    """The tiny config of ``model_type``: COMMON's sizes, ``extra`` and ``overrides`` on top (a
+    field set to ``_DROP`` left to the model's default), dropout off: the references are eager torch,
+    whose masks autopar does not draw (tests/test_dropout.py)."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in {**COMMON, **extra, **overrides}.items() if v is not _DROP}
+    cfg = AutoConfig.for_model(model_type, **fields)
+    for k, v in cfg.to_dict().items():
+        if ("dropout" in k or "pdrop" in k) and isinstance(v, float):
+            setattr(cfg, k, 0.0)
+    return cfg
+
+
 def build_hf(name: str, seed: int = 0, seq: int = SEQ, router_aux: float = 0.0, **overrides):
     """(model, batches, loss_fn) for ``ARCHS[name]``, or for a transformers ``model_type`` not
     in it (with the MoE fields, as benchmarks/hf_tp_sweep.py builds it) (``overrides``: config fields on top);
     batches are GLOBAL (tokens, targets) of ``seq`` tokens. ``router_aux``: a MoE model is wrapped
     in ``RouterAux`` and the loss adds ``router_aux`` x its load-balancing loss."""
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     transformers.logging.set_verbosity_error()
     model_type, extra = ARCHS[name] if name in ARCHS else (name, _MOE)  # any model_type, as the sweep builds it
-    fields = {k: v for k, v in {**COMMON, **extra, **overrides}.items() if v is not _DROP}
-    cfg = AutoConfig.for_model(model_type, **fields)
-    # dropout off: the reference is eager torch, whose masks autopar does not draw (tests/test_dropout.py)
-    for k, v in cfg.to_dict().items():
-        if ("dropout" in k or "pdrop" in k) and isinstance(v, float):
-            setattr(cfg, k, 0.0)
+    cfg = hf_config(model_type, extra, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     g = torch.Generator().manual_seed(seed + 1)
