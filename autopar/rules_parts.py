@@ -127,10 +127,9 @@ def _whole_part(placements, dim: int, n: int, start, end, step):
     if not axes or step not in (None, 1) or any(
             isinstance(p, Shard) and p.dim == dim and a not in axes for a, p in enumerate(placements)):
         return None
-    ks = {placements[a].split_factor for a in axes}
-    if len(ks) != 1 or len(axes) != 1:
+    if len(axes) != 1:
         return None
-    (k,) = ks
+    k = placements[axes[0]].split_factor
     start = 0 if start is None else (start + n if start < 0 else start)
     end = n if end is None or end >= n else (end + n if end < 0 else end)
     if n % k or start % (n // k) or end - start != n // k:
@@ -226,6 +225,12 @@ def _on(kinds, dim: int):
 _R = Replicate()
 
 
+def _channel_layouts(kinds):
+    """(the input's placements: channels on dim 1, the per-channel tensors' (weight, bias): on dim
+    0, replicated on the batch axes)."""
+    return _on(kinds, 1), tuple(_R if k == "b" else p for (k, _), p in zip(kinds, _on(kinds, 0)))
+
+
 @rule(aten.convolution.default)
 def depthwise_conv_rule(node, in_specs, ctx):
     """A convolution with one filter per channel (``groups`` = channels: Mamba's causal conv1d)
@@ -237,7 +242,7 @@ def depthwise_conv_rule(node, in_specs, ctx):
     kinds = _depthwise_layout(x, w, node.args[8], node.args[6])
     if kinds is None:
         return None
-    on, per_channel = _on(kinds, 1), tuple(_R if k == "b" else p for (k, _), p in zip(kinds, _on(kinds, 0)))
+    on, per_channel = _channel_layouts(kinds)
 
     def impl(ctx, x, w, b, stride, padding, dilation, transposed, output_padding, groups):
         return aten.convolution(x, w, b, stride, padding, dilation, transposed, output_padding, x.shape[1])
@@ -255,7 +260,7 @@ def depthwise_conv_backward_rule(node, in_specs, ctx):
     kinds = _depthwise_layout(x, w, node.args[9], node.args[7])
     if kinds is None or tuple(g.placements) != tuple(x.placements):
         return None
-    on, per_channel = _on(kinds, 1), tuple(_R if k == "b" else p for (k, _), p in zip(kinds, _on(kinds, 0)))
+    on, per_channel = _channel_layouts(kinds)
     grads = tuple(Partial() if k == "b" else p for (k, _), p in zip(kinds, per_channel))
     mask = node.args[10]
 
