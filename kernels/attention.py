@@ -402,10 +402,10 @@ def _even(n: int, block: int) -> bool:
 _FWD_PLANS, _BWD_PLANS = tune.Plans(), tune.Plans()
 
 
-def _signature(name: str, q, k, v, causal: bool, scale: float, *more):
+def _signature(kernels: tuple, q, k, v, causal: bool, scale: float, *more):
     """A call's signature for its remembered launch plan (tune.Plans), or None where the call must
-    take the full path (a forced configuration: tests, ``autopar bench --kernels``)."""
-    if tune.forced(name) is not None:
+    take the full path: one of its ``kernels`` has a forced configuration (tests)."""
+    if any(tune.forced(name) is not None for name in kernels):
         return None
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, causal, scale, *more)
 
@@ -417,7 +417,7 @@ def forward(q, k, v, bias, causal: bool, scale: float):
     b, h, m, d = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((b, h, m), device=q.device, dtype=torch.float32)
-    sig = _signature("attention_fwd", q, k, v, causal, scale) if bias is None else None
+    sig = _signature(("attention_fwd",), q, k, v, causal, scale) if bias is None else None
     plan = _FWD_PLANS.get(sig) if sig is not None else None
     if plan is not None:  # the same shapes, strides and flags as an earlier call
         grid, scalars, kw = plan
@@ -455,9 +455,8 @@ def backward(do, q, k, v, out, lse, bias, causal: bool, scale: float):
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     delta = torch.empty((b, h, m), device=q.device, dtype=torch.float32)
-    sig = None
-    if bias is None and tune.forced("attention_bwd_dkdv") is None and tune.forced("attention_bwd_dq") is None:
-        sig = _signature("attention_bwd", q, k, v, causal, scale, out.stride(), dq.stride(), dk.stride(), dv.stride())
+    sig = None if bias is not None else _signature(("attention_bwd_dkdv", "attention_bwd_dq"), q, k, v, causal, scale,
+                                                   out.stride(), dq.stride(), dk.stride(), dv.stride())
     plan = _BWD_PLANS.get(sig) if sig is not None else None
     if plan is not None:
         (g_delta, s_delta, k_delta), (g_kv, kw_kv), (g_q, kw_q), common = plan

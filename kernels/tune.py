@@ -92,7 +92,7 @@ def choose(name: str, key: tuple, candidates: list[Launch], run: Callable[[Launc
 def force(name: str, config: "Launch"):
     """Inside the block every launch of kernel ``name`` takes ``config``, interpreted launches too,
     and nothing is timed or remembered: how tests run each device candidate through Triton's
-    interpreter, and how ``autopar bench --kernels --variants`` checks and times every candidate."""
+    interpreter (tests/test_kernels.py)."""
     old = _FORCED.get(name)
     _FORCED[name] = config
     try:
