@@ -161,11 +161,7 @@ def splice_joint(template, model, path: str, layers: int):
     if label is None:
         return None
 
-    def same_placeholder(a, b):
-        ra, rb = info(a).role, info(b).role
-        return ra[0] == rb[0] and _renamed(str(ra[1]), path, 1, 0) == rb[1]
-
-    sh = Shift(nodes, label, layers, same_placeholder)
+    sh = Shift(nodes, label, layers, lambda n: info(n).role, path)
     if sh.why:
         return None
 
@@ -232,11 +228,13 @@ class Shift:
     the order and reads of its expansion to ``layers`` blocks. A node of the expansion is a key
     ``(node, j)``: ``node`` of the 3-block graph as deep block ``j`` (None: of no block)."""
 
-    def __init__(self, nodes, label, layers: int, same_placeholder):
+    def __init__(self, nodes, label, layers: int, role_of, path: str):
+        """``role_of(placeholder)``: its role, ("param", name)...; block 1's inputs must be block 0's
+        renamed by one block (``path``: the block list's)."""
         self.nodes, self.label, self.layers, self.last = nodes, label, layers, layers - 1
-        self.why = self._check(same_placeholder)
+        self.why = self._check(role_of, path)
 
-    def _check(self, same_placeholder) -> str:
+    def _check(self, role_of, path: str) -> str:
         nodes, label = self.nodes, self.label
         if self.layers < KEEP:
             return f"{self.layers} blocks"
@@ -293,7 +291,8 @@ class Shift:
             if a.op != b.op or _shape(a.meta.get("val")) != _shape(b.meta.get("val")):
                 return f"block 1's {a.name} is not block 0's {b.name} (op or shape)"
             if a.op == "placeholder":
-                if not same_placeholder(a, b):
+                ra, rb = role_of(a), role_of(b)
+                if ra is None or rb is None or ra[0] != rb[0] or _renamed(str(ra[1]), path, 1, 0) != rb[1]:
                     return f"block 1's input {a.name} is not block 0's {b.name}"
                 continue
             if a.target != b.target or not same_arg(a.args, b.args) or not same_arg(a.kwargs, b.kwargs):

@@ -158,11 +158,7 @@ def _placed_map(rec: _Record, program, layers: int):
     if label is None:
         return "depth 3's placed graph has nodes of no block it can name"
 
-    def same_placeholder(a, b):
-        ra, rb = info(a).role, info(b).role
-        return ra is not None and rb is not None and ra[0] == rb[0] and _renamed(str(ra[1]), path, 1, 0) == rb[1]
-
-    sh = Shift(g3, label, layers, same_placeholder)
+    sh = Shift(g3, label, layers, lambda n: info(n).role, path)
     if sh.why:
         return f"depth 3's placed graph: {sh.why}"
     deep = [n for n in gd.nodes if n.op != "output"]
@@ -274,11 +270,7 @@ def splice_local(rec: _Record, program, ctx, annotate):
         if o in gsh.label:
             label[n] = gsh.label[o]
 
-    def same_placeholder(a, b):
-        ra, rb = info(origin3[a]).role, info(origin3[b]).role
-        return ra is not None and rb is not None and ra[0] == rb[0] and _renamed(str(ra[1]), rec.path, 1, 0) == rb[1]
-
-    sh = Shift(lnodes, label, layers, same_placeholder)
+    sh = Shift(lnodes, label, layers, lambda n: info(origin3[n]).role, rec.path)
     if sh.why:
         return f"depth 3's per-rank program: {sh.why}"
     # storages: depth 3's (node, position) owning each, in order
