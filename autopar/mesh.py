@@ -39,10 +39,8 @@ def mesh(device_type: str | None = None, **axes: int) -> DeviceMesh:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             _warn_shared_store()
             dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-        else:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            dist.init_process_group("gloo", rank=0, world_size=1)
+        else:  # one process: an in-memory store, no port (a port inherited or raced for fails with EADDRINUSE)
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     axes = _check_world(axes, dist.get_world_size())
     if device_type == "cuda":
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
@@ -78,14 +76,6 @@ def _check_world(axes: dict, world: int) -> dict:
             where="autopar.mesh(...)",
             fix=f"launch {n} processes (e.g. torchrun --nproc-per-node {n}) or change the axis sizes")
     return axes
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -91,7 +91,8 @@ def test_inductor_peak_and_bytes_on_cpu(name):
     where the op-by-op prediction (eager) is more than 5% too high; without Inductor the eager
     one is within 5%. Bytes: the fused kernels' bytes (the model's ``Fusion``) within 10% of
     Inductor's own count over the compiled segments, where op-by-op bytes are more than 20% over."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])}
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *sys.path])  # (its own process group, not the worker's)
     code = f"import json, sys; sys.path.insert(0, 'tests'); import test_inductor_cost as t; print(json.dumps(" \
            f"[t._measure(t.CONFIGS[{name!r}], False), t._measure(t.CONFIGS[{name!r}], True)]))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
