@@ -127,6 +127,28 @@ def tied_job(root: str) -> dict:
     return out
 
 
+def fused_job(root: str, axes: dict, plan: dict, src: str | None, dst: str | None, steps: int, seed: int) -> dict:
+    """Hugging Face GPT-2 (q, k and v in one Conv1D, split by heads under megatron: a strided shard):
+    load ``src``, take ``steps`` AdamW steps of the run (batches of seed 0), save to ``dst``."""
+    from autopar.models.hf_archs import build_hf
+    from autopar.testing import parity_optimizer
+    from autopar.torch_compat import StridedShard
+
+    model, _, loss_fn = build_hf("GPT-2", seed=seed)
+    _, batches, _ = build_hf("GPT-2", seed=0)
+    pm = autopar.compile(model, autopar.mesh(**axes), example_inputs=batches[0], loss_fn=loss_fn, plan=plan,
+                         capture_eval=False)
+    opt = parity_optimizer(pm.parameters(), LR)
+    if src is not None:
+        pm.load(os.path.join(root, src), opt)
+    losses = [_step(pm, opt, batches) for _ in range(steps)]
+    if dst is not None:
+        pm.save(os.path.join(root, dst), optimizer=opt)
+    strided = sorted(n for n, p in pm.named_parameters()
+                     if any(isinstance(pl, StridedShard) for pl in getattr(p, "placements", ())))
+    return {"losses": losses, "strided": strided}
+
+
 def errors_job(root: str) -> dict:
     """One process: an unfinished folder, another model's checkpoint, a checkpoint without the
     optimizer's state; the fp16 loss scaler and an optimizer saved before its first step."""
@@ -190,6 +212,19 @@ def test_tied_weights_reshard_from_pipeline(pools, tmp_path):
     out = pools(2).run(tied_job, str(tmp_path))
     assert out["pp"] + out["fsdp"] == pytest.approx(out["ddp"], rel=1e-5)
     assert "lm_head.weight" in out["keys"]  # (the module's state_dict keeps both names, as torch's does)
+
+
+def test_a_fused_projection_split_by_heads_reshards(pools, tmp_path):
+    """GPT-2's fused q / k / v under megatron is a strided shard, which DCP cannot record as one
+    chunk per rank (it refused the save before ``_plain_shards``): one process -> megatron tp=2
+    (loaded into the strided layout, saved from it) -> one process, against 3 steps uninterrupted."""
+    root = str(tmp_path)
+    ref = pools(1).run(fused_job, root, {"dp": 1}, {"dp": "ddp"}, None, None, 3, 0)
+    pools(1).run(fused_job, root, {"dp": 1}, {"dp": "ddp"}, None, "one-1", 1, 0)
+    tp = pools(2).run(fused_job, root, {"tp": 2}, {"tp": "megatron"}, "one-1", "tp-2", 1, 1)
+    assert "transformer.h.0.attn.c_attn.weight" in tp["strided"]
+    one = pools(1).run(fused_job, root, {"dp": 1}, {"dp": "ddp"}, "tp-2", None, 1, 1)
+    assert tp["losses"] + one["losses"] == pytest.approx(ref["losses"][1:], rel=1e-5)
 
 
 def test_wrong_or_unfinished_checkpoints_are_refused(pools, fsdp_run):

@@ -3,7 +3,9 @@
 ``pm.save(path, optimizer)`` (autopar/runtime/base.py) writes, on every rank at once:
 
 - the parameters this rank holds (DTensor shards: DCP records each shard's place in the global
-  tensor, so a checkpoint written under one mesh / plan loads under another) and the buffers;
+  tensor, so a checkpoint written under one mesh / plan loads under another; a strided shard, a
+  fused q / k / v split by heads, is written and read as plain shards, ``_plain_shards``) and the
+  buffers;
 - the optimizer state keyed by parameter NAME (torch's ``get_optimizer_state_dict`` flattened:
   ``state.<name>.exp_avg``, ``param_groups.<name>.lr``), so it reshards with the parameters and a
   pipeline rank writes and reads only its stages' entries;
@@ -117,6 +119,38 @@ def _marker(pm, extra, optimizer) -> dict:
             "dropout_seed": pm.seed, "extra": extra, "torch": torch.__version__}
 
 
+def _plain_shards(state: dict) -> list[tuple[dict, str, torch.Tensor]]:
+    """Replace, in ``state`` (nested dicts), every DTensor with a strided shard (a fused q / k / v
+    split by heads: rank r holds piece r of EACH part) by the same values laid out as plain shards
+    of that dim; returns (dict, key, original) for each (``_restore`` puts the originals back). DCP records one contiguous chunk per rank and
+    refuses a strided shard ("overlapping chunks", torch 2.13), so these are written and read in the
+    plain layout, which any plan can reshard from. Costs one redistribute per such tensor (the
+    parameter whole, one at a time, on each rank of its axis), at save and at load only."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Shard
+
+    from autopar import torch_compat as tc
+
+    pairs = []
+    for key, v in state.items():
+        if isinstance(v, dict):
+            pairs += _plain_shards(v)
+        elif isinstance(v, DTensor) and any(isinstance(pl, tc.StridedShard) for pl in v.placements):
+            plain = [Shard(pl.dim) if isinstance(pl, tc.StridedShard) else pl for pl in v.placements]
+            state[key] = v.redistribute(v.device_mesh, plain)
+            pairs.append((state, key, v))
+    return pairs
+
+
+def _restore(pairs: list[tuple[dict, str, torch.Tensor]]) -> None:
+    """After a load: the values read in the plain layout copied into the program's own tensors
+    (in place), which go back into their dicts."""
+    for d, key, orig in pairs:
+        plain = d[key]
+        orig.to_local().copy_(plain.redistribute(plain.device_mesh, orig.placements).to_local())
+        d[key] = orig
+
+
 # ------------------------------------------------------------------------ save
 def save(pm, path, optimizer=None, extra=None, async_save: bool = False, on_complete=None) -> Future | None:
     """Write a checkpoint of ``pm`` (and ``optimizer``) to ``path`` on every rank; see the module
@@ -135,6 +169,7 @@ def save(pm, path, optimizer=None, extra=None, async_save: bool = False, on_comp
     state = {"model": _model_state(pm), "rng": {f"rank{dist.get_rank()}": _rng_state(pm)}}
     if optimizer is not None:
         state["optim"] = _optimizer_state(pm, optimizer, with_state=bool(optimizer.state))
+    _plain_shards(state)
     marker = _marker(pm, extra, optimizer)
     writer = dcp.FileSystemWriter(tmp)
     if not async_save:
@@ -328,7 +363,9 @@ def load(pm, path, optimizer=None) -> dict:
                              "plan is fine)" if model else
                              "load it without optimizer= (the model only), or build the optimizer the checkpoint's "
                              "run used")
+    strided = _plain_shards(state)
     dcp.load(state, storage_reader=reader)
+    _restore(strided)
     if optimizer is not None and has_state:
         set_optimizer_state_dict(pm.module, optimizer, state["optim"],
                                  options=StateDictOptions(flatten_optimizer_state_dict=True))
