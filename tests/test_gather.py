@@ -228,7 +228,7 @@ def gather_numerics_job(strategy: str, options: dict, steps: int):
     ("fsdp", {}, 3),
     ("fsdp", {"precision": "bf16", "recompute": "full"}, 3),
     ("zero2", {}, 3),
-    ("fsdp", {"precision": "bf16"}, 100),
+    pytest.param("fsdp", {"precision": "bf16"}, 100, marks=pytest.mark.slow),  # (10 s)
 ], ids=["fsdp", "fsdp-bf16-recompute", "zero2", "100-steps"])
 def test_prefetched_gathers_equal_synchronous_ones_exactly(pools, strategy, options, steps):
     out = pools(2).run(gather_numerics_job, strategy, options, steps)

@@ -171,44 +171,57 @@ def _local_canon(gm: fx.GraphModule) -> list:
     ("llama-small", "n_layers", {"dp": "zero2", "tp": "sequence"}, "bf16"),
     ("hf-llama-tiny", "num_hidden_layers", {"dp": "fsdp", "tp": "megatron"}, "bf16"),
 ])
-def test_spliced_per_rank_program_equals_the_traced_one(spec, field, plan, precision):
+def test_spliced_per_rank_program_equals_the_traced_one(spec, field, plan, precision, monkeypatch):
     """``autopar plan``'s depths 4 and 5 take depth 3's per-rank program spliced
     (autopar/local_splice.py): node for node what localize traces (ops, arguments, local shapes and
     strides, which values share a storage, origins, CommRecords), and the same memory figures after
-    the passes that follow; a dropout refuses it, with the reason logged."""
+    localize and after the passes that follow (each compile read at both points); a dropout
+    refuses it, with the reason logged."""
+    import dataclasses
+
     from autopar import local_splice
     from autopar.analysis.liveness import program_memory
     from autopar.compiler import build
     from autopar.depth import repeated
     from autopar.options import CompileOptions
+    from autopar import passes
+    from autopar.passes import NAMES, PASSES
 
     loaded = zoo.load(spec, meta=True, batch=2, seq=32, overrides={field: 6})
     rep = repeated(loaded.model, loaded.example_inputs, loaded.loss_fn)
 
-    def compiled(d, stop_after=None):
-        at = rep.at(d)
-        with fake_mesh({"dp": 2, "tp": 2}, 0) as mesh, splice.spliced():
-            st = build(at.model, mesh, CompileOptions(example_inputs=at.example_inputs, loss_fn=at.loss_fn,
-                                                      plan=plan, capture_eval=False, precision=precision),
-                       stop_after=stop_after)
-        return st.stages[0].program
-
     def memory(p):
         return vars(program_memory(p.local, p.inputs, p.outputs))
 
-    for stop in ("localize", None):
-        with local_splice.recording(rep.path):
-            seen = len(local_splice.LOG)
-            compiled(3, stop)
-            spliced = {d: compiled(d, stop) for d in (4, 6)}
-            assert local_splice.LOG[seen:] == ["recorded", "spliced", "spliced"]
-        for d, got in spliced.items():
-            want = compiled(d, stop)
-            if stop:
-                assert _local_canon(got.local) == _local_canon(want.local)
-            m = memory(got)
-            assert m == memory(want)
-            assert m["peak"] > 0
+    localize = PASSES[NAMES.index("localize")]
+
+    def compiled(d):
+        """(the program just after localize: canonical form and memory; the memory at the end)."""
+        at, seen = rep.at(d), {}
+
+        def snapshot(state):
+            state = localize.run(state)
+            p = state.stages[0].program
+            seen.update(canon=_local_canon(p.local), memory=memory(p))
+            return state
+
+        with monkeypatch.context() as m:
+            m.setattr(passes, "PASSES", [dataclasses.replace(p, run=snapshot) if p is localize else p for p in PASSES])
+            with fake_mesh({"dp": 2, "tp": 2}, 0) as mesh, splice.spliced():
+                st = build(at.model, mesh, CompileOptions(example_inputs=at.example_inputs, loss_fn=at.loss_fn,
+                                                          plan=plan, capture_eval=False, precision=precision))
+        return seen, memory(st.stages[0].program)
+
+    with local_splice.recording(rep.path):
+        seen = len(local_splice.LOG)
+        compiled(3)
+        spliced = {d: compiled(d) for d in (4, 6)}
+        assert local_splice.LOG[seen:] == ["recorded", "spliced", "spliced"]
+    for d, (got, got_end) in spliced.items():
+        want, want_end = compiled(d)
+        assert got["canon"] == want["canon"]
+        assert got["memory"] == want["memory"] and got_end == want_end
+        assert got["memory"]["peak"] > 0 and got_end["peak"] > 0
 
 
 def test_a_dropout_refuses_the_per_rank_splice():

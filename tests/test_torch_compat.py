@@ -241,7 +241,7 @@ def test_a_torch_version_error_is_a_plan_error():
     assert tc.SUPPORTED == ("2.11", "2.13")
 
 
-@pytest.mark.parametrize("which", ["llama", "hf_gpt2"])
+@pytest.mark.parametrize("which", ["llama", pytest.param("hf_gpt2", marks=pytest.mark.slow)])  # (GPT-2: 15 s)
 def test_propagation_gives_dtensor_the_output_meta_of_the_trace(which, fake, monkeypatch):
     """propagate hands DTensor each op's output shape, stride and dtype from the traced graph
     (``tc.known_output_meta``) instead of DTensor running the op on fake tensors of its own: the
