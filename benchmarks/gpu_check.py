@@ -18,7 +18,10 @@ that one; its traceback or the tail of its log is recorded and the next one runs
   predicted step time (its program costed op by op and Inductor-fused) and step peak on the
   device's row (autopar/analysis/devices.py);
 - ``kernel-table``: ``autopar bench --kernels`` (autopar/tools/kernelbench.py) into ``$OUT``:
-  kernels-DATE.json / .md, the device in its meta.
+  kernels-DATE.json / .md, the device in its meta;
+- ``calibrate``: ``autopar calibrate --device cuda``'s row for this GPU (matmul rate, HBM
+  bandwidth, launch gap measured; links from the datasheet row), written to calibrated-row.json:
+  the autopar step sections predict with it too, beside the datasheet row.
 
 A time budget (``--budget-s``) is enforced here: each section's process gets at most its own cap
 and what is left of the budget, and none starts with less than ``MIN_START_S`` left. summary.md
@@ -50,7 +53,7 @@ MIN_START_S = 20.0  # no section starts with less than this left of the budget
 SMOKE_CAP_SCALE = 3  # --smoke on a CPU: Inductor's C++ compiles take longer than a GPU machine's whole section
 
 # (section, cap in seconds on an H100), in the order they run: what the issue needs most first
-SECTIONS = [("correctness", 150), ("kernel-table", 240), ("step-eager", 60), ("step-autopar-off", 90),
+SECTIONS = [("correctness", 150), ("kernel-table", 240), ("calibrate", 40), ("step-eager", 60), ("step-autopar-off", 90),
             ("step-autopar-auto", 100), ("step-compile", 120), ("step-autopar-inductor", 150),
             ("step-autopar-on", 100), ("kernel-profile", 120)]
 
@@ -333,7 +336,7 @@ def _build(cfg: Config, device: str):
     return model, batches
 
 
-def _autopar_step(model, batches, kernels: str, inductor: bool, out: dict, row, stage):
+def _autopar_step(model, batches, kernels: str, inductor: bool, out: dict, row, stage, calibrated=None):
     import torch
 
     import autopar
@@ -356,6 +359,9 @@ def _autopar_step(model, batches, kernels: str, inductor: bool, out: dict, row, 
                         "step_s_op_by_op": cost.predict_time(pm, dev, "adamw", fused=False).step_s,
                         "step_s_inductor": cost.predict_time(pm, dev, "adamw", fused=True).step_s}
     out["predicted"]["step_s_as_run"] = out["predicted"]["step_s_inductor" if inductor else "step_s_op_by_op"]
+    if calibrated is not None:  # the same program costed with this GPU's measured row (the calibrate section)
+        out["predicted"]["calibrated"] = {"device_row": calibrated.name, "step_s_as_run": cost.predict_time(
+            pm, calibrated, "adamw", fused=inductor).step_s}
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
 
     def step(x, y):
@@ -384,7 +390,35 @@ def _torch_step(model, device: str, compiled: bool):
     return step
 
 
-def train_step(cfg: Config, variant: str, out: dict, stage) -> None:
+CALIBRATED_ROW = "calibrated-row.json"  # the calibrate section's row (out_dir): the steps' second prediction
+
+
+def calibrate_device(out: dict, out_dir: str, stage) -> None:
+    """``autopar calibrate --device cuda``'s row for this GPU (measured matmul rate, HBM bandwidth,
+    launch gap; links from the datasheet row), kept for the step sections, which predict with it
+    beside the datasheet row. Without a GPU (--smoke on a CPU): the CPU's row, no gloo."""
+    import torch
+
+    from autopar.tools import calibrate
+
+    stage("measuring")
+    row = calibrate.calibrate_gpu() if torch.cuda.is_available() else calibrate.calibrate("cpu-calibrated", comm=False)
+    out["row"] = row
+    with open(os.path.join(out_dir, CALIBRATED_ROW), "w") as f:
+        json.dump(row, f, indent=1)
+
+
+def _calibrated(out_dir: str):
+    from autopar.analysis.devices import Device
+
+    path = os.path.join(out_dir, CALIBRATED_ROW)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return Device(**json.load(f))
+
+
+def train_step(cfg: Config, variant: str, out: dict, stage, out_dir: str = "") -> None:
     """One variant: build, (compile,) the first step, then kernelbench's timing (2 warm-up steps,
     ``cfg.reps`` timed ones, the median) with the allocator's peak reset after the first step."""
     import torch
@@ -401,7 +435,7 @@ def train_step(cfg: Config, variant: str, out: dict, stage) -> None:
     model, batches = _build(cfg, device)
     n = sum(p.numel() for p in model.parameters())
     out.update(parameters=n, **model_flops(cfg.model, cfg.batch, cfg.seq, n - model.embed_tokens.weight.numel()))
-    step = (_autopar_step(model, batches, kernels, inductor, out, row, stage) if system == "autopar"
+    step = (_autopar_step(model, batches, kernels, inductor, out, row, stage, _calibrated(out_dir)) if system == "autopar"
             else _torch_step(model, device, system == "torch.compile"))
     out["losses"] = losses = []
 
@@ -429,6 +463,8 @@ def train_step(cfg: Config, variant: str, out: dict, stage) -> None:
     pred = out.get("predicted")
     if pred and cuda:
         pred["step_s_ratio"] = out["step_s"] / pred["step_s_as_run"]
+        if "calibrated" in pred:
+            pred["calibrated"]["step_s_ratio"] = out["step_s"] / pred["calibrated"]["step_s_as_run"]
         pred["peak_ratio"] = out["allocator_peak"] / pred["step_peak"]
 
 
@@ -463,8 +499,10 @@ def child(section: str, cfg: Config, out_dir: str) -> int:
             kernel_table(cfg, out, out_dir, rec.stage)
         elif section == "kernel-profile":
             kernel_profile(cfg, out, out_dir, rec.stage)
+        elif section == "calibrate":
+            calibrate_device(out, out_dir, rec.stage)
         else:
-            train_step(cfg, section.removeprefix("step-"), out, rec.stage)
+            train_step(cfg, section.removeprefix("step-"), out, rec.stage, out_dir)
         rec.data["status"] = "ok"
     except BaseException:  # noqa: B036 - recorded, then the process ends with an error status
         rec.data.update(status="failed", error=traceback.format_exc())
@@ -519,6 +557,12 @@ def _step_lines(record: dict) -> list[str]:
                  _fmt(p.get("peak_ratio"), ".3f"),
                  ", ".join(f"{x:.4f}" for x in losses[:3]) or "-", _fmt(diff, ".1e")]
         lines.append("| " + " | ".join(cells) + " |")
+    calibrated = [(n, s["result"]["predicted"]["calibrated"]) for n, s in steps.items()
+                  if "calibrated" in (s.get("result", {}).get("predicted") or {})]
+    if calibrated:
+        lines += ["", "Predicted with the calibrate section's measured row instead (" + calibrated[0][1]["device_row"]
+                  + "): " + "; ".join(f"{n.removeprefix('step-')} {_ms(c['step_s_as_run'])} ms (measured / predicted "
+                                      f"{_fmt(c.get('step_s_ratio'), '.2f')})" for n, c in calibrated) + "."]
     lowered = {n.removeprefix("step-"): s["result"]["lowered"] for n, s in steps.items()
                if "lowered" in s.get("result", {})}
     if lowered:
@@ -572,6 +616,11 @@ def summary_md(record: dict) -> str:
             if r.get("kernels"):
                 lines += ["", f"{r['side']}, {r['shape']}, device ms per call by kernel: " + ", ".join(
                     f"{k['name']} {k['ms']:.3f}" for k in r["kernels"])]
+    cal = record["sections"].get("calibrate", {}).get("result", {}).get("row")
+    if cal:
+        from autopar.analysis.devices import Device
+
+        lines += ["", "## This GPU, measured (`autopar calibrate --device cuda`)", "", Device(**cal).describe()]
     if any(n.startswith("step-") for n in record["sections"]):
         m = meta["model"]
         lines += ["", f"## Whole step: Llama {m}, batch {meta['batch']} x {meta['seq']}, bf16, AdamW, one rank",

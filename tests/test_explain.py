@@ -176,6 +176,28 @@ def test_cli_errors(capsys, tmp_path):
     assert rc == 0 and "llama3-70b" in out and "hf-llama3-8b" in out and "moe-tiny" in out
 
 
+def test_calibrating_a_gpu_keeps_the_datasheet_links(monkeypatch, capsys):
+    """``autopar calibrate --device cuda``'s row (its ops timed on this CPU here): measured compute,
+    bandwidth and launch gap, efficiency 1, the device's memory; NVLink and the NIC from the row of
+    the GPU's name, and the source says so. Without a GPU the command refuses."""
+    from types import SimpleNamespace
+
+    from autopar.tools import calibrate
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(total_memory=140 * 2**30))
+    row = calibrate.calibrate_gpu(n=64, mib=1, device="cpu")
+    dev = cost.Device(**row)
+    h200 = cost.DEVICES["h200"]
+    assert dev.name == "h200-calibrated" and dev.efficiency == 1.0 and dev.mem_bytes == 140 * 2**30
+    assert (dev.intra_bw, dev.inter_bw, dev.ranks_per_node) == (h200.intra_bw, h200.inter_bw, h200.ranks_per_node)
+    assert all(v > 0 for v in dev.flops.values()) and dev.mem_bw > 0 and dev.op_overhead > 0 and dev.cores == 0
+    assert "on NVIDIA H200" in dev.source and "links from the h200 row" in dev.source
+    if not torch.cuda.is_available():
+        rc, _, err = run(capsys, "calibrate", "--device", "cuda")
+        assert rc == 2 and "torch sees no GPU here" in err
+
+
 def test_cost_model_arithmetic():
     """alpha-beta per axis (intra-node when the axis and the faster axes fit in a node) and the
     ring formulas; the roofline takes the larger of compute and memory time."""

@@ -8,6 +8,13 @@ read + written), and gloo all-reduce between
 with that many: a ring step then also waits for the OS to schedule its peer, which the row keeps as
 ``loaded_alpha`` (a 4-byte all-reduce between 1 ms slices of matmuls on every rank). Prints the row and
 writes it as JSON (``--out``), which ``autopar plan --devices FILE --device NAME`` reads.
+
+``--device cuda`` measures the GPU instead (what the datasheet rows h100 / h200 assume): bf16 /
+fp16 / fp32 matmuls at 4096^3, HBM bandwidth by an elementwise add on 256 MiB tensors, and the
+host's launch gap per op (a loop of tiny ops, synchronised once at the end: the per-rank program's
+launch rate when the GPU is not the limit). Each figure is timed between ``torch.cuda.synchronize``
+calls. The links (NVLink, the NIC) cannot be measured on one GPU: they are the datasheet row's
+(``row_for`` the device's name), and the row says so.
 """
 
 from __future__ import annotations
@@ -16,52 +23,67 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
 
 
-def _timeit(fn, reps: int) -> float:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timeit(fn, reps: int, device: str = "cpu") -> float:
     fn()
     ts = []
     for _ in range(reps):
+        _sync(device)
         t0 = time.perf_counter()
         fn()
+        _sync(device)
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
 
 
-def matmul_flops(dtype: torch.dtype, n: int = 512, reps: int = 5) -> float:
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
-    return 2 * n**3 / _timeit(lambda: a @ b, reps)
+def matmul_flops(dtype: torch.dtype, n: int = 512, reps: int = 5, device: str = "cpu") -> float:
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    return 2 * n**3 / _timeit(lambda: a @ b, reps, device)
 
 
-def memory_bandwidth(mib: int = 4, reps: int = 40, alive: int = 32) -> float:
+def memory_bandwidth(mib: int = 4, reps: int = 40, alive: int = 32, device: str = "cpu") -> float:
     """Bytes read + written per second by an elementwise op allocating its output, as the
     per-rank program's ops do: the last ``alive`` outputs stay alive (a forward's activations wait
     for the backward), so each output is memory the allocator gets fresh from the OS, its pages
     faulted in as the op writes them. Measured 2026-11-25 on this machine: 8-9 GB/s for 0.5-8 MiB
     tensors, against 75-115 GB/s when every call gets the same warm block back (what this measured
-    before; the program's elementwise ops were then predicted 10x too fast)."""
-    x = torch.randn(mib * 2**20 // 4)
+    before; the program's elementwise ops were then predicted 10x too fast). On a GPU the caching
+    allocator hands blocks back without the OS, and each add is timed between synchronisations."""
+    x = torch.randn(mib * 2**20 // 4, device=device)
     y = torch.randn_like(x)
     ring: list = [None] * alive
     times = []
     for i in range(reps + alive):
+        _sync(device)
         t0 = time.perf_counter()
         z = x + y
+        _sync(device)
         times.append(time.perf_counter() - t0)
         ring[i % alive] = z
     return 3 * x.numel() * 4 / statistics.median(times[alive:])
 
 
-def op_overhead(reps: int = 2000) -> float:
-    """Seconds of eager dispatch for a tiny op (what every node of the per-rank program costs)."""
-    x = torch.ones(8)
+def op_overhead(reps: int = 2000, device: str = "cpu") -> float:
+    """Seconds of eager dispatch for a tiny op (what every node of the per-rank program costs; on a
+    GPU the launch gap: the loop is synchronised once, after it)."""
+    x = torch.ones(8, device=device)
+    x = x + 1
+    _sync(device)
     t0 = time.perf_counter()
     for _ in range(reps):
         x = x + 1
+    _sync(device)
     return (time.perf_counter() - t0) / reps
 
 
@@ -118,7 +140,9 @@ def gloo_links(reps: int = 10, ranks: int = 2) -> tuple[float, float, float]:
     return alpha, bw, max(0.0, loaded) / steps
 
 
-def calibrate(name: str = "cpu", comm: bool = True, ranks: int = 2) -> dict:
+def calibrate(name: str = "cpu", comm: bool = True, ranks: int = 2, device: str = "cpu") -> dict:
+    if device == "cuda":
+        return calibrate_gpu(name)
     torch.set_num_threads(1)
     row = {"name": name,
            "flops": {"fp32": matmul_flops(torch.float32), "bf16": matmul_flops(torch.bfloat16),
@@ -129,6 +153,28 @@ def calibrate(name: str = "cpu", comm: bool = True, ranks: int = 2) -> dict:
                      f"gloo all-reduce among {ranks} processes"}
     alpha, bw, loaded = gloo_links(ranks=ranks) if comm else (60e-6, 1e9, 0.0)
     row.update(intra_bw=bw, intra_alpha=alpha, inter_bw=bw, inter_alpha=alpha, loaded_alpha=loaded)
+    return row
+
+
+def calibrate_gpu(name: str | None = None, n: int = 4096, mib: int = 256, device: str = "cuda") -> dict:
+    """The row for this process's GPU: measured compute, HBM bandwidth and launch gap; memory from
+    the device's properties; links and nodes from the datasheet row of its name (one GPU cannot
+    measure them). Efficiency 1: the figures are achieved rates. (``device``: where the timed ops
+    run; "cpu" only in the test that checks the row without a GPU.)"""
+    from dataclasses import asdict
+
+    from autopar.analysis.devices import DEVICES, row_for
+
+    gpu = torch.cuda.get_device_name()
+    base = DEVICES[row_for(gpu)]
+    flops = {"fp32": matmul_flops(torch.float32, n, 10, device), "bf16": matmul_flops(torch.bfloat16, n, 20, device),
+             "fp16": matmul_flops(torch.float16, n, 20, device)}
+    row = {**asdict(base), "name": name or f"{base.name}-calibrated", "flops": flops, "efficiency": 1.0,
+           "mem_bw": memory_bandwidth(mib, 20, 2, device), "op_overhead": op_overhead(2000, device),
+           "mem_bytes": float(torch.cuda.get_device_properties(0).total_memory)}
+    row["source"] = (f"calibrated by `autopar calibrate --device cuda` on {time.strftime('%Y-%m-%d')} on {gpu} "
+                     f"(torch {torch.__version__}): {n}^3 matmuls, an elementwise add on {mib} MiB, the launch gap "
+                     f"of a tiny op; links from the {base.name} row ({base.source})")
     return row
 
 
@@ -146,15 +192,22 @@ def main(argv=None) -> int:
     p.add_argument("--name", default="cpu", help="the device row's name (default cpu)")
     p.add_argument("--out", default=None, help="write the row as JSON here")
     p.add_argument("--no-comm", action="store_true", help="skip the gloo measurement")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="measure the CPU (default) or this process's GPU (links then from the datasheet row)")
     p.add_argument("--ranks", type=int, default=2,
                    help="processes in the gloo measurement (default 2; the number the measured runs will use)")
     args = p.parse_args(argv)
-    if args.ranks < 2:
-        from autopar.errors import PlanError
+    from autopar.errors import PlanError
 
-        raise PlanError(f"--ranks {args.ranks}: an all-reduce needs at least 2 processes", where="--ranks",
-                        fix="pass 2 or more")
-    row = calibrate(args.name, comm=not args.no_comm, ranks=args.ranks)
+    bad = (PlanError(f"--ranks {args.ranks}: an all-reduce needs at least 2 processes", where="--ranks",
+                     fix="pass 2 or more") if args.ranks < 2 else
+           PlanError("--device cuda: torch sees no GPU here", where="--device", fix="run it on the GPU machine")
+           if args.device == "cuda" and not torch.cuda.is_available() else None)
+    if bad is not None:
+        print(f"autopar calibrate: {bad}", file=sys.stderr)
+        return 2
+    row = calibrate(args.name if args.device == "cpu" or args.name != "cpu" else None, comm=not args.no_comm,
+                    ranks=args.ranks, device=args.device)
     from autopar.analysis.cost import Device
 
     print(Device(**row).describe())
