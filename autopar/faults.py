@@ -289,12 +289,14 @@ def _fault_worker(rank: int, world: int, port: int, case: str, plan_name: str, t
 
 
 def run_fault_case(case: str, plan_name: str, timeout: float = 5.0, world: int = 2, limit: float = 120.0,
-                   linger: float = 0.0, spawn: bool = False) -> dict:
+                   linger: float = 0.0, spawn: bool = False, raised=None) -> dict:
     """Run ``case`` on ``world`` fresh processes; what every rank raised (first line), and the
     seconds from the fault to each rank's exit (None: still running at ``limit``, then killed).
     ``linger``: how long the failing rank of ``own_*`` lives on after its error; ``spawn``: the
     processes are spawned (a fresh interpreter that exits as a script does: atexit handlers,
-    finalization), not forked from the fork server (whose children end in ``os._exit``)."""
+    finalization), not forked from the fork server (whose children end in ``os._exit``).
+    ``raised``: a ``threading.Event`` set once every rank has its result or has exited (what is
+    left is the lingering and the exits: a caller running this in a thread may do other work)."""
     import multiprocessing as mp
     from multiprocessing.connection import wait as wait_any
 
@@ -319,6 +321,11 @@ def run_fault_case(case: str, plan_name: str, timeout: float = 5.0, world: int =
                 msgs.append(results.get_nowait())
             except queue.Empty:
                 break
+        if raised is not None and not raised.is_set() and \
+                all(r in exited or any(m[0] == r and m[1] == "result" for m in msgs) for r in range(world)):
+            raised.set()
+    if raised is not None:
+        raised.set()
     for r, p in enumerate(procs):
         if r not in exited:
             p.kill()

@@ -28,7 +28,7 @@ splice repeats them), named as a trace names them, each naming its own global no
 - the collectives' CommRecords are made against the deeper graph's nodes (``_annotate_collectives``,
   as localize makes them).
 
-Anything failing: traced in full, and why is kept (``LOG``; the plan's analysis line says it).
+Anything failing: traced in full, and why is kept (``log()``; the plan's analysis line says it).
 ``tests/test_splice.py`` compares spliced per-rank programs with traced ones.
 """
 
@@ -49,7 +49,6 @@ from autopar.scoped import setting
 from autopar.splice import _renumber, _shape
 
 _BASE: contextvars.ContextVar = contextvars.ContextVar("autopar_local_base", default=None)
-LOG: list[str] = []  # one line per localize inside ``recording``: "recorded", "spliced" or why traced
 
 
 class _Record:
@@ -59,6 +58,7 @@ class _Record:
         self.l3: fx.GraphModule | None = None  # its per-rank program (a copy)
         self.roles: list = []
         self.why = ""  # why nothing was recorded
+        self.log: list[str] = []  # one line per localize inside: "recorded", "spliced" or why traced
 
 
 @contextlib.contextmanager
@@ -68,8 +68,11 @@ def recording(path: str):
         yield
 
 
-def _log(what: str) -> None:
-    LOG.append(what)
+def log() -> list[str]:
+    """One line per localize inside the current ``recording`` ("recorded", "spliced" or why it was
+    traced); [] outside one."""
+    rec = _BASE.get()
+    return rec.log if rec is not None else []
 
 
 def localized(program, ctx, trace, annotate) -> None:
@@ -80,26 +83,26 @@ def localized(program, ctx, trace, annotate) -> None:
         trace(program, ctx)
         return
     if rec.why:
-        _log(f"traced: depth 3's program was not recorded ({rec.why})")
+        rec.log.append(f"traced: depth 3's program was not recorded ({rec.why})")
         trace(program, ctx)
         return
     if rec.g3 is None:
         trace(program, ctx)
         rec.why = _record(rec, program)
-        _log(f"depth 3 not recorded: {rec.why}" if rec.why else "recorded")
+        rec.log.append(f"depth 3 not recorded: {rec.why}" if rec.why else "recorded")
         return
     try:
         got = splice_local(rec, program, ctx, annotate)
     except (KeyError, IndexError, ValueError, RuntimeError, TypeError) as e:  # a mapping the checks missed
         got = f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
     if isinstance(got, str):
-        _log(f"traced: {got}")
+        rec.log.append(f"traced: {got}")
         trace(program, ctx)
         return
     for n in program.graph.nodes:
         n.meta["custom"] = {"autopar_origin": n.name}
     program.local = got
-    _log("spliced")
+    rec.log.append("spliced")
 
 
 def _record(rec: _Record, program) -> str:

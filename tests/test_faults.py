@@ -75,67 +75,6 @@ def _said(out, rank):
     return out["ranks"][rank]["said"]
 
 
-# The failing rank's own exception: each plan's case on its own 2 fresh processes, all five at
-# once. The pipeline's failing process (rank 0, the store's host) lingers 30 s after its error, the
-# others' 5 s: the suite pays the 30 s once, overlapped. pp's processes are spawned interpreters,
-# which exit as a script does (atexit handlers, finalization: 1-2 s here, 6-9 s with this fixture's
-# other processes and a loaded machine); the others are forked from the fork server, whose
-# children end in os._exit (nothing to import: each spawned pair costs ~10 s of CPU).
-OWN_CASES = {"pp": "own_zero", "ddp": "own_one", "fsdp": "own_one", "megatron": "own_one", "inductor": "own_one"}
-LINGER = {"pp": 30.0, "ddp": 5.0, "fsdp": 5.0, "megatron": 5.0, "inductor": 5.0}
-SPAWNED = ("pp",)
-TIMEOUT = 30.0
-
-
-@pytest.fixture(scope="module")
-def own_errors():
-    """Every OWN_CASES case run concurrently (autopar/faults.py ``_own_error``): the failing rank
-    (rank 1; rank 0, the store's host, for the pipeline) raises an exception object of its own in
-    its loss mid-step (torch.OutOfMemoryError under fsdp, an ``InjectedFailure`` elsewhere),
-    catches it, calls train_step again, and lives on LINGER seconds before its process exits."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(len(OWN_CASES)) as ex:
-        runs = {plan: ex.submit(run_fault_case, case, plan, timeout=TIMEOUT, limit=LINGER[plan] + 150,
-                                linger=LINGER[plan], spawn=plan in SPAWNED) for plan, case in OWN_CASES.items()}
-        return {plan: run.result() for plan, run in runs.items()}
-
-
-@pytest.mark.parametrize("plan", list(OWN_CASES))
-def test_the_failing_rank_gets_its_own_exception_and_its_peer_a_rank_failure(own_errors, plan):
-    """On the failing rank: the very exception object its code raised (type, message, the
-    traceback down to the raising function), with autopar's note; train_step called again raises
-    RankFailure at once. On the peer: RankFailure naming the failing rank, the step and the call,
-    within seconds of the failure (timeout=30 s), and its process exits while the failing one
-    lives on; the failing process exits promptly after lingering (30 s under pp, 5 s under the
-    others: see LINGER; the fixture runs all five plans' processes at once)."""
-    out = own_errors[plan]
-    bad = 0 if OWN_CASES[plan] == "own_zero" else 1
-    mine, peer = out["ranks"][bad], out["ranks"][1 - bad]
-    own = own_error(plan)
-    kind = type(own).__name__
-    runtime = "PipelineModule" if plan == "pp" else "ParallelModule"
-    got = mine["said"]
-    assert isinstance(got, dict), out
-    assert got["type"] == kind and got["type_is"] and got["same"], got  # `e is` the object the code raised
-    assert got["message"] == str(own), got
-    assert got["innermost"] == ("_fault_own_oom" if kind == "OutOfMemoryError" else "_fault_own_error"), got
-    assert got["notes"] == [f"autopar: rank {bad} raised this in train_step of {runtime} (step 1); the other ranks "
-                            "were told and raise RankFailure naming it. This program is unusable now (its process "
-                            "groups may hold a pending collective): fix the cause and restart every rank; resume "
-                            "from the last checkpoint (pm.save / autopar.CheckpointManager)"], got
-    failed = f"RankFailure: rank {bad} failed in train_step of {runtime} (step 1): {kind}: {own}"
-    assert got["again"].startswith(failed) and "called again after the failure" in got["again"], got
-    assert got["again_s"] < 1.0, got
-    assert peer["said"] == failed, out
-    assert f"rank {1 - bad} was waiting in" in peer["text"] and "restart every rank" in peer["text"], out
-    assert peer["raised_s"] - mine["raised_s"] < 5.0, out  # through the store, not after the 30 s timeout
-    assert peer["exit_s"] is not None and peer["exit_s"] < mine["lived_s"], out  # gone while the failing one lives
-    assert mine["lived_s"] - mine["raised_s"] >= LINGER[plan], out
-    assert mine["exit_s"] is not None and mine["exit_s"] - mine["lived_s"] < 20.0, out  # its teardown did not hang
-    assert mine["exitcode"] == 0 and peer["exitcode"] == 0, out
-
-
 def test_a_bad_batch_on_one_pipeline_rank_fails_every_rank():
     out = run_fault_case("token_one", "pp", timeout=5.0)
     own = "InputError: input #0 holds 300 at [1, 3], outside [0, 256): it indexes embedding embed_tokens"
@@ -174,6 +113,89 @@ def test_failures_before_any_collective_leave_the_program_usable(pools):
         assert losses[0] == losses[1] and len(losses) == 3
     assert out[1][1].startswith("CaptureError: ")
     assert out[0][1].startswith("RankFailure: rank 1 failed in autopar.compile: CaptureError"), out[0][1]
+
+
+# The failing rank's own exception: each plan's case on its own 2 fresh processes, all five at
+# once. The pipeline's failing process (rank 0, the store's host) lingers 30 s after its error, the
+# others' 5 s: the suite pays the 30 s once, overlapped with each other and with this file's other
+# tests. pp's processes are spawned interpreters, which exit as a script does (atexit handlers,
+# finalization: 1-2 s here, 6-9 s with this fixture's other processes and a loaded machine); the
+# others are forked from the fork server, whose children end in os._exit (nothing to import: each
+# spawned pair costs ~10 s of CPU).
+OWN_CASES = {"pp": "own_zero", "ddp": "own_one", "fsdp": "own_one", "megatron": "own_one", "inductor": "own_one"}
+LINGER = {"pp": 30.0, "ddp": 5.0, "fsdp": 5.0, "megatron": 5.0, "inductor": 5.0}
+SPAWNED = ("pp",)
+TIMEOUT = 30.0
+
+
+@pytest.fixture(scope="module")
+def own_errors_started():
+    """Every OWN_CASES case started concurrently, in threads (autopar/faults.py ``_own_error``): the
+    failing rank (rank 1; rank 0, the store's host, for the pipeline) raises an exception object
+    of its own in its loss mid-step (torch.OutOfMemoryError under fsdp, an ``InjectedFailure``
+    elsewhere), catches it, calls train_step again, and lives on LINGER seconds before its process
+    exits. Returns once every rank of every case has its result: the file's other tests run while
+    the failing processes linger (asleep), and the tests of these cases come last in the file."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    ex = ThreadPoolExecutor(len(OWN_CASES))
+    raised = {plan: threading.Event() for plan in OWN_CASES}
+    runs = {plan: ex.submit(run_fault_case, case, plan, timeout=TIMEOUT, limit=LINGER[plan] + 150,
+                            linger=LINGER[plan], spawn=plan in SPAWNED, raised=raised[plan])
+            for plan, case in OWN_CASES.items()}
+    for event in raised.values():
+        event.wait(200)
+    yield runs
+    ex.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _own_errors_first(request):
+    """The cases above start with the file's first test, where this session runs their tests."""
+    if any(item.originalname == "test_the_failing_rank_gets_its_own_exception_and_its_peer_a_rank_failure"
+           for item in request.session.items):
+        request.getfixturevalue("own_errors_started")
+
+
+@pytest.fixture(scope="module")
+def own_errors(own_errors_started):
+    return {plan: run.result() for plan, run in own_errors_started.items()}
+
+
+@pytest.mark.parametrize("plan", list(OWN_CASES))
+def test_the_failing_rank_gets_its_own_exception_and_its_peer_a_rank_failure(own_errors, plan):
+    """On the failing rank: the very exception object its code raised (type, message, the
+    traceback down to the raising function), with autopar's note; train_step called again raises
+    RankFailure at once. On the peer: RankFailure naming the failing rank, the step and the call,
+    within seconds of the failure (timeout=30 s), and its process exits while the failing one
+    lives on; the failing process exits promptly after lingering (30 s under pp, 5 s under the
+    others: see LINGER; the fixture runs all five plans' processes at once)."""
+    out = own_errors[plan]
+    bad = 0 if OWN_CASES[plan] == "own_zero" else 1
+    mine, peer = out["ranks"][bad], out["ranks"][1 - bad]
+    own = own_error(plan)
+    kind = type(own).__name__
+    runtime = "PipelineModule" if plan == "pp" else "ParallelModule"
+    got = mine["said"]
+    assert isinstance(got, dict), out
+    assert got["type"] == kind and got["type_is"] and got["same"], got  # `e is` the object the code raised
+    assert got["message"] == str(own), got
+    assert got["innermost"] == ("_fault_own_oom" if kind == "OutOfMemoryError" else "_fault_own_error"), got
+    assert got["notes"] == [f"autopar: rank {bad} raised this in train_step of {runtime} (step 1); the other ranks "
+                            "were told and raise RankFailure naming it. This program is unusable now (its process "
+                            "groups may hold a pending collective): fix the cause and restart every rank; resume "
+                            "from the last checkpoint (pm.save / autopar.CheckpointManager)"], got
+    failed = f"RankFailure: rank {bad} failed in train_step of {runtime} (step 1): {kind}: {own}"
+    assert got["again"].startswith(failed) and "called again after the failure" in got["again"], got
+    assert got["again_s"] < 1.0, got
+    assert peer["said"] == failed, out
+    assert f"rank {1 - bad} was waiting in" in peer["text"] and "restart every rank" in peer["text"], out
+    assert peer["raised_s"] - mine["raised_s"] < 5.0, out  # through the store, not after the 30 s timeout
+    assert peer["exit_s"] is not None and peer["exit_s"] < mine["lived_s"], out  # gone while the failing one lives
+    assert mine["lived_s"] - mine["raised_s"] >= LINGER[plan], out
+    assert mine["exit_s"] is not None and mine["exit_s"] - mine["lived_s"] < 20.0, out  # its teardown did not hang
+    assert mine["exitcode"] == 0 and peer["exitcode"] == 0, out
 
 
 @pytest.fixture(autouse=True)

@@ -213,10 +213,10 @@ def test_spliced_per_rank_program_equals_the_traced_one(spec, field, plan, preci
         return seen, memory(st.stages[0].program)
 
     with local_splice.recording(rep.path):
-        seen = len(local_splice.LOG)
+        seen = len(local_splice.log())
         compiled(3)
         spliced = {d: compiled(d) for d in (4, 6)}
-        assert local_splice.LOG[seen:] == ["recorded", "spliced", "spliced"]
+        assert local_splice.log()[seen:] == ["recorded", "spliced", "spliced"]
     for d, (got, got_end) in spliced.items():
         want, want_end = compiled(d)
         assert got["canon"] == want["canon"]
@@ -242,7 +242,7 @@ def test_a_dropout_refuses_the_per_rank_splice():
     x = torch.zeros(2, 32, dtype=torch.long)
     rep = repeated(model, (x, x), _ce)
     with local_splice.recording(rep.path):
-        seen = len(local_splice.LOG)
+        seen = len(local_splice.log())
         for d in (3, 4):
             at = rep.at(d)
             with fake_mesh({"dp": 2, "tp": 2}, 0) as mesh, splice.spliced():
@@ -250,5 +250,5 @@ def test_a_dropout_refuses_the_per_rank_splice():
                                                      plan={"dp": "fsdp", "tp": "megatron"}, capture_eval=False),
                       stop_after="localize")
         why = "a dropout (its mask is keyed by its node's name)"
-        assert local_splice.LOG[seen:] == [f"depth 3 not recorded: {why}",
+        assert local_splice.log()[seen:] == [f"depth 3 not recorded: {why}",
                                            f"traced: depth 3's program was not recorded ({why})"]

@@ -305,17 +305,19 @@ def _setitem(g: Graph, flow: Flow, u: fx.Node, tp: int):
     same way (or broadcast along that dim). Ends nothing: the buffer's readers carry on."""
     dst, idx, src = u.args
     td, ts = _track(flow, dst), _track(flow, src)
+    view = _view_shape(u)
+    if view is None:
+        raise Fail(f"setitem{where_of(u)}: values written at positions a tensor indexes, along a sharded dim")
     if td is not None:
         d, o = _index(u, td, tp)  # the sharded dim in buf[idx] (u's args are getitem's: buf, idx)
         if ts is None:
             if isinstance(src, fx.Node):
-                _operand_needs(g, flow, u, src, d - (len(_view_shape(u)) - len(shape_of(src))), o)
-        elif ts != (d - (len(_view_shape(u)) - len(shape_of(src))), o):
+                _operand_needs(g, flow, u, src, d - (len(view) - len(shape_of(src))), o)
+        elif ts != (d - (len(view) - len(shape_of(src))), o):
             raise Fail(f"setitem{where_of(u)} writes values sharded differently")
         return None
     if ts is None or not isinstance(dst, fx.Node) or op_name(dst) not in FRESH:
         raise Fail(f"setitem{where_of(u)}: the sharded values written in place into a tensor autopar cannot follow")
-    view = _view_shape(u)
     if tuple(shape_of(src)) != tuple(view):
         raise Fail(f"setitem{where_of(u)} broadcasts the sharded values")
     for d_in in range(len(shape_of(dst))):  # the buffer's dim that holds the value's sharded dim whole
@@ -328,10 +330,10 @@ def _setitem(g: Graph, flow: Flow, u: fx.Node, tp: int):
     raise Fail(f"setitem{where_of(u)}: the sharded values written across the buffer's dims")
 
 
-def _view_shape(u: fx.Node) -> tuple:
-    """The shape of ``buf[idx]`` for ``setitem(buf, idx, value)``."""
+def _view_shape(u: fx.Node) -> tuple | None:
+    """The shape of ``buf[idx]`` for ``setitem(buf, idx, value)``; None where a tensor indexes."""
     return tuple(val_of(u.args[0])[u.args[1]].shape) if not any(
-        isinstance(i, fx.Node) for i in (u.args[1] if isinstance(u.args[1], tuple) else (u.args[1],))) else ()
+        isinstance(i, fx.Node) for i in (u.args[1] if isinstance(u.args[1], tuple) else (u.args[1],))) else None
 
 
 def _operand_needs(g: Graph, flow: Flow, u: fx.Node, a, dim: int, o: int) -> None:

@@ -205,11 +205,11 @@ def _by_depth(args, rank: int, rep, at, progress) -> Analysis | None:
 
     def figures_at(d: int, report):
         """depth ``d``'s figures, with how its per-rank program was made (autopar/local_splice.py)"""
-        seen = len(local_splice.LOG)
+        seen = len(local_splice.log())
         a = at(d, report)
         f = _figures(a)
         if f is not None:
-            f["localized"] = local_splice.LOG[seen:]
+            f["localized"] = local_splice.log()[seen:]
         return a, f
 
     # the shallowest depth first, here, before the fork: the deeper ones' per-rank programs are
