@@ -227,6 +227,19 @@ def test_a_fused_projection_split_by_heads_reshards(pools, tmp_path):
     assert tp["losses"] + one["losses"] == pytest.approx(ref["losses"][1:], rel=1e-5)
 
 
+@pytest.mark.slow  # (4 ranks, 10 s; the tp=2 chain above in CI)
+def test_a_fused_projection_in_a_pipeline_stage_reshards(pools, tmp_path):
+    """The same through a pipeline: pp=2 x tp=2, each rank writing its stage's strided shards (the
+    other stage's parameters are not its to write) -> one process."""
+    root = str(tmp_path)
+    ref = pools(1).run(fused_job, root, {"dp": 1}, {"dp": "ddp"}, None, None, 3, 0)
+    pools(1).run(fused_job, root, {"dp": 1}, {"dp": "ddp"}, None, "one-1", 1, 0)
+    pp = pools(4).run(fused_job, root, {"pp": 2, "tp": 2}, {"pp": "1f1b", "tp": "megatron"}, "one-1", "pp-2", 1, 1)
+    assert pp["strided"]  # (rank 0's stage)
+    one = pools(1).run(fused_job, root, {"dp": 1}, {"dp": "ddp"}, "pp-2", None, 1, 1)
+    assert pp["losses"] + one["losses"] == pytest.approx(ref["losses"][1:], rel=1e-5)
+
+
 def test_wrong_or_unfinished_checkpoints_are_refused(pools, fsdp_run):
     root, _ = fsdp_run
     out = pools(1).run(errors_job, root)
