@@ -64,10 +64,12 @@ _META_NLL_LOSS = tc.dispatcher_kernel("aten", "nll_loss", _nll_loss_via_forward,
 def _sdpa_as_on_cpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """On meta tensors SDPA takes the math path (its backend choice is a per-device stub with
     no meta entry) and materialises the [seq, seq] attention matrix. Where the CPU would take
-    its flash kernel (4-D, equal head dims, no dropout, equal head counts), call that op, so a
-    model planned on meta traces the same attention as one with real weights."""
-    if (query.device.type == "meta" and query.ndim == 4 and key.ndim == 4 and value.ndim == 4
-            and dropout_p == 0.0 and query.shape[1] == key.shape[1] == value.shape[1]
+    its flash kernel (4-D, equal head dims, no dropout, equal head counts or grouped-query heads
+    with ``enable_gqa``, which that kernel takes as they are), call that op, so a model planned on
+    meta traces the same attention as one with real weights."""
+    heads = query.ndim == 4 and key.ndim == 4 and value.ndim == 4 and key.shape[1] == value.shape[1] and (
+        query.shape[1] == key.shape[1] or (enable_gqa and key.shape[1] and query.shape[1] % key.shape[1] == 0))
+    if (query.device.type == "meta" and heads and dropout_p == 0.0
             and query.shape[-1] == key.shape[-1] == value.shape[-1]):
         if attn_mask is not None and attn_mask.dtype == torch.bool:  # as the CPU composite converts it
             attn_mask = torch.where(attn_mask, torch.scalar_tensor(0.0, dtype=query.dtype, device=query.device),

@@ -276,10 +276,17 @@ def ring_impl(op, axis: int, rep: int = 1):
                  "logsumexp": a.get("lse"), "attn_mask": a["bias"], "is_causal": a["causal"], "scale": a["scale"]}
             a = {k: v for k, v in a.items() if v is not None or k in ("attn_mask", "scale")}
         causal, mask, scale = bool(a.get("is_causal")), a.get("attn_mask"), a.get("scale")
+        k, v, r = a["key"], a["value"], rep
+        grouped = a["query"].shape[1] // k.shape[1] if k.shape[1] != a["query"].shape[1] else 1
+        if grouped > 1 and not kernel:  # fewer KV heads (enable_gqa): the math blocks read them repeated
+            k, v, r = _repeat(k, grouped), _repeat(v, grouped), grouped  # (one copy per group travels)
         if "grad_out" in a:
-            return ring_backward(ctx, axis, a["grad_out"], a["query"], a["key"], a["value"], a["out"],
-                                 a["logsumexp"], causal, mask, scale, rep, kernel)
-        out, lse = ring_forward(ctx, axis, a["query"], a["key"], a["value"], causal, mask, scale, rep, kernel)
+            dq, dk, dv = ring_backward(ctx, axis, a["grad_out"], a["query"], k, v, a["out"], a["logsumexp"], causal,
+                                       mask, scale, r, kernel)
+            if grouped > 1 and not kernel:  # the copies' gradients summed back onto their KV head
+                dk, dv = (_group_sum(d.float(), grouped).to(d.dtype) for d in (dk, dv))
+            return dq, dk, dv
+        out, lse = ring_forward(ctx, axis, a["query"], k, v, causal, mask, scale, r, kernel)
         return out if len(op._schema.returns) == 1 else (out, lse)  # SDPA itself (eval): the output only
 
     return impl

@@ -4,6 +4,9 @@ Hugging Face model"): hf-qwen2-small on one process, autopar {"dp": "ddp"} again
 autopar's peak; and what eager autograd saves (distinct storages, by size).
 
     .venv/bin/python benchmarks/gqa_peak.py
+
+benchmarks/results/gqa-peak-2026-11-27.txt: before passes/masks.py read grouped-query attention's
+KV heads as they are (e7c2ed7); gqa-peak-2026-11-27-after.txt: after.
 """
 import gc, torch, autopar
 from autopar.models import zoo
@@ -54,8 +57,9 @@ print("eager saves K and V with their own heads (enable_gqa):")
 for k, v in act.items():
     if len(v[1]) == 4 and v[1][1] < 8:
         print(f"   {v[0]/2**20:.2f} MiB {v[1]} {v[2].split()[0][1:]}")
-print("autopar saves them repeated to the query heads (repeat_kv's clone):")
-for b, n, c in m.alive_at_peak:
+clones = [(b, n) for b, n, _ in m.alive_at_peak if n.startswith("clone")]
+print(f"autopar's K and V repeated to the query heads (repeat_kv's clone) alive at its peak: {len(clones)}")
+for b, n in clones:
     if n.startswith("clone"):
         node = next(x for x in prog.local.graph.nodes if x.name == n)
         print(f"   {b/2**20:.2f} MiB {tuple(node.meta['val'].shape)} {n}")

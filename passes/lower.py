@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from autopar import torch_compat as tc
+from autopar.passes.masks import _arg, _is, _method, ungroup
 
 _SDPA = tc.native_nn("scaled_dot_product_attention")
 _LINEAR = tc.native_nn("linear")
@@ -55,40 +56,6 @@ class LoweringRule:
 
 def _val(n):
     return n.meta.get("example_value") if isinstance(n, fx.Node) else None
-
-
-def _arg(n: fx.Node, i: int, name: str, default=None):
-    return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
-
-
-def _is(n, op: str, targets) -> bool:
-    return isinstance(n, fx.Node) and n.op == op and n.target in targets
-
-
-def _method(n, *names) -> bool:
-    return isinstance(n, fx.Node) and n.op == "call_method" and n.target in names
-
-
-def _ungroup(k: fx.Node) -> fx.Node:
-    """GQA written out -> the KV heads themselves (the kernel reads KV head h // G): k =
-    repeat_interleave(k0, G, dim=1), or Hugging Face's repeat_kv, k = k0[:, :, None].expand(b, hkv,
-    G, s, d).reshape(b, hkv * G, s, d)."""
-    if _method(k, "reshape", "view") and _method(k.args[0], "expand"):
-        g = k.args[0].args[0]
-        idx = g.args[1] if _is(g, "call_function", {operator.getitem}) else None
-        if isinstance(idx, tuple) and len(idx) == 5 and idx[2] is None and all(
-                isinstance(i, slice) and i == slice(None) for i in idx[:2] + idx[3:]):
-            k0, kv = g.args[0], _val(k)
-            v0 = _val(k0)
-            if (isinstance(v0, torch.Tensor) and v0.ndim == 4 and kv.ndim == 4 and kv.shape[0] == v0.shape[0]
-                    and kv.shape[2:] == v0.shape[2:] and kv.shape[1] % v0.shape[1] == 0):
-                return k0
-    if _method(k, "repeat_interleave") and (_arg(k, 2, "dim") == 1) and isinstance(_arg(k, 1, "repeats"), int):
-        return k.args[0]
-    if _is(k, "call_function", {torch.repeat_interleave}) and _arg(k, 2, "dim") == 1 \
-            and isinstance(_arg(k, 1, "repeats"), int):
-        return k.args[0]
-    return k
 
 
 def _four_d(*ns) -> bool:
@@ -114,7 +81,7 @@ def _match_sdpa(n: fx.Node):
     scale = _arg(n, 6, "scale")
     if causal and mask is not None:
         return None
-    k0, v0 = _ungroup(k), _ungroup(v)
+    k0, v0 = ungroup(k), ungroup(v)
     qv = _val(q)
     if _val(k0).shape[1] == 0 or qv.shape[1] % _val(k0).shape[1] or _val(k0).shape[1] != _val(v0).shape[1]:
         k0, v0 = k, v
@@ -195,7 +162,7 @@ def _match_eager(n: fx.Node):
         return None  # an additive mask is what this pattern adds
     if any(len(x.users) > 1 for x in (s, sm)):
         return None  # the probabilities or scores are used elsewhere: keep them
-    k0, v0 = _ungroup(k), _ungroup(v)
+    k0, v0 = ungroup(k), ungroup(v)
     if _val(q).shape[1] % _val(k0).shape[1] or _val(k0).shape[1] != _val(v0).shape[1]:
         k0, v0 = k, v
     return {"q": q, "k": k0, "v": v0, "mask": mask, "causal": False, "scale": scale}

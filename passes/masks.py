@@ -19,6 +19,15 @@ A mask computed from a tensor that an in-place op outside its own computation wr
 True`` after ``m`` is made, possibly through a view) is kept: the value SDPA reads is not the one
 evaluated. Any other mask is left as it was.
 
+Then, grouped-query attention written out: an SDPA without a mask whose keys and values are the
+KV heads repeated to the query heads (``repeat_interleave(k, G, dim=1)``, or Hugging Face's
+``repeat_kv``: expand + reshape) becomes ``enable_gqa=True`` over the KV heads themselves, the
+same attention (KV head j serves query heads jG ... jG + G - 1 either way). Transformers makes this
+call itself when it has no mask; traced, it built one and repeated the heads, and the repeated
+copies were what the backward kept (G times the keys' and values' bytes per layer). Kept where
+the plan splits heads over more ranks than there are KV heads (the attention rule shards K and V
+by heads with Q), with one KV head, or under user rules; ``state.masks`` says which.
+
 A mask whose subgraph would hold more than ``EVAL_BYTES`` is not evaluated (planning a long
 sequence on meta tensors); it stays, and the pass says so. What it did and did not rewrite is
 recorded, one line per mask (with how many attentions read it), in ``state.masks``
@@ -300,9 +309,96 @@ def causal_masks(gm: fx.GraphModule, model: torch.nn.Module) -> list[str]:
     return lines
 
 
+# ------------------------------------------------------------------------ grouped-query attention
+def _is(n, op: str, targets) -> bool:
+    return isinstance(n, fx.Node) and n.op == op and n.target in targets
+
+
+def _method(n, *names) -> bool:
+    return isinstance(n, fx.Node) and n.op == "call_method" and n.target in names
+
+
+def ungroup(k: fx.Node) -> fx.Node:
+    """GQA written out -> the KV heads themselves (query head h reads KV head h // G): k =
+    repeat_interleave(k0, G, dim=1), or Hugging Face's repeat_kv, k = k0[:, :, None].expand(b, hkv,
+    G, s, d).reshape(b, hkv * G, s, d); else ``k``."""
+    if _method(k, "reshape", "view") and _method(k.args[0], "expand"):
+        g = k.args[0].args[0]
+        idx = g.args[1] if _is(g, "call_function", {operator.getitem}) else None
+        if isinstance(idx, tuple) and len(idx) == 5 and idx[2] is None and all(
+                isinstance(i, slice) and i == slice(None) for i in idx[:2] + idx[3:]):
+            k0, kv = g.args[0], _val(k)
+            v0 = _val(k0)
+            if (isinstance(v0, torch.Tensor) and v0.ndim == 4 and kv.ndim == 4 and kv.shape[0] == v0.shape[0]
+                    and kv.shape[2:] == v0.shape[2:] and kv.shape[1] % v0.shape[1] == 0):
+                return k0
+    if _method(k, "repeat_interleave") and (_arg(k, 2, "dim") == 1) and isinstance(_arg(k, 1, "repeats"), int):
+        return k.args[0]
+    if _is(k, "call_function", {torch.repeat_interleave}) and _arg(k, 2, "dim") == 1 \
+            and isinstance(_arg(k, 1, "repeats"), int):
+        return k.args[0]
+    return k
+
+
+HEAD_SPLITTING = ("megatron", "sequence", "ulysses")  # strategies whose attention runs on a share of the heads
+
+
+def _head_ranks(plan: dict, mesh) -> int | None:
+    """Over how many ranks the plan splits attention's heads (the product of its head-splitting
+    axes); None under user rules (their attention layout is theirs)."""
+    if not isinstance(plan, dict) or plan.get("rules"):
+        return None
+    sizes = dict(zip(mesh.mesh_dim_names or (), mesh.shape)) if mesh is not None else {}
+    n = 1
+    for axis, strategy in plan.items():
+        if isinstance(strategy, str) and strategy in HEAD_SPLITTING:
+            n *= sizes.get(axis, 1)
+    return n
+
+
+def grouped_attention(gm: fx.GraphModule, heads_split: int | None) -> list[str]:
+    """Rewrite, in ``gm``, every mask-free SDPA over repeated KV heads into ``enable_gqa=True``
+    over the heads themselves, where ``heads_split`` (``_head_ranks``) divides their number
+    (module docstring); returns one line per attention site kept or rewritten."""
+    done: dict[str, list] = {}
+    dead: set[fx.Node] = set()
+    for n in list(gm.graph.nodes):
+        if not (n.op == "call_function" and n.target in _SDPA) or _arg(n, 3, "attn_mask") is not None \
+                or _arg(n, 7, "enable_gqa", False):
+            continue
+        q, k, v = (_arg(n, i, name) for i, name in enumerate(("query", "key", "value")))
+        k0, v0 = ungroup(k), ungroup(v)
+        qv, kv, k0v, v0v = (_val(x) for x in (q, k, k0, v0))
+        if k0 is k or v0 is v or not all(isinstance(t, torch.Tensor) and t.ndim == 4 for t in (qv, kv, k0v, v0v)):
+            continue
+        h, hkv = qv.shape[1], k0v.shape[1]
+        if kv.shape[1] != h or v0v.shape[1] != hkv or h % hkv:
+            continue
+        why = ("user rules" if heads_split is None else "one KV head" if hkv == 1 else
+               f"the plan splits the heads over {heads_split} ranks, more than divide its {hkv} KV heads"
+               if hkv % heads_split else "")
+        if not why:
+            kwargs = {name: _arg(n, i, name) for i, name in ((4, "dropout_p"), (5, "is_causal"), (6, "scale"))
+                      if _arg(n, i, name) is not None}
+            n.args, n.kwargs = (q, k0, v0), {**kwargs, "enable_gqa": True}
+            dead.update(x for r in (k, v) for x in (r, *r.all_input_nodes) if x not in (k0, v0))
+        line = (f"grouped-query attention: {hkv} KV heads read as they are (enable_gqa=True), not repeated to {h}"
+                if not why else f"grouped-query attention: its KV heads repeated to the query heads kept ({why})")
+        done.setdefault(line, []).append(n)
+    if dead:
+        _drop_dead(gm.graph, dead, set())
+        gm.graph.lint()
+        gm.recompile()
+    return [f"{len(ns)} attention(s) at {_at(ns[0])}{' and after' if len(ns) > 1 else ''}: {line}"
+            for line, ns in done.items()]
+
+
 def masks_pass(state: CompileState) -> CompileState:
     """After it: an SDPA whose mask no input decides and which is the causal mask is
-    ``is_causal=True`` without the mask (state.masks says, per attention, what was done)."""
+    ``is_causal=True`` without the mask; a mask-free SDPA over repeated KV heads reads the KV
+    heads with ``enable_gqa=True`` where the plan allows (state.masks says, per attention, what
+    was done)."""
     state.masks = causal_masks(state.gm, state.model)
+    state.masks += grouped_attention(state.gm, _head_ranks(state.options.plan, state.mesh))
     return state
 

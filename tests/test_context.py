@@ -45,20 +45,25 @@ def _compile(fake, name, axes, plan, batch=None):
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ulysses_bytes_per_layer(fake, cp):
-    # the built-in Llama (2 layers, h = dim = 64 = 4 heads x 16, 2 KV heads repeated to 4 before
-    # attention), batch 4, seq 16, fp32: per layer and direction 4 all-to-alls (forward: q, k, v to
-    # heads, the output back; backward: the output's gradient to heads, dq, dk, dv back), each
-    # handing the process group this rank's [b, s/cp, h] block: 4·b·s·h/cp elements per layer
-    # and direction, of which (cp-1)/cp leave the rank
+    # the built-in Llama (2 layers, h = dim = 64 = 4 heads x 16, 2 KV heads: kv = 32, which
+    # attention reads as they are, enable_gqa: passes/masks.py), batch 4, seq 16, fp32: per layer
+    # and direction 4 all-to-alls (forward: q, k, v to heads, the output back; backward: the
+    # output's gradient to heads, dq, dk, dv back), each handing the process group this rank's
+    # [b, s/cp, h] block (k's and v's: [b, s/cp, kv]): (2h + 2kv)·b·s/cp elements per layer and
+    # direction, of which (cp-1)/cp leave the rank. At cp=4 the two KV heads cannot be split over
+    # 4 ranks: they stay repeated to 4 (kv = h), as passes/masks.py reports
     b, s, h, layers = 4, 16, 64, 2
+    kv = 32 if cp == 2 else h
     pm = _compile(fake, "llama", {"cp": cp}, {"cp": "ulysses"})
+    said = "2 KV heads read as they are" if cp == 2 else "the plan splits the heads over 4 ranks"
+    assert any(said in line for line in pm.ctx.masks), pm.ctx.masks
     a2a = [r for r in pm.collectives() if r.kind == "all_to_all"]
     assert all(r.axis == "cp" and r.group_size == cp for r in a2a)
     for phase in ("forward", "backward"):
         recs = [r for r in a2a if r.phase == phase]
         assert len(recs) == 4 * layers
-        assert sum(r.payload_bytes for r in recs) == layers * 4 * b * s * h // cp * 4
-        assert sum(r.wire_bytes for r in recs) == pytest.approx(layers * 4 * b * s * h / cp * 4 * (cp - 1) / cp)
+        assert sum(r.payload_bytes for r in recs) == layers * (2 * h + 2 * kv) * b * s // cp * 4
+        assert sum(r.wire_bytes for r in recs) == pytest.approx(layers * (2 * h + 2 * kv) * b * s / cp * 4 * (cp - 1) / cp)
     # nothing else moves activations on cp: the loss rule's two scalars, the gradients' all-reduce
     others = [r for r in pm.collectives() if r.kind != "all_to_all"]
     assert {r.kind for r in others} == {"all_reduce"}

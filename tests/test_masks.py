@@ -172,4 +172,50 @@ def test_hugging_face_mask_is_rewritten_and_the_program_matches_eager():
     for skip, (losses, report) in runs.items():
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-5, atol=2e-5)
     assert "attention masks: 2 attention(s)" in runs[()][1]
+    assert "2 KV heads read as they are (enable_gqa=True), not repeated to 4" in runs[()][1]
     assert "attention masks" not in runs[("masks",)][1]
+
+
+def test_grouped_query_attention_reads_the_kv_heads_where_the_plan_allows():
+    """After the causal rewrite, HF Llama's attention (4 query heads, 2 KV heads repeated by
+    repeat_kv) reads the 2 KV heads with enable_gqa=True and the repeat's nodes go, unless the
+    plan splits the heads over more ranks than there are KV heads (or user rules decide); the
+    program then saves K and V at their own size: the predicted peak falls by what the repeated
+    copies held, and the step matches one eager process (the test above)."""
+    from autopar.passes.masks import grouped_attention
+    from autopar.testing import build_model
+
+    model, batches, loss_fn = build_model("hf_llama")
+    for heads_split, said in ((1, "2 KV heads read as they are"), (2, "2 KV heads read as they are"),
+                              (4, "the plan splits the heads over 4 ranks, more than divide its 2 KV heads"),
+                              (None, "user rules")):
+        gm = capture_graph(model, batches[0], loss_fn)
+        causal_masks(gm, model)
+        lines = grouped_attention(gm, heads_split)
+        assert len(lines) == 1 and lines[0].startswith("2 attention(s)") and said in lines[0], lines
+        rewritten = heads_split in (1, 2)
+        for n in _sdpa_nodes(gm):
+            k = n.args[1]
+            assert (n.kwargs.get("enable_gqa") is True) == rewritten
+            assert k.meta["example_value"].shape[1] == (2 if rewritten else 4)
+        expands = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "expand"]
+        assert len(expands) == (0 if rewritten else 4)
+
+
+def test_the_kv_heads_as_they_are_lower_the_peak():
+    import autopar
+    from autopar.analysis.cost import predict_memory
+    from autopar.testing import build_model
+
+    from test_kernels import _one_rank
+
+    peaks = {}
+    with _one_rank() as mesh:
+        for skip in ((), ("masks",)):
+            model, batches, loss_fn = build_model("hf_llama")
+            pm = autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn, plan={"dp": "ddp"},
+                                 capture_eval=False, skip_passes=skip)
+            peaks[skip] = predict_memory(pm)["max_activations"]
+    # batch 4, seq 16, fp32, 2 layers: K and V saved as [4, 2, 16, 16] instead of [4, 4, 16, 16]
+    saved = 2 * 2 * 4 * (4 - 2) * 16 * 16 * 4
+    assert peaks[("masks",)] - peaks[()] >= saved, (peaks, saved)

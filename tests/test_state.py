@@ -38,7 +38,15 @@ def _id(c):
     return f"{c[0]}-{'+'.join(c[2].values())}" + (f"-{opts}" if opts else "")
 
 
-def assert_close_mixed(ref, out):
+def _rel(a, b) -> float:
+    return ((a - b).norm() / (b.norm() + 1e-12)).item()
+
+
+def assert_close_mixed(ref, out, fp32=None):
+    """``out`` (a mixed-precision run) against ``ref`` (one eager process in the same precision).
+    With ``fp32`` (the same run in fp32), a gradient after the first step may instead be at most
+    twice as far from fp32's as ``ref``'s is: where the two bf16 runs take different kernels (a
+    router's gradient, whose top-k the noise moves), each is as far from the other as from fp32."""
     torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(ref["losses"]), rtol=2e-3, atol=0)
     for step, (g_ref, g_out) in enumerate(zip(ref["grads"], out["grads"])):
         for k in g_ref:
@@ -46,7 +54,10 @@ def assert_close_mixed(ref, out):
                 bound = 2 ** -5 * g_ref[k].abs().max().item() + 1e-6
                 err = (g_out[k] - g_ref[k]).abs().max().item()
             else:  # the parameters already differ by the Adam-amplified noise of earlier steps
-                bound, err = 0.25, ((g_out[k] - g_ref[k]).norm() / (g_ref[k].norm() + 1e-12)).item()
+                bound, err = 0.25, _rel(g_out[k], g_ref[k])
+                if err > bound and fp32 is not None:
+                    g32 = fp32["grads"][step][k]
+                    bound, err = 2 * _rel(g_ref[k], g32), _rel(g_out[k], g32)
             assert err <= bound, f"grad {k} step {step}: {err:.3g} > {bound:.3g}"
     for k in ref["params"]:
         torch.testing.assert_close(out["params"][k], ref["params"][k], rtol=0, atol=5e-2, msg=f"param {k}")
