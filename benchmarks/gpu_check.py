@@ -53,7 +53,8 @@ MIN_START_S = 20.0  # no section starts with less than this left of the budget
 SMOKE_CAP_SCALE = 3  # --smoke on a CPU: Inductor's C++ compiles take longer than a GPU machine's whole section
 
 # (section, cap in seconds on an H100), in the order they run: what the issue needs most first
-SECTIONS = [("correctness", 150), ("kernel-table", 240), ("calibrate", 40), ("step-eager", 60), ("step-autopar-off", 90),
+SECTIONS = [("correctness", 150), ("kernel-table", 240), ("calibrate", 40), ("step-eager", 60),
+            ("step-autopar-off", 90),
             ("step-autopar-auto", 100), ("step-compile", 120), ("step-autopar-inductor", 150),
             ("step-autopar-on", 100), ("kernel-profile", 120)]
 
@@ -435,7 +436,8 @@ def train_step(cfg: Config, variant: str, out: dict, stage, out_dir: str = "") -
     model, batches = _build(cfg, device)
     n = sum(p.numel() for p in model.parameters())
     out.update(parameters=n, **model_flops(cfg.model, cfg.batch, cfg.seq, n - model.embed_tokens.weight.numel()))
-    step = (_autopar_step(model, batches, kernels, inductor, out, row, stage, _calibrated(out_dir)) if system == "autopar"
+    step = (_autopar_step(model, batches, kernels, inductor, out, row, stage, _calibrated(out_dir))
+            if system == "autopar"
             else _torch_step(model, device, system == "torch.compile"))
     out["losses"] = losses = []
 

@@ -19,9 +19,9 @@ A mask computed from a tensor that an in-place op outside its own computation wr
 True`` after ``m`` is made, possibly through a view) is kept: the value SDPA reads is not the one
 evaluated. Any other mask is left as it was.
 
-Then, grouped-query attention written out: an SDPA without a mask whose keys and values are the
-KV heads repeated to the query heads (``repeat_interleave(k, G, dim=1)``, or Hugging Face's
-``repeat_kv``: expand + reshape) becomes ``enable_gqa=True`` over the KV heads themselves, the
+Then, grouped-query attention written out: an SDPA without a mask or dropout whose keys and
+values are the KV heads repeated to the query heads (``repeat_interleave(k, G, dim=1)``, or Hugging
+Face's ``repeat_kv``: expand + reshape) becomes ``enable_gqa=True`` over the KV heads themselves, the
 same attention (KV head j serves query heads jG ... jG + G - 1 either way). Transformers makes this
 call itself when it has no mask; traced, it built one and repeated the heads, and the repeated
 copies were what the backward kept (G times the keys' and values' bytes per layer). Kept where
@@ -364,8 +364,8 @@ def grouped_attention(gm: fx.GraphModule, heads_split: int | None) -> list[str]:
     dead: set[fx.Node] = set()
     for n in list(gm.graph.nodes):
         if not (n.op == "call_function" and n.target in _SDPA) or _arg(n, 3, "attn_mask") is not None \
-                or _arg(n, 7, "enable_gqa", False):
-            continue
+                or _arg(n, 7, "enable_gqa", False) or _arg(n, 4, "dropout_p", 0.0) != 0.0:
+            continue  # (with dropout: SDPA's math path, which repeats the heads itself)
         q, k, v = (_arg(n, i, name) for i, name in enumerate(("query", "key", "value")))
         k0, v0 = ungroup(k), ungroup(v)
         qv, kv, k0v, v0v = (_val(x) for x in (q, k, k0, v0))

@@ -63,7 +63,8 @@ def test_ulysses_bytes_per_layer(fake, cp):
         recs = [r for r in a2a if r.phase == phase]
         assert len(recs) == 4 * layers
         assert sum(r.payload_bytes for r in recs) == layers * (2 * h + 2 * kv) * b * s // cp * 4
-        assert sum(r.wire_bytes for r in recs) == pytest.approx(layers * (2 * h + 2 * kv) * b * s / cp * 4 * (cp - 1) / cp)
+        assert sum(r.wire_bytes for r in recs) == \
+            pytest.approx(layers * (2 * h + 2 * kv) * b * s / cp * 4 * (cp - 1) / cp)
     # nothing else moves activations on cp: the loss rule's two scalars, the gradients' all-reduce
     others = [r for r in pm.collectives() if r.kind != "all_to_all"]
     assert {r.kind for r in others} == {"all_reduce"}

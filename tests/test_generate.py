@@ -76,7 +76,7 @@ def generate_job(name: str, state: dict, ids: torch.Tensor, eos: int | None) -> 
     return out
 
 
-@pytest.mark.parametrize("name", ["hf_llama", pytest.param("hf_qwen2", marks=pytest.mark.slow), "llama"])  # (Qwen2: 10 s)
+@pytest.mark.parametrize("name", ["hf_llama", pytest.param("hf_qwen2", marks=pytest.mark.slow), "llama"])  # Qwen2: 10 s
 def test_generate_tp2_matches_one_process(pools, name):
     model = build(name)
     ids = prompts()

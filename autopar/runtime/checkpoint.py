@@ -122,10 +122,11 @@ def _marker(pm, extra, optimizer) -> dict:
 def _plain_shards(state: dict) -> list[tuple[dict, str, torch.Tensor]]:
     """Replace, in ``state`` (nested dicts), every DTensor with a strided shard (a fused q / k / v
     split by heads: rank r holds piece r of EACH part) by the same values laid out as plain shards
-    of that dim; returns (dict, key, original) for each (``_restore`` puts the originals back). DCP records one contiguous chunk per rank and
-    refuses a strided shard ("overlapping chunks", torch 2.13), so these are written and read in the
-    plain layout, which any plan can reshard from. Costs one redistribute per such tensor (the
-    parameter whole, one at a time, on each rank of its axis), at save and at load only."""
+    of that dim; returns (dict, key, original) for each (``_restore`` puts the originals back).
+    DCP records one contiguous chunk per rank and refuses a strided shard ("overlapping chunks",
+    torch 2.13), so these are written and read in the plain layout, which any plan can reshard
+    from. Costs one redistribute per such tensor (the parameter whole, one at a time, on each rank
+    of its axis), at save and at load only."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import Shard
 
