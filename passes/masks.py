@@ -381,7 +381,10 @@ def grouped_attention(gm: fx.GraphModule, heads_split: int | None) -> list[str]:
             kwargs = {name: _arg(n, i, name) for i, name in ((4, "dropout_p"), (5, "is_causal"), (6, "scale"))
                       if _arg(n, i, name) is not None}
             n.args, n.kwargs = (q, k0, v0), {**kwargs, "enable_gqa": True}
-            dead.update(x for r in (k, v) for x in (r, *r.all_input_nodes) if x not in (k0, v0))
+            for r, r0 in ((k, k0), (v, v0)):  # the repeat's nodes, from its output up to the KV heads
+                while isinstance(r, fx.Node) and r is not r0:
+                    dead.add(r)
+                    r = r.args[0]
         line = (f"grouped-query attention: {hkv} KV heads read as they are (enable_gqa=True), not repeated to {h}"
                 if not why else f"grouped-query attention: its KV heads repeated to the query heads kept ({why})")
         done.setdefault(line, []).append(n)

@@ -5,6 +5,8 @@ against one eager process (the compiled program on one rank)."""
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 from torch import nn
@@ -199,7 +201,10 @@ def test_grouped_query_attention_reads_the_kv_heads_where_the_plan_allows():
             assert (n.kwargs.get("enable_gqa") is True) == rewritten
             assert k.meta["example_value"].shape[1] == (2 if rewritten else 4)
         expands = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "expand"]
-        assert len(expands) == (0 if rewritten else 4)
+        repeats = expands + [u for n in expands for u in n.users] + [
+            n for n in gm.graph.nodes if n.op == "call_function" and n.target is operator.getitem
+            and isinstance(n.args[1], tuple) and len(n.args[1]) == 5 and n.args[1][2] is None]
+        assert len(repeats) == (0 if rewritten else 12), repeats  # (repeat_kv: getitem, expand, reshape)
 
 
 def test_the_kv_heads_as_they_are_lower_the_peak():
