@@ -162,14 +162,22 @@ def _run_node(n: fx.Node, env, ctx):
         return n.target(*args, **kwargs)  # local shards need no shape changes
     if _FAST and _local_as_is(n, in_specs):
         return _checked(n, n.target(*args, **kwargs), ctx)
-    def wrap(a: fx.Node):
-        s, v = spec_of(a), a.meta["val"]
-        dspec = tc.DTensorSpec(ctx.mesh, s.placements, tc.TensorMeta(v.shape, v.stride(), v.dtype))
-        local = env[a]
-        if n.target in VIEW_OPS:  # local strides can differ from the global value's
-            local = local.contiguous()
-        return DTensor(local, dspec, requires_grad=False)
-    out = n.target(*_off_meta(_map(n.args, wrap), ctx.device), **_off_meta(_map(n.kwargs, wrap), ctx.device))
+    def call(contiguous: bool):
+        def wrap(a: fx.Node):
+            s, v = spec_of(a), a.meta["val"]
+            dspec = tc.DTensorSpec(ctx.mesh, s.placements, tc.TensorMeta(v.shape, v.stride(), v.dtype))
+            local = env[a].contiguous() if contiguous else env[a]
+            return DTensor(local, dspec, requires_grad=False)
+        return n.target(*_off_meta(_map(n.args, wrap), ctx.device), **_off_meta(_map(n.kwargs, wrap), ctx.device))
+    try:
+        out = call(contiguous=False)
+    except RuntimeError as e:
+        # a view the local strides do not allow (they can differ from the global value's: a rule's
+        # local implementation, a kernel's own layout): the same values made contiguous first. Tried
+        # as they are before, not always copied: a copy kept for the backward costs a layer's bytes
+        if n.target not in VIEW_OPS or "view" not in str(e):
+            raise
+        out = call(contiguous=True)
     want = spec_of(n)
     def unwrap(o, w):
         if isinstance(o, DTensor):
