@@ -171,7 +171,7 @@ def _run_node(n: fx.Node, env, ctx):
         return n.target(*_off_meta(_map(n.args, wrap), ctx.device), **_off_meta(_map(n.kwargs, wrap), ctx.device))
     try:
         out = call(contiguous=False)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:  # (the local op's refusal, or DTensor's view rule's)
         # a view the local strides do not allow (they can differ from the global value's: a rule's
         # local implementation, a kernel's own layout): the same values made contiguous first. Tried
         # as they are before, not always copied: a copy kept for the backward costs a layer's bytes
