@@ -1,4 +1,4 @@
-"""Why autopar's ddp step peak on HF Qwen2 is 1.04x DDP's at 2 ranks (docs/results.md): the per-rank
+"""Why autopar's ddp step peak on HF Qwen2 was 1.04x DDP's at 2 ranks (docs/results.md; fixed in c7bec5c): the per-rank
 program of hf-qwen2-small under {"dp": "ddp"} on dp=2 (a fake mesh, rank 0) against the same on
 dp=1 with the same per-rank batch: the liveness peak, what is alive at it, and the clones each
 program holds (the placed graph's, then the per-rank program's after localize).
