@@ -340,18 +340,19 @@ def ungroup(k: fx.Node) -> fx.Node:
     return k
 
 
-HEAD_SPLITTING = ("megatron", "sequence", "ulysses")  # strategies whose attention runs on a share of the heads
-
-
 def _head_ranks(plan: dict, mesh) -> int | None:
-    """Over how many ranks the plan splits attention's heads (the product of its head-splitting
-    axes); None under user rules (their attention layout is theirs)."""
+    """Over how many ranks the plan splits attention's heads (the product of its axes under a
+    derived tensor-parallel strategy or Ulysses, autopar/plan.py's sets); None under user rules
+    (their attention layout is theirs)."""
+    from autopar.plan import DERIVED_TP
+
     if not isinstance(plan, dict) or plan.get("rules"):
         return None
+    head_splitting = DERIVED_TP | {"ulysses"}  # (the ring, "context", keeps every head on each rank)
     sizes = dict(zip(mesh.mesh_dim_names or (), mesh.shape)) if mesh is not None else {}
     n = 1
     for axis, strategy in plan.items():
-        if isinstance(strategy, str) and strategy in HEAD_SPLITTING:
+        if isinstance(strategy, str) and strategy in head_splitting:
             n *= sizes.get(axis, 1)
     return n
 
