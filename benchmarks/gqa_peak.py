@@ -60,6 +60,5 @@ for k, v in act.items():
 clones = [(b, n) for b, n, _ in m.alive_at_peak if n.startswith("clone")]
 print(f"autopar's K and V repeated to the query heads (repeat_kv's clone) alive at its peak: {len(clones)}")
 for b, n in clones:
-    if n.startswith("clone"):
-        node = next(x for x in prog.local.graph.nodes if x.name == n)
-        print(f"   {b/2**20:.2f} MiB {tuple(node.meta['val'].shape)} {n}")
+    node = next(x for x in prog.local.graph.nodes if x.name == n)
+    print(f"   {b/2**20:.2f} MiB {tuple(node.meta['val'].shape)} {n}")

@@ -140,7 +140,7 @@ def gloo_links(reps: int = 10, ranks: int = 2) -> tuple[float, float, float]:
     return alpha, bw, max(0.0, loaded) / steps
 
 
-def calibrate(name: str = "cpu", comm: bool = True, ranks: int = 2, device: str = "cpu") -> dict:
+def calibrate(name: str | None = "cpu", comm: bool = True, ranks: int = 2, device: str = "cpu") -> dict:
     if device == "cuda":
         return calibrate_gpu(name)
     torch.set_num_threads(1)
@@ -189,7 +189,8 @@ def _ram() -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="autopar calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--name", default="cpu", help="the device row's name (default cpu)")
+    p.add_argument("--name", default=None,
+                   help="the device row's name (default cpu; with --device cuda, the datasheet row's + -calibrated)")
     p.add_argument("--out", default=None, help="write the row as JSON here")
     p.add_argument("--no-comm", action="store_true", help="skip the gloo measurement")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -206,8 +207,8 @@ def main(argv=None) -> int:
     if bad is not None:
         print(f"autopar calibrate: {bad}", file=sys.stderr)
         return 2
-    row = calibrate(args.name if args.device == "cpu" or args.name != "cpu" else None, comm=not args.no_comm,
-                    ranks=args.ranks, device=args.device)
+    name = args.name or ("cpu" if args.device == "cpu" else None)
+    row = calibrate(name, comm=not args.no_comm, ranks=args.ranks, device=args.device)
     from autopar.analysis.cost import Device
 
     print(Device(**row).describe())
