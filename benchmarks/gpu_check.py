@@ -53,7 +53,7 @@ MIN_START_S = 20.0  # no section starts with less than this left of the budget
 SMOKE_CAP_SCALE = 3  # --smoke on a CPU: Inductor's C++ compiles take longer than a GPU machine's whole section
 
 # (section, cap in seconds on an H100), in the order they run: what the issue needs most first
-SECTIONS = [("correctness", 150), ("kernel-table", 240), ("calibrate", 40), ("step-eager", 60),
+SECTIONS = [("correctness", 150), ("kernel-table", 240), ("calibrate", 60), ("step-eager", 60),
             ("step-autopar-off", 90),
             ("step-autopar-auto", 100), ("step-compile", 120), ("step-autopar-inductor", 150),
             ("step-autopar-on", 100), ("kernel-profile", 120)]
@@ -394,7 +394,7 @@ def _torch_step(model, device: str, compiled: bool):
 CALIBRATED_ROW = "calibrated-row.json"  # the calibrate section's row (out_dir): the steps' second prediction
 
 
-def calibrate_device(out: dict, out_dir: str, stage) -> None:
+def calibrate_device(cfg: Config, out: dict, out_dir: str, stage) -> None:
     """``autopar calibrate --device cuda``'s row for this GPU (measured matmul rate, HBM bandwidth,
     launch gap; links from the datasheet row), kept for the step sections, which predict with it
     beside the datasheet row. Without a GPU (--smoke on a CPU): the CPU's row, no gloo."""
@@ -407,6 +407,54 @@ def calibrate_device(out: dict, out_dir: str, stage) -> None:
     out["row"] = row
     with open(os.path.join(out_dir, CALIBRATED_ROW), "w") as f:
         json.dump(row, f, indent=1)
+    stage("grouped-query SDPA against repeated K/V heads")
+    out["gqa_sdpa"] = gqa_sdpa(cfg)
+
+
+def gqa_sdpa(cfg: Config) -> dict:
+    """The masks pass's grouped-query rewrite on this device: SDPA forward + backward at the step's
+    attention shape with ``enable_gqa=True`` (K/V at their own head count, what autopar's program
+    calls since 2026-11-27) against the model's own code (K/V heads repeated, then SDPA), each
+    timed by kernelbench's CUDA events, calls back to back."""
+    import torch
+    import torch.nn.functional as F
+
+    from autopar.tools.kernelbench import _time
+
+    cuda = torch.cuda.is_available()
+    dev, dt = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    m = cfg.model
+    b, h, hkv, s, d = cfg.batch, m["n_heads"], m["n_kv_heads"], cfg.seq, m["dim"] // m["n_heads"]
+    g = torch.Generator(dev).manual_seed(0)
+    q = torch.randn(b, h, s, d, device=dev, dtype=dt, generator=g).requires_grad_()
+    k, v = (torch.randn(b, hkv, s, d, device=dev, dtype=dt, generator=g).requires_grad_() for _ in range(2))
+    dout = torch.randn(b, h, s, d, device=dev, dtype=dt, generator=g)
+
+    def grouped():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(dout)
+
+    def repeated():
+        r = h // hkv
+        F.scaled_dot_product_attention(q, k.repeat_interleave(r, 1), v.repeat_interleave(r, 1),
+                                       is_causal=True).backward(dout)
+    times = {}
+    for _ in range(2):  # alternating sides
+        for name, fn in (("grouped", grouped), ("repeated", repeated)):
+            times.setdefault(name, []).append(_time(fn, 3 if cfg.smoke else 20, cuda))
+    res = {"shape": f"B{b} H{h}/{hkv} S{s} D{d} causal {dt}",
+           **{f"{n}_ms": min(t) * 1e3 for n, t in times.items()}}
+    res["grouped_over_repeated"] = res["grouped_ms"] / res["repeated_ms"]
+    if cuda:  # which backend each side gets (the profiler's kernel names)
+        from torch.profiler import ProfilerActivity, profile
+
+        for name, fn in (("grouped", grouped), ("repeated", repeated)):
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            res[f"{name}_kernels"] = sorted({e.key for e in prof.key_averages() if "attention" in e.key.lower()
+                                             or "fmha" in e.key.lower() or "flash" in e.key.lower()
+                                             or "sdpa" in e.key.lower()})[:6]
+    return res
 
 
 def _calibrated(out_dir: str):
@@ -502,7 +550,7 @@ def child(section: str, cfg: Config, out_dir: str) -> int:
         elif section == "kernel-profile":
             kernel_profile(cfg, out, out_dir, rec.stage)
         elif section == "calibrate":
-            calibrate_device(out, out_dir, rec.stage)
+            calibrate_device(cfg, out, out_dir, rec.stage)
         else:
             train_step(cfg, section.removeprefix("step-"), out, rec.stage, out_dir)
         rec.data["status"] = "ok"
@@ -623,6 +671,12 @@ def summary_md(record: dict) -> str:
         from autopar.analysis.devices import Device
 
         lines += ["", "## This GPU, measured (`autopar calibrate --device cuda`)", "", Device(**cal).describe()]
+    gqa = record["sections"].get("calibrate", {}).get("result", {}).get("gqa_sdpa")
+    if gqa:
+        lines += ["", f"Grouped-query SDPA, forward + backward, {gqa['shape']}: enable_gqa=True "
+                  f"{gqa['grouped_ms']:.3f} ms against K/V heads repeated then SDPA {gqa['repeated_ms']:.3f} ms "
+                  f"({gqa['grouped_over_repeated']:.2f}x); kernels: grouped {gqa.get('grouped_kernels', '-')}, "
+                  f"repeated {gqa.get('repeated_kernels', '-')}."]
     if any(n.startswith("step-") for n in record["sections"]):
         m = meta["model"]
         lines += ["", f"## Whole step: Llama {m}, batch {meta['batch']} x {meta['seq']}, bf16, AdamW, one rank",

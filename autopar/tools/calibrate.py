@@ -10,7 +10,7 @@ with that many: a ring step then also waits for the OS to schedule its peer, whi
 writes it as JSON (``--out``), which ``autopar plan --devices FILE --device NAME`` reads.
 
 ``--device cuda`` measures the GPU instead (what the datasheet rows h100 / h200 assume): bf16 /
-fp16 / fp32 matmuls at 4096^3, HBM bandwidth by an elementwise add on 256 MiB tensors, and the
+fp16 / fp32 matmuls at 4096^3, HBM bandwidth by an elementwise add on 1 GiB tensors, and the
 host's launch gap per op (a loop of tiny ops, synchronised once at the end: the per-rank program's
 launch rate when the GPU is not the limit). Each figure is timed between ``torch.cuda.synchronize``
 calls. The links (NVLink, the NIC) cannot be measured on one GPU: they are the datasheet row's
@@ -34,22 +34,25 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _timeit(fn, reps: int, device: str = "cpu") -> float:
+def _timeit(fn, reps: int, device: str = "cpu", inner: int = 1) -> float:
+    """Median seconds of one ``fn()``, each timing ``inner`` calls back to back between two
+    synchronisations (on a GPU a 0.2 ms op timed alone would carry the synchronisation's latency)."""
     fn()
     ts = []
     for _ in range(reps):
         _sync(device)
         t0 = time.perf_counter()
-        fn()
+        for _ in range(inner):
+            fn()
         _sync(device)
-        ts.append(time.perf_counter() - t0)
+        ts.append((time.perf_counter() - t0) / inner)
     return statistics.median(ts)
 
 
-def matmul_flops(dtype: torch.dtype, n: int = 512, reps: int = 5, device: str = "cpu") -> float:
+def matmul_flops(dtype: torch.dtype, n: int = 512, reps: int = 5, device: str = "cpu", inner: int = 1) -> float:
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    return 2 * n**3 / _timeit(lambda: a @ b, reps, device)
+    return 2 * n**3 / _timeit(lambda: a @ b, reps, device, inner)
 
 
 def memory_bandwidth(mib: int = 4, reps: int = 40, alive: int = 32, device: str = "cpu") -> float:
@@ -156,7 +159,7 @@ def calibrate(name: str | None = "cpu", comm: bool = True, ranks: int = 2, devic
     return row
 
 
-def calibrate_gpu(name: str | None = None, n: int = 4096, mib: int = 256, device: str = "cuda") -> dict:
+def calibrate_gpu(name: str | None = None, n: int = 4096, mib: int = 1024, device: str = "cuda") -> dict:
     """The row for this process's GPU: measured compute, HBM bandwidth and launch gap; memory from
     the device's properties; links and nodes from the datasheet row of its name (one GPU cannot
     measure them). Efficiency 1: the figures are achieved rates. (``device``: where the timed ops
@@ -167,8 +170,8 @@ def calibrate_gpu(name: str | None = None, n: int = 4096, mib: int = 256, device
 
     gpu = torch.cuda.get_device_name()
     base = DEVICES[row_for(gpu)]
-    flops = {"fp32": matmul_flops(torch.float32, n, 10, device), "bf16": matmul_flops(torch.bfloat16, n, 20, device),
-             "fp16": matmul_flops(torch.float16, n, 20, device)}
+    flops = {"fp32": matmul_flops(torch.float32, n, 5, device, 4), "bf16": matmul_flops(torch.bfloat16, n, 10, device, 10),
+             "fp16": matmul_flops(torch.float16, n, 10, device, 10)}
     row = {**asdict(base), "name": name or f"{base.name}-calibrated", "flops": flops, "efficiency": 1.0,
            "mem_bw": memory_bandwidth(mib, 20, 2, device), "op_overhead": op_overhead(2000, device),
            "mem_bytes": float(torch.cuda.get_device_properties(0).total_memory)}
