@@ -355,9 +355,11 @@ def _autopar_step(model, batches, kernels: str, inductor: bool, out: dict, row, 
     stage("cost model")
     dev = cost.get_device(row)
     memory = cost.predict_memory(pm, "adamw")
+    op_by_op = cost.predict_time(pm, dev, "adamw", fused=False)
     out["predicted"] = {"device_row": row, "step_peak": memory["step_peak"],
                         "program_peak": memory["program_peak"],
-                        "step_s_op_by_op": cost.predict_time(pm, dev, "adamw", fused=False).step_s,
+                        "step_s_op_by_op": op_by_op.step_s, "optimizer_s": op_by_op.optimizer_s,
+                        "unknown_flops": op_by_op.unknown_flops[:5],  # ops costed by their bytes alone
                         "step_s_inductor": cost.predict_time(pm, dev, "adamw", fused=True).step_s}
     out["predicted"]["step_s_as_run"] = out["predicted"]["step_s_inductor" if inductor else "step_s_op_by_op"]
     if calibrated is not None:  # the same program costed with this GPU's measured row (the calibrate section)
@@ -613,6 +615,11 @@ def _step_lines(record: dict) -> list[str]:
         lines += ["", "Predicted with the calibrate section's measured row instead (" + calibrated[0][1]["device_row"]
                   + "): " + "; ".join(f"{n.removeprefix('step-')} {_ms(c['step_s_as_run'])} ms (measured / predicted "
                                       f"{_fmt(c.get('step_s_ratio'), '.2f')})" for n, c in calibrated) + "."]
+    unknown = sorted({u for s in steps.values() for u in (s.get("result", {}).get("predicted") or {}).get(
+        "unknown_flops", [])})
+    if unknown:
+        lines += ["", "Ops the cost model could not count the FLOPs of (costed by their bytes alone): "
+                  + "; ".join(unknown) + "."]
     lowered = {n.removeprefix("step-"): s["result"]["lowered"] for n, s in steps.items()
                if "lowered" in s.get("result", {})}
     if lowered:

@@ -77,11 +77,32 @@ class UnknownFlops(Exception):
     the user's source line)."""
 
 
+def _attention_heads_matched(target, args):
+    """An attention op's arguments with grouped K / V (fewer heads than the query: SDPA's
+    ``enable_gqa``) expanded to the query's heads, so that a formula counts them as the kernel
+    computes them. torch's formulas before 2.13 assert equal heads (the count was then unknown:
+    the whole attention costed by its bytes alone, measured 2026-11-27 on torch 2.11)."""
+    if "attention" not in str(getattr(target, "overloadpacket", target)):
+        return args
+    four = [a for a in args[:5] if isinstance(a, torch.Tensor) and a.dim() == 4]
+    if not four:
+        return args
+    h = max(a.shape[1] for a in four)
+
+    def widen(a):  # (the formulas read shapes only: a meta tensor of the widened shape, no data)
+        if isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[1] < h and h % a.shape[1] == 0:
+            return torch.empty((a.shape[0], h, *a.shape[2:]), dtype=a.dtype, device="meta")
+        return a
+    return tuple(widen(a) if i < 5 else a for i, a in enumerate(args))
+
+
 def op_flops(target, args, kwargs, out) -> int:
     """FLOPs of one ATen op call (``args`` / ``kwargs`` / ``out``: its tensors, real or fake) by its
     formula; 0 for ops that have none (elementwise, views, collectives: memory-bound). Raises
     UnknownFlops when the formula raises or a matmul-like op (``UNCOUNTED``) has none."""
     fn = flop_formula(target)
+    if fn is not None:
+        args = _attention_heads_matched(target, tuple(args))
     if fn is None:
         if getattr(target, "overloadpacket", target) in UNCOUNTED:
             raise UnknownFlops("torch's flop counter has no formula for it (register one with "

@@ -140,7 +140,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="override a built-in model's config field, e.g. --set n_layers=4")
     p.add_argument("--device", default="h100", help="device row of the cost model (h100 h200 a100 cpu)")
     p.add_argument("--devices", default=None, help="JSON file with more device rows (from autopar calibrate)")
-    p.add_argument("--optimizer", default="adamw", help="optimizer state to count (adamw sgd momentum none)")
+    p.add_argument("--optimizer", default="adamw",
+                   help="its state and its step's memory traffic: adamw, adam (torch's default foreach / for-loop "
+                        "step), adamw-fused, adam-fused (fused=True), sgd, momentum, none")
     p.add_argument("--real", action="store_true", help="build built-in models with real weights (default: meta)")
     p.add_argument("--list-models", action="store_true", help="list the built-in models and exit")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
