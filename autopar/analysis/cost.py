@@ -325,6 +325,12 @@ def _optimizer_bytes_per_element(optimizer: str) -> int:
     return OPTIMIZER_ACCESSES[optimizer] * 4
 
 
+def optimizer_seconds(elems: int, optimizer: str, dev: Device, share: float = 1.0) -> float:
+    """Seconds of the optimizer step over ``elems`` fp32 parameter elements on this rank: its
+    accesses at the row's measured optimizer rate (``Device.optimizer_bw``), else at mem_bw."""
+    return elems * _optimizer_bytes_per_element(optimizer) / (dev.optimizer_bw or dev.mem_bw) * share
+
+
 def predict_time(pm, dev: Device, optimizer: str = "adamw", fused: bool | None = None) -> TimeEstimate:
     """Step time: the program(s) simulated, plus the optimizer step (memory-bound, on the shards).
     ``fused``: the per-rank programs as Inductor compiles them (default: whether ``pm`` was
@@ -352,7 +358,7 @@ def predict_time(pm, dev: Device, optimizer: str = "adamw", fused: bool | None =
     from torch.distributed.tensor import DTensor
 
     elems = sum((p._local_tensor if isinstance(p, DTensor) else p).numel() for p in pm.parameters())
-    total.optimizer_s = elems * _optimizer_bytes_per_element(optimizer) / dev.mem_bw * share
+    total.optimizer_s = optimizer_seconds(elems, optimizer, dev, share)
     total.step_s += total.optimizer_s
     return total
 
@@ -513,7 +519,7 @@ def predict_pipeline_time(pm, dev: Device, optimizer: str = "adamw", fused: bool
     from torch.distributed.tensor import DTensor
 
     elems = sum((p._local_tensor if isinstance(p, DTensor) else p).numel() for p in pm.parameters())
-    total.optimizer_s = elems * _optimizer_bytes_per_element(optimizer) / dev.mem_bw * share
+    total.optimizer_s = optimizer_seconds(elems, optimizer, dev, share)
     total.step_s = prologue + makespan + sync + total.optimizer_s
     total.bubble = tl.bubble
     total.stage_seconds = {k: list(v) for k, v in per.items()}

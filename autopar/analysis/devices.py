@@ -25,6 +25,10 @@ class Device:
     # CPU with more ranks than cores: seconds per ring step of a collective while the ranks compute
     # between collectives (the OS must schedule each peer in turn); 0: not measured, intra_alpha
     loaded_alpha: float = 0.0
+    # bytes/s at which torch's optimizer step makes its accesses (cost.OPTIMIZER_ACCESSES x 4 per
+    # element), measured by timing torch.optim.AdamW; 0: mem_bw. On a CPU its passes run over warm
+    # memory, mostly compute-bound, unlike the fresh outputs mem_bw measures
+    optimizer_bw: float = 0.0
 
     @property
     def kind(self) -> str:
@@ -38,7 +42,8 @@ class Device:
                 f"{self.mem_bw / 1e9:g} GB/s; intra-node {self.intra_bw / 1e9:g} GB/s, alpha "
                 f"{self.intra_alpha * 1e6:g} us ({self.ranks_per_node} ranks/node); inter-node "
                 f"{self.inter_bw / 1e9:g} GB/s, alpha {self.inter_alpha * 1e6:g} us; {self.op_overhead * 1e6:g} us "
-                f"per op" + (f"; {self.cores} cores shared by a node's ranks" if self.cores else "")
+                f"per op" + (f"; optimizer step at {self.optimizer_bw / 1e9:g} GB/s" if self.optimizer_bw else "")
+                + (f"; {self.cores} cores shared by a node's ranks" if self.cores else "")
                 + (f" (more ranks than cores: {self.loaded_alpha * 1e6:g} us per ring step, collectives "
                    f"not overlapped)" if self.cores and self.loaded_alpha else "")
                 + f". Source: {self.source}")
@@ -60,7 +65,8 @@ DEVICES: dict[str, Device] = {
                   0.93e9, 169e-6, 0.93e9, 169e-6, 64, 1.0,
                   "calibrated 2026-11-22 by `autopar calibrate` on the development machine (2 cores, 1 thread "
                   "per rank; 512^3 matmuls, an elementwise add on 8 MiB, 2-process gloo all-reduce over loopback, eager "
-                  "dispatch of a small op)", 2.5e-6, 2),
+                  "dispatch of a small op; torch.optim.AdamW's step on 4.5M fp32 parameters measured 2026-11-27: "
+                  "32.7 GB/s at 20 accesses per element)", 2.5e-6, 2, optimizer_bw=32.7e9),
 }
 # H200: H100's compute and links, 4.8 TB/s HBM3e, 141 GB
 DEVICES["h200"] = replace(DEVICES["h100"], name="h200", mem_bw=4.8e12, mem_bytes=141 * 2**30,

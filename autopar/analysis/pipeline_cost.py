@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from autopar.analysis.cost import (OPTIMIZER_STATE, Device, ProgramMemory, _optimizer_bytes_per_element,
+from autopar.analysis.cost import (OPTIMIZER_STATE, Device, ProgramMemory, optimizer_seconds,
                                    _pipeline_links, _pipeline_makespan, _pipeline_peak, core_share, loaded_links,
                                    oversubscribed, pipeline_hop, simulate, stage_memory)
 
@@ -142,7 +142,7 @@ def compose_pipeline(shape: dict, stages: list, fixed: dict, dev: Device, optimi
     per = {k: [getattr(c, k) for c in stages] for k in ("F", "I", "W")}
     tl, makespan = _pipeline_makespan(schedule, per, hop, shape["microbatches"], dev, world, shape["pp"], blocking)
     mine = [c for c in stages if c.local]
-    optimizer_s = sum(c.elems for c in mine) * _optimizer_bytes_per_element(optimizer) / dev.mem_bw * share
+    optimizer_s = optimizer_seconds(sum(c.elems for c in mine), optimizer, dev, share)
     step_s = sum(c.prologue_s for c in mine) + makespan + sum(c.sync_s for c in mine) + optimizer_s
     idx = {id(c): s for s, c in enumerate(stages)}
     saved = {s: (c.saved, c.saved_after_i) for s, c in enumerate(stages)}

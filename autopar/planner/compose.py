@@ -135,7 +135,7 @@ def _simulated(schedule: str, pp: int, m: int, virtual: int, F: tuple, B: tuple,
 def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str, optimizer: str = "adamw",
          layers: int | None = None, bucket_mb: float = 25) -> Candidate:
     """Fill ``c``'s predicted step time, peak bytes per rank and bytes per axis from one block's figures."""
-    from autopar.analysis.cost import OPTIMIZER_STATE, _optimizer_bytes_per_element, axis_links
+    from autopar.analysis.cost import OPTIMIZER_STATE, axis_links, optimizer_seconds
 
     L = layers or info.layers
     b, r = co.block, co.rest
@@ -198,7 +198,7 @@ def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str
         bucket = min(1.0, bucket_mb * 2**20 / max(1.0, g))
         sync_exposed = max(sync * bucket, sync - B[0] * (1 - 1 / max(1, L)))
     elems_local = grad_elems / (d if c.dp_strategy in ("zero1", "zero2", "fsdp") else 1)
-    opt_s = elems_local * _optimizer_bytes_per_element(optimizer) / dev.mem_bw
+    opt_s = optimizer_seconds(elems_local, optimizer, dev)
     c.step_s = makespan + sync_exposed + zero_gather + opt_s
     # ---- memory of the worst pipeline rank: rank 0 (embeddings, most in flight) or the last (head).
     # Without a pipeline the program peaks either between forward and backward (activations +

@@ -2,7 +2,7 @@
 
 Measures, with one thread per rank (as the gloo workers run): matmul FLOP/s per dtype, memory
 bandwidth (an elementwise add on 4 MiB tensors, its outputs kept alive as a forward's are: bytes
-read + written), and gloo all-reduce between
+read + written), torch.optim.AdamW's step (its 20 fp32 accesses per element as bytes/s), and gloo all-reduce between
 ``--ranks`` processes on this machine (default 2; latency from a 4-byte all-reduce, bandwidth from a
 16 MiB one). Where more processes than cores will run (4 gloo ranks on a 2-core machine), measure
 with that many: a ring step then also waits for the OS to schedule its peer, which the row keeps as
@@ -10,7 +10,7 @@ with that many: a ring step then also waits for the OS to schedule its peer, whi
 writes it as JSON (``--out``), which ``autopar plan --devices FILE --device NAME`` reads.
 
 ``--device cuda`` measures the GPU instead (what the datasheet rows h100 / h200 assume): bf16 /
-fp16 / fp32 matmuls at 4096^3, HBM bandwidth by an elementwise add on 1 GiB tensors, and the
+fp16 / fp32 matmuls at 4096^3, HBM bandwidth by an elementwise add on 1 GiB tensors, AdamW's step, and the
 host's launch gap per op (a loop of tiny ops, synchronised once at the end: the per-rank program's
 launch rate when the GPU is not the limit). Each figure is timed between ``torch.cuda.synchronize``
 calls. The links (NVLink, the NIC) cannot be measured on one GPU: they are the datasheet row's
@@ -90,6 +90,20 @@ def op_overhead(reps: int = 2000, device: str = "cpu") -> float:
     return (time.perf_counter() - t0) / reps
 
 
+def optimizer_bandwidth(elems: int = 2**22, reps: int = 5, device: str = "cpu") -> float:
+    """Bytes/s of torch.optim.AdamW's step as torch runs it by default (for-loop on a CPU, foreach
+    on a GPU) over ``elems`` fp32 parameter elements in 8 tensors, counted as the cost model counts
+    it (``cost.OPTIMIZER_ACCESSES``: 20 accesses x 4 bytes per element)."""
+    from autopar.analysis.cost import _optimizer_bytes_per_element
+
+    params = [torch.nn.Parameter(torch.randn(elems // 8, device=device)) for _ in range(8)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    opt.step()  # (its state made)
+    return elems * _optimizer_bytes_per_element("adamw") / _timeit(opt.step, reps, device)
+
+
 def _allreduce_job(sizes, reps):
     import torch.distributed as dist
 
@@ -151,7 +165,7 @@ def calibrate(name: str | None = "cpu", comm: bool = True, ranks: int = 2, devic
            "flops": {"fp32": matmul_flops(torch.float32), "bf16": matmul_flops(torch.bfloat16),
                      "fp16": matmul_flops(torch.float16, reps=3)},
            "mem_bw": memory_bandwidth(), "mem_bytes": _ram(), "ranks_per_node": 64, "efficiency": 1.0,
-           "op_overhead": op_overhead(), "cores": os.cpu_count() or 1,
+           "op_overhead": op_overhead(), "cores": os.cpu_count() or 1, "optimizer_bw": optimizer_bandwidth(),
            "source": f"calibrated by `autopar calibrate` on {time.strftime('%Y-%m-%d')}, 1 thread per rank, "
                      f"gloo all-reduce among {ranks} processes"}
     alpha, bw, loaded = gloo_links(ranks=ranks) if comm else (60e-6, 1e9, 0.0)
@@ -174,10 +188,11 @@ def calibrate_gpu(name: str | None = None, n: int = 4096, mib: int = 1024, devic
              "fp16": matmul_flops(torch.float16, n, 10, device, 10)}
     row = {**asdict(base), "name": name or f"{base.name}-calibrated", "flops": flops, "efficiency": 1.0,
            "mem_bw": memory_bandwidth(mib, 20, 2, device), "op_overhead": op_overhead(2000, device),
+           "optimizer_bw": optimizer_bandwidth(2**27, 5, device),
            "mem_bytes": float(torch.cuda.get_device_properties(0).total_memory)}
     row["source"] = (f"calibrated by `autopar calibrate --device cuda` on {time.strftime('%Y-%m-%d')} on {gpu} "
                      f"(torch {torch.__version__}): {n}^3 matmuls, an elementwise add on {mib} MiB, the launch gap "
-                     f"of a tiny op; links from the {base.name} row ({base.source})")
+                     f"of a tiny op, torch's AdamW step on 2^27 parameters; links from the {base.name} row ({base.source})")
     return row
 
 
