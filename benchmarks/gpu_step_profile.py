@@ -67,7 +67,7 @@ def main(argv=None) -> int:
 
     import autopar
     from autopar.analysis import cost
-    from autopar.analysis.devices import Device, row_for
+    from autopar.analysis.devices import Device
     from autopar.models.llama import cross_entropy
     from autopar.tools import calibrate
 
@@ -143,7 +143,8 @@ def main(argv=None) -> int:
             agg["flops"] += f
             for k, v in pred.items():
                 agg[f"{k}_ms"] += v
-            nodes.append({"node": n.name, "op": op, "measured_ms": m, "flops": f, **{f"{k}_ms": v for k, v in pred.items()}})
+            nodes.append({"node": n.name, "op": op, "measured_ms": m, "flops": f,
+                          **{f"{k}_ms": v for k, v in pred.items()}})
     res["by_op"] = by_op
     res["kernels_ms"] = sum(a["measured_ms"] for a in by_op.values())
     res["predicted_ms"] = {k: sum(a[f"{k}_ms"] for a in by_op.values()) for k in devs}

@@ -82,7 +82,8 @@ def _attention_heads_matched(target, args):
     ``enable_gqa``) expanded to the query's heads, so that a formula counts them as the kernel
     computes them. torch's formulas before 2.13 assert equal heads (the count was then unknown:
     the whole attention costed by its bytes alone, measured 2026-11-27 on torch 2.11)."""
-    if "attention" not in str(getattr(target, "overloadpacket", target)):
+    name = str(getattr(target, "overloadpacket", target))
+    if "scaled_dot_product" not in name and "flex_attention" not in name:  # ([B, H, S, D] layouts only)
         return args
     four = [a for a in args[:5] if isinstance(a, torch.Tensor) and a.dim() == 4]
     if not four:

@@ -2,16 +2,16 @@
 
 Measures, with one thread per rank (as the gloo workers run): matmul FLOP/s per dtype, memory
 bandwidth (an elementwise add on 4 MiB tensors, its outputs kept alive as a forward's are: bytes
-read + written), torch.optim.AdamW's step (its 20 fp32 accesses per element as bytes/s), and gloo all-reduce between
-``--ranks`` processes on this machine (default 2; latency from a 4-byte all-reduce, bandwidth from a
-16 MiB one). Where more processes than cores will run (4 gloo ranks on a 2-core machine), measure
+read + written), torch.optim.AdamW's step (its 20 fp32 accesses per element as bytes/s), and
+gloo all-reduce between ``--ranks`` processes on this machine (default 2; latency from a 4-byte
+all-reduce, bandwidth from a 16 MiB one). Where more processes than cores will run (4 gloo ranks on a 2-core machine), measure
 with that many: a ring step then also waits for the OS to schedule its peer, which the row keeps as
 ``loaded_alpha`` (a 4-byte all-reduce between 1 ms slices of matmuls on every rank). Prints the row and
 writes it as JSON (``--out``), which ``autopar plan --devices FILE --device NAME`` reads.
 
 ``--device cuda`` measures the GPU instead (what the datasheet rows h100 / h200 assume): bf16 /
-fp16 / fp32 matmuls at 4096^3, HBM bandwidth by an elementwise add on 1 GiB tensors, AdamW's step, and the
-host's launch gap per op (a loop of tiny ops, synchronised once at the end: the per-rank program's
+fp16 / fp32 matmuls at 4096^3, HBM bandwidth by an elementwise add on 1 GiB tensors, AdamW's
+step, and the host's launch gap per op (a loop of tiny ops, synchronised once at the end: the per-rank program's
 launch rate when the GPU is not the limit). Each figure is timed between ``torch.cuda.synchronize``
 calls. The links (NVLink, the NIC) cannot be measured on one GPU: they are the datasheet row's
 (``row_for`` the device's name), and the row says so.
@@ -184,7 +184,8 @@ def calibrate_gpu(name: str | None = None, n: int = 4096, mib: int = 1024, devic
 
     gpu = torch.cuda.get_device_name()
     base = DEVICES[row_for(gpu)]
-    flops = {"fp32": matmul_flops(torch.float32, n, 5, device, 4), "bf16": matmul_flops(torch.bfloat16, n, 10, device, 10),
+    flops = {"fp32": matmul_flops(torch.float32, n, 5, device, 4),
+             "bf16": matmul_flops(torch.bfloat16, n, 10, device, 10),
              "fp16": matmul_flops(torch.float16, n, 10, device, 10)}
     row = {**asdict(base), "name": name or f"{base.name}-calibrated", "flops": flops, "efficiency": 1.0,
            "mem_bw": memory_bandwidth(mib, 20, 2, device), "op_overhead": op_overhead(2000, device),
@@ -192,7 +193,8 @@ def calibrate_gpu(name: str | None = None, n: int = 4096, mib: int = 1024, devic
            "mem_bytes": float(torch.cuda.get_device_properties(0).total_memory)}
     row["source"] = (f"calibrated by `autopar calibrate --device cuda` on {time.strftime('%Y-%m-%d')} on {gpu} "
                      f"(torch {torch.__version__}): {n}^3 matmuls, an elementwise add on {mib} MiB, the launch gap "
-                     f"of a tiny op, torch's AdamW step on 2^27 parameters; links from the {base.name} row ({base.source})")
+                     f"of a tiny op, torch's AdamW step on 2^27 parameters; links from the {base.name} row "
+                     f"({base.source})")
     return row
 
 

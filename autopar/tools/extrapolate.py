@@ -273,8 +273,11 @@ def _by_depth(args, rank: int, rep, at, progress) -> Analysis | None:
     out["extrapolated"] = {"depths": list(DEPTHS), "layers": layers, "blocks": rep.path,
                            "forked": shallow if child is not None else [],
                            "localized": {d: f.get("localized", []) for d, f in zip(DEPTHS, figs)}}
+    # the masks pass's lines count what the deepest compile holds, not the whole model: say so
+    notes = [n.replace("attention masks: ", f"attention masks (counted in the depth-{DEPTHS[-1]} compile; the "
+                       f"model has {layers} blocks): ", 1) for n in last.notes]
     return Analysis(last.model, last.axes, last.plan, rank, last.coord, last.options, last.pm, last.memory,
-                    last.time, last.device, last.links, seconds, last.notes, int(out["parameters"]),
+                    last.time, last.device, last.links, seconds, notes, int(out["parameters"]),
                     extrapolated=out)
 
 
