@@ -70,7 +70,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", default="64MiB")
     ap.add_argument("--device", default=None,
                     help="a stored device row (cpu: calibrated 2026-11-22); default: calibrate this machine now")
-    ap.add_argument("-o", "--output", default=None)
+    ap.add_argument("-o", "--output", default=None,
+                    help="the table's file (default: a new benchmarks/results/planner-measured-DATE[-N].md)")
     a = ap.parse_args(argv)
 
     from autopar import planner as P
@@ -148,11 +149,24 @@ def main(argv=None) -> int:
                       f"- plans predicted under the budget but measured over it: {over or 'none'}"]
         lines.append("")
     text = "\n".join(lines) + "\n"
-    if a.output:
-        with open(a.output, "w") as f:
-            f.write(text)
-    sys.stdout.write(text)
+    out = a.output or _new_results_file()
+    with open(out, "w") as f:
+        f.write(text)
+    sys.stdout.write(text + f"wrote {out}\n")
     return 0
+
+
+def _new_results_file() -> str:
+    """benchmarks/results/planner-measured-DATE.md, or -2, -3, ... when that day's exists (a
+    run's table is its only record: never overwritten)."""
+    import os
+
+    base = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                        f"planner-measured-{time.strftime('%Y-%m-%d')}")
+    path, n = base + ".md", 2
+    while os.path.exists(path):
+        path, n = f"{base}-{n}.md", n + 1
+    return path
 
 
 if __name__ == "__main__":
