@@ -186,12 +186,13 @@ def test_calibrating_a_gpu_keeps_the_datasheet_links(monkeypatch, capsys):
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(total_memory=140 * 2**30))
-    row = calibrate.calibrate_gpu(n=64, mib=1, device="cpu")
+    row = calibrate.calibrate_gpu(n=64, mib=1, device="cpu", opt_elems=2**16)
     dev = cost.Device(**row)
     h200 = cost.DEVICES["h200"]
     assert dev.name == "h200-calibrated" and dev.efficiency == 1.0 and dev.mem_bytes == 140 * 2**30
     assert (dev.intra_bw, dev.inter_bw, dev.ranks_per_node) == (h200.intra_bw, h200.inter_bw, h200.ranks_per_node)
     assert all(v > 0 for v in dev.flops.values()) and dev.mem_bw > 0 and dev.op_overhead > 0 and dev.cores == 0
+    assert dev.optimizer_bw > 0
     assert "on NVIDIA H200" in dev.source and "links from the h200 row" in dev.source
     if not torch.cuda.is_available():
         rc, _, err = run(capsys, "calibrate", "--device", "cuda")

@@ -173,7 +173,8 @@ def calibrate(name: str | None = "cpu", comm: bool = True, ranks: int = 2, devic
     return row
 
 
-def calibrate_gpu(name: str | None = None, n: int = 4096, mib: int = 1024, device: str = "cuda") -> dict:
+def calibrate_gpu(name: str | None = None, n: int = 4096, mib: int = 1024, device: str = "cuda",
+                  opt_elems: int = 2**27) -> dict:
     """The row for this process's GPU: measured compute, HBM bandwidth and launch gap; memory from
     the device's properties; links and nodes from the datasheet row of its name (one GPU cannot
     measure them). Efficiency 1: the figures are achieved rates. (``device``: where the timed ops
@@ -189,11 +190,11 @@ def calibrate_gpu(name: str | None = None, n: int = 4096, mib: int = 1024, devic
              "fp16": matmul_flops(torch.float16, n, 10, device, 10)}
     row = {**asdict(base), "name": name or f"{base.name}-calibrated", "flops": flops, "efficiency": 1.0,
            "mem_bw": memory_bandwidth(mib, 20, 2, device), "op_overhead": op_overhead(2000, device),
-           "optimizer_bw": optimizer_bandwidth(2**27, 5, device),
+           "optimizer_bw": optimizer_bandwidth(opt_elems, 5, device),
            "mem_bytes": float(torch.cuda.get_device_properties(0).total_memory)}
     row["source"] = (f"calibrated by `autopar calibrate --device cuda` on {time.strftime('%Y-%m-%d')} on {gpu} "
                      f"(torch {torch.__version__}): {n}^3 matmuls, an elementwise add on {mib} MiB, the launch gap "
-                     f"of a tiny op, torch's AdamW step on 2^27 parameters; links from the {base.name} row "
+                     f"of a tiny op, torch's AdamW step on {opt_elems:,} parameters; links from the {base.name} row "
                      f"({base.source})")
     return row
 
