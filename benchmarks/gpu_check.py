@@ -20,8 +20,10 @@ that one; its traceback or the tail of its log is recorded and the next one runs
 - ``kernel-table``: ``autopar bench --kernels`` (autopar/tools/kernelbench.py) into ``$OUT``:
   kernels-DATE.json / .md, the device in its meta;
 - ``calibrate``: ``autopar calibrate --device cuda``'s row for this GPU (matmul rate, HBM
-  bandwidth, launch gap measured; links from the datasheet row), written to calibrated-row.json:
-  the autopar step sections predict with it too, beside the datasheet row.
+  bandwidth, launch gap and torch's AdamW step measured; links from the datasheet row), written to
+  calibrated-row.json: the autopar step sections predict with it too, beside the datasheet row.
+  Then grouped-query SDPA (``enable_gqa``) against repeated K/V heads at the step's attention
+  shape, and the kernels each ran.
 
 A time budget (``--budget-s``) is enforced here: each section's process gets at most its own cap
 and what is left of the budget, and none starts with less than ``MIN_START_S`` left. summary.md
