@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -29,20 +28,6 @@ import torch.fx as fx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_check  # noqa: E402  (the step's model, batches and config)
-
-
-def _cuda_ms(fn, reps: int, cuda: bool) -> float:
-    """Median milliseconds of ``fn`` alone (synchronised before and after each call)."""
-    ts = []
-    for _ in range(reps):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
 
 
 class _Ranged(fx.Interpreter):
@@ -70,6 +55,7 @@ def main(argv=None) -> int:
     from autopar.analysis.devices import Device
     from autopar.models.llama import cross_entropy
     from autopar.tools import calibrate
+    from autopar.tools.kernelbench import _time
 
     cfg = gpu_check.config(args.smoke)
     cuda = torch.cuda.is_available()
@@ -95,9 +81,10 @@ def main(argv=None) -> int:
         step()
     res = {"device": gpu or "cpu", "torch": torch.__version__, "model": cfg.model, "batch": cfg.batch,
            "seq": cfg.seq, "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    res["step_ms"] = _cuda_ms(step, reps, cuda)
-    res["train_step_ms"] = _cuda_ms(fwd_bwd, reps, cuda)  # (its gradients overwritten each call)
-    res["optimizer_ms"] = _cuda_ms(opt.step, reps, cuda)
+    # kernelbench's timing: 2 warm-up calls, then each call alone between synchronisations (median)
+    res["step_ms"] = _time(step, reps, cuda, back_to_back=False) * 1e3
+    res["train_step_ms"] = _time(fwd_bwd, reps, cuda, back_to_back=False) * 1e3  # (gradients overwritten)
+    res["optimizer_ms"] = _time(opt.step, reps, cuda, back_to_back=False) * 1e3
 
     # one step with each node in a profiler range
     runnable = pm.executor.runnable

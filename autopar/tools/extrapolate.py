@@ -48,7 +48,7 @@ import time
 import warnings
 
 from autopar.forked import Forked, can_fork, shared_heap
-from autopar.tools.render import Analysis, summary
+from autopar.tools.render import MASKS_NOTE, Analysis, summary
 
 DEPTHS = (3, 4, 5)
 # relative tolerance on (L - 5) * (increment 5 - increment 4), against the extrapolated figure
@@ -274,8 +274,8 @@ def _by_depth(args, rank: int, rep, at, progress) -> Analysis | None:
                            "forked": shallow if child is not None else [],
                            "localized": {d: f.get("localized", []) for d, f in zip(DEPTHS, figs)}}
     # the masks pass's lines count what the deepest compile holds, not the whole model: say so
-    notes = [n.replace("attention masks: ", f"attention masks (counted in the depth-{DEPTHS[-1]} compile; the "
-                       f"model has {layers} blocks): ", 1) for n in last.notes]
+    notes = [n.replace(MASKS_NOTE, f"{MASKS_NOTE[:-2]} (counted in the depth-{DEPTHS[-1]} compile; the model "
+                       f"has {layers} blocks): ", 1) for n in last.notes]
     return Analysis(last.model, last.axes, last.plan, rank, last.coord, last.options, last.pm, last.memory,
                     last.time, last.device, last.links, seconds, notes, int(out["parameters"]),
                     extrapolated=out)
