@@ -11,6 +11,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from autopar.plan import Placed, Plan
 from autopar.ir import info
+from autopar.unfuse import describe as describe_cuts
 
 
 class Context:
@@ -21,7 +22,7 @@ class Context:
     __slots__ = ("mesh", "axis_names", "axis_sizes", "coord", "device", "plan", "placed", "dp_axes", "cp_axes",
                  "timings", "compute_dtype", "reduce_dtype", "recompute", "accumulate", "loss_scale", "progress",
                  "bucket_mb", "prefetch", "reshard_after_forward", "kept_gathered", "sync_grads", "output_roles",
-                 "strategy_cache", "_groups", "boundary", "lowered", "kernel_choices", "derived_rules", "masks",
+                 "strategy_cache", "_groups", "boundary", "lowered", "kernel_choices", "derived_rules", "masks", "cuts",
                  "cache_layout")
 
     def __init__(self, mesh: DeviceMesh, plan: Plan, placed: Placed, *, compute_dtype: torch.dtype | None,
@@ -71,6 +72,7 @@ class Context:
         self.kernel_choices: list = []  # kernels="auto": each op's kernels/choice.Choice (both sides' times)
         self.derived_rules: list[str] = []  # ops with no rule: what autopar/derived_rules.py derived, and how
         self.masks: list[str] = []  # what the masks pass did with each attention mask (passes/masks.py)
+        self.cuts: list[str] = []  # fused weights cut into one parameter per part (autopar/unfuse.py)
         # generation's programs (autopar/generation.py): the KV cache inputs' placements, by
         # input index (role ("cache", i)); a cache input or output not listed is replicated
         self.cache_layout: dict[int, tuple[Placement, ...]] = {}
@@ -181,6 +183,7 @@ def make_context(mesh: DeviceMesh, parsed: Plan, params: dict, options, accumula
         ctx.lowered = state.lowered
         ctx.kernel_choices = state.kernel_choices
         ctx.masks = state.masks
+        ctx.cuts = describe_cuts(state.cuts)
     return ctx
 
 

@@ -266,6 +266,8 @@ class CompileState:
     specs: list = field(default_factory=list)  # split (pipelines): every stage's StageSpec
     # split: per tensor-parallel axis, the placements derived from ``gm`` (analysis/tensor_parallel.py)
     tp_derived: dict = field(default_factory=dict)
+    cuts: list = field(default_factory=list)  # split: fused weights cut into one parameter per part (autopar/unfuse.py)
+    cuts_found: bool = False
     timings: dict[str, float] = field(default_factory=dict)
     done: list[str] = field(default_factory=list)
 

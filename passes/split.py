@@ -91,8 +91,9 @@ def derive_tensor_parallel(state: CompileState) -> None:
     """Megatron's placements from the whole captured graph (autopar/analysis/tensor_parallel.py),
     once per axis whose strategy derives them (every parameter replicated on a one-rank axis),
     put on the plan(s) the stages are placed with (``Plan.derived``)."""
+    from autopar import unfuse
     from autopar.analysis.tensor_parallel import R, Decision, Derived, derive
-    from autopar.plan import DERIVED_TP
+    from autopar.plan import DERIVED_TP, _first
 
     o = state.options
     plans = [o.parsed] + ([o.pipeline.parsed] if o.pipeline is not None else [])
@@ -103,7 +104,13 @@ def derive_tensor_parallel(state: CompileState) -> None:
                 continue
             if ap.axis not in state.tp_derived:
                 t0 = time.perf_counter()
-                if sizes.get(ap.axis, 1) > 1:
+                if sizes.get(ap.axis, 1) > 1 and not state.cuts_found:
+                    # fused projections cut into unequal parts: one parameter per part (autopar/unfuse.py)
+                    state.cuts_found = True
+                    state.tp_derived[ap.axis], state.cuts = unfuse.derive_with_cuts(
+                        state.gm, state.model, lambda ax=ap.axis: derive(state.gm, state.model, sizes[ax], ax),
+                        lambda name: any(_first(rules, name) for p in plans for rules in p.overrides.values()))
+                elif sizes.get(ap.axis, 1) > 1:
                     state.tp_derived[ap.axis] = derive(state.gm, state.model, sizes[ap.axis], ap.axis)
                 else:  # one rank: every placement is the whole tensor
                     state.tp_derived[ap.axis] = Derived(1, {n: Decision(R, "replicated", "one rank on this axis")

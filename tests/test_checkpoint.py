@@ -127,15 +127,17 @@ def tied_job(root: str) -> dict:
     return out
 
 
-def fused_job(root: str, axes: dict, plan: dict, src: str | None, dst: str | None, steps: int, seed: int) -> dict:
-    """Hugging Face GPT-2 (q, k and v in one Conv1D, split by heads under megatron: a strided shard):
-    load ``src``, take ``steps`` AdamW steps of the run (batches of seed 0), save to ``dst``."""
+def fused_job(root: str, axes: dict, plan: dict, src: str | None, dst: str | None, steps: int, seed: int,
+              arch: str = "GPT-2") -> dict:
+    """Hugging Face GPT-2 (q, k and v in one Conv1D, split by heads under megatron: a strided shard),
+    or ``arch``: load ``src``, take ``steps`` AdamW steps of the run (batches of seed 0), save to
+    ``dst``."""
     from autopar.models.hf_archs import build_hf
     from autopar.testing import parity_optimizer
     from autopar.torch_compat import StridedShard
 
-    model, _, loss_fn = build_hf("GPT-2", seed=seed)
-    _, batches, _ = build_hf("GPT-2", seed=0)
+    model, _, loss_fn = build_hf(arch, seed=seed, num_hidden_layers=1)
+    _, batches, _ = build_hf(arch, seed=0, num_hidden_layers=1)
     pm = autopar.compile(model, autopar.mesh(**axes), example_inputs=batches[0], loss_fn=loss_fn, plan=plan,
                          capture_eval=False)
     opt = parity_optimizer(pm.parameters(), LR)
@@ -146,7 +148,8 @@ def fused_job(root: str, axes: dict, plan: dict, src: str | None, dst: str | Non
         pm.save(os.path.join(root, dst), optimizer=opt)
     strided = sorted(n for n, p in pm.named_parameters()
                      if any(isinstance(pl, StridedShard) for pl in getattr(p, "placements", ())))
-    return {"losses": losses, "strided": strided}
+    cut = sorted(n for n, _ in pm.named_parameters() if ".parametrizations." in n)
+    return {"losses": losses, "strided": strided, "cut": cut, "keys": sorted(pm.state_dict())}
 
 
 def errors_job(root: str) -> dict:
@@ -225,6 +228,23 @@ def test_a_fused_projection_split_by_heads_reshards(pools, tmp_path):
     assert "transformer.h.0.attn.c_attn.weight" in tp["strided"]
     one = pools(1).run(fused_job, root, {"dp": 1}, {"dp": "ddp"}, "tp-2", None, 1, 1)
     assert tp["losses"] + one["losses"] == pytest.approx(ref["losses"][1:], rel=1e-5)
+
+
+def test_a_fused_projection_cut_into_parts_reshards(pools, tmp_path):
+    """Phi-3's [q | k | v] with fewer key / value heads: under megatron one parameter per part
+    (autopar/unfuse.py), each split by its heads; the checkpoint holds the fused weight whole under
+    its own name, so one process -> tp=2 (parts) -> one process gives the uninterrupted losses,
+    AdamW's state included."""
+    root = str(tmp_path)
+    ref = pools(1).run(fused_job, root, {"dp": 1}, {"dp": "ddp"}, None, None, 3, 0, "Phi-3")
+    one = pools(1).run(fused_job, root, {"dp": 1}, {"dp": "ddp"}, None, "one-1", 1, 0, "Phi-3")
+    assert not one["cut"]  # (one process, no tensor parallelism: nothing cut)
+    tp = pools(2).run(fused_job, root, {"tp": 2}, {"tp": "megatron"}, "one-1", "tp-2", 1, 1, "Phi-3")
+    w = "model.layers.0.self_attn.qkv_proj"
+    assert tp["cut"] == [f"{w}.parametrizations.weight.original{i}" for i in range(3)], tp["cut"]
+    assert f"{w}.weight" in tp["keys"] and not any(".parametrizations." in k for k in tp["keys"])
+    back = pools(1).run(fused_job, root, {"dp": 1}, {"dp": "ddp"}, "tp-2", None, 1, 1, "Phi-3")
+    assert tp["losses"] + back["losses"] == pytest.approx(ref["losses"][1:], rel=1e-5)
 
 
 @pytest.mark.slow  # (4 ranks, 10 s; the tp=2 chain above in CI)

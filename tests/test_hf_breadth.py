@@ -60,6 +60,9 @@ CASES = [  # (architecture, plan, config overrides, rules that must have decided
     # ranks): the queries and the output projection sharded by heads, the key / value projections
     # held whole (each rank takes its heads' copies of the one head)
     ("Llama", "megatron", dict(ONE_LAYER, num_key_value_heads=1), set()),
+    # multi-query attention fused in one weight ([q | k | v], one key / value head): one parameter
+    # per part (autopar/unfuse.py), q split by heads, k and v whole
+    ("GPTBigCode", "megatron", ONE_LAYER, set()),
 ]
 
 

@@ -220,3 +220,36 @@ def test_missing_safetensors_is_an_error_that_says_what_to_install(monkeypatch, 
     monkeypatch.setitem(sys.modules, "safetensors", None)  # import fails as if not installed
     with pytest.raises(InputError, match="pip install safetensors"):
         checkpoint_files(str(tmp_path))
+
+
+def cut_job(path: str) -> dict:
+    """Phi-3 ([q | k | v] with fewer key / value heads, one parameter per part under megatron:
+    autopar/unfuse.py) built on meta, compiled on tp=2, loaded: each part reads its rows of the
+    file's fused tensor; the module's state dict gives the fused tensor back under its own name."""
+    from autopar.models.hf_archs import build_hf
+
+    with autopar.init_empty_weights():
+        model, batches, loss_fn = build_hf("Phi-3", num_hidden_layers=1)
+    pm = autopar.compile(model, autopar.mesh(tp=2), example_inputs=batches[0], loss_fn=loss_fn,
+                         plan={"tp": "megatron"}, capture_eval=False)
+    rep = pm.load_pretrained(path, verbose=False)
+    parts = sorted(n for n, _ in pm.named_parameters() if ".parametrizations." in n)
+    return {"parts": parts, "state": {k: full_tensor(v) for k, v in pm.state_dict().items()},
+            "loss": pm.train_step(*batches[0]).item(), "read_whole": rep.read_whole}
+
+
+def test_a_weight_cut_into_parts_reads_its_rows_of_the_fused_tensor(pools, tmp_path):
+    from safetensors.torch import save_file
+
+    from autopar.models.hf_archs import build_hf
+
+    model, batches, loss_fn = build_hf("Phi-3", num_hidden_layers=1)
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    save_file(want, str(tmp_path / "model.safetensors"))
+    out = pools(2).run(cut_job, str(tmp_path))
+    # (the parts read as slices; gate | up, equal parts, is a strided shard and read whole)
+    assert len(out["parts"]) == 3 and out["read_whole"] == ["model.layers.0.mlp.gate_up_proj.weight"], out
+    assert set(out["state"]) == set(want)
+    for k, v in want.items():
+        assert torch.equal(out["state"][k], v), k
+    assert out["loss"] == pytest.approx(loss_fn(model(batches[0][0]).logits, batches[0][1]).item(), rel=1e-5)

@@ -194,7 +194,13 @@ COUNTS = [("Llama", "megatron", MEGATRON), ("GPT-2", "megatron", MEGATRON),
           ("Llama", "sequence", SEQUENCE), ("GPT-2", "sequence", SEQUENCE),
           # stacked experts through transformers' grouped_mm_fallback (followed by running it); Mamba's
           # scan reading x_proj's output once per token (reduced once, where it is split)
-          ("Mixtral", "megatron", MEGATRON), ("Mamba", "megatron", MEGATRON)]
+          ("Mixtral", "megatron", MEGATRON), ("Mamba", "megatron", MEGATRON),
+          # [q | k | v] with fewer key / value heads in one weight: one parameter per part (autopar/unfuse.py)
+          ("Phi-3", "megatron", MEGATRON), ("Phi-3", "sequence", SEQUENCE),
+          # multi-query attention fused ([q | k | v], one key / value head): q by heads, k and v whole;
+          # the one head's gradient is a partial sum over the ranks' query heads, all-reduced at k's
+          # and v's views ([batch, seq, head_dim] each) before their weight gradients: 2 more backward
+          ("GPTBigCode", "megatron", {("forward", "all_reduce"): 2, ("backward", "all_reduce"): 4})]
 
 
 @pytest.mark.parametrize("arch,strategy,expected", COUNTS, ids=[f"{a}-{s}" for a, s, _ in COUNTS])
@@ -319,3 +325,71 @@ def test_a_table_with_fewer_rows_than_ranks_is_held_whole_with_the_reason():
 
     with pytest.raises(PlanError, match=r"types.weight \[3, 16\]"):
         _derived(Typed(3), (tokens, tokens), _ce)
+
+
+def _cut(model, inputs, loss_fn, keep_whole=lambda name: False):
+    from autopar import unfuse
+
+    gm = capture_graph(model, inputs, loss_fn)
+    before = {n: p for n, p in model.named_parameters()}
+    d, cuts = unfuse.derive_with_cuts(gm, model, lambda: derive(gm, model, 2), keep_whole)
+    return gm, d.decisions, cuts, before
+
+
+def test_a_fused_weight_cut_into_unequal_parts_is_one_parameter_per_part():
+    """Phi-3's qkv_proj ([q 64 | k 32 | v 32] rows: 4 query heads, 2 key / value heads) is sliced
+    after its matmul: one linear per part in the graph, each part's parameter column-parallel by
+    its heads; the module's own ``weight`` is their concatenation (its forward unchanged)."""
+    model, inputs, loss_fn = _hf("Phi-3")
+    want = model(inputs[0]).logits
+    w = "model.layers.0.self_attn.qkv_proj"
+    fused = model.get_parameter(f"{w}.weight").detach().clone()
+    gm, dec, cuts, _ = _cut(model, inputs, loss_fn)
+    assert [(c.weight, c.sizes) for c in cuts] == [(f"{w}.weight", [64, 32, 32])]
+    parts = [f"{w}.parametrizations.weight.original{i}" for i in range(3)]
+    assert all(dec[p].placement == Shard(0) and dec[p].role == "column" for p in parts), {p: dec[p] for p in parts}
+    assert f"{w}.weight" not in dict(model.named_parameters())
+    assert torch.equal(model.get_submodule(w).weight, fused)  # (the concatenation of the parts)
+    assert sum(1 for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "linear") == 3 + 3 + 1  # (+ o, gate_up, down; the lm head)
+    assert torch.equal(model(inputs[0]).logits, want)
+    from autopar.unfuse import describe
+
+    (line,) = describe(cuts)
+    assert "3 parts of [64, 32, 32] rows" in line and "modeling_phi3.py" in line, line
+
+
+def test_a_cut_that_shards_no_part_is_undone():
+    """A fused weight sliced into unequal parts, each of which a norm over the whole part reads
+    (no flow holds): nothing to gain, so the module keeps its own parameter (the same object)
+    and the graph its one linear. (A row-parallel weight sliced after it, Mamba's x_proj into
+    [dt | B | C], is kept whole too: test_megatrons_communication_per_block counts its one
+    all-reduce.)"""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(32, 16)
+            self.fused = nn.Linear(16, 24)
+            self.out = nn.Linear(16, 32)
+
+        def forward(self, x):
+            y = self.fused(self.emb(x))
+            a, b = y[..., :16], y[..., 16:]
+            return self.out(torch.nn.functional.layer_norm(a, (16,)) * b.softmax(-1).sum(-1, keepdim=True))
+
+    model = Block()
+    inputs = (torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8)))
+    gm, dec, cuts, before = _cut(model, inputs, _ce)
+    assert cuts == [] and dict(model.named_parameters()) == before
+    assert dec["fused.weight"].placement == R
+    assert sum(1 for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "linear") == 2
+    gm.recompile()
+    got = gm(*inputs)
+    assert torch.allclose(got[0] if isinstance(got, (tuple, list)) else got, _ce(model(inputs[0]), inputs[1]))
+
+
+def test_a_rule_that_names_the_fused_weight_keeps_it_whole():
+    model, inputs, loss_fn = _hf("Phi-3")
+    w = "model.layers.0.self_attn.qkv_proj.weight"
+    _, dec, cuts, _ = _cut(model, inputs, loss_fn, keep_whole=lambda name: name == w)
+    assert cuts == [] and w in dec and dec[w].placement == R

@@ -166,6 +166,7 @@ def breadth_job(name: str, plan_name: str, debug: bool = True, **overrides) -> d
     program's ops."""
     import autopar
     from autopar.ir import info
+    from autopar.unfuse import fuse
 
     import torch.distributed as dist
 
@@ -176,11 +177,11 @@ def breadth_job(name: str, plan_name: str, debug: bool = True, **overrides) -> d
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
 
     def merged(local: dict) -> dict:  # a pipeline rank holds its stages' parameters only
-        if not pm.pipelined:
-            return local
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, local)
-        return {k: v for d in everyone for k, v in d.items()}
+        if pm.pipelined:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, local)
+            local = {k: v for d in everyone for k, v in d.items()}
+        return fuse(local, pm.module)  # (a fused weight cut into parts: autopar/unfuse.py)
 
     def gathered():  # a copy: full_tensor() of a replicated parameter is the parameter's own storage
         return merged({n: full_tensor(p.detach()).clone() for n, p in pm.named_parameters()})

@@ -145,7 +145,13 @@ class Runtime:
         return (p for _, p in self.named_parameters())
 
     def state_dict(self):
-        return self.module.state_dict()
+        """The module's state dict; a fused weight cut into parts (autopar/unfuse.py) under its own
+        name, whole (gathered: call on every rank)."""
+        from autopar.unfuse import to_fused
+
+        out = self.module.state_dict()
+        to_fused(out, self.module)
+        return out
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, path, optimizer=None, extra: dict | None = None, async_save: bool = False):

@@ -4,7 +4,8 @@
 
 - the parameters this rank holds (DTensor shards: DCP records each shard's place in the global
   tensor, so a checkpoint written under one mesh / plan loads under another; a strided shard, a
-  fused q / k / v split by heads, is written and read as plain shards, ``_plain_shards``) and the
+  fused q / k / v split by heads, is written and read as plain shards, ``_plain_shards``; a fused
+  weight cut into one parameter per part, autopar/unfuse.py, whole under its own name) and the
   buffers;
 - the optimizer state keyed by parameter NAME (torch's ``get_optimizer_state_dict`` flattened:
   ``state.<name>.exp_avg``, ``param_groups.<name>.lr``), so it reshards with the parameters and a
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import InputError
+from autopar.unfuse import from_fused, to_fused
 
 MARKER = "COMPLETE"
 FORMAT = "autopar-checkpoint/1"
@@ -58,7 +60,10 @@ def _model_shapes(pm) -> dict[str, tuple]:
     """Every parameter and persistent buffer of the model (a pipeline's other stages included):
     what a checkpoint of this model must hold, with its global shape. A tied weight is held once,
     under its first name."""
-    return {name: tuple(t.shape) for name, t in pm.module.state_dict(keep_vars=True).items() if name not in pm._tied}
+    from autopar.unfuse import fused_shapes
+
+    return fused_shapes({name: tuple(t.shape) for name, t in pm.module.state_dict(keep_vars=True).items()
+                         if name not in pm._tied}, pm.module)
 
 
 def _optimizer_state(pm, optimizer, with_state: bool) -> dict:
@@ -170,6 +175,9 @@ def save(pm, path, optimizer=None, extra=None, async_save: bool = False, on_comp
     state = {"model": _model_state(pm), "rng": {f"rank{dist.get_rank()}": _rng_state(pm)}}
     if optimizer is not None:
         state["optim"] = _optimizer_state(pm, optimizer, with_state=bool(optimizer.state))
+    for part in ("model", "optim"):  # a weight cut into parts is written whole, under its own name
+        if part in state:
+            to_fused(state[part], pm.module)
     _plain_shards(state)
     marker = _marker(pm, extra, optimizer)
     writer = dcp.FileSystemWriter(tmp)
@@ -352,6 +360,7 @@ def load(pm, path, optimizer=None) -> dict:
     same_world = marker.get("world_size") == dist.get_world_size()
     if same_world:
         state["rng"] = {rng_key: {k: v.clone() for k, v in _rng_state(pm).items()}}
+    cut = {part: to_fused(state[part], pm.module) for part in ("model", "optim") if part in state}
     errors = _check_keys(pm, meta, state, optimizer)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, errors)  # a rank's own error would leave the others waiting in DCP
@@ -367,6 +376,8 @@ def load(pm, path, optimizer=None) -> dict:
     strided = _plain_shards(state)
     dcp.load(state, storage_reader=reader)
     _restore(strided)
+    for part, undo in cut.items():
+        from_fused(state[part], undo)
     if optimizer is not None and has_state:
         set_optimizer_state_dict(pm.module, optimizer, state["optim"],
                                  options=StateDictOptions(flatten_optimizer_state_dict=True))

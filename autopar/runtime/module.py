@@ -21,6 +21,7 @@ from autopar.kernels.choice import summary
 from autopar.ir import CommRecord, Stage, bytes_by_collective, fmt_dtype, fmt_placements, info
 from autopar.plan import replicated_lines
 from autopar.runtime.base import Runtime
+from autopar.unfuse import NOTE as CUT_NOTE
 from autopar.runtime import failure
 from autopar.runtime.common import bytes_lines, check_indices, local_inputs, local_tensor, plain_parameters
 from autopar.runtime.executor import Executor, call
@@ -133,6 +134,7 @@ class ParallelModule(Runtime):
         if getattr(self, "auto_plan", None):  # autopar.compile(plan="auto"): what it chose, and why
             lines.append(self.auto_plan)
         lines += [f"attention masks: {m}" for m in ctx.masks]  # (passes/masks.py)
+        lines += [CUT_NOTE + m for m in ctx.cuts]  # (autopar/unfuse.py)
         lines += [f"kernels='auto': {line}" for line in summary(ctx.kernel_choices)]  # (kernels/choice.py)
         lines += [f"no rule, derived: {line}" for line in ctx.derived_rules]  # (autopar/derived_rules.py)
         lines += ["", "parameters (as stored):"]

@@ -48,6 +48,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from autopar import torch_compat as tc
 from autopar.errors import InputError, PlanError
 from autopar.scoped import setting
+from autopar.unfuse import fused_shapes, part_of
 
 # ------------------------------------------------------------------------ building on meta
 _EMPTY = contextvars.ContextVar("autopar_init_empty_weights", default=False)
@@ -310,7 +311,8 @@ def load_pretrained(pm, path, strict: bool = True, verbose: bool = True) -> Load
     transient = _non_persistent(module)
     # what the model consists of (a pipeline rank: every stage's names and global shapes)
     tied = pm._tied
-    shapes = {n: tuple(t.shape) for n, t in module.state_dict(keep_vars=True).items() if n not in tied}
+    shapes = fused_shapes({n: tuple(t.shape) for n, t in module.state_dict(keep_vars=True).items() if n not in tied},
+                          module)  # (a weight cut into parts, autopar/unfuse.py: under its own name)
     names = _map_names(files, list(shapes) + list(tied), getattr(module, "base_model_prefix", None))
     key_of = {}
     for n in shapes:  # a tied parameter may be stored under any of its names
@@ -355,6 +357,9 @@ def load_pretrained(pm, path, strict: bool = True, verbose: bool = True) -> Load
         _numel(headers[k][0]) * _ITEMSIZE.get(headers[k][1], 4) for k in set(key_of.values())))
     # what this rank holds: its parameters (a pipeline rank: its stages'), the persistent buffers
     wanted = {n: p for n, p in pm.named_parameters() if n in key_of}
+    cut = {n: c for n, c in part_of(module).items() if c[0] in key_of}  # part -> (fused, offset, dim)
+    wanted.update({n: p for n, p in pm.named_parameters() if n in cut})
+    key_of.update({n: key_of[c[0]] for n, c in cut.items()})
     wanted.update({n: b for n, b in module.named_buffers() if n in shapes and n in key_of and not b.is_meta})
     can_reset = _reset_peak_rss()
     report.rss_before = _proc_status("VmRSS")
@@ -372,10 +377,17 @@ def load_pretrained(pm, path, strict: bool = True, verbose: bool = True) -> Load
                     if isinstance(t, DTensor):
                         got = _local_slices(t)
                         local = t.to_local()
+                        if got is not None and n in cut:  # a part: its rows of the fused tensor
+                            _, at, dim = cut[n]
+                            sl = list(got[0])
+                            sl[dim] = slice(sl[dim].start + at, sl[dim].stop + at)
+                            got = tuple(sl), got[1]
                         if got is None:  # no contiguous block: this one parameter whole, then its part
                             from torch.distributed.tensor import distribute_tensor
 
                             full = f.get_tensor(k)
+                            if n in cut:
+                                full = full.narrow(cut[n][2], cut[n][1], t.shape[cut[n][2]])
                             part = distribute_tensor(full, t.device_mesh, t.placements,
                                                      src_data_rank=None).to_local()
                             report.read_whole.append(n)
@@ -388,7 +400,8 @@ def load_pretrained(pm, path, strict: bool = True, verbose: bool = True) -> Load
                                 local.copy_(f.get_slice(k)[slices])  # (copy_ converts the dtype: no temporary)
                             report.bytes_read += _numel(shape) * itemsize
                     else:  # a buffer (replicated, small) or a parameter of a one-rank program
-                        t.copy_(f.get_tensor(k))
+                        whole = f.get_tensor(k)
+                        t.copy_(whole.narrow(cut[n][2], cut[n][1], t.shape[cut[n][2]]) if n in cut else whole)
                         report.bytes_read += t.numel() * itemsize
                     report.tensors += 1
                     loaded.add(n)

@@ -1,0 +1,544 @@
+"""A fused projection whose output is cut into unequal parts becomes one parameter per part.
+
+Grouped-query attention fused into one projection (Phi-3's ``qkv_proj``: ``[q | k | v]`` with
+fewer key / value heads), multi-query attention fused (GPTBigCode's ``c_attn``: q by heads, one
+key / value head) and the Mamba-2 hybrids' ``in_proj`` (``[z | x | B | C | dt]``) multiply the
+residual stream by one weight and then cut the output into parts of different sizes. Tensor
+parallelism wants each part split by its own heads (or, for a part with fewer heads than ranks,
+held whole): rank r holds heads 2r, 2r+1 of q and head r of k and v. No DTensor placement
+describes those rows of one tensor (``_StridedShard`` needs equal parts; a placement of our own
+was tried and rejected: torch's op rules rebuild it and drop the parts, docs/tensor-parallel.md).
+
+So, before the tensor-parallel derivation (passes/split.py), under a derived tensor-parallel
+strategy on an axis of more than one rank:
+
+1. **Found from the graph**, not from names: a ``linear`` whose weight is a parameter read
+   nowhere else, whose output (through shape-keeping ops: ``unsqueeze``, casts) is read only by
+   slices of its last dim (``x[..., a:b]``, ``split`` with sizes) that cut it into contiguous
+   parts, not all of one size (equal parts are a strided shard already).
+2. **The module**: the weight (and its bias) gets torch's own parametrization
+   (``torch.nn.utils.parametrize``, ``unsafe=True``), ``Parts``: the fused tensor is the
+   concatenation of one parameter per part, ``<module>.parametrizations.weight.original<i>``.
+   The module's own forward still reads ``self.weight`` (now the concatenation), so an eval
+   capture or the user's own call works unchanged.
+3. **The graph**: the one linear becomes one linear per part, each reading its part's parameter,
+   and every slice reads its part's output; the derivation then sees ordinary column-parallel
+   starts, and places each part as its flow allows.
+4. **Undone** where no part ends up column-parallel (nothing gained, three matmuls for one; a
+   row-parallel weight whole has one partial sum to reduce, cut it would have one per part): the
+   module gets its own parameter back and the graph its one linear.
+
+What the user sees: ``pm.parameters()`` lists the parts (the optimizer steps them: its state is
+per part); the global views give the fused tensor under its own name: ``pm.state_dict()``,
+checkpoints (written as the whole fused tensor, so any plan and any mesh reads them),
+``pm.load_pretrained`` (each part's slice of the file's tensor), and ``pm.report()`` says which
+weights were cut and where.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+from torch.nn.utils import parametrize
+
+from autopar.ir import source_line
+
+NOTE = "cut: "  # the reports' prefix for a fused weight cut into parts (describe's lines)
+SAME = {"to", "type", "float", "half", "bfloat16", "contiguous", "_to_copy"}  # casts on the way to the linear
+KEEP_LAST = SAME | {"unsqueeze"}  # between the linear and its slices: the sliced dim stays the last one
+
+
+class Parts(nn.Module):
+    """The parametrization: the fused tensor is ``cat(parts, dim)``; ``sizes`` along ``dim``."""
+
+    def __init__(self, sizes: list[int], dim: int = 0):
+        super().__init__()
+        self.sizes, self.dim = [int(s) for s in sizes], dim
+
+    def forward(self, *parts):
+        return torch.cat(parts, self.dim)
+
+    def right_inverse(self, fused):
+        return tuple(p.clone() for p in torch.split(fused, self.sizes, self.dim))
+
+    def extra_repr(self) -> str:
+        return f"sizes={self.sizes}, dim={self.dim}"
+
+
+@dataclass
+class Cut:
+    """One fused weight found in the graph, cut into parts."""
+
+    weight: str  # the user's name of the fused weight (``...qkv_proj.weight``)
+    bias: str | None
+    sizes: list[int]
+    where: str  # the user's source line of the slices
+    linear: fx.Node = field(repr=False, default=None)
+    source: fx.Node = field(repr=False, default=None)  # what the slices read: the linear or a shape-keeping op after it
+    readers: list[list[fx.Node]] = field(repr=False, default_factory=list)  # per part: the nodes that read it
+
+    def part_names(self, of: str) -> list[str]:
+        mod, _, attr = of.rpartition(".")
+        return [f"{mod}.parametrizations.{attr}.original{i}" for i in range(len(self.sizes))]
+
+
+
+def describe(cuts: list[Cut]) -> list[str]:
+    """One line per kind of cut (the same sizes, sliced at the same source line: a block's
+    projection in every block), naming the first weight and how many there are."""
+    kinds: dict[tuple, list[Cut]] = {}
+    for c in cuts:
+        kinds.setdefault((tuple(c.sizes), c.where), []).append(c)
+    out = []
+    for (sizes, where), cs in kinds.items():
+        more = f" and {len(cs) - 1} more like it" if len(cs) > 1 else ""
+        bias = " (and its bias)" if cs[0].bias else ""
+        out.append(f"{cs[0].weight}{bias}{more}: one parameter per part, {len(sizes)} parts of {list(sizes)} rows "
+                   f"(its output is sliced so{where}; each part placed on its own)")
+    return out
+
+
+# ------------------------------------------------------------------------------- the graph
+def _name(n: fx.Node) -> str:
+    if n.op == "call_method":
+        return n.target
+    if n.op == "call_function":
+        return getattr(n.target, "__name__", str(n.target))
+    return n.op
+
+
+def _ev(n):
+    return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else n
+
+
+def _through_casts(a, params: dict) -> tuple[fx.Node | None, list[fx.Node]]:
+    """The parameter ``get_attr`` that ``a`` reads through casts, and those casts (first first)."""
+    chain = []
+    while isinstance(a, fx.Node) and a not in params:
+        if _name(a) not in SAME or len(a.users) != 1:
+            return None, []
+        chain.append(a)
+        a = a.args[0]
+    return (a, chain[::-1]) if isinstance(a, fx.Node) else (None, [])
+
+
+def _range(reader: fx.Node, src: fx.Node, n: int, nd: int):
+    """(start, stop) of the last dim that ``reader`` takes of ``src``, or None."""
+    if reader.op != "call_function" or reader.target is not operator.getitem or reader.args[0] is not src:
+        return None
+    idx = reader.args[1]
+    if not isinstance(idx, tuple) or not idx or not isinstance(idx[-1], slice):
+        return None
+    head = idx[:-1]
+    if not (head == (Ellipsis,) or (len(idx) == nd and all(s == slice(None) for s in head))):
+        return None
+    start, stop, step = idx[-1].indices(n)
+    return (start, stop) if step == 1 and stop > start else None
+
+
+def _split_parts(sp: fx.Node, src: fx.Node, nd: int):
+    """``src.split([sizes], dim=-1)`` read only by ``getitem``: [(start, stop, getitem)]."""
+    if _name(sp) not in ("split", "split_with_sizes") or sp.args[0] is not src:
+        return None
+    sizes = sp.args[1] if len(sp.args) > 1 else sp.kwargs.get("split_size_or_sections", sp.kwargs.get("split_sizes"))
+    dim = sp.args[2] if len(sp.args) > 2 else sp.kwargs.get("dim", 0)
+    if not isinstance(sizes, (list, tuple)) or not all(isinstance(s, int) for s in sizes) or dim % nd != nd - 1:
+        return None
+    out, at = [], 0
+    starts = []
+    for s in sizes:
+        starts.append((at, at + s))
+        at += s
+    for u in sp.users:
+        if u.op != "call_function" or u.target is not operator.getitem or not isinstance(u.args[1], int):
+            return None
+        a, b = starts[u.args[1]]
+        out.append((a, b, u))
+    return out
+
+
+def find_cuts(gm: fx.GraphModule, model: nn.Module) -> list[Cut]:
+    """Every fused weight of the graph whose output is cut into unequal parts (see the module
+    docstring): what the graph shows, never a name."""
+    from autopar.modpath import get_attr, tensor_names
+
+    ids = tensor_names(model)
+    params = {}
+    uses: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            kind, name = ids.get(id(get_attr(gm, n.target)), (None, None))
+            if kind == "param":
+                params[n] = name
+                uses[name] = uses.get(name, 0) + 1
+    cuts = []
+    for lin in gm.graph.nodes:
+        if lin.op != "call_function" or _name(lin) != "linear":
+            continue
+        args = list(lin.args) + [None] * 3
+        w = args[1] if args[1] is not None else lin.kwargs.get("weight")
+        b = args[2] if args[2] is not None else lin.kwargs.get("bias")
+        wnode, _ = _through_casts(w, params)
+        if wnode is None or uses[params[wnode]] != 1 or len(wnode.users) != 1:
+            continue
+        bnode = None
+        if b is not None:
+            bnode, _ = _through_casts(b, params)
+            if bnode is None or uses[params[bnode]] != 1 or len(bnode.users) != 1:
+                continue
+        wv = _ev(wnode)
+        if not isinstance(wv, torch.Tensor) or wv.ndim != 2:
+            continue
+        n_out = int(wv.shape[0])
+        src = lin  # through shape-keeping ops read by one user each
+        while len(src.users) == 1:
+            (u,) = src.users
+            v = _ev(u)
+            if _name(u) not in KEEP_LAST or not isinstance(v, torch.Tensor) or int(v.shape[-1]) != n_out:
+                break
+            src = u
+        v = _ev(src)
+        if not isinstance(v, torch.Tensor):
+            continue
+        nd = v.ndim
+        ranges: dict[tuple[int, int], list[fx.Node]] = {}
+        ok = True
+        for u in src.users:
+            r = _range(u, src, n_out, nd)
+            if r is not None:
+                ranges.setdefault(r, []).append(u)
+                continue
+            sp = _split_parts(u, src, nd)
+            if sp is None:
+                ok = False
+                break
+            for a, b_, g in sp:
+                ranges.setdefault((a, b_), []).append(g)
+        if not ok or len(ranges) < 2:
+            continue
+        cuts_at = sorted(ranges)
+        if cuts_at[0][0] != 0 or cuts_at[-1][1] != n_out or any(x[1] != y[0] for x, y in zip(cuts_at, cuts_at[1:])):
+            continue  # overlapping or leaving rows unread: not a partition
+        sizes = [b_ - a for a, b_ in cuts_at]
+        if len(set(sizes)) == 1:
+            continue  # equal parts: a strided shard holds them (the derivation's own case)
+        first = ranges[cuts_at[0]][0]
+        line = source_line(first)
+        cuts.append(Cut(params[wnode], params[bnode] if bnode is not None else None, sizes,
+                        f" at {line}" if line else "", lin, src, [ranges[r] for r in cuts_at]))
+    return cuts
+
+
+def _copy(graph: fx.Graph, n: fx.Node, env: dict) -> fx.Node:
+    """``n`` copied with its inputs mapped by ``env``, its example value computed on the copies'."""
+    new = graph.node_copy(n, lambda a: env.get(a, a))
+    args = fx.node.map_arg(new.args, _ev)
+    kwargs = fx.node.map_arg(new.kwargs, _ev)
+    if n.op == "call_function":
+        val = n.target(*args, **kwargs)
+    elif n.op == "call_method":
+        val = getattr(args[0], n.target)(*args[1:], **kwargs)
+    else:
+        val = None
+    key = "example_value" if "example_value" in n.meta else "val"
+    new.meta[key] = val
+    return new
+
+
+def cut(gm: fx.GraphModule, model: nn.Module, cuts: list[Cut]) -> None:
+    """Apply ``cuts``: parametrize each fused weight (and bias) on the user's module, and rewrite
+    the graph so that each part is its own linear reading its own parameter."""
+    graph = gm.graph
+    for c in cuts:
+        lin = c.linear
+        parts = {}
+        for which, name in (("weight", c.weight), ("bias", c.bias)):
+            if name is None:
+                continue
+            mod_name, _, attr = name.rpartition(".")
+            mod = model.get_submodule(mod_name)
+            parametrize.register_parametrization(mod, attr, Parts(c.sizes, 0), unsafe=True)
+            originals = getattr(mod.parametrizations, attr)
+            parts[which] = [getattr(originals, f"original{i}") for i in range(len(c.sizes))]
+        args = list(lin.args) + [None] * 3
+        w, b = (args[1] if args[1] is not None else lin.kwargs.get("weight"),
+                args[2] if args[2] is not None else lin.kwargs.get("bias"))
+        wdone = _part_chain(gm, lin, w, parts["weight"], c)
+        bdone = _part_chain(gm, lin, b, parts["bias"], c) if "bias" in parts else [None] * len(c.sizes)
+        keep = []  # the shape-keeping ops between the linear and the slices
+        src = lin
+        while src is not c.source:
+            (src,) = src.users
+            keep.append(src)
+        for i, readers in enumerate(c.readers):
+            with graph.inserting_before(lin):
+                env = {w: wdone[i]}
+                if b is not None:
+                    env[b] = bdone[i]
+                out = _copy(graph, lin, env)
+                for k in keep:
+                    out = _copy(graph, k, {**env, lin: out, **{kk: out for kk in keep}})
+            for r in readers:
+                r.replace_all_uses_with(out)
+        dead = {lin, *keep, *_chain(w), *_chain(b)}
+        for readers in c.readers:
+            for r in readers:
+                dead.add(r)
+                if r.args[0] not in (lin, *keep):  # a split's getitem: the split too
+                    dead.add(r.args[0])
+        for n in reversed(list(graph.nodes)):
+            if n in dead and not n.users:
+                if n.op == "get_attr":
+                    _drop_attr(gm, n.target)
+                graph.erase_node(n)
+    graph.lint()
+    gm.recompile()
+
+
+def _part_chain(gm, lin: fx.Node, arg: fx.Node, part_params: list, c: Cut) -> list[fx.Node]:
+    """For each part: a ``get_attr`` of its parameter and the casts ``arg`` went through."""
+    node, chain = arg, []
+    while node.op != "get_attr":
+        chain.append(node)
+        node = node.args[0]
+    chain.reverse()
+    outs = []
+    for i, p in enumerate(part_params):
+        target = f"{node.target}__part{i}"
+        setattr(gm, target, p)
+        with gm.graph.inserting_before(lin):
+            g = gm.graph.get_attr(target)
+            key = "example_value" if "example_value" in node.meta else "val"
+            ev = _ev(node)
+            a = sum(c.sizes[:i])
+            g.meta.update({k: v for k, v in node.meta.items() if k != key})
+            g.meta[key] = ev[a:a + c.sizes[i]] if isinstance(ev, torch.Tensor) else None
+            env = {node: g}
+            for ch in chain:
+                env[ch] = _copy(gm.graph, ch, env)
+            outs.append(env[chain[-1]] if chain else g)
+    return outs
+
+
+def _chain(a) -> list[fx.Node]:
+    """``a`` and the nodes it reads through casts down to its ``get_attr``."""
+    out = []
+    while isinstance(a, fx.Node):
+        out.append(a)
+        a = a.args[0] if a.op != "get_attr" else None
+    return out
+
+
+def _drop_attr(gm: fx.GraphModule, target: str) -> None:
+    """The fused parameter off the graph module (AOTAutograd lifts every parameter it holds)."""
+    mod_name, _, attr = target.rpartition(".")
+    owner = gm.get_submodule(mod_name) if mod_name else gm
+    if hasattr(owner, attr):
+        delattr(owner, attr)
+
+
+def derive_with_cuts(gm: fx.GraphModule, model: nn.Module, derive, keep_whole) -> tuple[object, list[Cut]]:
+    """``derive()`` (the tensor-parallel derivation on ``gm``) after cutting every fused weight the
+    graph shows (``find_cuts``) but those ``keep_whole(name)`` holds (a user's rule names them);
+    the cuts that left every part replicated undone and the derivation run again. Returns the
+    derivation and the cuts kept."""
+    cuts = [c for c in find_cuts(gm, model) if not keep_whole(c.weight) and not (c.bias and keep_whole(c.bias))]
+    if not cuts:
+        return derive(), []
+    saved = _save(gm, model, cuts)
+    cut(gm, model, cuts)
+    d = derive()
+    # a cut pays where a part's output is sharded (column-parallel); a weight that contracts a
+    # sharded dim (row-parallel, Mamba's x_proj into [dt | B | C]) is better whole: one partial sum,
+    # reduced once where it is sliced, rather than one per part
+    useless = {c.weight for c in cuts if not any(d.decisions[p].role == "column" for p in c.part_names(c.weight))}
+    if not useless:
+        return d, cuts
+    _restore(gm, model, cuts, saved)
+    cuts = [c for c in find_cuts(gm, model) if c.weight in {x.weight for x in cuts} - useless]
+    if cuts:
+        cut(gm, model, cuts)
+    return derive(), cuts
+
+
+def _save(gm: fx.GraphModule, model: nn.Module, cuts: list[Cut]) -> dict:
+    """What ``cut`` changes: a copy of the graph, the graph module's parameter attributes, the
+    module's fused parameters."""
+    from autopar.modpath import get_attr
+
+    graph = fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls)
+    graph._codegen = gm.graph._codegen
+    env: dict = {}
+    out = graph.graph_copy(gm.graph, env)
+    old_out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    new_out = graph.output(out)
+    new_out.meta = dict(old_out.meta)
+    attrs = {n.target: get_attr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    params = {name: model.get_parameter(name) for c in cuts for name in (c.weight, c.bias) if name is not None}
+    return {"graph": graph, "attrs": attrs, "params": params}
+
+
+def _restore(gm: fx.GraphModule, model: nn.Module, cuts: list[Cut], saved: dict) -> None:
+    """``cut`` undone: the module's fused parameters, the graph module's attributes, its graph."""
+    for c in cuts:
+        for name in (c.weight, c.bias):
+            if name is None:
+                continue
+            mod_name, _, attr = name.rpartition(".")
+            mod = model.get_submodule(mod_name)
+            parametrize.remove_parametrizations(mod, attr, leave_parametrized=True)
+            mod.register_parameter(attr, saved["params"][name])
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and n.target not in saved["attrs"]:
+            _drop_attr(gm, n.target)
+    for target, value in saved["attrs"].items():
+        mod_name, _, attr = target.rpartition(".")
+        owner = gm.get_submodule(mod_name) if mod_name else gm
+        if getattr(owner, attr, None) is not value:
+            setattr(owner, attr, value)
+    gm.graph = saved["graph"]
+    gm.recompile()
+
+
+# ------------------------------------------------------------------------ the global views
+@dataclass
+class Group:
+    fused: str
+    parts: list[str]
+    sizes: list[int]
+    dim: int
+
+
+def groups(model: nn.Module) -> list[Group]:
+    """Every tensor of ``model`` held as parts by ``Parts`` (this module's parametrization)."""
+    out = []
+    for mod_name, mod in model.named_modules():
+        plist = getattr(mod, "parametrizations", None)
+        if not isinstance(plist, nn.ModuleDict):
+            continue
+        for attr, pl in plist.items():
+            if len(pl) == 1 and isinstance(pl[0], Parts):
+                pre = f"{mod_name}." if mod_name else ""
+                out.append(Group(f"{pre}{attr}", [f"{pre}parametrizations.{attr}.original{i}"
+                                                    for i in range(len(pl[0].sizes))], pl[0].sizes, pl[0].dim))
+    return out
+
+
+def part_of(model: nn.Module) -> dict[str, tuple[str, int, int]]:
+    """part name -> (fused name, the part's offset along dim, dim)."""
+    out = {}
+    for g in groups(model):
+        at = 0
+        for p, s in zip(g.parts, g.sizes):
+            out[p] = (g.fused, at, g.dim)
+            at += s
+    return out
+
+
+def fuse(named: dict, model: nn.Module) -> dict:
+    """``named`` (name -> whole tensor, as ``pm.named_parameters()`` gathered) with each cut
+    weight's parts replaced by the fused tensor under its own name, in the parts' place."""
+    gs = {g.parts[0]: g for g in groups(model)}
+    rest = {p for g in gs.values() for p in g.parts[1:]}
+    out = {}
+    for k, v in named.items():
+        if k in gs:
+            g = gs[k]
+            if all(p in named for p in g.parts):
+                out[g.fused] = torch.cat([named[p] for p in g.parts], g.dim)
+                continue
+        if k in rest and all(p in named for p in next(g for g in gs.values() if k in g.parts).parts):
+            continue
+        out[k] = v
+    return out
+
+
+def fused_shapes(shapes: dict, model: nn.Module) -> dict:
+    """``shapes`` (name -> shape, a state dict's names) with each cut weight's parts replaced by
+    the fused tensor's shape under its own name."""
+    out = dict(shapes)
+    for g in groups(model):
+        if all(p in out for p in g.parts):
+            first = list(out.pop(g.parts[0]))
+            for p in g.parts[1:]:
+                out.pop(p)
+            first[g.dim] = sum(g.sizes)
+            out[g.fused] = tuple(first)
+    return out
+
+
+_PREFIXES = ("", "state.", "param_groups.")  # a model's state dict; an optimizer's, flattened by name
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def to_fused(d: dict, model: nn.Module) -> list[tuple]:
+    """In the flat dict ``d`` (a model's state dict, or an optimizer's flattened by parameter name:
+    ``state.<name>.exp_avg``, ``param_groups.<name>.lr``), every cut weight's parts replaced by one
+    entry under the fused name: the parts' tensors gathered whole and concatenated (a DTensor
+    replicated on the parts' mesh, so DCP writes it once and any plan reads it), a per-parameter
+    scalar (AdamW's ``step``, a learning rate) as the first part's. Returns what ``from_fused``
+    needs to put the parts back. A part held on another pipeline stage (meta here) makes a meta
+    entry. Every rank of a part's mesh calls this (it gathers)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Replicate
+
+    undo = []
+    for g in groups(model):
+        for pre in _PREFIXES:
+            p0 = pre + g.parts[0]
+            for key in [k for k in d if k == p0 or k.startswith(p0 + ".")]:
+                rest = key[len(p0):]
+                keys = [pre + p + rest for p in g.parts]
+                if not all(k in d for k in keys):
+                    continue
+                vals = [d[k] for k in keys]
+                v0 = vals[0]
+                if isinstance(v0, torch.Tensor) and v0.ndim > g.dim and v0.shape[g.dim] == g.sizes[0]:
+                    if any(v.is_meta for v in vals):
+                        shape = list(v0.shape)
+                        shape[g.dim] = sum(g.sizes)
+                        fused = torch.empty(shape, dtype=v0.dtype, device="meta")
+                    else:
+                        whole = torch.cat([_whole(v) for v in vals], g.dim)
+                        fused = (DTensor.from_local(whole, v0.device_mesh, [Replicate()] * v0.device_mesh.ndim,
+                                                    run_check=False) if isinstance(v0, DTensor) else whole)
+                else:
+                    fused = v0
+                for k in keys:
+                    del d[k]
+                d[pre + g.fused + rest] = fused
+                undo.append((pre + g.fused + rest, keys, vals, g))
+    return undo
+
+
+def from_fused(d: dict, undo: list[tuple]) -> None:
+    """After a load into the entries ``to_fused`` made: each part's values copied (in place) into
+    its own tensors from the fused one, which go back into ``d`` under the parts' names."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for key, keys, vals, g in undo:
+        fused = d.pop(key)
+        at = 0
+        for k, v, size in zip(keys, vals, g.sizes):
+            if isinstance(v, torch.Tensor) and not v.is_meta and isinstance(fused, torch.Tensor) \
+                    and fused.ndim > g.dim and not fused.is_meta and v.ndim == fused.ndim:
+                piece = _whole(fused).narrow(g.dim, at, size)
+                if isinstance(v, DTensor):
+                    local = distribute_tensor(piece, v.device_mesh, v.placements, src_data_rank=None).to_local()
+                    v.to_local().copy_(local)
+                else:
+                    v.copy_(piece)
+            elif isinstance(v, torch.Tensor) and not v.is_meta and isinstance(fused, torch.Tensor):
+                (v.to_local() if isinstance(v, DTensor) else v).copy_(_whole(fused))
+            elif not isinstance(v, torch.Tensor):
+                v = fused
+            d[k] = v
+            at += size
