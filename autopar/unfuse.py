@@ -12,10 +12,11 @@ was tried and rejected: torch's op rules rebuild it and drop the parts, docs/ten
 So, before the tensor-parallel derivation (passes/split.py), under a derived tensor-parallel
 strategy on an axis of more than one rank:
 
-1. **Found from the graph**, not from names: a ``linear`` whose weight is a parameter read
-   nowhere else, whose output (through shape-keeping ops: ``unsqueeze``, casts) is read only by
-   slices of its last dim (``x[..., a:b]``, ``split`` with sizes) that cut it into contiguous
-   parts, not all of one size (equal parts are a strided shard already).
+1. **Found from the graph**, not from names: a matmul by a parameter stored [out, in] and read
+   nowhere else (``linear(x, W, b)``, or ``x @ W.T``: Falcon's), whose output (through
+   shape-keeping ops: ``unsqueeze``, casts; or viewed as [.., heads, head_dim] first) is read only
+   by slices of that dim (``x[..., a:b]``, ``x[..., [i], :]``, ``split`` with sizes) that cut it
+   into contiguous parts, not all of one size (equal parts are a strided shard already).
 2. **The module**: the weight (and its bias) gets torch's own parametrization
    (``torch.nn.utils.parametrize``, ``unsafe=True``), ``Parts``: the fused tensor is the
    concatenation of one parameter per part, ``<module>.parametrizations.weight.original<i>``.
@@ -28,7 +29,7 @@ strategy on an axis of more than one rank:
    row-parallel weight whole has one partial sum to reduce, cut it would have one per part): the
    module gets its own parameter back and the graph its one linear.
 
-What the user sees: ``pm.parameters()`` lists the parts (the optimizer steps them: its state is
+What the user sees (the views: autopar/parts.py): ``pm.parameters()`` lists the parts (the optimizer steps them: its state is
 per part); the global views give the fused tensor under its own name: ``pm.state_dict()``,
 checkpoints (written as the whole fused tensor, so any plan and any mesh reads them),
 ``pm.load_pretrained`` (each part's slice of the file's tensor), and ``pm.report()`` says which
@@ -45,27 +46,10 @@ from torch import fx, nn
 from torch.nn.utils import parametrize
 
 from autopar.ir import source_line
+from autopar.parts import Parts
 
-NOTE = "cut: "  # the reports' prefix for a fused weight cut into parts (describe's lines)
 SAME = {"to", "type", "float", "half", "bfloat16", "contiguous", "_to_copy"}  # casts on the way to the linear
 KEEP_LAST = SAME | {"unsqueeze"}  # between the linear and its slices: the sliced dim stays the last one
-
-
-class Parts(nn.Module):
-    """The parametrization: the fused tensor is ``cat(parts, dim)``; ``sizes`` along ``dim``."""
-
-    def __init__(self, sizes: list[int], dim: int = 0):
-        super().__init__()
-        self.sizes, self.dim = [int(s) for s in sizes], dim
-
-    def forward(self, *parts):
-        return torch.cat(parts, self.dim)
-
-    def right_inverse(self, fused):
-        return tuple(p.clone() for p in torch.split(fused, self.sizes, self.dim))
-
-    def extra_repr(self) -> str:
-        return f"sizes={self.sizes}, dim={self.dim}"
 
 
 @dataclass
@@ -79,6 +63,7 @@ class Cut:
     linear: fx.Node = field(repr=False, default=None)
     source: fx.Node = field(repr=False, default=None)  # what the slices read: the linear or a shape-keeping op after it
     readers: list[list[fx.Node]] = field(repr=False, default_factory=list)  # per part: the nodes that read it
+    unit: int = 1  # rows per index of the sliced dim (head_dim where the output is viewed as heads first)
 
     def part_names(self, of: str) -> list[str]:
         mod, _, attr = of.rpartition(".")
@@ -114,38 +99,67 @@ def _ev(n):
     return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else n
 
 
-def _through_casts(a, params: dict) -> tuple[fx.Node | None, list[fx.Node]]:
-    """The parameter ``get_attr`` that ``a`` reads through casts, and those casts (first first)."""
-    chain = []
+TRANSPOSE = {"t", "transpose", "swapaxes", "swapdims"}
+
+
+def _through_casts(a, params: dict) -> tuple[fx.Node | None, int]:
+    """The parameter ``get_attr`` that ``a`` reads through casts and transposes (each read by one
+    node), and how many transposes (``W.T``, ``W.t()``) it went through."""
+    flips = 0
     while isinstance(a, fx.Node) and a not in params:
-        if _name(a) not in SAME or len(a.users) != 1:
-            return None, []
-        chain.append(a)
+        name = _name(a)
+        flip = name in TRANSPOSE or (name == "getattr" and len(a.args) > 1 and a.args[1] in ("T", "mT"))
+        if not (name in SAME or flip) or len(a.users) != 1:
+            return None, 0
+        flips += flip
         a = a.args[0]
-    return (a, chain[::-1]) if isinstance(a, fx.Node) else (None, [])
+    return (a, flips) if isinstance(a, fx.Node) else (None, 0)
 
 
-def _range(reader: fx.Node, src: fx.Node, n: int, nd: int):
-    """(start, stop) of the last dim that ``reader`` takes of ``src``, or None."""
+def _weight_of(mm: fx.Node, params: dict):
+    """(weight, bias) arguments of a matmul by a parameter stored [out, in]: ``linear(x, W, b)``,
+    or ``x @ W.T`` (``matmul``); None otherwise."""
+    name = _name(mm)
+    if name != "linear" and not (name == "matmul" and len(mm.args) == 2):
+        return None
+    w, b = _weight_args(mm)
+    want = 0 if name == "linear" else 1
+    wnode, flips = _through_casts(w, params)
+    if wnode is None or flips != want:
+        return None
+    return w, b
+
+
+def _range(reader: fx.Node, src: fx.Node, n: int, nd: int, back: int):
+    """(start, stop) that ``reader`` takes of ``src`` along its dim ``nd - back`` (of size n)
+    and nothing else, or None: ``x[..., a:b]``; with ``back`` 2, ``x[..., a:b, :]`` or
+    ``x[..., [i], :]`` (Falcon's one key head, kept as a dim)."""
     if reader.op != "call_function" or reader.target is not operator.getitem or reader.args[0] is not src:
         return None
     idx = reader.args[1]
-    if not isinstance(idx, tuple) or not idx or not isinstance(idx[-1], slice):
+    if not isinstance(idx, tuple) or len(idx) < back:
         return None
-    head = idx[:-1]
-    if not (head == (Ellipsis,) or (len(idx) == nd and all(s == slice(None) for s in head))):
+    head, at, tail = idx[:len(idx) - back], idx[len(idx) - back], idx[len(idx) - back + 1:]
+    if any(t != slice(None) for t in tail):
         return None
-    start, stop, step = idx[-1].indices(n)
+    if not (head == (Ellipsis,) or (len(idx) == nd and all(t == slice(None) for t in head))):
+        return None
+    if isinstance(at, list) and len(at) == 1 and type(at[0]) is int:
+        i = at[0] % n
+        return i, i + 1
+    if not isinstance(at, slice) or not all(v is None or type(v) is int for v in (at.start, at.stop, at.step)):
+        return None  # a bound the program computes: not a fixed cut
+    start, stop, step = at.indices(n)
     return (start, stop) if step == 1 and stop > start else None
 
 
-def _split_parts(sp: fx.Node, src: fx.Node, nd: int):
-    """``src.split([sizes], dim=-1)`` read only by ``getitem``: [(start, stop, getitem)]."""
+def _split_parts(sp: fx.Node, src: fx.Node, nd: int, back: int):
+    """``src.split([sizes], dim=nd - back)`` read only by ``getitem``: [(start, stop, getitem)]."""
     if _name(sp) not in ("split", "split_with_sizes") or sp.args[0] is not src:
         return None
     sizes = sp.args[1] if len(sp.args) > 1 else sp.kwargs.get("split_size_or_sections", sp.kwargs.get("split_sizes"))
     dim = sp.args[2] if len(sp.args) > 2 else sp.kwargs.get("dim", 0)
-    if not isinstance(sizes, (list, tuple)) or not all(isinstance(s, int) for s in sizes) or dim % nd != nd - 1:
+    if not isinstance(sizes, (list, tuple)) or not all(isinstance(s, int) for s in sizes) or dim % nd != nd - back:
         return None
     out, at = [], 0
     starts = []
@@ -158,6 +172,38 @@ def _split_parts(sp: fx.Node, src: fx.Node, nd: int):
         a, b = starts[u.args[1]]
         out.append((a, b, u))
     return out
+
+
+def _readers(src: fx.Node, n: int, back: int) -> dict | None:
+    """{(start, stop): the nodes reading that range of ``src``'s dim ``-back``}, when slices and
+    splits are all that read it; else None."""
+    v = _ev(src)
+    if not isinstance(v, torch.Tensor) or v.ndim < back:
+        return None
+    ranges: dict[tuple[int, int], list[fx.Node]] = {}
+    for u in src.users:
+        r = _range(u, src, n, v.ndim, back)
+        if r is not None:
+            ranges.setdefault(r, []).append(u)
+            continue
+        sp = _split_parts(u, src, v.ndim, back)
+        if sp is None:
+            return None
+        for a, b_, g in sp:
+            ranges.setdefault((a, b_), []).append(g)
+    return ranges
+
+
+def _heads_view(u: fx.Node, n_out: int) -> int:
+    """``u`` views its input's last dim (n_out) as [heads, head_dim], nothing else: head_dim; else 0."""
+    if _name(u) not in ("view", "reshape"):
+        return 0
+    vi, vo = _ev(u.args[0]), _ev(u)
+    if not isinstance(vi, torch.Tensor) or not isinstance(vo, torch.Tensor) or vo.ndim != vi.ndim + 1:
+        return 0
+    if tuple(vo.shape[:-2]) != tuple(vi.shape[:-1]) or vo.shape[-2] * vo.shape[-1] != n_out:
+        return 0
+    return int(vo.shape[-1])
 
 
 def find_cuts(gm: fx.GraphModule, model: nn.Module) -> list[Cut]:
@@ -176,18 +222,16 @@ def find_cuts(gm: fx.GraphModule, model: nn.Module) -> list[Cut]:
                 uses[name] = uses.get(name, 0) + 1
     cuts = []
     for lin in gm.graph.nodes:
-        if lin.op != "call_function" or _name(lin) != "linear":
+        if lin.op != "call_function" or _weight_of(lin, params) is None:
             continue
-        args = list(lin.args) + [None] * 3
-        w = args[1] if args[1] is not None else lin.kwargs.get("weight")
-        b = args[2] if args[2] is not None else lin.kwargs.get("bias")
+        w, b = _weight_of(lin, params)
         wnode, _ = _through_casts(w, params)
-        if wnode is None or uses[params[wnode]] != 1 or len(wnode.users) != 1:
+        if uses[params[wnode]] != 1:
             continue
         bnode = None
         if b is not None:
-            bnode, _ = _through_casts(b, params)
-            if bnode is None or uses[params[bnode]] != 1 or len(bnode.users) != 1:
+            bnode, flips = _through_casts(b, params)
+            if bnode is None or flips or uses[params[bnode]] != 1:
                 continue
         wv = _ev(wnode)
         if not isinstance(wv, torch.Tensor) or wv.ndim != 2:
@@ -200,41 +244,34 @@ def find_cuts(gm: fx.GraphModule, model: nn.Module) -> list[Cut]:
             if _name(u) not in KEEP_LAST or not isinstance(v, torch.Tensor) or int(v.shape[-1]) != n_out:
                 break
             src = u
-        v = _ev(src)
-        if not isinstance(v, torch.Tensor):
-            continue
-        nd = v.ndim
-        ranges: dict[tuple[int, int], list[fx.Node]] = {}
-        ok = True
-        for u in src.users:
-            r = _range(u, src, n_out, nd)
-            if r is not None:
-                ranges.setdefault(r, []).append(u)
-                continue
-            sp = _split_parts(u, src, nd)
-            if sp is None:
-                ok = False
-                break
-            for a, b_, g in sp:
-                ranges.setdefault((a, b_), []).append(g)
-        if not ok or len(ranges) < 2:
+        unit, ranges = 1, _readers(src, n_out, 1)
+        if ranges is None and len(src.users) == 1:  # viewed as [.., heads, head_dim], then cut by heads
+            (u,) = src.users
+            unit = _heads_view(u, n_out)
+            if unit:
+                src = u
+                ranges = _readers(u, n_out // unit, 2)
+        if not ranges or len(ranges) < 2:
             continue
         cuts_at = sorted(ranges)
-        if cuts_at[0][0] != 0 or cuts_at[-1][1] != n_out or any(x[1] != y[0] for x, y in zip(cuts_at, cuts_at[1:])):
+        if cuts_at[0][0] != 0 or cuts_at[-1][1] * unit != n_out or any(x[1] != y[0] for x, y in zip(cuts_at, cuts_at[1:])):
             continue  # overlapping or leaving rows unread: not a partition
-        sizes = [b_ - a for a, b_ in cuts_at]
+        sizes = [(b_ - a) * unit for a, b_ in cuts_at]
         if len(set(sizes)) == 1:
             continue  # equal parts: a strided shard holds them (the derivation's own case)
         first = ranges[cuts_at[0]][0]
         line = source_line(first)
         cuts.append(Cut(params[wnode], params[bnode] if bnode is not None else None, sizes,
-                        f" at {line}" if line else "", lin, src, [ranges[r] for r in cuts_at]))
+                        f" at {line}" if line else "", lin, src, [ranges[r] for r in cuts_at], unit))
     return cuts
 
 
-def _copy(graph: fx.Graph, n: fx.Node, env: dict) -> fx.Node:
-    """``n`` copied with its inputs mapped by ``env``, its example value computed on the copies'."""
+def _copy(graph: fx.Graph, n: fx.Node, env: dict, args: tuple | None = None) -> fx.Node:
+    """``n`` copied with its inputs mapped by ``env`` (or with ``args``), its example value computed
+    on the copies'."""
     new = graph.node_copy(n, lambda a: env.get(a, a))
+    if args is not None:
+        new.args = args
     args = fx.node.map_arg(new.args, _ev)
     kwargs = fx.node.map_arg(new.kwargs, _ev)
     if n.op == "call_function":
@@ -263,9 +300,7 @@ def cut(gm: fx.GraphModule, model: nn.Module, cuts: list[Cut]) -> None:
             parametrize.register_parametrization(mod, attr, Parts(c.sizes, 0), unsafe=True)
             originals = getattr(mod.parametrizations, attr)
             parts[which] = [getattr(originals, f"original{i}") for i in range(len(c.sizes))]
-        args = list(lin.args) + [None] * 3
-        w, b = (args[1] if args[1] is not None else lin.kwargs.get("weight"),
-                args[2] if args[2] is not None else lin.kwargs.get("bias"))
+        w, b = _weight_args(lin)
         wdone = _part_chain(gm, lin, w, parts["weight"], c)
         bdone = _part_chain(gm, lin, b, parts["bias"], c) if "bias" in parts else [None] * len(c.sizes)
         keep = []  # the shape-keeping ops between the linear and the slices
@@ -280,7 +315,12 @@ def cut(gm: fx.GraphModule, model: nn.Module, cuts: list[Cut]) -> None:
                     env[b] = bdone[i]
                 out = _copy(graph, lin, env)
                 for k in keep:
-                    out = _copy(graph, k, {**env, lin: out, **{kk: out for kk in keep}})
+                    shape = None
+                    if k is c.source and c.unit > 1:  # the view as heads: this part's heads
+                        shape = list(_ev(k).shape)
+                        shape[-2] = c.sizes[i] // c.unit
+                        shape = (out, *shape) if k.op == "call_method" else (out, tuple(shape))
+                    out = _copy(graph, k, {**env, lin: out, **{kk: out for kk in keep}}, shape)
             for r in readers:
                 r.replace_all_uses_with(out)
         dead = {lin, *keep, *_chain(w), *_chain(b)}
@@ -298,8 +338,17 @@ def cut(gm: fx.GraphModule, model: nn.Module, cuts: list[Cut]) -> None:
     gm.recompile()
 
 
+def _weight_args(mm: fx.Node) -> tuple:
+    """(weight, bias) arguments of ``linear(x, W, b)`` or ``matmul(x, W.T)`` (bias None)."""
+    if _name(mm) == "linear":
+        args = list(mm.args) + [None] * 3
+        return (args[1] if args[1] is not None else mm.kwargs.get("weight"),
+                args[2] if args[2] is not None else mm.kwargs.get("bias"))
+    return mm.args[1], None
+
+
 def _part_chain(gm, lin: fx.Node, arg: fx.Node, part_params: list, c: Cut) -> list[fx.Node]:
-    """For each part: a ``get_attr`` of its parameter and the casts ``arg`` went through."""
+    """For each part: a ``get_attr`` of its parameter and the casts / transposes ``arg`` went through."""
     node, chain = arg, []
     while node.op != "get_attr":
         chain.append(node)
@@ -348,9 +397,15 @@ def derive_with_cuts(gm: fx.GraphModule, model: nn.Module, derive, keep_whole) -
     cuts = [c for c in find_cuts(gm, model) if not keep_whole(c.weight) and not (c.bias and keep_whole(c.bias))]
     if not cuts:
         return derive(), []
+    from autopar.errors import PlanError
+
     saved = _save(gm, model, cuts)
     cut(gm, model, cuts)
-    d = derive()
+    try:
+        d = derive()
+    except PlanError:  # (a part the axis size does not divide): the weights as the user wrote them, and their error
+        _restore(gm, model, cuts, saved)
+        return derive(), []
     # a cut pays where a part's output is sharded (column-parallel); a weight that contracts a
     # sharded dim (row-parallel, Mamba's x_proj into [dt | B | C]) is better whole: one partial sum,
     # reduced once where it is sliced, rather than one per part
@@ -401,144 +456,3 @@ def _restore(gm: fx.GraphModule, model: nn.Module, cuts: list[Cut], saved: dict)
             setattr(owner, attr, value)
     gm.graph = saved["graph"]
     gm.recompile()
-
-
-# ------------------------------------------------------------------------ the global views
-@dataclass
-class Group:
-    fused: str
-    parts: list[str]
-    sizes: list[int]
-    dim: int
-
-
-def groups(model: nn.Module) -> list[Group]:
-    """Every tensor of ``model`` held as parts by ``Parts`` (this module's parametrization)."""
-    out = []
-    for mod_name, mod in model.named_modules():
-        plist = getattr(mod, "parametrizations", None)
-        if not isinstance(plist, nn.ModuleDict):
-            continue
-        for attr, pl in plist.items():
-            if len(pl) == 1 and isinstance(pl[0], Parts):
-                pre = f"{mod_name}." if mod_name else ""
-                out.append(Group(f"{pre}{attr}", [f"{pre}parametrizations.{attr}.original{i}"
-                                                    for i in range(len(pl[0].sizes))], pl[0].sizes, pl[0].dim))
-    return out
-
-
-def part_of(model: nn.Module) -> dict[str, tuple[str, int, int]]:
-    """part name -> (fused name, the part's offset along dim, dim)."""
-    out = {}
-    for g in groups(model):
-        at = 0
-        for p, s in zip(g.parts, g.sizes):
-            out[p] = (g.fused, at, g.dim)
-            at += s
-    return out
-
-
-def fuse(named: dict, model: nn.Module) -> dict:
-    """``named`` (name -> whole tensor, as ``pm.named_parameters()`` gathered) with each cut
-    weight's parts replaced by the fused tensor under its own name, in the parts' place."""
-    gs = {g.parts[0]: g for g in groups(model)}
-    rest = {p for g in gs.values() for p in g.parts[1:]}
-    out = {}
-    for k, v in named.items():
-        if k in gs:
-            g = gs[k]
-            if all(p in named for p in g.parts):
-                out[g.fused] = torch.cat([named[p] for p in g.parts], g.dim)
-                continue
-        if k in rest and all(p in named for p in next(g for g in gs.values() if k in g.parts).parts):
-            continue
-        out[k] = v
-    return out
-
-
-def fused_shapes(shapes: dict, model: nn.Module) -> dict:
-    """``shapes`` (name -> shape, a state dict's names) with each cut weight's parts replaced by
-    the fused tensor's shape under its own name."""
-    out = dict(shapes)
-    for g in groups(model):
-        if all(p in out for p in g.parts):
-            first = list(out.pop(g.parts[0]))
-            for p in g.parts[1:]:
-                out.pop(p)
-            first[g.dim] = sum(g.sizes)
-            out[g.fused] = tuple(first)
-    return out
-
-
-_PREFIXES = ("", "state.", "param_groups.")  # a model's state dict; an optimizer's, flattened by name
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def to_fused(d: dict, model: nn.Module) -> list[tuple]:
-    """In the flat dict ``d`` (a model's state dict, or an optimizer's flattened by parameter name:
-    ``state.<name>.exp_avg``, ``param_groups.<name>.lr``), every cut weight's parts replaced by one
-    entry under the fused name: the parts' tensors gathered whole and concatenated (a DTensor
-    replicated on the parts' mesh, so DCP writes it once and any plan reads it), a per-parameter
-    scalar (AdamW's ``step``, a learning rate) as the first part's. Returns what ``from_fused``
-    needs to put the parts back. A part held on another pipeline stage (meta here) makes a meta
-    entry. Every rank of a part's mesh calls this (it gathers)."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.placement_types import Replicate
-
-    undo = []
-    for g in groups(model):
-        for pre in _PREFIXES:
-            p0 = pre + g.parts[0]
-            for key in [k for k in d if k == p0 or k.startswith(p0 + ".")]:
-                rest = key[len(p0):]
-                keys = [pre + p + rest for p in g.parts]
-                if not all(k in d for k in keys):
-                    continue
-                vals = [d[k] for k in keys]
-                v0 = vals[0]
-                if isinstance(v0, torch.Tensor) and v0.ndim > g.dim and v0.shape[g.dim] == g.sizes[0]:
-                    if any(v.is_meta for v in vals):
-                        shape = list(v0.shape)
-                        shape[g.dim] = sum(g.sizes)
-                        fused = torch.empty(shape, dtype=v0.dtype, device="meta")
-                    else:
-                        whole = torch.cat([_whole(v) for v in vals], g.dim)
-                        fused = (DTensor.from_local(whole, v0.device_mesh, [Replicate()] * v0.device_mesh.ndim,
-                                                    run_check=False) if isinstance(v0, DTensor) else whole)
-                else:
-                    fused = v0
-                for k in keys:
-                    del d[k]
-                d[pre + g.fused + rest] = fused
-                undo.append((pre + g.fused + rest, keys, vals, g))
-    return undo
-
-
-def from_fused(d: dict, undo: list[tuple]) -> None:
-    """After a load into the entries ``to_fused`` made: each part's values copied (in place) into
-    its own tensors from the fused one, which go back into ``d`` under the parts' names."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    for key, keys, vals, g in undo:
-        fused = d.pop(key)
-        at = 0
-        for k, v, size in zip(keys, vals, g.sizes):
-            if isinstance(v, torch.Tensor) and not v.is_meta and isinstance(fused, torch.Tensor) \
-                    and fused.ndim > g.dim and not fused.is_meta and v.ndim == fused.ndim:
-                piece = _whole(fused).narrow(g.dim, at, size)
-                if isinstance(v, DTensor):
-                    local = distribute_tensor(piece, v.device_mesh, v.placements, src_data_rank=None).to_local()
-                    v.to_local().copy_(local)
-                else:
-                    v.copy_(piece)
-            elif isinstance(v, torch.Tensor) and not v.is_meta and isinstance(fused, torch.Tensor):
-                (v.to_local() if isinstance(v, DTensor) else v).copy_(_whole(fused))
-            elif not isinstance(v, torch.Tensor):
-                v = fused
-            d[k] = v
-            at += size

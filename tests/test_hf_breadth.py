@@ -63,6 +63,9 @@ CASES = [  # (architecture, plan, config overrides, rules that must have decided
     # multi-query attention fused in one weight ([q | k | v], one key / value head): one parameter
     # per part (autopar/unfuse.py), q split by heads, k and v whole
     ("GPTBigCode", "megatron", ONE_LAYER, set()),
+    # Falcon-7B's layout: x @ W.T viewed as [.., heads + 2, head_dim], cut by heads into q | k | v;
+    # the one K/V head reaches SDPA broadcast over the query heads, whole on each rank
+    ("Falcon", "megatron", ONE_LAYER, set()),
 ]
 
 

@@ -81,10 +81,17 @@ CASES = {
     # gate and up interleaved in one expert projection ([..., ::2] / [..., 1::2]), a bias per expert
     "gpt-oss": {"mlp.experts.gate_up_proj": (Shard(2), "column"), "mlp.experts.gate_up_proj_bias": (Shard(1), "with-column"),
                 "mlp.experts.down_proj": (Shard(1), "row"), "mlp.router.weight": (R, "replicated")},
+    # Falcon-40B's layout: q, k and v grouped per key / value head ([.., groups, heads per group + 2,
+    # head_dim]): a plain shard of the groups; k and v taken with a one-element list (qkv[..., [-2]])
+    # on a dim that is not sharded (2 layers, 2 groups, against one process on 2 and 4 ranks: the
+    # closing note of 2026-11-27)
+    "Falcon-40B": {"self_attention.query_key_value.weight": (Shard(0), "column"),
+                   "self_attention.dense.weight": (Shard(1), "row")},
 }
 
 
-VARIANTS = {"Llama-MQA": ("Llama", dict(num_key_value_heads=1))}  # case -> (architecture, config overrides)
+VARIANTS = {"Llama-MQA": ("Llama", dict(num_key_value_heads=1)),  # case -> (architecture, config overrides)
+            "Falcon-40B": ("Falcon", dict(new_decoder_architecture=True, num_kv_heads=2))}
 
 
 @pytest.mark.parametrize("arch", list(CASES))
@@ -200,7 +207,11 @@ COUNTS = [("Llama", "megatron", MEGATRON), ("GPT-2", "megatron", MEGATRON),
           # multi-query attention fused ([q | k | v], one key / value head): q by heads, k and v whole;
           # the one head's gradient is a partial sum over the ranks' query heads, all-reduced at k's
           # and v's views ([batch, seq, head_dim] each) before their weight gradients: 2 more backward
-          ("GPTBigCode", "megatron", {("forward", "all_reduce"): 2, ("backward", "all_reduce"): 4})]
+          ("GPTBigCode", "megatron", {("forward", "all_reduce"): 2, ("backward", "all_reduce"): 4}),
+          # the same cut through a view as [.., heads + 2, head_dim] (x @ W.T, then [..., :-2, :],
+          # [..., [-2], :]); attention and MLP in parallel off one norm: their partial sums added
+          # before one all-reduce forward; backward the norm's and the one K/V head's two
+          ("Falcon", "megatron", {("forward", "all_reduce"): 1, ("backward", "all_reduce"): 3})]
 
 
 @pytest.mark.parametrize("arch,strategy,expected", COUNTS, ids=[f"{a}-{s}" for a, s, _ in COUNTS])
@@ -327,12 +338,12 @@ def test_a_table_with_fewer_rows_than_ranks_is_held_whole_with_the_reason():
         _derived(Typed(3), (tokens, tokens), _ce)
 
 
-def _cut(model, inputs, loss_fn, keep_whole=lambda name: False):
+def _cut(model, inputs, loss_fn, keep_whole=lambda name: False, tp=2):
     from autopar import unfuse
 
     gm = capture_graph(model, inputs, loss_fn)
     before = {n: p for n, p in model.named_parameters()}
-    d, cuts = unfuse.derive_with_cuts(gm, model, lambda: derive(gm, model, 2), keep_whole)
+    d, cuts = unfuse.derive_with_cuts(gm, model, lambda: derive(gm, model, tp), keep_whole)
     return gm, d.decisions, cuts, before
 
 
@@ -393,3 +404,16 @@ def test_a_rule_that_names_the_fused_weight_keeps_it_whole():
     w = "model.layers.0.self_attn.qkv_proj.weight"
     _, dec, cuts, _ = _cut(model, inputs, loss_fn, keep_whole=lambda name: name == w)
     assert cuts == [] and w in dec and dec[w].placement == R
+
+
+def test_a_cut_whose_parts_the_axis_does_not_divide_leaves_the_model_as_written():
+    """tp=3 divides none of Phi-3's sizes: the error is the one the weights as written give (it
+    names the user's own parameters, no part), and the module is left as it was."""
+    from autopar.errors import PlanError
+
+    model, inputs, loss_fn = _hf("Phi-3")
+    before = dict(model.named_parameters())
+    with pytest.raises(PlanError) as e:
+        _cut(model, inputs, loss_fn, tp=3)
+    assert "parametrizations" not in str(e.value) and "gate_up_proj.weight" in str(e.value)
+    assert dict(model.named_parameters()) == before

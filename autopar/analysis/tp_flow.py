@@ -237,8 +237,10 @@ def _index(u: fx.Node, tx, tp: int):
     """x[idx] with slices, None, ints and Ellipsis: the sharded dim must be kept whole."""
     idx = u.args[1] if isinstance(u.args[1], tuple) else (u.args[1],)
     src = shape_of(u.args[0])
-    if any(isinstance(i, (fx.Node, list, torch.Tensor)) for i in idx):
-        raise Fail(f"indexing with tensors{where_of(u)}")
+    lists = [i for i in idx if isinstance(i, list)]
+    if any(isinstance(i, (fx.Node, torch.Tensor)) for i in idx) or len(lists) > 1 or \
+            any(type(j) is not int for i in lists for j in i):
+        raise Fail(f"indexing with tensors{where_of(u)}")  # (one list of ints keeps its dim in place: qkv[..., [-2], :])
     n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
     expanded = []
     for i in idx:
@@ -261,7 +263,7 @@ def _index(u: fx.Node, tx, tp: int):
                 if lo < step and hi == n and (n // tp) % step == 0:  # each rank's part holds whole strides
                     return d_out, 1
             if not isinstance(i, slice) or i.step not in (None, 1):
-                raise Fail(f"indexing into the sharded dim{where_of(u)}")
+                raise Fail(f"indexing into the sharded dim{where_of(u)}")  # (an int or a list of them too)
             lo, hi, _ = i.indices(n)
             m = n // o
             if lo % m == 0 and hi % m == 0 and hi > lo:  # whole parts: [q | k | v][..., :q_size]
@@ -269,7 +271,7 @@ def _index(u: fx.Node, tx, tp: int):
             unit = math.gcd(math.gcd(lo, hi), math.gcd(n, m))
             raise Fail(f"a slice [{lo}:{hi}] of the sharded dim{where_of(u)} crosses the shards", outer=n // unit // o)
         d_in += 1
-        if not isinstance(i, int):
+        if not isinstance(i, int):  # (a slice, or the one list: its dim stays)
             d_out += 1
     raise Fail(f"indexing autopar cannot follow{where_of(u)}")
 
@@ -534,7 +536,7 @@ def _attention(g: Graph, flow: Flow, u: fx.Node):
     if t[0] != nd - 3 or any(x is not None and x != t for x in ts) or (tm is not None and tm[1] != t[1]):
         raise Fail(f"attention{where_of(u)} over values not sharded by heads")
     for a, x in zip((q, k, v), ts):
-        if x is None:
+        if x is None and not (a is not q and shape_of(a)[nd - 3] == 1):  # one K/V head broadcast: whole on each rank
             _operand_needs(g, flow, u, a, nd - 3, t[1])
     if len(flow.trail) < 4:
         flow.trail.append(f"attention over heads{where_of(u)}")

@@ -166,7 +166,7 @@ def breadth_job(name: str, plan_name: str, debug: bool = True, **overrides) -> d
     program's ops."""
     import autopar
     from autopar.ir import info
-    from autopar.unfuse import fuse
+    from autopar.parts import fuse
 
     import torch.distributed as dist
 

@@ -147,7 +147,7 @@ class Runtime:
     def state_dict(self):
         """The module's state dict; a fused weight cut into parts (autopar/unfuse.py) under its own
         name, whole (gathered: call on every rank)."""
-        from autopar.unfuse import to_fused
+        from autopar.parts import to_fused
 
         out = self.module.state_dict()
         to_fused(out, self.module)

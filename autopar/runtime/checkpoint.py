@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import InputError
-from autopar.unfuse import from_fused, to_fused
+from autopar.parts import from_fused, to_fused
 
 MARKER = "COMPLETE"
 FORMAT = "autopar-checkpoint/1"
@@ -60,7 +60,7 @@ def _model_shapes(pm) -> dict[str, tuple]:
     """Every parameter and persistent buffer of the model (a pipeline's other stages included):
     what a checkpoint of this model must hold, with its global shape. A tied weight is held once,
     under its first name."""
-    from autopar.unfuse import fused_shapes
+    from autopar.parts import fused_shapes
 
     return fused_shapes({name: tuple(t.shape) for name, t in pm.module.state_dict(keep_vars=True).items()
                          if name not in pm._tied}, pm.module)

@@ -21,7 +21,7 @@ from autopar.kernels.choice import summary
 from autopar.ir import CommRecord, Stage, bytes_by_collective, fmt_dtype, fmt_placements, info
 from autopar.plan import replicated_lines
 from autopar.runtime.base import Runtime
-from autopar.unfuse import NOTE as CUT_NOTE
+from autopar.parts import NOTE as CUT_NOTE
 from autopar.runtime import failure
 from autopar.runtime.common import bytes_lines, check_indices, local_inputs, local_tensor, plain_parameters
 from autopar.runtime.executor import Executor, call

@@ -15,7 +15,7 @@ from autopar.kernels.choice import summary
 from autopar.ir import Stage, info
 from autopar.plan import replicated_lines
 from autopar.runtime.base import Runtime
-from autopar.unfuse import NOTE as CUT_NOTE
+from autopar.parts import NOTE as CUT_NOTE
 from autopar.runtime.common import bytes_lines
 from autopar.runtime import failure
 from autopar.runtime.executor import Executor

@@ -48,7 +48,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from autopar import torch_compat as tc
 from autopar.errors import InputError, PlanError
 from autopar.scoped import setting
-from autopar.unfuse import fused_shapes, part_of
+from autopar.parts import fused_shapes, part_of
 
 # ------------------------------------------------------------------------ building on meta
 _EMPTY = contextvars.ContextVar("autopar_init_empty_weights", default=False)

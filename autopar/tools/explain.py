@@ -33,7 +33,7 @@ from autopar.options import CompileOptions
 from autopar.tools.render import (MASKS_NOTE, Analysis, dump_dot, dump_json, dump_svg, dump_text, explain_text,
                                   plan_table, summary)
 from autopar.kernels import choice
-from autopar import unfuse
+from autopar import parts
 
 
 # --------------------------------------------------------------------------- parsing
@@ -280,7 +280,7 @@ def analyse(args, rank: int, progress: Progress, loaded=None, stop_after: str | 
         notes = sorted({str(w.message) for w in caught if "autopar" in str(w.message)})
         ctxs = [sp.ctx for sp in pm.local.values()] if pm.pipelined else [pm.ctx]
         notes += [MASKS_NOTE + m for m in (ctxs[0].masks if ctxs else [])]  # (passes/masks.py)
-        notes += [unfuse.NOTE + m for m in (ctxs[0].cuts if ctxs else [])]  # (autopar/unfuse.py)
+        notes += [parts.NOTE + m for m in (ctxs[0].cuts if ctxs else [])]  # (autopar/unfuse.py)
         notes += [f"kernels='auto': {line}" for line in choice.summary(ctxs[0].kernel_choices if ctxs else [])]
         notes += [f"no rule, derived: {line}" for line in dict.fromkeys(d for c in ctxs for d in c.derived_rules)]
         twins = [s for s, st in pm.stages.items() if st.twin_of is not None] if pm.pipelined else []
