@@ -183,7 +183,7 @@ def make_context(mesh: DeviceMesh, parsed: Plan, params: dict, options, accumula
         ctx.lowered = state.lowered
         ctx.kernel_choices = state.kernel_choices
         ctx.masks = state.masks
-        ctx.cuts = describe_cuts(state.cuts)
+        ctx.cuts = describe_cuts(state.cuts) + state.cut_notes
     return ctx
 
 

@@ -389,34 +389,36 @@ def _drop_attr(gm: fx.GraphModule, target: str) -> None:
         delattr(owner, attr)
 
 
-def derive_with_cuts(gm: fx.GraphModule, model: nn.Module, derive, keep_whole) -> tuple[object, list[Cut]]:
+def derive_with_cuts(gm: fx.GraphModule, model: nn.Module, derive, keep_whole) -> tuple[object, list[Cut], list[str]]:
     """``derive()`` (the tensor-parallel derivation on ``gm``) after cutting every fused weight the
     graph shows (``find_cuts``) but those ``keep_whole(name)`` holds (a user's rule names them);
-    the cuts that left every part replicated undone and the derivation run again. Returns the
-    derivation and the cuts kept."""
+    the cuts that left no part column-parallel undone and the derivation run again. Returns the
+    derivation, the cuts kept, and a line for the report where cutting was tried and given up."""
     cuts = [c for c in find_cuts(gm, model) if not keep_whole(c.weight) and not (c.bias and keep_whole(c.bias))]
     if not cuts:
-        return derive(), []
+        return derive(), [], []
     from autopar.errors import PlanError
 
     saved = _save(gm, model, cuts)
     cut(gm, model, cuts)
     try:
         d = derive()
-    except PlanError:  # (a part the axis size does not divide): the weights as the user wrote them, and their error
+    except PlanError as e:  # (a part the axis size does not divide): the weights as the user wrote them, and their error
         _restore(gm, model, cuts, saved)
-        return derive(), []
+        why = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
+        return derive(), [], [f"{cuts[0].weight}{f' and {len(cuts) - 1} more' if len(cuts) > 1 else ''} not cut into "
+                              f"one parameter per part: a part would not divide by the axis ({why}); kept as written"]
     # a cut pays where a part's output is sharded (column-parallel); a weight that contracts a
     # sharded dim (row-parallel, Mamba's x_proj into [dt | B | C]) is better whole: one partial sum,
     # reduced once where it is sliced, rather than one per part
     useless = {c.weight for c in cuts if not any(d.decisions[p].role == "column" for p in c.part_names(c.weight))}
     if not useless:
-        return d, cuts
+        return d, cuts, []
     _restore(gm, model, cuts, saved)
     cuts = [c for c in find_cuts(gm, model) if c.weight in {x.weight for x in cuts} - useless]
     if cuts:
         cut(gm, model, cuts)
-    return derive(), cuts
+    return derive(), cuts, []
 
 
 def _save(gm: fx.GraphModule, model: nn.Module, cuts: list[Cut]) -> dict:

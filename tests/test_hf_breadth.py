@@ -63,9 +63,11 @@ CASES = [  # (architecture, plan, config overrides, rules that must have decided
     # multi-query attention fused in one weight ([q | k | v], one key / value head): one parameter
     # per part (autopar/unfuse.py), q split by heads, k and v whole
     ("GPTBigCode", "megatron", ONE_LAYER, set()),
-    # Falcon-7B's layout: x @ W.T viewed as [.., heads + 2, head_dim], cut by heads into q | k | v;
-    # the one K/V head reaches SDPA broadcast over the query heads, whole on each rank
-    ("Falcon", "megatron", ONE_LAYER, set()),
+    # Falcon-40B's layout: q, k and v grouped per K/V head ([.., groups, heads per group + 2,
+    # head_dim]), k and v taken with a one-element list (qkv[..., [-2]]) on a dim that is not sharded.
+    # (Falcon-7B's, x @ W.T viewed as heads + 2 and cut into q | k | v, one K/V head broadcast into
+    # SDPA: benchmarks/hf_breadth.py's Falcon, and its count in tests/test_tp_derive.py)
+    ("Falcon", "megatron", dict(ONE_LAYER, new_decoder_architecture=True, num_kv_heads=2), set()),
 ]
 
 

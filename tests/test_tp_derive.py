@@ -83,8 +83,8 @@ CASES = {
                 "mlp.experts.down_proj": (Shard(1), "row"), "mlp.router.weight": (R, "replicated")},
     # Falcon-40B's layout: q, k and v grouped per key / value head ([.., groups, heads per group + 2,
     # head_dim]): a plain shard of the groups; k and v taken with a one-element list (qkv[..., [-2]])
-    # on a dim that is not sharded (2 layers, 2 groups, against one process on 2 and 4 ranks: the
-    # closing note of 2026-11-27)
+    # on a dim that is not sharded (against one process: tests/test_hf_breadth.py; on 2 and 4 ranks:
+    # benchmarks/results/hf-breadth-2026-11-27.md)
     "Falcon-40B": {"self_attention.query_key_value.weight": (Shard(0), "column"),
                    "self_attention.dense.weight": (Shard(1), "row")},
 }
@@ -343,7 +343,8 @@ def _cut(model, inputs, loss_fn, keep_whole=lambda name: False, tp=2):
 
     gm = capture_graph(model, inputs, loss_fn)
     before = {n: p for n, p in model.named_parameters()}
-    d, cuts = unfuse.derive_with_cuts(gm, model, lambda: derive(gm, model, tp), keep_whole)
+    d, cuts, notes = unfuse.derive_with_cuts(gm, model, lambda: derive(gm, model, tp), keep_whole)
+    assert not notes or not cuts
     return gm, d.decisions, cuts, before
 
 
@@ -417,3 +418,17 @@ def test_a_cut_whose_parts_the_axis_does_not_divide_leaves_the_model_as_written(
         _cut(model, inputs, loss_fn, tp=3)
     assert "parametrizations" not in str(e.value) and "gate_up_proj.weight" in str(e.value)
     assert dict(model.named_parameters()) == before
+
+
+def test_a_cut_that_a_part_makes_impossible_is_given_up_and_said():
+    """tp=4 divides Phi-3's 4 query heads but not its 2 key / value heads: the weight is kept as
+    written (replicated, with its reason), and the report's line says the cut was given up and why."""
+    from autopar import unfuse
+
+    model, inputs, loss_fn = _hf("Phi-3")
+    gm = capture_graph(model, inputs, loss_fn)
+    d, cuts, notes = unfuse.derive_with_cuts(gm, model, lambda: derive(gm, model, 4), lambda name: False)
+    w = "model.layers.0.self_attn.qkv_proj.weight"
+    assert cuts == [] and d.decisions[w].placement == R and w in dict(model.named_parameters())
+    (note,) = notes
+    assert note.startswith(f"{w} not cut") and "does not divide by 4" in note and note.endswith("kept as written"), note

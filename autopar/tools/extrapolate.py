@@ -48,6 +48,7 @@ import time
 import warnings
 
 from autopar.forked import Forked, can_fork, shared_heap
+from autopar.parts import NOTE as CUT_NOTE
 from autopar.tools.render import MASKS_NOTE, Analysis, summary
 
 DEPTHS = (3, 4, 5)
@@ -273,9 +274,10 @@ def _by_depth(args, rank: int, rep, at, progress) -> Analysis | None:
     out["extrapolated"] = {"depths": list(DEPTHS), "layers": layers, "blocks": rep.path,
                            "forked": shallow if child is not None else [],
                            "localized": {d: f.get("localized", []) for d, f in zip(DEPTHS, figs)}}
-    # the masks pass's lines count what the deepest compile holds, not the whole model: say so
-    notes = [n.replace(MASKS_NOTE, f"{MASKS_NOTE[:-2]} (counted in the depth-{DEPTHS[-1]} compile; the model "
-                       f"has {layers} blocks): ", 1) for n in last.notes]
+    # the masks pass's and the cut's lines count what the deepest compile holds, not the whole model: say so
+    counted = f" (counted in the depth-{DEPTHS[-1]} compile; the model has {layers} blocks): "
+    notes = [n.replace(MASKS_NOTE, MASKS_NOTE[:-2] + counted, 1).replace(CUT_NOTE, CUT_NOTE[:-2] + counted, 1)
+             for n in last.notes]
     return Analysis(last.model, last.axes, last.plan, rank, last.coord, last.options, last.pm, last.memory,
                     last.time, last.device, last.links, seconds, notes, int(out["parameters"]),
                     extrapolated=out)
