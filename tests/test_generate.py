@@ -24,8 +24,9 @@ def build(name: str):
 
     from autopar.models.zoo import HF_TINY
 
-    cls = {"hf_llama": "Llama", "hf_qwen2": "Qwen2"}[name]
-    cfg = getattr(transformers, f"{cls}Config")(**HF_TINY, use_cache=False, tie_word_embeddings=False)
+    cls = {"hf_llama": "Llama", "hf_qwen2": "Qwen2", "hf_phi3": "Phi3"}[name]
+    extra = {"pad_token_id": 0} if name == "hf_phi3" else {}  # (Phi3Config's default, 32000, is beyond the vocabulary)
+    cfg = getattr(transformers, f"{cls}Config")(**HF_TINY, use_cache=False, tie_word_embeddings=False, **extra)
     cfg._attn_implementation = "sdpa"
     model = getattr(transformers, f"{cls}ForCausalLM")(cfg)
     model.generation_config.eos_token_id = None  # LlamaConfig's default eos (2) would stop HF's generate
@@ -73,10 +74,13 @@ def generate_job(name: str, state: dict, ids: torch.Tensor, eos: int | None) -> 
         except autopar.InputError as e:
             errors[what] = str(e)
     out["errors"] = errors
+    out["cut"] = [n for n, _ in pm.named_parameters() if ".parametrizations." in n]
     return out
 
 
-@pytest.mark.parametrize("name", ["hf_llama", pytest.param("hf_qwen2", marks=pytest.mark.slow), "llama"])  # Qwen2: 10 s
+# Phi-3: q / k / v fused with fewer K/V heads, cut into one parameter per part (autopar/unfuse.py); its
+# prefill and decode programs capture the module, whose weight is then the parts' concatenation
+@pytest.mark.parametrize("name", ["hf_llama", pytest.param("hf_qwen2", marks=pytest.mark.slow), "llama", "hf_phi3"])  # Qwen2: 10 s
 def test_generate_tp2_matches_one_process(pools, name):
     model = build(name)
     ids = prompts()
@@ -87,6 +91,7 @@ def test_generate_tp2_matches_one_process(pools, name):
     out = pools(TP).run(generate_job, name, model.state_dict(), ids, eos if name != "llama" else None)
 
     assert out["same_on_every_rank"]
+    assert len(out["cut"]) == (3 * model.config.num_hidden_layers if name == "hf_phi3" else 0), out["cut"]
     assert torch.equal(out["tokens"], expected), (out["tokens"], expected)
     if expected_eos is not None:
         assert expected_eos.shape[1] < PROMPT + NEW or bool((expected_eos[:, PROMPT:] == eos).any())
@@ -99,9 +104,13 @@ def test_generate_tp2_matches_one_process(pools, name):
         c = model.config
         layers, kv, head_dim = c.num_hidden_layers, c.num_key_value_heads, c.hidden_size // c.num_attention_heads
     whole = 2 * layers * BATCH * kv * (PROMPT + NEW) * head_dim * 4  # fp32
+    # (a known gap: generation's programs capture the module, whose cut weight is the parts'
+    # concatenation; its cat needs the parts whole, so K and V, and the cache, are whole on each rank.
+    # The tokens are right; the memory is not yet 1/tp: docs/tensor-parallel.md)
+    split = 1 if name == "hf_phi3" else TP
     assert s.cache_shape == (BATCH, kv, PROMPT + NEW, head_dim)
-    assert s.cache_local_shape == (BATCH, kv // TP, PROMPT + NEW, head_dim)
-    assert s.cache_bytes == whole // TP
+    assert s.cache_local_shape == (BATCH, kv // split, PROMPT + NEW, head_dim)
+    assert s.cache_bytes == whole // split
     assert s.new_tokens == NEW
     assert s.collectives["decode"] > 0  # the steps communicate (tensor parallel), as compiled
     assert "beyond the model's 64" in out["errors"]["too long"]
