@@ -46,6 +46,24 @@ def hf_llama8b():
     return _hf(8, 2048, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32)
 
 
+def hf_phi3_medium():
+    """Phi-3-medium's shapes (40 query heads, 10 key / value heads fused in one qkv_proj: cut into one
+    parameter per part under tensor parallelism, autopar/unfuse.py), batch 64 x 4096, on meta."""
+    import transformers
+
+    cfg = transformers.Phi3Config(hidden_size=5120, intermediate_size=17920, num_hidden_layers=40,
+                                  num_attention_heads=40, num_key_value_heads=10, vocab_size=32064,
+                                  max_position_embeddings=4096, use_cache=False, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = transformers.Phi3ForCausalLM(cfg)
+    tokens = torch.empty((64, 4096), dtype=torch.long, device="meta")
+
+    def loss(logits, targets):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+    return model, (tokens, torch.empty_like(tokens)), loss
+
+
 HERE = os.path.abspath(__file__)
 BF16 = ["--precision", "bf16"]
 PAIRS = {
