@@ -442,6 +442,9 @@ def _capture_forward(model: nn.Module, wrapper: nn.Module, example_inputs: tuple
             inputs.append(("cache" if n.name in mutated else "input", user_idx))
             user_idx += 1
         info(n).role = inputs[-1]
+    from autopar.unfuse import cut_exported  # a weight cut into parts: one matmul per part here too
+
+    cut_exported(graph, {n: r[1] for n, r in zip(ph, inputs) if r[0] == "param"}, model)
     out_node = next(n for n in graph.nodes if n.op == "output")
     outputs = [("output", i) for i in range(len(out_node.args[0]))]
     if mutated:

@@ -458,3 +458,93 @@ def _restore(gm: fx.GraphModule, model: nn.Module, cuts: list[Cut], saved: dict)
             setattr(owner, attr, value)
     gm.graph = saved["graph"]
     gm.recompile()
+
+
+# ------------------------------------------------------------------ the exported (eval) programs
+def cut_exported(graph: fx.Graph, params: dict, model: nn.Module) -> int:
+    """The same rewrite in a program torch.export captured from the module (the eval forward,
+    generation's prefill and decode), where a cut weight is the ``cat`` of its parts: ``cat(parts)``
+    transposed into an ``mm`` / ``addmm`` (through a view of its leading dims) whose output only
+    slices at the parts' bounds read becomes one matmul per part, so each part keeps its own
+    placement (else DTensor's ``cat`` of parts sharded with different sizes gathers them whole).
+    ``params``: placeholder -> parameter name. Returns how many were rewritten."""
+    from autopar.parts import part_of
+
+    aten = torch.ops.aten
+    where = part_of(model)
+    done = 0
+    for cat in [n for n in graph.nodes if n.op == "call_function" and n.target == aten.cat.default]:
+        phs = cat.args[0]
+        dim = cat.args[1] if len(cat.args) > 1 else 0
+        names = [params.get(p) for p in phs]
+        if dim != 0 or len(phs) < 2 or any(n not in where for n in names) or \
+                len({where[n][0] for n in names}) != 1 or [where[n][1] for n in names] != sorted(where[n][1] for n in names):
+            continue
+        if len(cat.users) != 1:
+            continue
+        (tr,) = cat.users
+        if not (tr.target == aten.t.default or (tr.target == aten.permute.default and list(tr.args[1]) == [1, 0])) \
+                or len(tr.users) != 1:
+            continue
+        (mm,) = tr.users
+        bias = None
+        if mm.target == aten.mm.default and mm.args[1] is tr:
+            x = mm.args[0]
+        elif mm.target == aten.addmm.default and mm.args[2] is tr and isinstance(mm.args[0], fx.Node) \
+                and mm.args[0].target == aten.cat.default:
+            x, bias = mm.args[1], mm.args[0]
+            bnames = [params.get(p) for p in bias.args[0]]
+            if len(bias.users) != 1 or len(bnames) != len(names) or any(b not in where for b in bnames) or \
+                    len({where[b][0] for b in bnames}) != 1:
+                continue
+        else:
+            continue
+        out = mm
+        if len(mm.users) == 1 and next(iter(mm.users)).target == aten.view.default:
+            out = next(iter(mm.users))
+        sizes = [int(_ev(p).shape[0]) for p in phs]
+        n_out = sum(sizes)
+        bounds = {}
+        at = 0
+        for i, s in enumerate(sizes):
+            bounds[(at, at + s)] = i
+            at += s
+        nd = _ev(out).ndim
+        readers: list[list[fx.Node]] = [[] for _ in phs]
+        ok = len(out.users) > 0
+        for u in out.users:
+            args = list(u.args) + [0, None, None, 1][len(u.args) - 1:]
+            if u.target != aten.slice.Tensor or args[1] % nd != nd - 1 or args[4] != 1:
+                ok = False
+                break
+            lo = 0 if args[2] is None else (args[2] + n_out if args[2] < 0 else args[2])
+            hi = n_out if args[3] is None or args[3] >= n_out else (args[3] + n_out if args[3] < 0 else args[3])
+            if (lo, hi) not in bounds:
+                ok = False
+                break
+            readers[bounds[(lo, hi)]].append(u)
+        if not ok:
+            continue
+        for i, ph in enumerate(phs):
+            with graph.inserting_before(mm):
+                t = _run(graph, aten.permute.default, (ph, [1, 0]))
+                part = (_run(graph, aten.mm.default, (x, t)) if bias is None else
+                        _run(graph, aten.addmm.default, (bias.args[0][i], x, t)))
+                if out is not mm:
+                    part = _run(graph, aten.view.default, (part, list(_ev(out).shape[:-1]) + [sizes[i]]))
+            for r in readers[i]:
+                r.replace_all_uses_with(part)
+        for n in dict.fromkeys([*out.users, out, mm, tr, cat] + ([bias] if bias is not None else [])):
+            if not n.users:
+                graph.erase_node(n)
+        done += 1
+    if done:
+        graph.lint()
+    return done
+
+
+def _run(graph: fx.Graph, target, args: tuple) -> fx.Node:
+    """A new ``call_function`` node, its ``val`` computed on its inputs' fake values."""
+    n = graph.call_function(target, args)
+    n.meta["val"] = target(*fx.node.map_arg(args, _ev))
+    return n

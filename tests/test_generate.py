@@ -104,13 +104,11 @@ def test_generate_tp2_matches_one_process(pools, name):
         c = model.config
         layers, kv, head_dim = c.num_hidden_layers, c.num_key_value_heads, c.hidden_size // c.num_attention_heads
     whole = 2 * layers * BATCH * kv * (PROMPT + NEW) * head_dim * 4  # fp32
-    # (a known gap: generation's programs capture the module, whose cut weight is the parts'
-    # concatenation; its cat needs the parts whole, so K and V, and the cache, are whole on each rank.
-    # The tokens are right; the memory is not yet 1/tp: docs/tensor-parallel.md)
-    split = 1 if name == "hf_phi3" else TP
+    # (Phi-3: its programs capture the module, whose cut weight is the parts' concatenation; the
+    # matmul by it is one matmul per part there too, so K and V, and the cache, are split by heads)
     assert s.cache_shape == (BATCH, kv, PROMPT + NEW, head_dim)
-    assert s.cache_local_shape == (BATCH, kv // split, PROMPT + NEW, head_dim)
-    assert s.cache_bytes == whole // split
+    assert s.cache_local_shape == (BATCH, kv // TP, PROMPT + NEW, head_dim)
+    assert s.cache_bytes == whole // TP
     assert s.new_tokens == NEW
     assert s.collectives["decode"] > 0  # the steps communicate (tensor parallel), as compiled
     assert "beyond the model's 64" in out["errors"]["too long"]
