@@ -267,7 +267,6 @@ class CompileState:
     # split: per tensor-parallel axis, the placements derived from ``gm`` (analysis/tensor_parallel.py)
     tp_derived: dict = field(default_factory=dict)
     cuts: list = field(default_factory=list)  # split: fused weights cut into one parameter per part (autopar/unfuse.py)
-    cuts_found: bool = False
     cut_notes: list = field(default_factory=list)  # split: cuts tried and given up, one line each
     timings: dict[str, float] = field(default_factory=dict)
     done: list[str] = field(default_factory=list)

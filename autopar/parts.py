@@ -105,14 +105,15 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def to_fused(d: dict, model: nn.Module) -> list[tuple]:
+def to_fused(d: dict, model: nn.Module, values: bool = True) -> list[tuple]:
     """In the flat dict ``d`` (a model's state dict, or an optimizer's flattened by parameter name:
     ``state.<name>.exp_avg``, ``param_groups.<name>.lr``), every cut weight's parts replaced by one
     entry under the fused name: the parts' tensors gathered whole and concatenated (a DTensor
     replicated on the parts' mesh, so DCP writes it once and any plan reads it), a per-parameter
     scalar (AdamW's ``step``, a learning rate) as the first part's. Returns what ``from_fused``
     needs to put the parts back. A part held on another pipeline stage (meta here) makes a meta
-    entry. Every rank of a part's mesh calls this (it gathers)."""
+    entry. Every rank of a part's mesh calls this (it gathers). ``values=False`` (a load, which
+    overwrites them): empty fused tensors of the same kind, nothing gathered."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import Replicate
 
@@ -128,12 +129,14 @@ def to_fused(d: dict, model: nn.Module) -> list[tuple]:
                 vals = [d[k] for k in keys]
                 v0 = vals[0]
                 if isinstance(v0, torch.Tensor) and v0.ndim > g.dim and v0.shape[g.dim] == g.sizes[0]:
+                    shape = list(v0.shape)
+                    shape[g.dim] = sum(g.sizes)
                     if any(v.is_meta for v in vals):
-                        shape = list(v0.shape)
-                        shape[g.dim] = sum(g.sizes)
                         fused = torch.empty(shape, dtype=v0.dtype, device="meta")
                     else:
-                        whole = torch.cat([_whole(v) for v in vals], g.dim)
+                        local = (v0.to_local() if isinstance(v0, DTensor) else v0)
+                        whole = (torch.cat([_whole(v) for v in vals], g.dim) if values else
+                                 torch.empty(shape, dtype=local.dtype, device=local.device))
                         fused = (DTensor.from_local(whole, v0.device_mesh, [Replicate()] * v0.device_mesh.ndim,
                                                     run_check=False) if isinstance(v0, DTensor) else whole)
                 else:

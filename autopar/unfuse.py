@@ -45,6 +45,7 @@ import torch
 from torch import fx, nn
 from torch.nn.utils import parametrize
 
+from autopar.analysis.tp_graph import op_name, val_of
 from autopar.ir import source_line
 from autopar.parts import Parts
 
@@ -87,18 +88,6 @@ def describe(cuts: list[Cut]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------- the graph
-def _name(n: fx.Node) -> str:
-    if n.op == "call_method":
-        return n.target
-    if n.op == "call_function":
-        return getattr(n.target, "__name__", str(n.target))
-    return n.op
-
-
-def _ev(n):
-    return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else n
-
-
 TRANSPOSE = {"t", "transpose", "swapaxes", "swapdims"}
 
 
@@ -107,7 +96,7 @@ def _through_casts(a, params: dict) -> tuple[fx.Node | None, int]:
     node), and how many transposes (``W.T``, ``W.t()``) it went through."""
     flips = 0
     while isinstance(a, fx.Node) and a not in params:
-        name = _name(a)
+        name = op_name(a)
         flip = name in TRANSPOSE or (name == "getattr" and len(a.args) > 1 and a.args[1] in ("T", "mT"))
         if not (name in SAME or flip) or len(a.users) != 1:
             return None, 0
@@ -119,7 +108,7 @@ def _through_casts(a, params: dict) -> tuple[fx.Node | None, int]:
 def _weight_of(mm: fx.Node, params: dict):
     """(weight, bias) arguments of a matmul by a parameter stored [out, in]: ``linear(x, W, b)``,
     or ``x @ W.T`` (``matmul``); None otherwise."""
-    name = _name(mm)
+    name = op_name(mm)
     if name != "linear" and not (name == "matmul" and len(mm.args) == 2):
         return None
     w, b = _weight_args(mm)
@@ -155,7 +144,7 @@ def _range(reader: fx.Node, src: fx.Node, n: int, nd: int, back: int):
 
 def _split_parts(sp: fx.Node, src: fx.Node, nd: int, back: int):
     """``src.split([sizes], dim=nd - back)`` read only by ``getitem``: [(start, stop, getitem)]."""
-    if _name(sp) not in ("split", "split_with_sizes") or sp.args[0] is not src:
+    if op_name(sp) not in ("split", "split_with_sizes") or sp.args[0] is not src:
         return None
     sizes = sp.args[1] if len(sp.args) > 1 else sp.kwargs.get("split_size_or_sections", sp.kwargs.get("split_sizes"))
     dim = sp.args[2] if len(sp.args) > 2 else sp.kwargs.get("dim", 0)
@@ -177,7 +166,7 @@ def _split_parts(sp: fx.Node, src: fx.Node, nd: int, back: int):
 def _readers(src: fx.Node, n: int, back: int) -> dict | None:
     """{(start, stop): the nodes reading that range of ``src``'s dim ``-back``}, when slices and
     splits are all that read it; else None."""
-    v = _ev(src)
+    v = val_of(src)
     if not isinstance(v, torch.Tensor) or v.ndim < back:
         return None
     ranges: dict[tuple[int, int], list[fx.Node]] = {}
@@ -196,9 +185,9 @@ def _readers(src: fx.Node, n: int, back: int) -> dict | None:
 
 def _heads_view(u: fx.Node, n_out: int) -> int:
     """``u`` views its input's last dim (n_out) as [heads, head_dim], nothing else: head_dim; else 0."""
-    if _name(u) not in ("view", "reshape"):
+    if op_name(u) not in ("view", "reshape"):
         return 0
-    vi, vo = _ev(u.args[0]), _ev(u)
+    vi, vo = val_of(u.args[0]), val_of(u)
     if not isinstance(vi, torch.Tensor) or not isinstance(vo, torch.Tensor) or vo.ndim != vi.ndim + 1:
         return 0
     if tuple(vo.shape[:-2]) != tuple(vi.shape[:-1]) or vo.shape[-2] * vo.shape[-1] != n_out:
@@ -222,9 +211,10 @@ def find_cuts(gm: fx.GraphModule, model: nn.Module) -> list[Cut]:
                 uses[name] = uses.get(name, 0) + 1
     cuts = []
     for lin in gm.graph.nodes:
-        if lin.op != "call_function" or _weight_of(lin, params) is None:
+        wb = _weight_of(lin, params) if lin.op == "call_function" else None
+        if wb is None:
             continue
-        w, b = _weight_of(lin, params)
+        w, b = wb
         wnode, _ = _through_casts(w, params)
         if uses[params[wnode]] != 1:
             continue
@@ -233,15 +223,15 @@ def find_cuts(gm: fx.GraphModule, model: nn.Module) -> list[Cut]:
             bnode, flips = _through_casts(b, params)
             if bnode is None or flips or uses[params[bnode]] != 1:
                 continue
-        wv = _ev(wnode)
+        wv = val_of(wnode)
         if not isinstance(wv, torch.Tensor) or wv.ndim != 2:
             continue
         n_out = int(wv.shape[0])
         src = lin  # through shape-keeping ops read by one user each
         while len(src.users) == 1:
             (u,) = src.users
-            v = _ev(u)
-            if _name(u) not in KEEP_LAST or not isinstance(v, torch.Tensor) or int(v.shape[-1]) != n_out:
+            v = val_of(u)
+            if op_name(u) not in KEEP_LAST or not isinstance(v, torch.Tensor) or int(v.shape[-1]) != n_out:
                 break
             src = u
         unit, ranges = 1, _readers(src, n_out, 1)
@@ -272,8 +262,8 @@ def _copy(graph: fx.Graph, n: fx.Node, env: dict, args: tuple | None = None) -> 
     new = graph.node_copy(n, lambda a: env.get(a, a))
     if args is not None:
         new.args = args
-    args = fx.node.map_arg(new.args, _ev)
-    kwargs = fx.node.map_arg(new.kwargs, _ev)
+    args = fx.node.map_arg(new.args, val_of)
+    kwargs = fx.node.map_arg(new.kwargs, val_of)
     if n.op == "call_function":
         val = n.target(*args, **kwargs)
     elif n.op == "call_method":
@@ -317,7 +307,7 @@ def cut(gm: fx.GraphModule, model: nn.Module, cuts: list[Cut]) -> None:
                 for k in keep:
                     shape = None
                     if k is c.source and c.unit > 1:  # the view as heads: this part's heads
-                        shape = list(_ev(k).shape)
+                        shape = list(val_of(k).shape)
                         shape[-2] = c.sizes[i] // c.unit
                         shape = (out, *shape) if k.op == "call_method" else (out, tuple(shape))
                     out = _copy(graph, k, {**env, lin: out, **{kk: out for kk in keep}}, shape)
@@ -340,7 +330,7 @@ def cut(gm: fx.GraphModule, model: nn.Module, cuts: list[Cut]) -> None:
 
 def _weight_args(mm: fx.Node) -> tuple:
     """(weight, bias) arguments of ``linear(x, W, b)`` or ``matmul(x, W.T)`` (bias None)."""
-    if _name(mm) == "linear":
+    if op_name(mm) == "linear":
         args = list(mm.args) + [None] * 3
         return (args[1] if args[1] is not None else mm.kwargs.get("weight"),
                 args[2] if args[2] is not None else mm.kwargs.get("bias"))
@@ -361,7 +351,7 @@ def _part_chain(gm, lin: fx.Node, arg: fx.Node, part_params: list, c: Cut) -> li
         with gm.graph.inserting_before(lin):
             g = gm.graph.get_attr(target)
             key = "example_value" if "example_value" in node.meta else "val"
-            ev = _ev(node)
+            ev = val_of(node)
             a = sum(c.sizes[:i])
             g.meta.update({k: v for k, v in node.meta.items() if k != key})
             g.meta[key] = ev[a:a + c.sizes[i]] if isinstance(ev, torch.Tensor) else None
@@ -502,14 +492,14 @@ def cut_exported(graph: fx.Graph, params: dict, model: nn.Module) -> int:
         out = mm
         if len(mm.users) == 1 and next(iter(mm.users)).target == aten.view.default:
             out = next(iter(mm.users))
-        sizes = [int(_ev(p).shape[0]) for p in phs]
+        sizes = [int(val_of(p).shape[0]) for p in phs]
         n_out = sum(sizes)
         bounds = {}
         at = 0
         for i, s in enumerate(sizes):
             bounds[(at, at + s)] = i
             at += s
-        nd = _ev(out).ndim
+        nd = val_of(out).ndim
         readers: list[list[fx.Node]] = [[] for _ in phs]
         ok = len(out.users) > 0
         for u in out.users:
@@ -531,7 +521,7 @@ def cut_exported(graph: fx.Graph, params: dict, model: nn.Module) -> int:
                 part = (_run(graph, aten.mm.default, (x, t)) if bias is None else
                         _run(graph, aten.addmm.default, (bias.args[0][i], x, t)))
                 if out is not mm:
-                    part = _run(graph, aten.view.default, (part, list(_ev(out).shape[:-1]) + [sizes[i]]))
+                    part = _run(graph, aten.view.default, (part, list(val_of(out).shape[:-1]) + [sizes[i]]))
             for r in readers[i]:
                 r.replace_all_uses_with(part)
         for n in dict.fromkeys([*out.users, out, mm, tr, cat] + ([bias] if bias is not None else [])):
@@ -546,5 +536,5 @@ def cut_exported(graph: fx.Graph, params: dict, model: nn.Module) -> int:
 def _run(graph: fx.Graph, target, args: tuple) -> fx.Node:
     """A new ``call_function`` node, its ``val`` computed on its inputs' fake values."""
     n = graph.call_function(target, args)
-    n.meta["val"] = target(*fx.node.map_arg(args, _ev))
+    n.meta["val"] = target(*fx.node.map_arg(args, val_of))
     return n

@@ -104,9 +104,9 @@ def derive_tensor_parallel(state: CompileState) -> None:
                 continue
             if ap.axis not in state.tp_derived:
                 t0 = time.perf_counter()
-                if sizes.get(ap.axis, 1) > 1 and not state.cuts_found:
-                    # fused projections cut into unequal parts: one parameter per part (autopar/unfuse.py)
-                    state.cuts_found = True
+                if sizes.get(ap.axis, 1) > 1 and not state.cuts:
+                    # fused projections cut into unequal parts: one parameter per part (autopar/unfuse.py;
+                    # a second tensor-parallel axis derives on the graph the first one cut)
                     state.tp_derived[ap.axis], state.cuts, state.cut_notes = unfuse.derive_with_cuts(
                         state.gm, state.model, lambda ax=ap.axis: derive(state.gm, state.model, sizes[ax], ax),
                         lambda name: any(_first(rules, name) for p in plans for rules in p.overrides.values()))

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import InputError
-from autopar.parts import from_fused, to_fused
+from autopar.parts import from_fused, fused_shapes, to_fused
 
 MARKER = "COMPLETE"
 FORMAT = "autopar-checkpoint/1"
@@ -60,8 +60,6 @@ def _model_shapes(pm) -> dict[str, tuple]:
     """Every parameter and persistent buffer of the model (a pipeline's other stages included):
     what a checkpoint of this model must hold, with its global shape. A tied weight is held once,
     under its first name."""
-    from autopar.parts import fused_shapes
-
     return fused_shapes({name: tuple(t.shape) for name, t in pm.module.state_dict(keep_vars=True).items()
                          if name not in pm._tied}, pm.module)
 
@@ -360,7 +358,7 @@ def load(pm, path, optimizer=None) -> dict:
     same_world = marker.get("world_size") == dist.get_world_size()
     if same_world:
         state["rng"] = {rng_key: {k: v.clone() for k, v in _rng_state(pm).items()}}
-    cut = {part: to_fused(state[part], pm.module) for part in ("model", "optim") if part in state}
+    cut = {part: to_fused(state[part], pm.module, values=False) for part in ("model", "optim") if part in state}
     errors = _check_keys(pm, meta, state, optimizer)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, errors)  # a rank's own error would leave the others waiting in DCP
