@@ -328,42 +328,41 @@ def test_auto_rank_zero_decides_for_every_rank(monkeypatch):
 
 
 # ------------------------------------------------------------------ every device candidate
-def _candidates(table) -> list:
-    return [c for cs in (table.values() if isinstance(table, dict) else [table]) for c in cs]
-
-
-@pytest.mark.parametrize("which", ["fwd", "dkdv", "dq"])
+@pytest.mark.parametrize("which", ["fwd", "bwd"])
 def test_every_device_attention_candidate_computes_the_same(which):
     """Each launch configuration the GPU tuner may pick (kernels/attention.py FWD / DKDV / DQ, the
     forward's warp-specialised loop among them) forced through Triton's interpreter: on a GPU the tuner
     picks by speed alone, so each one must be right. Causal and not, GQA, a sequence the blocks do
-    not divide; head dims 64 and 128."""
+    not divide; head dims 64 and 128. The backward's two kernels are checked in pairs (the i-th dK/dV
+    candidate with the i-th dQ one, in one forward + backward: each pair's gradients are those two
+    kernels' alone), so every candidate of both runs once."""
     from autopar.kernels import attention, tune
 
-    table = {"fwd": attention.FWD, "dkdv": attention.DKDV, "dq": attention.DQ}[which]
-    name = {"fwd": "attention_fwd", "dkdv": "attention_bwd_dkdv", "dq": "attention_bwd_dq"}[which]
     cases = [(256, True), (200, False), (200, True), (256, False)]  # taken in turn, candidate by candidate
-    for i, (d, c) in enumerate((d, c) for d, configs in table.items() for c in configs):
-        s, causal = cases[i % len(cases)]
-        if which == "fwd":  # the forward alone: out and lse
+    if which == "fwd":  # the forward alone: out and lse
+        for i, (d, c) in enumerate((d, c) for d, configs in attention.FWD.items() for c in configs):
+            s, causal = cases[i % len(cases)]
             g = torch.Generator().manual_seed(i)
             q, k, v = (torch.randn(1, n, s, d, generator=g) for n in (2, 1, 1))
-            with tune.force(name, c), torch.no_grad():
+            with tune.force("attention_fwd", c), torch.no_grad():
                 out, lse = torch.ops.autopar.flash_attention(q, k, v, None, causal, d ** -0.5)
             ref, ref_lse = ops.attention_reference(q, k, v, None, causal, d ** -0.5)
             close(out, ref, torch.float32, f"{c} D{d} S{s} out")
             close(lse, ref_lse, torch.float32, f"{c} D{d} S{s} lse")
-            continue
-        # the other kernels on their first device candidate too: big blocks, few interpreted programs
-        others = {"attention_fwd": attention.FWD[d][0], "attention_bwd_dkdv": attention.DKDV[d][0],
-                  "attention_bwd_dq": attention.DQ[d][0], name: c}
+        return
+    assert {d: len(c) for d, c in attention.DKDV.items()} == {d: len(c) for d, c in attention.DQ.items()}
+    pairs = [(d, a, b) for d in attention.DKDV for a, b in zip(attention.DKDV[d], attention.DQ[d])]
+    for i, (d, dkdv, dq) in enumerate(pairs):
+        s, causal = cases[i % len(cases)]
+        # the forward on its first device candidate: big blocks, few interpreted programs
+        forced = {"attention_fwd": attention.FWD[d][0], "attention_bwd_dkdv": dkdv, "attention_bwd_dq": dq}
         with contextlib.ExitStack() as stack:
-            for kernel, config in others.items():
+            for kernel, config in forced.items():
                 stack.enter_context(tune.force(kernel, config))
             r = run_attention_case(1, 2, 1, s, s, d, causal, False, torch.float32)
-        close(r["out"], r["ref"], torch.float32, f"{c} D{d} S{s} out")
+        close(r["out"], r["ref"], torch.float32, f"{dkdv} / {dq} D{d} S{s} out")
         for g, a, ref in zip("qkv", r["grads"], r["ref_grads"]):
-            close(a, ref, torch.float32, f"{c} D{d} S{s} d{g}")
+            close(a, ref, torch.float32, f"{dq if g == 'q' else dkdv} D{d} S{s} d{g}")
 
 
 def test_every_device_matmul_candidate_computes_the_same():

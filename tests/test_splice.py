@@ -169,7 +169,9 @@ def _local_canon(gm: fx.GraphModule) -> list:
 @pytest.mark.parametrize("spec,field,plan,precision", [
     ("llama-small", "n_layers", {"dp": "fsdp", "tp": "megatron"}, "fp32"),
     ("llama-small", "n_layers", {"dp": "zero2", "tp": "sequence"}, "bf16"),
-    ("hf-llama-tiny", "num_hidden_layers", {"dp": "fsdp", "tp": "megatron"}, "bf16"),
+    # (59 s in a slow hour: a slow confirmation; test_depth's hf_llama case, in CI, compares the figures of
+    # Hugging Face Llama's spliced per-rank programs with its whole compile's)
+    pytest.param("hf-llama-tiny", "num_hidden_layers", {"dp": "fsdp", "tp": "megatron"}, "bf16", marks=pytest.mark.slow),
 ])
 def test_spliced_per_rank_program_equals_the_traced_one(spec, field, plan, precision, monkeypatch):
     """``autopar plan``'s depths 4 and 5 take depth 3's per-rank program spliced
