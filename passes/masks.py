@@ -28,8 +28,11 @@ copies were what the backward kept (G times the keys' and values' bytes per laye
 the plan splits heads over more ranks than there are KV heads (the attention rule shards K and V
 by heads with Q), with one KV head, or under user rules; ``state.masks`` says which.
 
-A mask whose subgraph would hold more than ``EVAL_BYTES`` is not evaluated (planning a long
-sequence on meta tensors); it stays, and the pass says so. What it did and did not rewrite is
+A mask whose subgraph would hold more than ``EVAL_BYTES`` (planning a long sequence on meta
+tensors: Llama-3-70B's batch 128 x 4096 makes Hugging Face's mask 14 GiB to evaluate) is evaluated
+one batch row only, where that row stands for every row: its large values are pointwise ops,
+casts and expands over the batch rows, and the small values they read (evaluated whole) have
+identical rows (``_one_row``). Otherwise it stays, and the pass says so. What it did and did not rewrite is
 recorded, one line per mask (with how many attentions read it), in ``state.masks``
 (``pm.ctx.masks``; ``pm.report()``, ``autopar plan`` and ``autopar dump`` print it).
 """
@@ -130,16 +133,28 @@ def _on_cpu(x):
     return x
 
 
-def _evaluate(gm: fx.GraphModule, nodes: list[fx.Node]) -> torch.Tensor:
-    """The value of the last of ``nodes`` (a subgraph closed over constants), computed on the CPU."""
-    env: dict[fx.Node, object] = {}
+def _evaluate(gm: fx.GraphModule, nodes: list[fx.Node], env: dict | None = None, rows=None) -> torch.Tensor:
+    """The value of the last of ``nodes`` (a subgraph closed over constants), computed on the CPU.
+    ``env``: values already computed (nodes outside ``nodes``); ``rows``: (count, n) to compute
+    the first n of ``count`` batch rows only (see ``_one_row``)."""
+    env = {} if env is None else dict(env)
 
     def load(a):
-        return env[a] if isinstance(a, fx.Node) else _on_cpu(a)
+        if not isinstance(a, fx.Node):
+            return _on_cpu(a)
+        v = env[a]
+        if rows is not None and isinstance(v, torch.Tensor) and v.ndim == rank and v.shape[0] == rows[0] > rows[1]:
+            return v[:rows[1]]  # a value with every batch row: the rows computed
+        return v
 
+    rank = _val(nodes[-1]).ndim if rows is not None else 0
     for n in nodes:
         args = fx.node.map_aggregate(n.args, load)
         kwargs = fx.node.map_aggregate(n.kwargs, load)
+        if rows is not None and n.op == "call_method" and n.target == "expand":
+            sizes = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+            sizes[0] = rows[1] if sizes[0] == rows[0] else sizes[0]
+            args = (args[0], *sizes)
         if n.op == "get_attr":
             obj = _attr(gm, n.target)
             env[n] = obj.to("cpu") if isinstance(obj, torch.Tensor) else obj
@@ -148,6 +163,43 @@ def _evaluate(gm: fx.GraphModule, nodes: list[fx.Node]) -> torch.Tensor:
         else:
             env[n] = n.target(*args, **kwargs)
     return env[nodes[-1]]
+
+
+ROW_OPS = {"to", "bool", "float", "int", "long", "half", "bfloat16", "double", "expand"}  # besides pointwise ops
+
+
+def _one_row(gm: fx.GraphModule, nodes: list[fx.Node]):
+    """A mask too large to evaluate whole whose every batch row is provably the same computation:
+    its large values (over ``EVAL_BYTES`` / 8) are pointwise ops, casts and expands of the batch
+    rows (Hugging Face's ``[batch, 1, seq, seq]`` mask from per-row position ids), and the small
+    values they read (evaluated whole) have identical rows. Then row 0 computed is every row:
+    ``(mask's row 0, rows)``; None where that does not hold."""
+    from autopar.analysis.tp_graph import op_name, pointwise
+
+    out = _val(nodes[-1])
+    if not isinstance(out, torch.Tensor) or out.ndim < 3 or out.shape[0] < 2:
+        return None
+    count = int(out.shape[0])
+    big = {n for n in nodes if isinstance(_val(n), torch.Tensor) and _bytes([n]) > EVAL_BYTES // 8}
+    if nodes[-1] not in big:
+        return None
+    for n in big:
+        v = _val(n)
+        if v.ndim != out.ndim or v.shape[0] != count or not (op_name(n) in ROW_OPS or pointwise(op_name(n))):
+            return None
+    small = [n for n in nodes if n not in big]
+    if any(a in big for n in small for a in n.all_input_nodes) or _bytes(small) > EVAL_BYTES:
+        return None
+    env: dict = {}
+    for n in small:
+        env[n] = _evaluate(gm, [n], env)
+    for n in big:  # the rows the large values read: each the same
+        for a in n.all_input_nodes:
+            v = env.get(a)
+            if isinstance(v, torch.Tensor) and v.ndim == out.ndim and v.shape[0] == count and \
+                    not bool((v == v[:1]).all()):
+                return None
+    return _evaluate(gm, [n for n in nodes if n in big], env, rows=(count, 1)), count
 
 
 def _bytes(nodes) -> int:
@@ -248,15 +300,22 @@ def _signature(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple:
 
 def _evaluated(gm: fx.GraphModule, nodes: list[fx.Node], lq: int, lk: int) -> tuple[bool, str]:
     size = _bytes(nodes)
-    if size > EVAL_BYTES:
-        return False, (f"is computed from no input but was not checked for causality ({size / 2**20:.0f} MiB to "
-                       f"evaluate, more than {EVAL_BYTES >> 20})")
+    rows = None
     try:
         values = []
         for _ in range(2):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(len(values))
-                values.append(_evaluate(gm, nodes))
+                if size <= EVAL_BYTES:
+                    values.append(_evaluate(gm, nodes))
+                    continue
+                one = _one_row(gm, nodes)
+                if one is None:
+                    return False, (f"is computed from no input but was not checked for causality ({size / 2**20:.0f} "
+                                   f"MiB to evaluate, more than {EVAL_BYTES >> 20}, and its batch rows not provably "
+                                   "alike)")
+                values.append(one[0])
+                rows = one[1]
     except Exception as e:  # noqa: BLE001 - an op the CPU cannot run: the mask stays
         return False, f"could not be evaluated on the CPU ({type(e).__name__}: {e})"
     a, b = values
@@ -265,7 +324,10 @@ def _evaluated(gm: fx.GraphModule, nodes: list[fx.Node], lq: int, lk: int) -> tu
         return False, "differs between two evaluations (random)"
     if not is_causal_mask(a, lq, lk):
         return False, "is not the causal mask"
-    return True, f"is computed from no input and is the causal mask ({list(a.shape)} {str(a.dtype)[6:]})"
+    shape = list(a.shape) if rows is None else [rows, *a.shape[1:]]
+    how = "" if rows is None else (f"; {size / 2**20:.0f} MiB whole, so one batch row evaluated: the rows are the "
+                                   "same ops on identical values")
+    return True, f"is computed from no input and is the causal mask ({shape} {str(a.dtype)[6:]}{how})"
 
 
 def _at(n: fx.Node) -> str:

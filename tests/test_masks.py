@@ -101,6 +101,37 @@ def test_a_constant_causal_mask_becomes_is_causal_and_nothing_else_does(name):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _rows(t, s, offset=False, strict=False):
+    """Hugging Face's way: position ids per batch row, compared into a [batch, 1, s, s] mask."""
+    pos = torch.arange(s)[None].expand(t.shape[0], s) + (torch.arange(t.shape[0])[:, None] if offset else 0)
+    return pos[:, None, None, :] < pos[:, None, :, None] if strict else pos[:, None, None, :] <= pos[:, None, :, None]
+
+
+@pytest.mark.parametrize("make,says", [
+    (_rows, "so one batch row evaluated: the rows are the same ops on identical values): is_causal=True"),
+    (lambda t, s: _rows(t, s, strict=True), "is not the causal mask"),
+    # each row causal, but the rows read different values: not proven alike, so kept
+    (lambda t, s: _rows(t, s, offset=True), "batch rows not provably alike"),
+])
+def test_a_mask_too_large_to_evaluate_is_checked_one_row_at_a_time_where_the_rows_are_alike(monkeypatch, make, says):
+    """A mask over EVAL_BYTES (Llama-3-70B's batch 128 x 4096: 14 GiB to evaluate whole) whose batch
+    rows are pointwise ops of identical small values: row 0 evaluated stands for every row."""
+    from autopar.passes import masks
+
+    monkeypatch.setattr(masks, "EVAL_BYTES", 10 << 10)  # the [2, 1, 64, 64] mask's subgraph holds about 11.5 KiB
+    monkeypatch.setattr(masks, "_VERDICTS", {})
+    torch.manual_seed(0)
+    model = _Attn(make)
+    x, y = torch.randint(1, 64, (2, 64)), torch.randint(0, 64, (2, 64))
+    before = capture_graph(model, (x, y), _ce)
+    after = capture_graph(model, (x, y), _ce)
+    lines = causal_masks(after, model)
+    assert len(lines) == 1 and says in lines[0], lines
+    losses = [torch.fx.Interpreter(gm).run(x, y) for gm in (before, after)]
+    losses = [v[0] if isinstance(v, (tuple, list)) else v for v in losses]
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)
+
+
 def test_a_mask_from_a_buffer_is_not_taken_for_a_constant():
     """A buffer may change between steps (the user's, or a running statistic): a mask read from
     one stays, even when it holds the causal mask now."""
