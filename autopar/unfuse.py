@@ -485,8 +485,8 @@ def cut_exported(graph: fx.Graph, params: dict, model: nn.Module) -> int:
             x, bias = mm.args[1], mm.args[0]
             bnames = [params.get(p) for p in bias.args[0]]
             if len(bias.users) != 1 or len(bnames) != len(names) or any(b not in where for b in bnames) or \
-                    len({where[b][0] for b in bnames}) != 1:
-                continue
+                    len({where[b][0] for b in bnames}) != 1 or [where[b][1] for b in bnames] != [where[n][1] for n in names]:
+                continue  # the bias's parts, in the weight's order
         else:
             continue
         out = mm

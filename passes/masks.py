@@ -135,9 +135,9 @@ def _on_cpu(x):
 
 def _evaluate(gm: fx.GraphModule, nodes: list[fx.Node], env: dict | None = None, rows=None) -> torch.Tensor:
     """The value of the last of ``nodes`` (a subgraph closed over constants), computed on the CPU.
-    ``env``: values already computed (nodes outside ``nodes``); ``rows``: (count, n) to compute
-    the first n of ``count`` batch rows only (see ``_one_row``)."""
-    env = {} if env is None else dict(env)
+    ``env``: values already computed (nodes outside ``nodes``), filled with those of ``nodes``;
+    ``rows``: (count, n) to compute the first n of ``count`` batch rows only (see ``_one_row``)."""
+    env = {} if env is None else env
 
     def load(a):
         if not isinstance(a, fx.Node):
@@ -191,8 +191,8 @@ def _one_row(gm: fx.GraphModule, nodes: list[fx.Node]):
     if any(a in big for n in small for a in n.all_input_nodes) or _bytes(small) > EVAL_BYTES:
         return None
     env: dict = {}
-    for n in small:
-        env[n] = _evaluate(gm, [n], env)
+    if small:
+        _evaluate(gm, small, env)
     for n in big:  # the rows the large values read: each the same
         for a in n.all_input_nodes:
             v = env.get(a)
