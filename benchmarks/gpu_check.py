@@ -11,7 +11,8 @@ that one; its traceback or the tail of its log is recorded and the next one runs
   grouped-query heads) and linear + GELU / SiLU in bf16 against an fp32 reference, beside the same
   error of PyTorch's bf16 SDPA / ``F.linear``: max |error| over max |reference|, per output and gradient;
 - ``step-*``: the whole training step of the 0.5B Llama (vocab 32000, dim 2048, 8 layers, 16/8
-  heads, ffn 5632; batch 8 x 2048; bf16; AdamW; one rank): eager PyTorch under autocast,
+  heads, ffn 5632; batch 8 x 2048; bf16; AdamW, torch's default or ``--optimizer adamw-fused``
+  on every side; one rank): eager PyTorch under autocast,
   torch.compile, autopar with kernels off / on / auto and with ``inductor=True``. Each: the first
   step's time (compiles), the median of the next ones, MFU, the allocator's peak over the timed
   steps, every step's loss (same init and batches everywhere), and for autopar the cost model's
@@ -20,7 +21,8 @@ that one; its traceback or the tail of its log is recorded and the next one runs
 - ``kernel-table``: ``autopar bench --kernels`` (autopar/tools/kernelbench.py) into ``$OUT``:
   kernels-DATE.json / .md, the device in its meta;
 - ``calibrate``: ``autopar calibrate --device cuda``'s row for this GPU (matmul rate, HBM
-  bandwidth, launch gap and torch's AdamW step measured; links from the datasheet row), written to
+  bandwidth, a block's elementwise ops run eagerly, launch gap and torch's AdamW step measured;
+  links from the datasheet row), written to
   calibrated-row.json: the autopar step sections predict with it too, beside the datasheet row.
   Then grouped-query SDPA (``enable_gqa``) against repeated K/V heads at the step's attention
   shape, and the kernels each ran.
@@ -81,6 +83,9 @@ class Config:
                                                      (2, 16, 16, 1000, 64, True), (2, 16, 4, 1000, 64, False)])
     linear: list = field(default_factory=lambda: [(8192, 5632, 2048)])
     kernel_seqs: list = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    # the steps' optimizer, the same on every side: torch's default AdamW (foreach on a GPU) or
+    # fused=True ("adamw-fused": one kernel per group, what torchtitan's trainer uses)
+    optimizer: str = "adamw"
 
 
 def config(smoke: bool) -> Config:
@@ -339,9 +344,16 @@ def _build(cfg: Config, device: str):
     return model, batches
 
 
-def _autopar_step(model, batches, kernels: str, inductor: bool, out: dict, row, stage, calibrated=None):
+def adamw(params, optimizer: str):
+    """torch's AdamW as ``optimizer`` names it (cost.OPTIMIZER_ACCESSES): "adamw" (torch's default
+    implementation) or "adamw-fused" (``fused=True``)."""
     import torch
 
+    return torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if optimizer == "adamw-fused" else {}))
+
+
+def _autopar_step(model, batches, kernels: str, inductor: bool, out: dict, row, stage, calibrated=None,
+                  optimizer: str = "adamw"):
     import autopar
     from autopar.analysis import cost
     from autopar.kernels import choice
@@ -356,18 +368,18 @@ def _autopar_step(model, batches, kernels: str, inductor: bool, out: dict, row, 
     out["kernel_choices"] = choice.summary(pm.ctx.kernel_choices)  # kernels="auto": both sides' times
     stage("cost model")
     dev = cost.get_device(row)
-    memory = cost.predict_memory(pm, "adamw")
-    op_by_op = cost.predict_time(pm, dev, "adamw", fused=False)
+    memory = cost.predict_memory(pm, optimizer)
+    op_by_op = cost.predict_time(pm, dev, optimizer, fused=False)
     out["predicted"] = {"device_row": row, "step_peak": memory["step_peak"],
                         "program_peak": memory["program_peak"],
                         "step_s_op_by_op": op_by_op.step_s, "optimizer_s": op_by_op.optimizer_s,
                         "unknown_flops": op_by_op.unknown_flops[:5],  # ops costed by their bytes alone
-                        "step_s_inductor": cost.predict_time(pm, dev, "adamw", fused=True).step_s}
+                        "step_s_inductor": cost.predict_time(pm, dev, optimizer, fused=True).step_s}
     out["predicted"]["step_s_as_run"] = out["predicted"]["step_s_inductor" if inductor else "step_s_op_by_op"]
     if calibrated is not None:  # the same program costed with this GPU's measured row (the calibrate section)
         out["predicted"]["calibrated"] = {"device_row": calibrated.name, "step_s_as_run": cost.predict_time(
-            pm, calibrated, "adamw", fused=inductor).step_s}
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+            pm, calibrated, optimizer, fused=inductor).step_s}
+    opt = adamw(pm.parameters(), optimizer)
 
     def step(x, y):
         loss = pm.train_step(x, y)
@@ -377,13 +389,13 @@ def _autopar_step(model, batches, kernels: str, inductor: bool, out: dict, row, 
     return step
 
 
-def _torch_step(model, device: str, compiled: bool):
+def _torch_step(model, device: str, compiled: bool, optimizer: str = "adamw"):
     import torch
 
     from autopar.models.llama import cross_entropy
 
     fwd = torch.compile(model) if compiled else model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = adamw(model.parameters(), optimizer)
 
     def step(x, y):
         with torch.autocast(device, dtype=torch.bfloat16):
@@ -483,14 +495,15 @@ def train_step(cfg: Config, variant: str, out: dict, stage, out_dir: str = "") -
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     row = device_row(torch.cuda.get_device_name() if cuda else None)
-    out.update(system=system, kernels=kernels, inductor=inductor, device=device, batch=cfg.batch, seq=cfg.seq)
+    out.update(system=system, kernels=kernels, inductor=inductor, device=device, batch=cfg.batch, seq=cfg.seq,
+               optimizer=cfg.optimizer)
     stage("building the model")
     model, batches = _build(cfg, device)
     n = sum(p.numel() for p in model.parameters())
     out.update(parameters=n, **model_flops(cfg.model, cfg.batch, cfg.seq, n - model.embed_tokens.weight.numel()))
-    step = (_autopar_step(model, batches, kernels, inductor, out, row, stage, _calibrated(out_dir))
+    step = (_autopar_step(model, batches, kernels, inductor, out, row, stage, _calibrated(out_dir), cfg.optimizer)
             if system == "autopar"
-            else _torch_step(model, device, system == "torch.compile"))
+            else _torch_step(model, device, system == "torch.compile", cfg.optimizer))
     out["losses"] = losses = []
 
     def one():
@@ -506,6 +519,9 @@ def train_step(cfg: Config, variant: str, out: dict, stage, out_dir: str = "") -
         torch.cuda.reset_peak_memory_stats()
     out["step_s"] = _time(one, cfg.reps, cuda, back_to_back=False)  # each step alone (it syncs on its loss)
     out["allocator_peak"] = torch.cuda.max_memory_allocated() if cuda else None
+    if cuda:
+        stage("one step under torch.profiler (device time by kind of kernel)")
+        out["kernel_ms"] = kernel_kinds(one)
     if system == "autopar" and kernels != "off":
         from autopar.kernels import tune
 
@@ -520,6 +536,38 @@ def train_step(cfg: Config, variant: str, out: dict, stage, out_dir: str = "") -
         if "calibrated" in pred:
             pred["calibrated"]["step_s_ratio"] = out["step_s"] / pred["calibrated"]["step_s_as_run"]
         pred["peak_ratio"] = out["allocator_peak"] / pred["step_peak"]
+
+
+KERNEL_KINDS = (("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
+                ("attention", ("fmha", "flash", "sdpa", "attention")),
+                ("optimizer", ("multi_tensor", "adam")),
+                ("Triton (generated)", ("triton",)))
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((k for k, keys in KERNEL_KINDS if any(x in low for x in keys)), "ATen elementwise / other")
+
+
+def kernel_kinds(fn) -> dict:
+    """Device ms of one ``fn()`` by kind of kernel (``KERNEL_KINDS``, by the kernel's name), and
+    the wall time it took: where a step's time goes, side by side for every system."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kinds = {"wall": (time.perf_counter() - t0) * 1e3}
+    for e in prof.key_averages():
+        if e.device_type == DeviceType.CUDA:
+            t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+            k = kernel_kind(e.key)
+            kinds[k] = kinds.get(k, 0.0) + t / 1e3
+    return kinds
 
 
 class Record:
@@ -627,6 +675,16 @@ def _step_lines(record: dict) -> list[str]:
     if lowered:
         lines += ["", "Rewritten into autopar's kernels (the lower pass, per rule): " + "; ".join(
             f"{n} {d or 'nothing'}" for n, d in lowered.items()) + "."]
+    kinds = {n.removeprefix("step-"): s["result"]["kernel_ms"] for n, s in steps.items()
+             if s.get("result", {}).get("kernel_ms")}
+    if kinds:
+        cols = [k for k, _ in KERNEL_KINDS] + ["ATen elementwise / other"]
+        lines += ["", "One step under torch.profiler, device ms by kind of kernel (by the kernel's name; wall: the "
+                  "profiled step's own time):", "", "| system | " + " | ".join(cols) + " | all kernels | wall |",
+                  "|---" * (len(cols) + 3) + "|"]
+        for n, k in kinds.items():
+            lines.append(f"| {n} | " + " | ".join(f"{k.get(c, 0.0):.1f}" for c in cols)
+                         + f" | {sum(v for c, v in k.items() if c != 'wall'):.1f} | {k['wall']:.1f} |")
     for name, s in steps.items():
         for c in s.get("result", {}).get("kernel_choices") or []:
             lines.append(f"- {name.removeprefix('step-')}: kernels='auto' decided {c}")
@@ -688,7 +746,9 @@ def summary_md(record: dict) -> str:
                   f"repeated {gqa.get('repeated_kernels', '-')}."]
     if any(n.startswith("step-") for n in record["sections"]):
         m = meta["model"]
-        lines += ["", f"## Whole step: Llama {m}, batch {meta['batch']} x {meta['seq']}, bf16, AdamW, one rank",
+        lines += ["", f"## Whole step: Llama {m}, batch {meta['batch']} x {meta['seq']}, bf16, "
+                  + ("AdamW(fused=True)" if meta.get("optimizer") == "adamw-fused" else "AdamW (torch's default)")
+                  + ", one rank",
                   "", "eager and torch.compile under autocast(bf16) from fp32 parameters; autopar "
                   "precision='bf16' (fp32 master parameters), plan dp=1 ddp. Median of the timed steps; "
                   "MFU = (6 N T + 6 L S dim T) / step time / dense bf16 peak (N: parameters but the embedding "
@@ -732,6 +792,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="run these sections only (in the usual order)")
     ap.add_argument("--kernel-seqs", type=int, nargs="+", default=None,
                     help="kernel-table sequence lengths (default autopar bench --kernels': 512 ... 8192)")
+    ap.add_argument("--optimizer", choices=("adamw", "adamw-fused"), default="adamw",
+                    help="the steps' optimizer on every side: torch's default AdamW (default) or AdamW(fused=True)")
     ap.add_argument("--section", default=None, help=argparse.SUPPRESS)  # a section's own process
     return ap.parse_args(argv)
 
@@ -741,6 +803,7 @@ def main(argv=None) -> int:
     cfg = config(args.smoke)
     if args.kernel_seqs:
         cfg.kernel_seqs = args.kernel_seqs
+    cfg.optimizer = args.optimizer
     out_dir = os.path.abspath(args.out)
     if args.section:
         return child(args.section, cfg, out_dir)
@@ -752,7 +815,7 @@ def main(argv=None) -> int:
         args.budget_s = 900.0 if args.smoke else 420.0
     budget = Budget(args.budget_s)
     record = {"meta": {"budget_s": args.budget_s, "smoke": args.smoke, "out": out_dir, "model": cfg.model,
-                       "batch": cfg.batch, "seq": cfg.seq, "seconds": 0.0}, "env": {}, "sections": {}}
+                       "batch": cfg.batch, "seq": cfg.seq, "optimizer": cfg.optimizer, "seconds": 0.0}, "env": {}, "sections": {}}
     try:
         record["env"] = environment(args.commit)
     except Exception:
@@ -769,7 +832,8 @@ def main(argv=None) -> int:
         else:
             cmd = [sys.executable, os.path.abspath(__file__), "--section", name, "--out", out_dir] + \
                   (["--smoke"] if args.smoke else []) + \
-                  (["--kernel-seqs", *map(str, args.kernel_seqs)] if args.kernel_seqs else [])
+                  (["--kernel-seqs", *map(str, args.kernel_seqs)] if args.kernel_seqs else []) + \
+                  ["--optimizer", args.optimizer]
             record["sections"][name] = run_section(cmd, timeout, os.path.join(out_dir, "logs", f"{name}.log"),
                                                    os.path.join(out_dir, "sections", f"{name}.json"))
         record["meta"]["seconds"] = args.budget_s - budget.left()

@@ -186,13 +186,13 @@ def test_calibrating_a_gpu_keeps_the_datasheet_links(monkeypatch, capsys):
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(total_memory=140 * 2**30))
-    row = calibrate.calibrate_gpu(n=64, mib=1, device="cpu", opt_elems=2**16)
+    row = calibrate.calibrate_gpu(n=64, mib=1, device="cpu", opt_elems=2**16, tokens=256, dim=256)
     dev = cost.Device(**row)
     h200 = cost.DEVICES["h200"]
     assert dev.name == "h200-calibrated" and dev.efficiency == 1.0 and dev.mem_bytes == 140 * 2**30
     assert (dev.intra_bw, dev.inter_bw, dev.ranks_per_node) == (h200.intra_bw, h200.inter_bw, h200.ranks_per_node)
     assert all(v > 0 for v in dev.flops.values()) and dev.mem_bw > 0 and dev.op_overhead > 0 and dev.cores == 0
-    assert dev.optimizer_bw > 0
+    assert dev.optimizer_bw > 0 and dev.eager_bw > 0 and "eager elementwise ops at" in dev.describe()
     assert "on NVIDIA H200" in dev.source and "links from the h200 row" in dev.source
     if not torch.cuda.is_available():
         rc, _, err = run(capsys, "calibrate", "--device", "cuda")
@@ -241,6 +241,25 @@ def test_fused_elementwise_chains_by_hand():
     assert cost.compute_seconds(view, cpu, 0, 1.0, fusion) == 0.0
     eager, fused = (cost.simulate(gm, dev, {}, fused=b) for b in (False, True))
     assert fused.compute_s < eager.compute_s and fused.flops == eager.flops
+    # a row with a measured eager rate: the program's own ops at that rate, Inductor's kernels at mem_bw
+    slow = replace(dev, eager_bw=dev.mem_bw / 2)
+    assert elementwise_bytes(None) * 2 == pytest.approx(sum(
+        cost.compute_seconds(n, slow, 0) for n in gm.graph.nodes
+        if n.op == "call_function" and n.target is not torch.ops.aten.mm.default) * dev.mem_bw)
+    assert cost.simulate(gm, slow, {}, fused=True).compute_s == pytest.approx(fused.compute_s)
+
+
+def test_optimizer_rates():
+    """torch's default AdamW at the row's measured optimizer rate; a fused one on a GPU at mem_bw
+    (one streaming kernel per group); a CPU row keeps its measured rate for both."""
+    from dataclasses import replace
+
+    gpu = replace(cost.DEVICES["h200"], optimizer_bw=3.4e12, mem_bw=4.2e12)
+    n = 10**9
+    assert cost.optimizer_seconds(n, "adamw", gpu) == pytest.approx(n * 80 / 3.4e12)
+    assert cost.optimizer_seconds(n, "adamw-fused", gpu) == pytest.approx(n * 28 / 4.2e12)
+    cpu = cost.DEVICES["cpu"]
+    assert cost.optimizer_seconds(n, "adamw-fused", cpu) == pytest.approx(n * 28 / cpu.optimizer_bw)
 
 
 def test_liveness_matches_a_hand_count(fake):

@@ -82,3 +82,12 @@ def test_the_eager_step_on_the_tiny_llama_and_its_row_in_the_summary(gc, tmp_pat
     md = gc.summary_md(record)
     row = next(line for line in md.splitlines() if line.startswith("| autopar-off |"))
     assert "| 100.0 (100.0 / 50.0) | 1.50 | 100.00 MiB | 1.100 |" in row and row.endswith("| 1.0e-03 |")
+    assert "One step under torch.profiler" not in md  # no GPU: no kernel profile
+    fake["kernel_ms"] = {"wall": 101.0, "matmul": 55.0, "optimizer": 11.5, "Triton (generated)": 20.0}
+    md = gc.summary_md(record)
+    assert "| autopar-off | 55.0 | 0.0 | 11.5 | 20.0 | 0.0 | 86.5 | 101.0 |" in md
+    assert [gc.kernel_kind(k) for k in ("nvjet_tst_128x256_64x4_1x2_h_bz_coopB_NNT", "triton_per_fused_mul_0",
+                                        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop",
+                                        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel",
+                                        "void at::native::elementwise_kernel<128, 4>")] == \
+        ["matmul", "Triton (generated)", "attention", "optimizer", "ATen elementwise / other"]

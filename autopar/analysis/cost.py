@@ -156,7 +156,9 @@ def compute_seconds(n: fx.Node, dev: Device, flops: int, share: float = 1.0, fus
     if fusion is not None and n in fusion.generated:
         return sum(_kernel(dev, moved / dev.mem_bw * share) for moved in fusion.kernels.get(n, ()))
     moved = val_bytes(n.meta.get("val")) + sum(val_bytes(a.meta.get("val")) for a in n.all_input_nodes)
-    t = moved / dev.mem_bw
+    # a memory-bound ATen kernel at the rate measured on such ops (Device.eager_bw); a product's
+    # operands (cuBLAS, attention) stream at mem_bw
+    t = moved / (dev.mem_bw if flops else (dev.eager_bw or dev.mem_bw))
     if flops:
         t = max(flops / (dev.flops[_dtype_key(n)] * dev.efficiency), t)
     return _kernel(dev, t * share)
@@ -327,8 +329,12 @@ def _optimizer_bytes_per_element(optimizer: str) -> int:
 
 def optimizer_seconds(elems: int, optimizer: str, dev: Device, share: float = 1.0) -> float:
     """Seconds of the optimizer step over ``elems`` fp32 parameter elements on this rank: its
-    accesses at the row's measured optimizer rate (``Device.optimizer_bw``), else at mem_bw."""
-    return elems * _optimizer_bytes_per_element(optimizer) / (dev.optimizer_bw or dev.mem_bw) * share
+    accesses at the row's measured optimizer rate (``Device.optimizer_bw``: torch's default AdamW
+    timed), else at mem_bw. A fused optimizer on a GPU streams its accesses in one kernel per
+    group of tensors: mem_bw."""
+    fused_gpu = optimizer.endswith("-fused") and dev.kind == "gpu"
+    rate = dev.mem_bw if fused_gpu else (dev.optimizer_bw or dev.mem_bw)
+    return elems * _optimizer_bytes_per_element(optimizer) / rate * share
 
 
 def predict_time(pm, dev: Device, optimizer: str = "adamw", fused: bool | None = None) -> TimeEstimate:

@@ -29,6 +29,10 @@ class Device:
     # element), measured by timing torch.optim.AdamW; 0: mem_bw. On a CPU its passes run over warm
     # memory, mostly compute-bound, unlike the fresh outputs mem_bw measures
     optimizer_bw: float = 0.0
+    # bytes/s of the per-rank program's memory-bound ops run eagerly, one ATen kernel each (bf16,
+    # broadcasting, casts, strided views), measured by ``autopar calibrate --device cuda`` on a
+    # transformer block's elementwise ops; 0: mem_bw. The kernels Inductor generates stay at mem_bw
+    eager_bw: float = 0.0
 
     @property
     def kind(self) -> str:
@@ -42,7 +46,8 @@ class Device:
                 f"{self.mem_bw / 1e9:g} GB/s; intra-node {self.intra_bw / 1e9:g} GB/s, alpha "
                 f"{self.intra_alpha * 1e6:g} us ({self.ranks_per_node} ranks/node); inter-node "
                 f"{self.inter_bw / 1e9:g} GB/s, alpha {self.inter_alpha * 1e6:g} us; {self.op_overhead * 1e6:g} us "
-                f"per op" + (f"; optimizer step at {self.optimizer_bw / 1e9:g} GB/s" if self.optimizer_bw else "")
+                f"per op" + (f"; eager elementwise ops at {self.eager_bw / 1e9:g} GB/s" if self.eager_bw else "")
+                + (f"; optimizer step at {self.optimizer_bw / 1e9:g} GB/s" if self.optimizer_bw else "")
                 + (f"; {self.cores} cores shared by a node's ranks" if self.cores else "")
                 + (f" (more ranks than cores: {self.loaded_alpha * 1e6:g} us per ring step, collectives "
                    f"not overlapped)" if self.cores and self.loaded_alpha else "")

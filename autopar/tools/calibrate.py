@@ -10,8 +10,10 @@ with that many: a ring step then also waits for the OS to schedule its peer, whi
 writes it as JSON (``--out``), which ``autopar plan --devices FILE --device NAME`` reads.
 
 ``--device cuda`` measures the GPU instead (what the datasheet rows h100 / h200 assume): bf16 /
-fp16 / fp32 matmuls at 4096^3, HBM bandwidth by an elementwise add on 1 GiB tensors, AdamW's
-step, and the host's launch gap per op (a loop of tiny ops, synchronised once at the end: the per-rank program's
+fp16 / fp32 matmuls at 4096^3, HBM bandwidth by an elementwise add on 1 GiB tensors (what the
+kernels Inductor generates are costed at), the rate of a transformer block's elementwise ops run
+eagerly (bf16, casts, broadcasts, strided halves: ``eager_bw``, what the per-rank program's own
+ops are costed at), AdamW's step, and the host's launch gap per op (a loop of tiny ops, synchronised once at the end: the per-rank program's
 launch rate when the GPU is not the limit). Each figure is timed between ``torch.cuda.synchronize``
 calls. The links (NVLink, the NIC) cannot be measured on one GPU: they are the datasheet row's
 (``row_for`` the device's name), and the row says so.
@@ -104,6 +106,60 @@ def optimizer_bandwidth(elems: int = 2**22, reps: int = 5, device: str = "cpu") 
     return elems * _optimizer_bytes_per_element("adamw") / _timeit(opt.step, reps, device)
 
 
+def _block_elementwise(x, w, cos, sin, gate, up, dr, dm):
+    """A Llama block's elementwise ops, forward and backward: an RMSNorm computed in fp32 and cast
+    back, rotary embedding on its heads (the cat of two strided halves), a SiLU gate and a residual
+    add; the backward by ``torch.autograd.grad`` (traced with the forward by ``make_fx``)."""
+    b, s, h, d = cos.shape[0], cos.shape[1], x.shape[-1] // cos.shape[-1], cos.shape[-1]
+    hf = x.float()
+    n = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
+    q = n.view(b, s, h, d)
+    r = q * cos + torch.cat((-q[..., d // 2:], q[..., :d // 2]), -1) * sin
+    m = torch.nn.functional.silu(gate) * up + x
+    return torch.autograd.grad((r, m), (x, w, gate, up), (dr.view(r.shape), dm))
+
+
+def eager_bandwidth(tokens: int = 8192, dim: int = 4096, head_dim: int = 128, reps: int = 10,
+                    device: str = "cuda", overhead: float = 0.0) -> float:
+    """Bytes/s at which a training step's elementwise ops run eagerly, op by op as the per-rank
+    program runs them: ``_block_elementwise`` at ``tokens`` x ``dim`` in bf16 (Llama-3-8B's width),
+    traced to ATen ops, its bytes counted by the cost model's own counter (``cost.compute_seconds``)
+    and the traced program timed whole. Returns the rate at which the cost model's GPU formula
+    (each op: its bytes at this rate, or the launch gap ``overhead`` if longer) gives the measured
+    time. On the H200 of 2026-11-27 these ops ran at about 2/3 of what a contiguous fp32 add on
+    1 GiB reaches (``memory_bandwidth``): bf16, broadcasting, casts, strided halves."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autopar.analysis import cost
+    from autopar.analysis.devices import Device
+
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator(device).manual_seed(0)
+
+    def rnd(*shape, grad=False, dtype=dt):
+        return torch.randn(*shape, generator=g, device=device, dtype=dtype).requires_grad_(grad)
+    b = 2
+    s = tokens // b
+    inputs = (rnd(b, s, dim, grad=True), rnd(dim, grad=True), rnd(b, s, 1, head_dim), rnd(b, s, 1, head_dim),
+              rnd(b, s, dim, grad=True), rnd(b, s, dim, grad=True), rnd(b, s, dim), rnd(b, s, dim))
+    gm = make_fx(_block_elementwise)(*inputs)
+    unit = Device("bytes", {"fp32": 1e30, "bf16": 1e30, "fp16": 1e30}, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1)
+    moved = [cost.compute_seconds(n, unit, 0) for n in gm.graph.nodes]  # bytes (1 byte/s, no launch gap)
+    moved = [m for m in moved if m > 0]
+    with torch.no_grad():  # the traced ops alone, as the per-rank program runs them
+        t = _timeit(lambda: gm(*inputs), reps, device)
+
+    def predicted(bw):
+        return sum(max(m / bw, overhead) for m in moved)
+    lo, hi = 1e6, 1e15  # bisection on the rate: predicted() falls as bw rises
+    if predicted(hi) >= t:  # launch-bound: the bytes decide nothing
+        return sum(moved) / t
+    for _ in range(100):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if predicted(mid) > t else (lo, mid)
+    return (lo * hi) ** 0.5
+
+
 def _allreduce_job(sizes, reps):
     import torch.distributed as dist
 
@@ -174,7 +230,7 @@ def calibrate(name: str | None = "cpu", comm: bool = True, ranks: int = 2, devic
 
 
 def calibrate_gpu(name: str | None = None, n: int = 4096, mib: int = 1024, device: str = "cuda",
-                  opt_elems: int = 2**27) -> dict:
+                  opt_elems: int = 2**27, tokens: int = 8192, dim: int = 4096) -> dict:
     """The row for this process's GPU: measured compute, HBM bandwidth and launch gap; memory from
     the device's properties; links and nodes from the datasheet row of its name (one GPU cannot
     measure them). Efficiency 1: the figures are achieved rates. (``device``: where the timed ops
@@ -188,13 +244,15 @@ def calibrate_gpu(name: str | None = None, n: int = 4096, mib: int = 1024, devic
     flops = {"fp32": matmul_flops(torch.float32, n, 5, device, 4),
              "bf16": matmul_flops(torch.bfloat16, n, 10, device, 10),
              "fp16": matmul_flops(torch.float16, n, 10, device, 10)}
+    gap = op_overhead(2000, device)
     row = {**asdict(base), "name": name or f"{base.name}-calibrated", "flops": flops, "efficiency": 1.0,
-           "mem_bw": memory_bandwidth(mib, 20, 2, device), "op_overhead": op_overhead(2000, device),
+           "mem_bw": memory_bandwidth(mib, 20, 2, device), "op_overhead": gap,
+           "eager_bw": eager_bandwidth(tokens, dim, device=device, overhead=gap),
            "optimizer_bw": optimizer_bandwidth(opt_elems, 5, device),
            "mem_bytes": float(torch.cuda.get_device_properties(0).total_memory)}
     row["source"] = (f"calibrated by `autopar calibrate --device cuda` on {time.strftime('%Y-%m-%d')} on {gpu} "
-                     f"(torch {torch.__version__}): {n}^3 matmuls, an elementwise add on {mib} MiB, the launch gap "
-                     f"of a tiny op, torch's AdamW step on {opt_elems:,} parameters; links from the {base.name} row "
+                     f"(torch {torch.__version__}): {n}^3 matmuls, an elementwise add on {mib} MiB, a Llama block's "
+                     f"elementwise ops forward + backward at {tokens} x {dim} run eagerly, the launch gap of a tiny op, torch's AdamW step on {opt_elems:,} parameters; links from the {base.name} row "
                      f"({base.source})")
     return row
 
