@@ -562,11 +562,14 @@ def kernel_kinds(fn) -> dict:
         fn()
         torch.cuda.synchronize()
     kinds = {"wall": (time.perf_counter() - t0) * 1e3}
+    top = []
     for e in prof.key_averages():
         if e.device_type == DeviceType.CUDA:
-            t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+            t = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)) / 1e3
             k = kernel_kind(e.key)
-            kinds[k] = kinds.get(k, 0.0) + t / 1e3
+            kinds[k] = kinds.get(k, 0.0) + t
+            top.append({"kernel": e.key[:120], "kind": k, "ms": t, "calls": e.count})
+    kinds["top"] = sorted(top, key=lambda r: -r["ms"])[:15]  # (not a kind: the summary skips it)
     return kinds
 
 
@@ -684,7 +687,7 @@ def _step_lines(record: dict) -> list[str]:
                   "|---" * (len(cols) + 3) + "|"]
         for n, k in kinds.items():
             lines.append(f"| {n} | " + " | ".join(f"{k.get(c, 0.0):.1f}" for c in cols)
-                         + f" | {sum(v for c, v in k.items() if c != 'wall'):.1f} | {k['wall']:.1f} |")
+                         + f" | {sum(v for c, v in k.items() if c not in ('wall', 'top')):.1f} | {k['wall']:.1f} |")
     for name, s in steps.items():
         for c in s.get("result", {}).get("kernel_choices") or []:
             lines.append(f"- {name.removeprefix('step-')}: kernels='auto' decided {c}")
