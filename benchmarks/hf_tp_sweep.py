@@ -6,8 +6,9 @@ autopar/models/hf_archs.py (``COMMON``, the MoE fields, the sweep's own extras w
 the family), run one eager forward + backward (an architecture that does not is "not buildable" with
 the error), then compile it under ``{"tp": "megatron"}`` on a fake tp=2 mesh (capture, the derived
 placements, propagation, localize: the whole compile, no numerics) and report the share of the
-repeated blocks' matrix parameters sharded on tp (``hf_archs.tp_sharded``). The numerics against
-one process are benchmarks/hf_breadth.py's, for the 34 families it trains.
+repeated blocks' matrix parameters sharded on tp (``hf_archs.tp_sharded``), and the same share
+weighed by each matrix's size at the architecture's own default sizes (``own_sizes_share``). The
+numerics against one process are benchmarks/hf_breadth.py's, for the 34 families it trains.
 
     .venv/bin/python benchmarks/hf_tp_sweep.py [--jobs 2] [--timeout 240] [--out FILE.md] [TYPE ...]
 """
@@ -48,14 +49,66 @@ def one(model_type: str) -> dict:
             pm = autopar.compile(model, mesh, example_inputs=(x, y), loss_fn=loss_fn, plan={"tp": "megatron"},
                                  capture_eval=False)
         share = hf_archs.tp_sharded(pm)
+        try:
+            own = own_sizes_share(model_type, extra, model.config, pm)
+        except Exception as e:  # noqa: BLE001 - the default config does not build; said per architecture
+            own = f"{type(e).__name__}: {str(e)[:80]}"
         left = sorted({d.why.split(" at ")[0][:90] for n, d in pm.ctx.plan.derived["tp"].decisions.items()
                        if d.role == "replicated" and len(pm.module.get_parameter(n).shape) >= 2
                        and hf_archs_block(n)})
-        return {"type": model_type, "status": "ok", "share": share, "s": round(time.time() - t0, 1),
+        return {"type": model_type, "status": "ok", "share": share, "own_sizes": own, "s": round(time.time() - t0, 1),
                 "replicated": left[:3], "derived_ops": len(pm.ctx.derived_rules)}
     except Exception as e:  # noqa: BLE001 - reported per architecture
         return {"type": model_type, "status": "compile failed", "why": f"{type(e).__name__}: {str(e)[:200]}",
                 "s": round(time.time() - t0, 1)}
+
+
+# what makes the tiny model's blocks look like the real one's, kept from the tiny config: the number
+# of layers and which kind each is (a hybrid's pattern is built from the count)
+STRUCTURE = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "layer_types", "layers_block_type",
+             "hybrid_override_pattern", "attn_layer_indices", "mlp_only_layers", "first_k_dense_replace")
+
+
+def own_sizes_share(model_type: str, extra: dict, tiny_cfg, pm) -> float | None:
+    """The share of the blocks' matrix elements sharded on tp at the architecture's own sizes: the
+    tiny compile's decision for each parameter (for a weight cut into parts, the share of its parts
+    sharded), weighed by that parameter's size in the model built on the meta device from the
+    config class's defaults, with the tiny model's layers (count and kinds). The tiny sizes give
+    every matrix nearly the same size (hidden 64, ffn 128), so a small side matrix of the real model
+    (Gemma 4's 256-wide per-layer input, RWKV's feed-forward receptance) counts as much as the
+    attention there; this weighs each as the real model would."""
+    import torch
+    from torch.distributed.tensor.placement_types import Replicate
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from autopar.ir import info
+    from autopar.modpath import block_of
+
+    ctx = pm.ctx
+    i = ctx.axis_names.index("tp")
+    read = {info(p).role[1] for p in pm.program.graph.nodes
+            if p.op == "placeholder" and p.users and (info(p).role or ("",))[0] == "param"}
+    frac: dict[str, list[float]] = {}  # the real model's parameter name -> [sharded, all] elements at the tiny sizes
+    for n, p in pm.module.named_parameters():
+        if n not in read or not block_of(n) or sum(s > 1 for s in p.shape) < 2:
+            continue
+        base = n.replace(".parametrizations.", ".").rsplit(".original", 1)[0] if ".parametrizations." in n else n
+        f = frac.setdefault(base, [0.0, 0.0])
+        f[1] += p.numel()
+        if not isinstance(ctx.placed.compute[n][i], Replicate):
+            f[0] += p.numel()
+    keep = {k: getattr(tiny_cfg, k) for k in STRUCTURE if hasattr(tiny_cfg, k)}
+    fields = {k: v for k, v in extra.items() if k in STRUCTURE}
+    cfg = AutoConfig.for_model(model_type, **{**keep, **fields}, use_cache=False)
+    with torch.device("meta"):
+        real = AutoModelForCausalLM.from_config(cfg)
+    sizes = dict(real.named_parameters())
+    missing = [n for n in frac if n not in sizes]
+    if missing or not frac:
+        raise KeyError(f"{len(missing)} of the tiny model's block matrices not in the default-size one "
+                       f"({missing[:1]})" if missing else "no block matrices")
+    total = sum(sizes[n].numel() for n in frac)
+    return sum(sizes[n].numel() * sh / al for n, (sh, al) in frac.items()) / total
 
 
 def _runs(model_type: str, extra: dict):
@@ -123,15 +176,21 @@ def main() -> None:
     ok = [r for r in rows if r["status"] == "ok"]
     built = [r for r in rows if r["status"] != "not buildable"]
     most = [r for r in ok if r["share"] is not None and r["share"] >= 0.9]
-    lines = ["| model_type | status | share of the blocks' matrices sharded on tp | replicated (first reasons) / error |",
-             "|---|---|---|---|"]
+    own = [r for r in ok if isinstance(r.get("own_sizes"), float)]
+    own_most = [r for r in own if r["own_sizes"] >= 0.9]
+    lines = ["| model_type | status | share of the blocks' matrices sharded on tp | the same at its own sizes | "
+             "replicated (first reasons) / error |", "|---|---|---|---|---|"]
     for r in rows:
         share = f"{100 * r['share']:.0f}%" if r.get("share") is not None else ""
+        o = r.get("own_sizes")
+        o = f"{100 * o:.0f}%" if isinstance(o, float) else (o or "")
         why = "; ".join(r.get("replicated", [])) if r["status"] == "ok" else r.get("why", "")
-        lines.append(f"| {r['type']} | {r['status']} | {share} | {why.replace('|', '/')} |")
+        lines.append(f"| {r['type']} | {r['status']} | {share} | {o.replace('|', '/')} | {why.replace('|', '/')} |")
     lines += ["", f"{len(types)} architectures, {len(built)} buildable at the tiny sizes, {len(ok)} compiled under "
               f"megatron on a fake tp=2 mesh, {len(most)} of them with at least 90% of their blocks' matrices "
-              f"sharded ({100 * len(most) / max(1, len(built)):.0f}% of the buildable); {time.time() - t0:.0f} s"]
+              f"sharded ({100 * len(most) / max(1, len(built)):.0f}% of the buildable); at their own sizes "
+              f"(`own_sizes_share`) {len(own_most)} of the {len(own)} whose default config built on meta; "
+              f"{time.time() - t0:.0f} s"]
     text = "\n".join(lines)
     print(text)
     if a.out:
