@@ -4,7 +4,7 @@ implementations, FLOP formulas for the cost model, and a plain-PyTorch reference
     autopar::flash_attention(q, k, v, bias?, causal, scale) -> (out, lse)
     autopar::flash_attention_backward(do, q, k, v, out, lse, bias?, causal, scale) -> (dq, dk, dv)
     autopar::linear_act(x, w, b?, act) -> (y, z)          y = act(x @ w.T + b), z the pre-activation
-    autopar::linear_act_backward(dy, x, w, z, act) -> (dx, dw, db)
+    autopar::linear_act_backward(dy, x, w, z, act, has_bias=True) -> (dx, dw, db)
 
 Each is an ordinary node in a traced graph: the sharding rules (autopar/rules.py) shard
 attention over batch and heads and linear_act like a column-parallel linear.
@@ -178,7 +178,10 @@ def _(x, w, b, act):
 
 
 @torch.library.custom_op("autopar::linear_act_backward", mutates_args=())
-def linear_act_backward(dy: Tensor, x: Tensor, w: Tensor, z: Tensor, act: str) -> tuple[Tensor, Tensor, Tensor]:
+def linear_act_backward(dy: Tensor, x: Tensor, w: Tensor, z: Tensor, act: str,
+                        has_bias: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dw, db); without a bias (``has_bias`` False) db is zeros, not the sum over dz's rows
+    that nothing would read (an M x N read saved)."""
     k, n = x.shape[-1], w.shape[0]
     if _REFERENCE[0]:
         zf = z.float()
@@ -190,15 +193,16 @@ def linear_act_backward(dy: Tensor, x: Tensor, w: Tensor, z: Tensor, act: str) -
         else:
             grad = torch.ones_like(zf)
         dz2 = (dy.float() * grad).to(dy.dtype).reshape(-1, n)
-        return (dz2 @ w).reshape(x.shape), dz2.t() @ x.reshape(-1, k), dz2.sum(0)
+        return (dz2 @ w).reshape(x.shape), dz2.t() @ x.reshape(-1, k), dz2.sum(0) if has_bias else dz2.new_zeros(n)
     mm = _triton(x)[1]
     dz = mm.act_grad(dy, z, act).reshape(-1, n)
     x2 = x.reshape(-1, k)
-    return mm.matmul(dz, w).reshape(x.shape), mm.matmul(dz.t(), x2), dz.sum(0, dtype=torch.float32).to(dz.dtype)
+    db = dz.sum(0, dtype=torch.float32).to(dz.dtype) if has_bias else dz.new_zeros(n)
+    return mm.matmul(dz, w).reshape(x.shape), mm.matmul(dz.t(), x2), db
 
 
 @linear_act_backward.register_fake
-def _(dy, x, w, z, act):
+def _(dy, x, w, z, act, has_bias=True):
     return torch.empty_like(x), torch.empty_like(w), w.new_empty((w.shape[0],))
 
 
@@ -220,7 +224,7 @@ def _la_backward(ctx, dy, dz):
     if dy is None:
         return None, None, None, None
     x, w, z = ctx.saved_tensors
-    dx, dw, db = torch.ops.autopar.linear_act_backward(dy, x, w, z, ctx.act)
+    dx, dw, db = torch.ops.autopar.linear_act_backward(dy, x, w, z, ctx.act, ctx.has_bias)
     return dx, dw, (db if ctx.has_bias else None), None
 
 

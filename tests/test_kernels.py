@@ -72,6 +72,29 @@ def test_linear_act_tiles_that_divide(act):
         close(a, ref, torch.bfloat16, name)
 
 
+def test_linear_act_without_bias_skips_the_bias_gradient():
+    """A layer without a bias: the backward op returns zeros for db instead of summing dz's rows
+    (nothing reads it), and dx, dw are those of the op asked for db; autograd through the op gives
+    x and w the reference's gradients and the absent bias none."""
+    import kernels.ops  # noqa: F401  (registers torch.ops.autopar.*)
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 5, 40, generator=g), torch.randn(70, 40, generator=g)
+    _, z = torch.ops.autopar.linear_act(x, w, None, "silu")
+    dy = torch.randn(3, 5, 70, generator=g)
+    with_db = torch.ops.autopar.linear_act_backward(dy, x, w, z, "silu")
+    without = torch.ops.autopar.linear_act_backward(dy, x, w, z, "silu", False)
+    assert with_db[2].abs().sum() > 0 and torch.equal(without[2], torch.zeros(70))
+    for a, b in zip(without[:2], with_db[:2]):
+        torch.testing.assert_close(a, b)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    torch.ops.autopar.linear_act(xs, ws, None, "silu")[0].backward(dy)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    torch.nn.functional.silu(torch.nn.functional.linear(xr, wr)).backward(dy)
+    torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ws.grad, wr.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_kernels_are_ordinary_graph_nodes():
     """Fake (meta) implementations: the ops run on meta tensors with the right shapes, and the
     cost model's FLOP formula counts them (the lowering tests check the joint graph holds the
