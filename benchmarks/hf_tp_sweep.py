@@ -97,9 +97,14 @@ def own_sizes_share(model_type: str, extra: dict, tiny_cfg, pm) -> float | None:
         f[1] += p.numel()
         if not isinstance(ctx.placed.compute[n][i], Replicate):
             f[0] += p.numel()
-    keep = {k: getattr(tiny_cfg, k) for k in STRUCTURE if hasattr(tiny_cfg, k)}
+    keep = {k: getattr(tiny_cfg, k) for k in STRUCTURE if hasattr(tiny_cfg, k)
+            and not isinstance(getattr(type(tiny_cfg), k, None), property)}  # (computed from the others)
     fields = {k: v for k, v in extra.items() if k in STRUCTURE}
-    cfg = AutoConfig.for_model(model_type, **{**keep, **fields}, use_cache=False)
+    try:
+        cfg = AutoConfig.for_model(model_type, **{**keep, **fields}, use_cache=False)
+    except (AttributeError, TypeError, ValueError):  # a pattern field the class derives itself: the count alone
+        cfg = AutoConfig.for_model(model_type, **{k: v for k, v in keep.items() if "layers" in k and
+                                                  isinstance(v, int)}, use_cache=False)
     with torch.device("meta"):
         real = AutoModelForCausalLM.from_config(cfg)
     sizes = dict(real.named_parameters())
@@ -171,8 +176,12 @@ def main() -> None:
 
     types = a.types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     t0 = time.time()
+    def run(t):  # each row printed as it comes (a sweep stopped midway keeps what it had)
+        r = _run(t, a.timeout)
+        print(json.dumps(r), flush=True)
+        return r
     with ThreadPoolExecutor(a.jobs) as ex:
-        rows = list(ex.map(lambda t: _run(t, a.timeout), types))
+        rows = list(ex.map(run, types))
     ok = [r for r in rows if r["status"] == "ok"]
     built = [r for r in rows if r["status"] != "not buildable"]
     most = [r for r in ok if r["share"] is not None and r["share"] >= 0.9]
