@@ -14,7 +14,9 @@ that one; its traceback or the tail of its log is recorded and the next one runs
   heads, ffn 5632; batch 8 x 2048; bf16; AdamW, torch's default or ``--optimizer adamw-fused``
   on every side; one rank): eager PyTorch under autocast,
   torch.compile, autopar with kernels off / on / auto and with ``inductor=True``. Each: the first
-  step's time (compiles), the median of the next ones, MFU, the allocator's peak over the timed
+  step's time (compiles), the median of the next ones (each alone, ending on its loss: its host
+  prologue runs on an idle GPU), the same steps issued back to back with the loss not read (as a
+  loop that logs every N steps runs them: the prologue hidden behind the last step's kernels), MFU, the allocator's peak over the timed
   steps, every step's loss (same init and batches everywhere), and for autopar the cost model's
   predicted step time (its program costed op by op and Inductor-fused) and step peak on the
   device's row (autopar/analysis/devices.py);
@@ -519,6 +521,14 @@ def train_step(cfg: Config, variant: str, out: dict, stage, out_dir: str = "") -
         torch.cuda.reset_peak_memory_stats()
     out["step_s"] = _time(one, cfg.reps, cuda, back_to_back=False)  # each step alone (it syncs on its loss)
     out["allocator_peak"] = torch.cuda.max_memory_allocated() if cuda else None
+    n = [0]  # (after the peak: the per-step figures above are the issue's)
+
+    def quiet():  # the loss not read: steps issued back to back, as a loop that logs every N steps runs them
+        x, y = batches[n[0] % len(batches)]
+        n[0] += 1
+        step(x, y)
+    stage(f"steps back to back ({cfg.reps} a round)")
+    out["step_s_back_to_back"] = _time(quiet, cfg.reps, cuda, back_to_back=True)
     if cuda:
         stage("one step under torch.profiler (device time by kind of kernel)")
         out["kernel_ms"] = kernel_kinds(one)
@@ -644,9 +654,9 @@ def _fmt(value, spec: str) -> str:
 def _step_lines(record: dict) -> list[str]:
     steps = {name: s for name, s in record["sections"].items() if name.startswith("step-")}
     eager = steps.get("step-eager", {}).get("result", {}).get("losses") or []
-    lines = ["| system | status | compile + first step s | median step ms | tokens/s | MFU | allocator peak GiB | "
-             "predicted step ms as run (op by op / Inductor) | measured / predicted | predicted peak GiB | "
-             "measured / predicted | losses, first 3 | max diff vs eager |", "|---" * 13 + "|"]
+    lines = ["| system | status | compile + first step s | median step ms | back to back ms | tokens/s | MFU | "
+             "allocator peak GiB | predicted step ms as run (op by op / Inductor) | measured / predicted | "
+             "predicted peak GiB | measured / predicted | losses, first 3 | max diff vs eager |", "|---" * 14 + "|"]
     for name, s in steps.items():
         r = s.get("result", {})
         p = r.get("predicted") or {}
@@ -657,7 +667,7 @@ def _step_lines(record: dict) -> list[str]:
         first = _fmt(r.get("first_step_s"), ".1f")
         cells = [name.removeprefix("step-"), s["status"],
                  f"{r['compile_s']:.1f} + {first}" if "compile_s" in r else first, _ms(r.get("step_s")),
-                 _fmt(r.get("tokens_per_s"), ",.0f"), _fmt(r.get("mfu"), ".1%"), _gib(r.get("allocator_peak")),
+                 _ms(r.get("step_s_back_to_back")), _fmt(r.get("tokens_per_s"), ",.0f"), _fmt(r.get("mfu"), ".1%"), _gib(r.get("allocator_peak")),
                  pred_t, _fmt(p.get("step_s_ratio"), ".2f"), _gib(p.get("step_peak")),
                  _fmt(p.get("peak_ratio"), ".3f"),
                  ", ".join(f"{x:.4f}" for x in losses[:3]) or "-", _fmt(diff, ".1e")]

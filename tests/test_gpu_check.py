@@ -68,7 +68,9 @@ def test_the_eager_step_on_the_tiny_llama_and_its_row_in_the_summary(gc, tmp_pat
     stages = []
     out = {}
     gc.train_step(cfg, "eager", out, stages.append)
-    assert stages == ["building the model", "first step", "timed steps (2 warm-up, 1 timed)"]
+    assert stages == ["building the model", "first step", "timed steps (2 warm-up, 1 timed)",
+                      "steps back to back (1 a round)"]
+    assert out["step_s_back_to_back"] > 0
     assert len(out["losses"]) == 4 and out["step_s"] > 0 and out["allocator_peak"] is None
     n_dense = out["parameters"] - 256 * 64  # all but the embedding table
     assert out["flops"] == 6 * n_dense * 32 + 6 * 2 * 16 * 64 * 32 and out["flops_palm"] > out["flops"]
