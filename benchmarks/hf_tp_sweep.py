@@ -83,17 +83,18 @@ def own_sizes_share(model_type: str, extra: dict, tiny_cfg, pm) -> float | None:
 
     from autopar.ir import info
     from autopar.modpath import block_of
+    from autopar.parts import part_of
 
     ctx = pm.ctx
     i = ctx.axis_names.index("tp")
     read = {info(p).role[1] for p in pm.program.graph.nodes
             if p.op == "placeholder" and p.users and (info(p).role or ("",))[0] == "param"}
     frac: dict[str, list[float]] = {}  # the real model's parameter name -> [sharded, all] elements at the tiny sizes
+    fused = part_of(pm.module)  # a cut weight's part -> (the fused weight's name, offset, dim)
     for n, p in pm.module.named_parameters():
         if n not in read or not block_of(n) or sum(s > 1 for s in p.shape) < 2:
             continue
-        base = n.replace(".parametrizations.", ".").rsplit(".original", 1)[0] if ".parametrizations." in n else n
-        f = frac.setdefault(base, [0.0, 0.0])
+        f = frac.setdefault(fused[n][0] if n in fused else n, [0.0, 0.0])
         f[1] += p.numel()
         if not isinstance(ctx.placed.compute[n][i], Replicate):
             f[0] += p.numel()

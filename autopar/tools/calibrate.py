@@ -136,8 +136,8 @@ def eager_bandwidth(tokens: int = 8192, dim: int = 4096, head_dim: int = 128, re
     dt = torch.bfloat16 if device == "cuda" else torch.float32
     g = torch.Generator(device).manual_seed(0)
 
-    def rnd(*shape, grad=False, dtype=dt):
-        return torch.randn(*shape, generator=g, device=device, dtype=dtype).requires_grad_(grad)
+    def rnd(*shape, grad=False):
+        return torch.randn(*shape, generator=g, device=device, dtype=dt).requires_grad_(grad)
     b = 2
     s = tokens // b
     inputs = (rnd(b, s, dim, grad=True), rnd(dim, grad=True), rnd(b, s, 1, head_dim), rnd(b, s, 1, head_dim),
