@@ -115,17 +115,18 @@ def _query_block(H, G, M, DH, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _score_tile(q, k, Bias, bias_base, rows, cols, n_ok, sbm, sbn, qk_scale, HAS_BIAS: tl.constexpr):
-    """[rows, cols] scores in base 2: q k^T * scale * log2(e) (+ the additive mask * log2(e))."""
+def _score_tile(q, k, Bias, bias_base, rows, cols, m_ok, n_ok, sbm, sbn, qk_scale, HAS_BIAS: tl.constexpr):
+    """[rows, cols] scores in base 2: q k^T * scale * log2(e) (+ the additive mask * log2(e)). The
+    mask is read for rows < M and cols < N only: a ragged last block must not read past its end."""
     s = tl.dot(q, tl.trans(k)) * qk_scale
     if HAS_BIAS:
         s += tl.load(Bias + bias_base + rows[:, None] * sbm + cols[None, :] * sbn,
-                     mask=n_ok[None, :], other=0.0).to(tl.float32) * LOG2E
+                     mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32) * LOG2E
     return s
 
 
 @triton.jit
-def _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, offs_m, offs_d, d_ok, lo, hi,
+def _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, offs_m, m_ok, offs_d, d_ok, lo, hi,
                 skn, skd, svn, svd, sbm, sbn, N, qk_scale,
                 DIAG: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                 UPCAST: tl.constexpr, FOLD: tl.constexpr, WS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -142,7 +143,7 @@ def _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, offs_m,
         if FOLD:  # raw scores: the scale goes into the row max and, fused, into exp2's argument
             s = tl.dot(q, tl.trans(k))
         else:
-            s = _score_tile(q, k, Bias, bias_base, offs_m, cols, n_ok, sbm, sbn, qk_scale, HAS_BIAS)
+            s = _score_tile(q, k, Bias, bias_base, offs_m, cols, m_ok, n_ok, sbm, sbn, qk_scale, HAS_BIAS)
         if DIAG:
             s = tl.where(cols[None, :] <= offs_m[:, None], s, float("-inf"))
         if not EVEN_N:
@@ -184,16 +185,16 @@ def _fwd(Q, K, V, Bias, O, LSE,
     if CAUSAL:
         first = pid_m * BLOCK_M
         # below the diagonal: every key visible to every row of the block, no mask
-        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, offs_m, offs_d, d_ok,
-                                    0, tl.minimum(first, N), skn, skd, svn, svd, sbm, sbn, N, qk_scale,
-                                    False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, BLOCK_N)
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, offs_m, m_ok,
+                                    offs_d, d_ok, 0, tl.minimum(first, N), skn, skd, svn, svd, sbm, sbn, N,
+                                    qk_scale, False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, BLOCK_N)
         # the blocks the diagonal crosses
-        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, offs_m, offs_d, d_ok,
-                                    first, tl.minimum(first + BLOCK_M, N), skn, skd, svn, svd, sbm, sbn, N,
-                                    qk_scale, True, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, BLOCK_N)
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, offs_m, m_ok,
+                                    offs_d, d_ok, first, tl.minimum(first + BLOCK_M, N), skn, skd, svn, svd,
+                                    sbm, sbn, N, qk_scale, True, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, BLOCK_N)
     else:
-        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, offs_m, offs_d, d_ok,
-                                    0, N, skn, skd, svn, svd, sbm, sbn, N, qk_scale,
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, offs_m, m_ok,
+                                    offs_d, d_ok, 0, N, skn, skd, svn, svd, sbm, sbn, N, qk_scale,
                                     False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, BLOCK_N)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -314,7 +315,7 @@ def _bwd_dkdv(Q, K, V, Bias, DO, LSE, Delta, DK, DV,
 
 
 @triton.jit
-def _dq_blocks(dq, q, do, lse2, delta, K, V, Bias, k_base, v_base, bias_base, offs_m, offs_d, d_ok, lo, hi,
+def _dq_blocks(dq, q, do, lse2, delta, K, V, Bias, k_base, v_base, bias_base, offs_m, m_ok, offs_d, d_ok, lo, hi,
                skn, skd, svn, svd, sbm, sbn, N, qk_scale,
                DIAG: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                UPCAST: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -325,7 +326,7 @@ def _dq_blocks(dq, q, do, lse2, delta, K, V, Bias, k_base, v_base, bias_base, of
         n_ok = cols < N
         k = _load_tile(K + k_base, cols, offs_d, skn, skd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST)
         v = _load_tile(V + v_base, cols, offs_d, svn, svd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST)
-        s = _score_tile(q, k, Bias, bias_base, offs_m, cols, n_ok, sbm, sbn, qk_scale, HAS_BIAS)
+        s = _score_tile(q, k, Bias, bias_base, offs_m, cols, m_ok, n_ok, sbm, sbn, qk_scale, HAS_BIAS)
         p = tl.math.exp2(s - lse2[:, None])
         if DIAG:
             p = tl.where(cols[None, :] <= offs_m[:, None], p, 0.0)
@@ -361,14 +362,14 @@ def _bwd_dq(Q, K, V, Bias, DO, LSE, Delta, DQ,
     bias_base = b * sbb + h * sbh
     if CAUSAL:
         first = pid_m * BLOCK_M
-        dq = _dq_blocks(dq, q, do, lse2, delta, K, V, Bias, k_base, v_base, bias_base, offs_m, offs_d, d_ok,
+        dq = _dq_blocks(dq, q, do, lse2, delta, K, V, Bias, k_base, v_base, bias_base, offs_m, m_ok, offs_d, d_ok,
                         0, tl.minimum(first, N), skn, skd, svn, svd, sbm, sbn, N, qk_scale,
                         False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, BLOCK_N)
-        dq = _dq_blocks(dq, q, do, lse2, delta, K, V, Bias, k_base, v_base, bias_base, offs_m, offs_d, d_ok,
+        dq = _dq_blocks(dq, q, do, lse2, delta, K, V, Bias, k_base, v_base, bias_base, offs_m, m_ok, offs_d, d_ok,
                         first, tl.minimum(first + BLOCK_M, N), skn, skd, svn, svd, sbm, sbn, N, qk_scale,
                         True, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, BLOCK_N)
     else:
-        dq = _dq_blocks(dq, q, do, lse2, delta, K, V, Bias, k_base, v_base, bias_base, offs_m, offs_d, d_ok,
+        dq = _dq_blocks(dq, q, do, lse2, delta, K, V, Bias, k_base, v_base, bias_base, offs_m, m_ok, offs_d, d_ok,
                         0, N, skn, skd, svn, svd, sbm, sbn, N, qk_scale,
                         False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, BLOCK_N)
     dq = dq * scale
@@ -451,9 +452,9 @@ def backward(do, q, k, v, out, lse, bias, causal: bool, scale: float):
     hkv, n = k.shape[1], k.shape[2]
     if do.stride() != out.stride():  # the kernels read dO with O's strides
         do = torch.empty_like(out).copy_(do)
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    q, dq = _with_grad_buffer(q)
+    k, dk = _with_grad_buffer(k)
+    v, dv = _with_grad_buffer(v)
     delta = torch.empty((b, h, m), device=q.device, dtype=torch.float32)
     sig = None if bias is not None else _signature(("attention_bwd_dkdv", "attention_bwd_dq"), q, k, v, causal, scale,
                                                    out.stride(), dq.stride(), dk.stride(), dv.stride())
@@ -496,6 +497,20 @@ def backward(do, q, k, v, out, lse, bias, causal: bool, scale: float):
     if sig is not None:
         _BWD_PLANS.put(sig, (delta_plan, (dkdv_grid(c_kv), flags(c_kv)), (dq_grid(c_q), flags(c_q)), common))
     return dq, dk, dv
+
+
+def _with_grad_buffer(t):
+    """(t, its gradient's buffer) laid out alike: the kernels write dQ / dK / dV with Q's / K's /
+    V's strides. ``empty_like`` keeps a dense layout (a transposed view), but a view that is not
+    dense (every other head: a chunk on the head dim with batch > 1) gets a contiguous buffer, into
+    which t's strides would write past the end; such a t is copied contiguous first."""
+    import torch
+
+    g = torch.empty_like(t)
+    if any(a != b and n > 1 for a, b, n in zip(g.stride(), t.stride(), t.shape)):  # (a size-1 dim's stride is never used)
+        t = t.contiguous()
+        g = torch.empty_like(t)
+    return t, g
 
 
 def _upcast(t) -> bool:

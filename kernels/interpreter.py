@@ -83,14 +83,88 @@ def _restore(saved: list[tuple[object, dict]]) -> None:
                 setattr(obj, name, value)
 
 
+class OutOfBounds(IndexError):
+    """An interpreted kernel's load or store reached past every tensor handed to the launch."""
+
+
+def _ranges(values) -> list[tuple[int, int, str]]:
+    """(first byte, end, what) of the storage of every tensor among a launch's arguments."""
+    out = []
+    for i, v in values:
+        if isinstance(v, (tuple, list)):
+            out += _ranges([(f"{i}[{j}]", x) for j, x in enumerate(v)])
+        elif callable(getattr(v, "untyped_storage", None)):
+            st = v.untyped_storage()
+            out.append((st.data_ptr(), st.data_ptr() + st.nbytes(), f"argument {i} {list(v.shape)} {v.dtype}"))
+    return out
+
+
+class _Bounds:
+    """For the length of one launch: every load and store the interpreter makes is checked to lie
+    inside the storage of one of the launch's tensors, before it happens. Triton's interpreter
+    reads and writes raw addresses (``triton/_C`` ``load`` / ``store``), so on CPU a wrong mask
+    or stride writes into whatever the heap holds there: glibc aborts the process much later
+    ("corrupted size vs. prev_size"), far from the kernel. Here it raises ``OutOfBounds`` naming
+    the kernel, the access and the tensors, and nothing is written."""
+
+    def __init__(self, name: str, ranges):
+        import numpy as np
+        from triton.runtime import interpreter as ti
+
+        self.np, self.ti, self.name, self.ranges = np, ti, name, ranges
+
+    def check(self, kind: str, ptrs, mask, itemsize: int) -> None:
+        np = self.np
+        p = ptrs.data if mask is None else ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape)]
+        if p.size == 0:
+            return
+        ok = np.zeros(p.shape, dtype=bool)
+        for lo, hi, _ in self.ranges:
+            ok |= (p >= lo) & (p <= hi - itemsize)
+        if not ok.all():
+            bad = int(p[~ok][0])
+            near = min(self.ranges, key=lambda r: min(abs(bad - r[0]), abs(bad - r[1])))
+            where = (f"{bad - near[1]} bytes past the end of {near[2]}" if bad >= near[1]
+                     else f"{near[0] - bad} bytes before {near[2]}")
+            raise OutOfBounds(f"autopar's Triton kernel {self.name} (interpreted) would {kind} {int((~ok).sum())} "
+                              f"of {p.size} elements outside its tensors, e.g. {where}; nothing was {kind}d")
+
+    def __enter__(self):
+        b = self.ti.interpreter_builder
+        self.saved = b.__dict__.get("create_masked_load"), b.__dict__.get("create_masked_store")
+        load, store = b.create_masked_load, b.create_masked_store
+        get_np = self.ti._get_np_dtype
+
+        def checked_load(ptrs, mask, other, *rest):
+            self.check("load", ptrs, mask, get_np(ptrs.get_element_ty()).itemsize)
+            return load(ptrs, mask, other, *rest)
+
+        def checked_store(ptrs, value, mask, *rest):
+            self.check("store", ptrs, mask, value.data.dtype.itemsize)
+            return store(ptrs, value, mask, *rest)
+
+        b.create_masked_load, b.create_masked_store = checked_load, checked_store
+        return self
+
+    def __exit__(self, *exc):
+        b = self.ti.interpreter_builder
+        for name, old in zip(("create_masked_load", "create_masked_store"), self.saved):
+            if old is None:
+                delattr(b, name)
+            else:
+                setattr(b, name, old)
+
+
 class _LeavesLanguageAsFound(InterpretedFunction):
-    """An interpreted kernel whose launch leaves ``triton.language`` as it found it."""
+    """An interpreted kernel whose launch leaves ``triton.language`` as it found it, and whose
+    loads and stores are checked against its tensors' bounds (``_Bounds``)."""
 
     def run(self, *args, **kwargs):
         with _LAUNCH:
             saved = [(obj, dict(vars(obj))) for obj in _language_objects()]
             try:
-                return super().run(*args, **kwargs)
+                with _Bounds(self.fn.__name__, _ranges(list(enumerate(args)) + list(kwargs.items()))):
+                    return super().run(*args, **kwargs)
             finally:
                 _restore(saved)
 

@@ -52,6 +52,47 @@ def test_flash_attention_against_reference(b, h, hkv, sq, sk, d, causal, bias, d
             torch.testing.assert_close(ref, a, rtol=1e-4, atol=1e-5)
 
 
+def test_attention_on_views_that_are_not_dense():
+    """q / k / v as every other head of a batch of 2 (a chunk on the head dim: what a sharding
+    rule's check hands each rank, autopar/derived_rules.py): the backward once wrote dK / dV / dQ
+    with the inputs' strides into contiguous buffers, past their end (the heap corruption that
+    aborted a CI worker). Forward and backward against SDPA and autograd."""
+    g = torch.Generator().manual_seed(0)
+    b, h, s, d = 2, 4, 16, 16
+    q, k, v = (torch.randn(b, 2 * h, s, d, generator=g).chunk(2, 1)[1] for _ in range(3))
+    assert not q.is_contiguous()
+    do = torch.randn(b, h, s, d, generator=g)
+    out, lse = torch.ops.autopar.flash_attention(q, k, v, None, True, d ** -0.5)
+    grads = torch.ops.autopar.flash_attention_backward(do, q, k, v, out, lse, None, True, d ** -0.5)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True)
+    ref.backward(do)
+    close(out, ref, torch.float32, "out")
+    for name, got, leaf in zip("qkv", grads, leaves):
+        close(got, leaf.grad, torch.float32, f"d{name}")
+
+
+def test_interpreted_launches_stay_inside_their_tensors():
+    """Every interpreted launch checks its loads and stores against its tensors before they
+    happen (kernels/interpreter.py ``_Bounds``): a launch told a tensor is longer than it is
+    raises, naming the kernel and the tensor, and writes nothing; a right one runs."""
+    from triton.runtime.errors import InterpreterError
+
+    from autopar.kernels import matmul
+    from autopar.kernels.interpreter import interpreted
+
+    mm = interpreted(matmul)
+    dy, z = torch.randn(64), torch.randn(64)
+    dz = torch.full((32,), 7.0)  # half the length the launch is told
+    with pytest.raises(InterpreterError, match=r"_act_grad .*would store .*past the end of argument 2 \[32\]"):
+        mm._act_grad[(1,)](dy, z, dz, 64, ACT=matmul.ACTS["silu"], BLOCK=64)
+    assert torch.equal(dz, torch.full((32,), 7.0))
+    dz = torch.empty(64)
+    mm._act_grad[(1,)](dy, z, dz, 64, ACT=matmul.ACTS["silu"], BLOCK=64)
+    sig = torch.sigmoid(z)
+    torch.testing.assert_close(dz, dy * sig * (1 + z * (1 - sig)))
+
+
 @pytest.mark.parametrize("act", ["gelu", "silu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=lambda t: str(t)[6:])
 def test_linear_act_against_reference(act, dtype):
