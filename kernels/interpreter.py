@@ -105,7 +105,10 @@ class _Bounds:
     reads and writes raw addresses (``triton/_C`` ``load`` / ``store``), so on CPU a wrong mask
     or stride writes into whatever the heap holds there: glibc aborts the process much later
     ("corrupted size vs. prev_size"), far from the kernel. Here it raises ``OutOfBounds`` naming
-    the kernel, the access and the tensors, and nothing is written."""
+    the kernel, the access and the tensors, and nothing is written. It patches the interpreter's
+    builder, which is process-wide, while the launch holds ``_LAUNCH`` (as the interpreter's own
+    patching of ``triton.language`` is). A Triton whose interpreter has no such builder (checked on
+    triton 3.9, the CPU venv's) runs the launch unchecked."""
 
     def __init__(self, name: str, ranges):
         import numpy as np
@@ -127,13 +130,17 @@ class _Bounds:
             where = (f"{bad - near[1]} bytes past the end of {near[2]}" if bad >= near[1]
                      else f"{near[0] - bad} bytes before {near[2]}")
             raise OutOfBounds(f"autopar's Triton kernel {self.name} (interpreted) would {kind} {int((~ok).sum())} "
-                              f"of {p.size} elements outside its tensors, e.g. {where}; nothing was {kind}d")
+                              f"of {p.size} elements outside its tensors, e.g. {where}; nothing was "
+                              f"{'read' if kind == 'load' else 'written'}")
 
     def __enter__(self):
-        b = self.ti.interpreter_builder
+        b = getattr(self.ti, "interpreter_builder", None)
+        get_np = getattr(self.ti, "_get_np_dtype", None)
+        self.active = b is not None and get_np is not None  # (another Triton's interpreter: unchecked)
+        if not self.active:
+            return self
         self.saved = b.__dict__.get("create_masked_load"), b.__dict__.get("create_masked_store")
         load, store = b.create_masked_load, b.create_masked_store
-        get_np = self.ti._get_np_dtype
 
         def checked_load(ptrs, mask, other, *rest):
             self.check("load", ptrs, mask, get_np(ptrs.get_element_ty()).itemsize)
@@ -147,6 +154,8 @@ class _Bounds:
         return self
 
     def __exit__(self, *exc):
+        if not self.active:
+            return
         b = self.ti.interpreter_builder
         for name, old in zip(("create_masked_load", "create_masked_store"), self.saved):
             if old is None:
