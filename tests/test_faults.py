@@ -120,7 +120,8 @@ def test_failures_before_any_collective_leave_the_program_usable(pools):
 # issue's figure), the others' 20 s; each peer must be gone before its failing process ends: the
 # suite pays the 30 s once, the five overlapped with each other and with this file's other tests.
 # (5 s was too short: on a loaded machine a forked peer's exit took 11 s, the clean-clone CI run
-# of 3f293f3 on 2026-11-27. The file alone, one run each: 75 s with 5 s, 85 s with 20 s, 91 s with 30 s.) pp's processes are spawned interpreters, which exit as a script does (atexit handlers,
+# of 3f293f3 on 2026-11-27. The file alone, one run each: 75 s with 5 s, 85 s with 20 s, 91 s
+# with 30 s.) pp's processes are spawned interpreters, which exit as a script does (atexit handlers,
 # finalization: 1-2 s here, 6-9 s with this fixture's other processes and a loaded machine); the
 # others are forked from the fork server, whose children end in os._exit (nothing to import: each
 # spawned pair costs ~10 s of CPU).
