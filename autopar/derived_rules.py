@@ -196,11 +196,14 @@ def _factor(p) -> int:
 
 
 def _local(x: torch.Tensor, p, i: int, size: int) -> torch.Tensor:
-    """Rank i's piece of the whole ``x`` placed as ``p`` (a strided shard: its i-th chunk of every part)."""
+    """Rank i's piece of the whole ``x`` placed as ``p`` (a strided shard: its i-th chunk of every
+    part), contiguous as a rank's own tensor is: a chunk of the whole is a view that is not dense
+    (every other head of a batch), which no rank ever hands the op (autopar's attention backward
+    once wrote past its buffers on such views)."""
     if isinstance(p, tc.StridedShard):  # (before Shard: on some torch versions a subclass of it)
         return torch.cat([q.chunk(size, p.dim)[i] for q in x.chunk(p.split_factor, p.dim)], p.dim)
     if isinstance(p, Shard):
-        return x.chunk(size, p.dim)[i]
+        return x.chunk(size, p.dim)[i].contiguous()
     return x
 
 
