@@ -11,7 +11,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from autopar.plan import Placed, Plan
 from autopar.ir import info
-from autopar.unfuse import describe as describe_cuts
+from autopar.unfuse_find import describe as describe_cuts
 
 
 class Context:

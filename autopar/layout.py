@@ -131,12 +131,17 @@ class SequenceDims:
     def resolved(self, n: fx.Node, in_specs, wants) -> dict[fx.Node, ShardSpec]:
         """The inputs of ``n`` that the first choice resolves from Partial to Replicate on a sequence
         axis and that have a sequence dim: each with the spec it is read in instead (Shard(seq) on
-        those axes). Empty when nothing is to change."""
+        those axes). Empty when nothing is to change. An input whose own sequence dim was lost on
+        the way (a causal convolution's padding, a scan over chunks) is read by its sequence dim
+        when it has n's shape and n has one (a residual add after such a block), and labelled so."""
         out: dict[fx.Node, ShardSpec] = {}
         if not self.active:
             return out
+        nd, shape = info(n).seq_dim, tuple(getattr(n.meta.get("val"), "shape", ()))
         for a, have, want in zip(tensor_args(n), in_specs, wants):
             d = info(a).seq_dim
+            if not isinstance(d, int) and isinstance(nd, int) and have is not None and tuple(have.shape) == shape:
+                d = info(a).seq_dim = nd  # (learnt from its reader: the reason for its move says so)
             if have is None or want is None or not isinstance(d, int):
                 continue
             pl = list(out[a].placements) if a in out else list(have.placements)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 
-NOTE = "cut: "  # the reports' prefix for a fused weight cut into parts (unfuse.describe's lines)
+NOTE = "cut: "  # the reports' prefix for a fused weight cut into parts (unfuse_find.describe's lines)
 
 
 class Parts(nn.Module):

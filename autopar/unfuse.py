@@ -12,11 +12,14 @@ was tried and rejected: torch's op rules rebuild it and drop the parts, docs/ten
 So, before the tensor-parallel derivation (passes/split.py), under a derived tensor-parallel
 strategy on an axis of more than one rank:
 
-1. **Found from the graph**, not from names: a matmul by a parameter stored [out, in] and read
-   nowhere else (``linear(x, W, b)``, or ``x @ W.T``: Falcon's), whose output (through
-   shape-keeping ops: ``unsqueeze``, casts; or viewed as [.., heads, head_dim] first) is read only
-   by slices of that dim (``x[..., a:b]``, ``x[..., [i], :]``, ``split`` with sizes) that cut it
-   into contiguous parts, not all of one size (equal parts are a strided shard already).
+1. **Found from the graph** (autopar/unfuse_find.py), not from names: a matmul by a parameter
+   stored [out, in] and read nowhere else (``linear(x, W, b)``, or ``x @ W.T``: Falcon's), whose
+   output (through ops that act on each channel apart: casts, ``unsqueeze``, transposes, an
+   activation, a depthwise convolution whose filters are parameters read nowhere else, as Qwen3.5's
+   gated delta net convolves ``[q | k | v]`` before it splits them; or viewed as [.., heads,
+   head_dim] first) is read only by slices of that dim (``x[..., a:b]``, ``x[..., [i], :]``,
+   ``split`` with sizes) that cut it into contiguous parts, not all of one size (equal parts are a
+   strided shard already). Such a convolution's weight and bias are cut into the same parts.
 2. **The module**: the weight (and its bias) gets torch's own parametrization
    (``torch.nn.utils.parametrize``, ``unsafe=True``), ``Parts``: the fused tensor is the
    concatenation of one parameter per part, ``<module>.parametrizations.weight.original<i>``.
@@ -38,230 +41,26 @@ weights were cut and where.
 
 from __future__ import annotations
 
-import operator
-from dataclasses import dataclass, field
-
 import torch
 from torch import fx, nn
 from torch.nn.utils import parametrize
 
-from autopar.analysis.tp_graph import op_name, val_of
-from autopar.ir import source_line
+from autopar.analysis.tp_graph import val_of
 from autopar.parts import Parts
-
-SAME = {"to", "type", "float", "half", "bfloat16", "contiguous", "_to_copy"}  # casts on the way to the linear
-KEEP_LAST = SAME | {"unsqueeze"}  # between the linear and its slices: the sliced dim stays the last one
+from autopar.unfuse_find import Cut, _conv_args, _weight_args, find_cuts
 
 
-@dataclass
-class Cut:
-    """One fused weight found in the graph, cut into parts."""
-
-    weight: str  # the user's name of the fused weight (``...qkv_proj.weight``)
-    bias: str | None
-    sizes: list[int]
-    where: str  # the user's source line of the slices
-    linear: fx.Node = field(repr=False, default=None)
-    source: fx.Node = field(repr=False, default=None)  # what the slices read: the linear or a shape-keeping op after it
-    readers: list[list[fx.Node]] = field(repr=False, default_factory=list)  # per part: the nodes that read it
-    unit: int = 1  # rows per index of the sliced dim (head_dim where the output is viewed as heads first)
-
-    def part_names(self, of: str) -> list[str]:
-        mod, _, attr = of.rpartition(".")
-        return [f"{mod}.parametrizations.{attr}.original{i}" for i in range(len(self.sizes))]
-
-
-
-def describe(cuts: list[Cut]) -> list[str]:
-    """One line per kind of cut (the same sizes, sliced at the same source line: a block's
-    projection in every block), naming the first weight and how many there are."""
-    kinds: dict[tuple, list[Cut]] = {}
-    for c in cuts:
-        kinds.setdefault((tuple(c.sizes), c.where), []).append(c)
-    out = []
-    for (sizes, where), cs in kinds.items():
-        more = f" and {len(cs) - 1} more like it" if len(cs) > 1 else ""
-        bias = " (and its bias)" if cs[0].bias else ""
-        out.append(f"{cs[0].weight}{bias}{more}: one parameter per part, {len(sizes)} parts of {list(sizes)} rows "
-                   f"(its output is sliced so{where}; each part placed on its own)")
-    return out
-
-
-# ------------------------------------------------------------------------------- the graph
-TRANSPOSE = {"t", "transpose", "swapaxes", "swapdims"}
-
-
-def _through_casts(a, params: dict) -> tuple[fx.Node | None, int]:
-    """The parameter ``get_attr`` that ``a`` reads through casts and transposes (each read by one
-    node), and how many transposes (``W.T``, ``W.t()``) it went through."""
-    flips = 0
-    while isinstance(a, fx.Node) and a not in params:
-        name = op_name(a)
-        flip = name in TRANSPOSE or (name == "getattr" and len(a.args) > 1 and a.args[1] in ("T", "mT"))
-        if not (name in SAME or flip) or len(a.users) != 1:
-            return None, 0
-        flips += flip
-        a = a.args[0]
-    return (a, flips) if isinstance(a, fx.Node) else (None, 0)
-
-
-def _weight_of(mm: fx.Node, params: dict):
-    """(weight, bias) arguments of a matmul by a parameter stored [out, in]: ``linear(x, W, b)``,
-    or ``x @ W.T`` (``matmul``); None otherwise."""
-    name = op_name(mm)
-    if name != "linear" and not (name == "matmul" and len(mm.args) == 2):
-        return None
-    w, b = _weight_args(mm)
-    want = 0 if name == "linear" else 1
-    wnode, flips = _through_casts(w, params)
-    if wnode is None or flips != want:
-        return None
-    return w, b
-
-
-def _range(reader: fx.Node, src: fx.Node, n: int, nd: int, back: int):
-    """(start, stop) that ``reader`` takes of ``src`` along its dim ``nd - back`` (of size n)
-    and nothing else, or None: ``x[..., a:b]``; with ``back`` 2, ``x[..., a:b, :]`` or
-    ``x[..., [i], :]`` (Falcon's one key head, kept as a dim)."""
-    if reader.op != "call_function" or reader.target is not operator.getitem or reader.args[0] is not src:
-        return None
-    idx = reader.args[1]
-    if not isinstance(idx, tuple) or len(idx) < back:
-        return None
-    head, at, tail = idx[:len(idx) - back], idx[len(idx) - back], idx[len(idx) - back + 1:]
-    if any(t != slice(None) for t in tail):
-        return None
-    if not (head == (Ellipsis,) or (len(idx) == nd and all(t == slice(None) for t in head))):
-        return None
-    if isinstance(at, list) and len(at) == 1 and type(at[0]) is int:
-        i = at[0] % n
-        return i, i + 1
-    if not isinstance(at, slice) or not all(v is None or type(v) is int for v in (at.start, at.stop, at.step)):
-        return None  # a bound the program computes: not a fixed cut
-    start, stop, step = at.indices(n)
-    return (start, stop) if step == 1 and stop > start else None
-
-
-def _split_parts(sp: fx.Node, src: fx.Node, nd: int, back: int):
-    """``src.split([sizes], dim=nd - back)`` read only by ``getitem``: [(start, stop, getitem)]."""
-    if op_name(sp) not in ("split", "split_with_sizes") or sp.args[0] is not src:
-        return None
-    sizes = sp.args[1] if len(sp.args) > 1 else sp.kwargs.get("split_size_or_sections", sp.kwargs.get("split_sizes"))
-    dim = sp.args[2] if len(sp.args) > 2 else sp.kwargs.get("dim", 0)
-    if not isinstance(sizes, (list, tuple)) or not all(isinstance(s, int) for s in sizes) or dim % nd != nd - back:
-        return None
-    out, at = [], 0
-    starts = []
-    for s in sizes:
-        starts.append((at, at + s))
-        at += s
-    for u in sp.users:
-        if u.op != "call_function" or u.target is not operator.getitem or not isinstance(u.args[1], int):
-            return None
-        a, b = starts[u.args[1]]
-        out.append((a, b, u))
-    return out
-
-
-def _readers(src: fx.Node, n: int, back: int) -> dict | None:
-    """{(start, stop): the nodes reading that range of ``src``'s dim ``-back``}, when slices and
-    splits are all that read it; else None."""
-    v = val_of(src)
-    if not isinstance(v, torch.Tensor) or v.ndim < back:
-        return None
-    ranges: dict[tuple[int, int], list[fx.Node]] = {}
-    for u in src.users:
-        r = _range(u, src, n, v.ndim, back)
-        if r is not None:
-            ranges.setdefault(r, []).append(u)
-            continue
-        sp = _split_parts(u, src, v.ndim, back)
-        if sp is None:
-            return None
-        for a, b_, g in sp:
-            ranges.setdefault((a, b_), []).append(g)
-    return ranges
-
-
-def _heads_view(u: fx.Node, n_out: int) -> int:
-    """``u`` views its input's last dim (n_out) as [heads, head_dim], nothing else: head_dim; else 0."""
-    if op_name(u) not in ("view", "reshape"):
-        return 0
-    vi, vo = val_of(u.args[0]), val_of(u)
-    if not isinstance(vi, torch.Tensor) or not isinstance(vo, torch.Tensor) or vo.ndim != vi.ndim + 1:
-        return 0
-    if tuple(vo.shape[:-2]) != tuple(vi.shape[:-1]) or vo.shape[-2] * vo.shape[-1] != n_out:
-        return 0
-    return int(vo.shape[-1])
-
-
-def find_cuts(gm: fx.GraphModule, model: nn.Module) -> list[Cut]:
-    """Every fused weight of the graph whose output is cut into unequal parts (see the module
-    docstring): what the graph shows, never a name."""
-    from autopar.modpath import get_attr, tensor_names
-
-    ids = tensor_names(model)
-    params = {}
-    uses: dict[str, int] = {}
-    for n in gm.graph.nodes:
-        if n.op == "get_attr":
-            kind, name = ids.get(id(get_attr(gm, n.target)), (None, None))
-            if kind == "param":
-                params[n] = name
-                uses[name] = uses.get(name, 0) + 1
-    cuts = []
-    for lin in gm.graph.nodes:
-        wb = _weight_of(lin, params) if lin.op == "call_function" else None
-        if wb is None:
-            continue
-        w, b = wb
-        wnode, _ = _through_casts(w, params)
-        if uses[params[wnode]] != 1:
-            continue
-        bnode = None
-        if b is not None:
-            bnode, flips = _through_casts(b, params)
-            if bnode is None or flips or uses[params[bnode]] != 1:
-                continue
-        wv = val_of(wnode)
-        if not isinstance(wv, torch.Tensor) or wv.ndim != 2:
-            continue
-        n_out = int(wv.shape[0])
-        src = lin  # through shape-keeping ops read by one user each
-        while len(src.users) == 1:
-            (u,) = src.users
-            v = val_of(u)
-            if op_name(u) not in KEEP_LAST or not isinstance(v, torch.Tensor) or int(v.shape[-1]) != n_out:
-                break
-            src = u
-        unit, ranges = 1, _readers(src, n_out, 1)
-        if ranges is None and len(src.users) == 1:  # viewed as [.., heads, head_dim], then cut by heads
-            (u,) = src.users
-            unit = _heads_view(u, n_out)
-            if unit:
-                src = u
-                ranges = _readers(u, n_out // unit, 2)
-        if not ranges or len(ranges) < 2:
-            continue
-        cuts_at = sorted(ranges)
-        if cuts_at[0][0] != 0 or cuts_at[-1][1] * unit != n_out or any(x[1] != y[0] for x, y in zip(cuts_at, cuts_at[1:])):
-            continue  # overlapping or leaving rows unread: not a partition
-        sizes = [(b_ - a) * unit for a, b_ in cuts_at]
-        if len(set(sizes)) == 1:
-            continue  # equal parts: a strided shard holds them (the derivation's own case)
-        first = ranges[cuts_at[0]][0]
-        line = source_line(first)
-        cuts.append(Cut(params[wnode], params[bnode] if bnode is not None else None, sizes,
-                        f" at {line}" if line else "", lin, src, [ranges[r] for r in cuts_at], unit))
-    return cuts
-
-
-def _copy(graph: fx.Graph, n: fx.Node, env: dict, args: tuple | None = None) -> fx.Node:
-    """``n`` copied with its inputs mapped by ``env`` (or with ``args``), its example value computed
-    on the copies'."""
+def _copy(graph: fx.Graph, n: fx.Node, env: dict, args: tuple | None = None, groups: int | None = None) -> fx.Node:
+    """``n`` copied with its inputs mapped by ``env`` (or with ``args``; a convolution with
+    ``groups``: one part's channels), its example value computed on the copies'."""
     new = graph.node_copy(n, lambda a: env.get(a, a))
     if args is not None:
         new.args = args
+    if groups is not None:
+        if len(new.args) > 6:
+            new.args = (*new.args[:6], groups, *new.args[7:])
+        else:
+            new.kwargs = {**new.kwargs, "groups": groups}
     args = fx.node.map_arg(new.args, val_of)
     kwargs = fx.node.map_arg(new.kwargs, val_of)
     if n.op == "call_function":
@@ -293,14 +92,30 @@ def cut(gm: fx.GraphModule, model: nn.Module, cuts: list[Cut]) -> None:
         w, b = _weight_args(lin)
         wdone = _part_chain(gm, lin, w, parts["weight"], c)
         bdone = _part_chain(gm, lin, b, parts["bias"], c) if "bias" in parts else [None] * len(c.sizes)
-        keep = []  # the shape-keeping ops between the linear and the slices
+        conv_env = [{} for _ in c.sizes]  # per part: each convolution's weight / bias argument -> the part's
+        conv_args = []
+        for conv, wname, bname in c.convs:
+            cw, cb = _conv_args(conv)
+            conv_args += [cw, cb]
+            for arg, name in ((cw, wname), (cb, bname)):
+                if name is None:
+                    continue
+                mod_name, _, attr = name.rpartition(".")
+                mod = model.get_submodule(mod_name)
+                parametrize.register_parametrization(mod, attr, Parts(c.sizes, 0), unsafe=True)
+                originals = getattr(mod.parametrizations, attr)
+                done = _part_chain(gm, lin, arg, [getattr(originals, f"original{i}") for i in range(len(c.sizes))], c)
+                for i, d in enumerate(done):
+                    conv_env[i][arg] = d
+        keep = []  # the per-channel ops between the linear and the slices
         src = lin
         while src is not c.source:
             (src,) = src.users
             keep.append(src)
+        convs = {conv for conv, _, _ in c.convs}
         for i, readers in enumerate(c.readers):
             with graph.inserting_before(lin):
-                env = {w: wdone[i]}
+                env = {w: wdone[i], **conv_env[i]}
                 if b is not None:
                     env[b] = bdone[i]
                 out = _copy(graph, lin, env)
@@ -310,10 +125,11 @@ def cut(gm: fx.GraphModule, model: nn.Module, cuts: list[Cut]) -> None:
                         shape = list(val_of(k).shape)
                         shape[-2] = c.sizes[i] // c.unit
                         shape = (out, *shape) if k.op == "call_method" else (out, tuple(shape))
-                    out = _copy(graph, k, {**env, lin: out, **{kk: out for kk in keep}}, shape)
+                    out = _copy(graph, k, {**env, lin: out, **{kk: out for kk in keep}}, shape,
+                                groups=c.sizes[i] if k in convs else None)
             for r in readers:
                 r.replace_all_uses_with(out)
-        dead = {lin, *keep, *_chain(w), *_chain(b)}
+        dead = {lin, *keep, *_chain(w), *_chain(b), *(n for a in conv_args for n in _chain(a))}
         for readers in c.readers:
             for r in readers:
                 dead.add(r)
@@ -326,15 +142,6 @@ def cut(gm: fx.GraphModule, model: nn.Module, cuts: list[Cut]) -> None:
                 graph.erase_node(n)
     graph.lint()
     gm.recompile()
-
-
-def _weight_args(mm: fx.Node) -> tuple:
-    """(weight, bias) arguments of ``linear(x, W, b)`` or ``matmul(x, W.T)`` (bias None)."""
-    if op_name(mm) == "linear":
-        args = list(mm.args) + [None] * 3
-        return (args[1] if args[1] is not None else mm.kwargs.get("weight"),
-                args[2] if args[2] is not None else mm.kwargs.get("bias"))
-    return mm.args[1], None
 
 
 def _part_chain(gm, lin: fx.Node, arg: fx.Node, part_params: list, c: Cut) -> list[fx.Node]:
@@ -384,7 +191,7 @@ def derive_with_cuts(gm: fx.GraphModule, model: nn.Module, derive, keep_whole) -
     graph shows (``find_cuts``) but those ``keep_whole(name)`` holds (a user's rule names them);
     the cuts that left no part column-parallel undone and the derivation run again. Returns the
     derivation, the cuts kept, and a line for the report where cutting was tried and given up."""
-    cuts = [c for c in find_cuts(gm, model) if not keep_whole(c.weight) and not (c.bias and keep_whole(c.bias))]
+    cuts = [c for c in find_cuts(gm, model) if not any(keep_whole(n) for n in c.names())]
     if not cuts:
         return derive(), [], []
     from autopar.errors import PlanError
@@ -424,16 +231,14 @@ def _save(gm: fx.GraphModule, model: nn.Module, cuts: list[Cut]) -> dict:
     new_out = graph.output(out)
     new_out.meta = dict(old_out.meta)
     attrs = {n.target: get_attr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
-    params = {name: model.get_parameter(name) for c in cuts for name in (c.weight, c.bias) if name is not None}
+    params = {name: model.get_parameter(name) for c in cuts for name in c.names()}
     return {"graph": graph, "attrs": attrs, "params": params}
 
 
 def _restore(gm: fx.GraphModule, model: nn.Module, cuts: list[Cut], saved: dict) -> None:
     """``cut`` undone: the module's fused parameters, the graph module's attributes, its graph."""
     for c in cuts:
-        for name in (c.weight, c.bias):
-            if name is None:
-                continue
+        for name in c.names():
             mod_name, _, attr = name.rpartition(".")
             mod = model.get_submodule(mod_name)
             parametrize.remove_parametrizations(mod, attr, leave_parametrized=True)

@@ -31,8 +31,9 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar import torch_compat as tc
-from autopar.analysis.ops import VIEW_OPS
+from autopar.analysis.ops import VIEW_OPS, is_view
 from autopar.errors import ShardingError
+from autopar.rules import POINTWISE_UNTAGGED
 from autopar.experts import EP_KIND, ep_record_bytes
 from autopar.layout import ring_axes, zigzag_order, zigzag_take, zigzag_unorder
 from autopar.ir import (
@@ -91,10 +92,59 @@ def trace_local(program: Program, ctx) -> Program:
     with fx_traceback.preserve_node_meta(), torch.no_grad(), tc.fixed_views():
         gm = make_fx(run, tracing_mode="fake")(*example)
     _annotate_collectives(gm.graph, origins, ctx)
-    if drop_unread(gm.graph):  # (views a local op replaced: ring attention's, sequence parallelism's)
+    changed = _reshape_views_of_mixed_layouts(gm.graph)
+    if drop_unread(gm.graph) or changed:  # (views a local op replaced: ring attention's, sequence parallelism's)
         gm.recompile()
     program.local = gm
     return program
+
+
+def _reshape_views_of_mixed_layouts(graph: fx.Graph) -> int:
+    """A view of a value whose layout at run time the trace cannot promise becomes a reshape.
+    Which layout an elementwise op's output takes when its inputs of the output's shape have
+    different layouts is the kernel's choice, and fake tensors do not always make the same one:
+    softplus_backward(grad (256, 1, 16), input (256, 16, 1)) traces as (256, 16, 1) and runs as
+    (256, 1, 16) on CPU (torch 2.13), so a view the trace allowed fails at run time. Such an output
+    is uncertain, and so is what takes its layout from an uncertain input (elementwise ops and
+    reductions, views, cat, copies); a matmul's or any other op's fresh output is not. A view of an
+    uncertain value becomes a reshape: that same view where the run-time strides allow it, else a
+    copy. Returns how many views it turned."""
+    aten = torch.ops.aten
+    uncertain: set = set()
+    done = 0
+
+    def layout(v):
+        return tuple(st for st, sz in zip(v.stride(), v.shape) if sz > 1)
+
+    for n in graph.nodes:
+        out = n.meta.get("val")
+        if n.op != "call_function" or not isinstance(out, torch.Tensor):
+            continue
+        flat = [x for a in n.args for x in (a if isinstance(a, (list, tuple)) else [a])]  # (cat's list)
+        ins = [a for a in flat if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+        if n.target == aten.view.default and ins and ins[0] in uncertain:
+            n.target = aten.reshape.default
+            done += 1
+        if _elementwise(n.target):
+            same = [a for a in ins if tuple(a.meta["val"].shape) == tuple(out.shape) and out.dim() > 1]
+            if len({layout(a.meta["val"]) for a in same}) > 1:
+                uncertain.add(n)
+        if any(a in uncertain for a in ins) and _follows_layout(n.target):
+            uncertain.add(n)
+    return done
+
+
+def _elementwise(target) -> bool:
+    return torch.Tag.pointwise in getattr(target, "tags", ()) or target in POINTWISE_UNTAGGED
+
+
+def _follows_layout(target) -> bool:
+    """Whether an op's output takes its layout from its input's (TensorIterator's ops, views, cat,
+    copies that preserve the format), rather than being laid out fresh (a matmul's, attention's)."""
+    aten = torch.ops.aten
+    tags = getattr(target, "tags", ())
+    return (_elementwise(target) or torch.Tag.reduction in tags or is_view(target)
+            or target in (aten.cat.default, aten.clone.default, aten._to_copy.default, aten.reshape.default))
 
 
 def _local_example(n: fx.Node, ctx) -> torch.Tensor:

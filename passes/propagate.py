@@ -61,10 +61,62 @@ def propagate_pass(program: Program, ctx) -> Program:
             seq.label(n, info(n).role)
         elif n.op == "call_function":
             seq.label(n)  # from shapes and the inputs' labels: known before the op is decided
-            _propagate_node(n, ctx, seq)
+            try:
+                _propagate_node(n, ctx, seq)
+            except ShardingError:
+                mid = _refined_view(n, graph)  # a view that both splits and merges: in two steps
+                if mid is None:
+                    raise
+                seq.label(mid)
+                _propagate_node(mid, ctx, seq)
+                seq.label(n)
+                _propagate_node(n, ctx, seq)
         elif n.op == "get_attr":
             raise ShardingError(f"unexpected get_attr node {n.target} in the captured graph")
     return program
+
+
+def refined_shape(a, b) -> list[int] | None:
+    """The finest shape both ``a`` and ``b`` are merges of (each of their prefix products is one
+    of its prefix products), or None where there is none ([6, 4] and [4, 6]). [4, 16, 4096] and
+    [2048, 128]: [4, 16, 32, 128]."""
+    import math
+
+    def prefixes(shape):
+        out, p = set(), 1
+        for d in shape:
+            p *= int(d)
+            out.add(p)
+        return out
+
+    total = math.prod(int(d) for d in a)
+    if total == 0 or total != math.prod(int(d) for d in b):
+        return None
+    cuts = sorted(prefixes(a) | prefixes(b) | {1})
+    if any(y % x for x, y in zip(cuts, cuts[1:])):
+        return None
+    return [y // x for x, y in zip(cuts, cuts[1:])]
+
+
+def _refined_view(n: fx.Node, graph: fx.Graph) -> fx.Node | None:
+    """A view whose one step both splits a sharded dim and merges it under another (functionalization
+    writes ``x.view(b, s, h, d).reshape(-1, d)`` as one view of x: [b, s, h * d] -> [b * s * h, d], h
+    sharded), which DTensor's view rule cannot keep sharded in one step but can in two: split to the
+    finest shape both are merges of, then merge (a strided shard). Rewrites ``n`` so and returns the
+    new first step; None where that changes nothing."""
+    if n.target not in VIEW_OPS or not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    x = n.args[0]
+    a, b = list(x.meta["val"].shape), list(n.meta["val"].shape)
+    c = refined_shape([d for d in a if d != 1], [d for d in b if d != 1])
+    if c is None or c in ([d for d in a if d != 1], [d for d in b if d != 1]):
+        return None
+    with graph.inserting_before(n):
+        mid = graph.call_function(n.target, (x, c))
+    mid.meta.update({k: v for k, v in n.meta.items() if k not in ("val", "autopar")})
+    mid.meta["val"] = n.target(x.meta["val"], c)
+    n.args = (mid, *n.args[1:])
+    return mid
 
 
 def _drop_legacy_empty_cat_inputs(graph: fx.Graph) -> None:

@@ -20,6 +20,8 @@ from autopar.passes.collectives import plan_steps, step_kind
 from autopar.rules import PSUM, copy_rule
 
 ONE_LAYER = dict(num_hidden_layers=1)
+# Qwen3.5's gated delta net (linear attention) at small sizes: 4 key heads, 8 value heads of 16
+GDN = dict(linear_num_key_heads=4, linear_key_head_dim=16, linear_num_value_heads=8, linear_value_head_dim=16)
 CASES = [  # (architecture, plan, config overrides, rules that must have decided some op)
     # the eval program keeps SDPA whole: its math decomposition had other strides than the op,
     # which GPT-2's Conv1D view(-1, ...) could not take
@@ -68,10 +70,19 @@ CASES = [  # (architecture, plan, config overrides, rules that must have decided
     # (Falcon-7B's, x @ W.T viewed as heads + 2 and cut into q | k | v, one K/V head broadcast into
     # SDPA: benchmarks/hf_breadth.py's Falcon, and its count in tests/test_tp_derive.py)
     ("Falcon", "megatron", dict(ONE_LAYER, new_decoder_architecture=True, num_kv_heads=2), set()),
+    # Qwen3.5's gated delta net: [q | k | v] fused before one depthwise causal conv (both cut into
+    # parts, autopar/unfuse.py); a view that splits and merges a sharded dim in one step (propagated
+    # in two); softplus_backward's run-time layout differing from its trace's (the views after it
+    # reshape); under sequence, the block's output reduce-scattered by the residual add's sequence dim.
+    # (The chunked scan unrolls 64 steps: about 1 min a plan; megatron is marked slow.)
+    ("qwen3_5_text", "sequence", dict(ONE_LAYER, **GDN), {"convolution per channel, sharded on the channels"}),
+    pytest.param("qwen3_5_text", "megatron", dict(ONE_LAYER, **GDN), {"convolution per channel, sharded on the channels"},
+                 marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("name,plan,overrides,rules", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+@pytest.mark.parametrize("name,plan,overrides,rules", CASES,
+                         ids=[f"{c[0]}-{c[1]}" for c in (getattr(c, "values", c) for c in CASES)])
 def test_architecture_against_one_process(pools, name, plan, overrides, rules):
     out = pools(2).run(breadth_job, name, plan, False, **overrides)
     assert rules <= set(out["rules"]), f"rules that did not fire: {rules - set(out['rules'])}"
@@ -132,3 +143,44 @@ def strided_roundtrip_job():
 
 def test_strided_shard_redistributes_like_dtensor(pools):
     assert pools(2).run(strided_roundtrip_job) == 4
+
+
+def test_a_view_that_splits_and_merges_a_sharded_dim_goes_in_two_steps():
+    """Functionalization writes ``x.view(b, s, h, d).reshape(-1, d)`` as one view of x ([b, s, h * d]
+    -> [b * s * h, d]); with h sharded, DTensor's view rule cannot keep that sharded in one step, but
+    can through the finest shape both sides are merges of (Qwen3.5's gated delta net)."""
+    from autopar.passes.propagate import refined_shape
+
+    assert refined_shape([4, 16, 4096], [2048, 128]) == [4, 16, 32, 128]
+    assert refined_shape([4, 16, 64], [4, 16, 4, 16]) == [4, 16, 4, 16]  # (a split alone: itself)
+    assert refined_shape([6, 4], [4, 6]) is None  # no shape refines both
+    assert refined_shape([6, 4], [25]) is None
+
+
+def test_a_view_of_an_output_whose_run_time_layout_the_trace_cannot_promise_is_a_reshape():
+    """softplus_backward(g, x) with g and x laid out differently: fake tensors give the output x's
+    layout, the CPU kernel g's, so a view the trace allowed fails at run time. localize turns a view
+    of such a value (and of what follows its layout) into a reshape, and leaves the others alone."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autopar.passes.localize import _reshape_views_of_mixed_layouts
+
+    aten = torch.ops.aten
+
+    def f(g, x, w, view):
+        y = aten.softplus_backward(g, x, 1.0, 20.0)
+        z = view(y * 2, 256 * 16, 16)  # follows y's layout: uncertain too
+        m = (x.view(256 * 16, 16) @ w).view(256, 16, 16)  # a matmul's fresh output: certain
+        return z.sum(0), m
+
+    g = torch.randn(256, 16, 16).transpose(1, 2)
+    x, w = torch.randn(256, 16, 16), torch.randn(16, 16)
+    gm = make_fx(lambda g, x, w: f(g, x, w, torch.Tensor.view), tracing_mode="fake")(g, x, w)
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        gm(g, x, w)  # (the check can fail: the traced program as it was)
+    assert _reshape_views_of_mixed_layouts(gm.graph) == 1
+    gm.recompile()
+    views = [n for n in gm.graph.nodes if n.target in (aten.view.default, aten.reshape.default)]
+    assert [n.target for n in views] == [aten.reshape.default, aten.view.default, aten.view.default]
+    got, want = gm(g, x, w), f(g, x, w, torch.Tensor.reshape)
+    assert all(torch.allclose(a, b) for a, b in zip(got, want))

@@ -90,8 +90,11 @@ CASES = {
 }
 
 
+# Qwen3.5's gated delta net (linear attention) at small sizes: 4 key heads, 8 value heads of 16
+GDN = dict(linear_num_key_heads=4, linear_key_head_dim=16, linear_num_value_heads=8, linear_value_head_dim=16)
 VARIANTS = {"Llama-MQA": ("Llama", dict(num_key_value_heads=1)),  # case -> (architecture, config overrides)
-            "Falcon-40B": ("Falcon", dict(new_decoder_architecture=True, num_kv_heads=2))}
+            "Falcon-40B": ("Falcon", dict(new_decoder_architecture=True, num_kv_heads=2)),
+            "Qwen3.5": ("qwen3_5_text", GDN)}
 
 
 @pytest.mark.parametrize("arch", list(CASES))
@@ -187,10 +190,13 @@ def _tp_collectives(model_fn, inputs, loss_fn, plan, layers):
 def _hf_layers(arch):
     from autopar.models.hf_archs import build_hf
 
-    def make(layers):
-        return build_hf(arch, num_hidden_layers=layers)[0]
+    arch, overrides = VARIANTS.get(arch, (arch, {}))
 
-    return make, build_hf(arch, num_hidden_layers=1)[1][0], build_hf(arch, num_hidden_layers=1)[2]
+    def make(layers):
+        return build_hf(arch, num_hidden_layers=layers, **overrides)[0]
+
+    _, batches, loss_fn = build_hf(arch, num_hidden_layers=1, **overrides)
+    return make, batches[0], loss_fn
 
 
 MEGATRON = {("forward", "all_reduce"): 2, ("backward", "all_reduce"): 2}
@@ -211,10 +217,16 @@ COUNTS = [("Llama", "megatron", MEGATRON), ("GPT-2", "megatron", MEGATRON),
           # the same cut through a view as [.., heads + 2, head_dim] (x @ W.T, then [..., :-2, :],
           # [..., [-2], :]); attention and MLP in parallel off one norm: their partial sums added
           # before one all-reduce forward; backward the norm's and the one K/V head's two
-          ("Falcon", "megatron", {("forward", "all_reduce"): 1, ("backward", "all_reduce"): 3})]
+          ("Falcon", "megatron", {("forward", "all_reduce"): 1, ("backward", "all_reduce"): 3}),
+          # Qwen3.5's gated delta net: [q | k | v] fused, cut through its depthwise causal conv; the
+          # chunked scan per head. Under sequence, the block's output is reduce-scattered by the
+          # residual add's sequence dim (the conv's padding and the chunks lose the block's own)
+          # (1-2 min each: marked slow; test_sequence_parallel_through_a_causal_conv is the cheap one)
+          pytest.param("Qwen3.5", "megatron", MEGATRON, marks=pytest.mark.slow, id="Qwen3.5-megatron"),
+          pytest.param("Qwen3.5", "sequence", SEQUENCE, marks=pytest.mark.slow, id="Qwen3.5-sequence")]
 
 
-@pytest.mark.parametrize("arch,strategy,expected", COUNTS, ids=[f"{a}-{s}" for a, s, _ in COUNTS])
+@pytest.mark.parametrize("arch,strategy,expected", COUNTS)
 def test_megatrons_communication_per_block(arch, strategy, expected):
     """Per block (the difference between 2 and 1 blocks): two all-reduces forward and two
     backward under megatron; under sequence, reduce-scatter / all-gather pairs instead, no
@@ -364,7 +376,7 @@ def test_a_fused_weight_cut_into_unequal_parts_is_one_parameter_per_part():
     assert torch.equal(model.get_submodule(w).weight, fused)  # (the concatenation of the parts)
     assert sum(1 for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "linear") == 3 + 3 + 1  # (+ o, gate_up, down; the lm head)
     assert torch.equal(model(inputs[0]).logits, want)
-    from autopar.unfuse import describe
+    from autopar.unfuse_find import describe
 
     (line,) = describe(cuts)
     assert "3 parts of [64, 32, 32] rows" in line and "modeling_phi3.py" in line, line
@@ -432,3 +444,73 @@ def test_a_cut_that_a_part_makes_impossible_is_given_up_and_said():
     assert cuts == [] and d.decisions[w].placement == R and w in dict(model.named_parameters())
     (note,) = notes
     assert note.startswith(f"{w} not cut") and "does not divide by 4" in note and note.endswith("kept as written"), note
+
+
+def test_a_fused_projection_cut_through_its_depthwise_conv():
+    """Qwen3.5's gated delta net: in_proj_qkv's output ([q | k | v], 64 + 64 + 128 channels) goes
+    through one depthwise causal conv1d before it is split and viewed as heads. Both are cut into
+    one parameter per part (the conv's filters alike), each part column-parallel by its heads and
+    its filters sharded with it; the model computes what it did."""
+    model, inputs, loss_fn = _hf("qwen3_5_text", **GDN)
+    want = model(inputs[0]).logits
+    gm, dec, cuts, _ = _cut(model, inputs, loss_fn)
+    a = "model.layers.0.linear_attn"
+    (cut,) = cuts
+    assert (cut.weight, cut.sizes) == (f"{a}.in_proj_qkv.weight", [64, 64, 128])
+    assert f"{a}.conv1d.weight" in cut.names()
+    for i in range(3):
+        part, filters = dec[f"{a}.in_proj_qkv.parametrizations.weight.original{i}"], dec[f"{a}.conv1d.parametrizations.weight.original{i}"]
+        assert (part.placement, part.role) == (Shard(0), "column"), part
+        assert (filters.placement, filters.role) == (Shard(0), "with-column"), filters
+    for suffix, expected in {"in_proj_z.weight": (Shard(0), "column"), "in_proj_a.weight": (Shard(0), "column"),
+                             "A_log": (Shard(0), "with-column"), "dt_bias": (Shard(0), "with-column"),
+                             "out_proj.weight": (Shard(1), "row"), "norm.weight": (R, "replicated")}.items():
+        d = dec[f"{a}.{suffix}"]
+        assert (d.placement, d.role) == expected, (suffix, d)
+    from autopar.unfuse_find import describe
+
+    (line,) = describe(cuts)
+    assert "through the per-channel convolution" in line and "conv1d.weight" in line, line
+    assert torch.equal(model(inputs[0]).logits, want)
+
+
+class ConvBlock(nn.Module):
+    """Mamba's / a gated delta net's shape: a column-parallel projection, a depthwise causal conv
+    over the sequence (padded, then cut back to the sequence length), a row-parallel projection
+    into the residual stream."""
+
+    def __init__(self, dim=32, inner=64, kernel=4):
+        super().__init__()
+        self.norm, self.up = nn.LayerNorm(dim), nn.Linear(dim, inner, bias=False)
+        self.conv = nn.Conv1d(inner, inner, kernel, groups=inner, padding=kernel - 1)
+        self.down = nn.Linear(inner, dim, bias=False)
+
+    def forward(self, x):
+        h = self.up(self.norm(x)).transpose(1, 2)
+        h = self.conv(h)[..., :x.shape[1]].transpose(1, 2)
+        return x + self.down(nn.functional.silu(h))
+
+
+class ConvNet(nn.Module):
+    def __init__(self, layers, vocab=64, dim=32):
+        super().__init__()
+        self.table, self.out = nn.Embedding(vocab, dim), nn.Linear(dim, vocab, bias=False)
+        self.blocks = nn.ModuleList([ConvBlock(dim) for _ in range(layers)])
+
+    def forward(self, tokens):
+        x = self.table(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def test_sequence_parallel_through_a_causal_conv():
+    """The conv's padding changes the sequence length, so the block's output has lost its sequence
+    dim by the time it leaves the region; the residual add that reads it has one, and the partial
+    sum is reduce-scattered by it: one reduce-scatter / all-gather pair per block each way, no
+    all-reduce (it was an all-reduce, with the pair at the norm after it)."""
+    tokens = torch.randint(0, 64, (2, 8))
+    one, two = (_tp_collectives(ConvNet, (tokens, tokens), _ce, {"tp": "sequence"}, n) for n in (1, 2))
+    per_block = {k: two.get(k, 0) - one.get(k, 0) for k in set(one) | set(two)}
+    assert {k: v for k, v in per_block.items() if v} == {(p, k): 1 for p in ("forward", "backward")
+                                                         for k in ("all_gather", "reduce_scatter")}
