@@ -20,6 +20,9 @@ strategy on an axis of more than one rank:
    head_dim] first) is read only by slices of that dim (``x[..., a:b]``, ``x[..., [i], :]``,
    ``split`` with sizes) that cut it into contiguous parts, not all of one size (equal parts are a
    strided shard already). Such a convolution's weight and bias are cut into the same parts.
+   Also, with no fused projection: parts of unequal sizes joined by ``cat`` before such a
+   convolution and split back into the same parts after it (OLMo-hybrid, Qwen3-Next): the
+   convolution's weight and bias alone are cut, each part convolved on its own (``Cut.joined``).
 2. **The module**: the weight (and its bias) gets torch's own parametrization
    (``torch.nn.utils.parametrize``, ``unsafe=True``), ``Parts``: the fused tensor is the
    concatenation of one parameter per part, ``<module>.parametrizations.weight.original<i>``.
@@ -82,15 +85,15 @@ def cut(gm: fx.GraphModule, model: nn.Module, cuts: list[Cut]) -> None:
         lin = c.linear
         parts = {}
         for which, name in (("weight", c.weight), ("bias", c.bias)):
-            if name is None:
+            if name is None or c.joined:  # (a joined cut's weight is its convolution's: below)
                 continue
             mod_name, _, attr = name.rpartition(".")
             mod = model.get_submodule(mod_name)
             parametrize.register_parametrization(mod, attr, Parts(c.sizes, 0), unsafe=True)
             originals = getattr(mod.parametrizations, attr)
             parts[which] = [getattr(originals, f"original{i}") for i in range(len(c.sizes))]
-        w, b = _weight_args(lin)
-        wdone = _part_chain(gm, lin, w, parts["weight"], c)
+        w, b = _weight_args(lin) if not c.joined else (None, None)
+        wdone = _part_chain(gm, lin, w, parts["weight"], c) if "weight" in parts else [None] * len(c.sizes)
         bdone = _part_chain(gm, lin, b, parts["bias"], c) if "bias" in parts else [None] * len(c.sizes)
         conv_env = [{} for _ in c.sizes]  # per part: each convolution's weight / bias argument -> the part's
         conv_args = []
@@ -115,10 +118,10 @@ def cut(gm: fx.GraphModule, model: nn.Module, cuts: list[Cut]) -> None:
         convs = {conv for conv, _, _ in c.convs}
         for i, readers in enumerate(c.readers):
             with graph.inserting_before(lin):
-                env = {w: wdone[i], **conv_env[i]}
+                env = {w: wdone[i], **conv_env[i]} if w is not None else dict(conv_env[i])
                 if b is not None:
                     env[b] = bdone[i]
-                out = _copy(graph, lin, env)
+                out = _copy(graph, lin, env) if not c.joined else lin.args[0][i]  # (a joined cut: the part itself)
                 for k in keep:
                     shape = None
                     if k is c.source and c.unit > 1:  # the view as heads: this part's heads
@@ -208,7 +211,7 @@ def derive_with_cuts(gm: fx.GraphModule, model: nn.Module, derive, keep_whole) -
     # a cut pays where a part's output is sharded (column-parallel); a weight that contracts a
     # sharded dim (row-parallel, Mamba's x_proj into [dt | B | C]) is better whole: one partial sum,
     # reduced once where it is sliced, rather than one per part
-    useless = {c.weight for c in cuts if not any(d.decisions[p].role == "column" for p in c.part_names(c.weight))}
+    useless = {c.weight for c in cuts if not c.pays(d.decisions)}
     if not useless:
         return d, cuts, []
     _restore(gm, model, cuts, saved)

@@ -32,10 +32,22 @@ class Cut:
     # depthwise convolutions between the linear and the slices (a GDN / Mamba block's causal conv1d
     # over [q | k | v]): (the conv node, its weight's name, its bias's name or None), cut alike
     convs: list[tuple[fx.Node, str, str | None]] = field(repr=False, default_factory=list)
+    # ``linear`` is a ``cat`` of the parts along the channels (OLMo-hybrid's q, k, v projections,
+    # Qwen3-Next's regrouped heads) rather than a matmul: the convolution's weight (and bias) is the
+    # one cut, and there is no fused projection
+    joined: bool = False
 
     def names(self) -> list[str]:
         """Every parameter this cut holds as parts: the weight, its bias, the convolutions' own."""
-        return [n for n in (self.weight, self.bias, *(x for _, w, b in self.convs for x in (w, b))) if n is not None]
+        names = (self.weight, self.bias, *(x for _, w, b in self.convs for x in (w, b)))
+        return list(dict.fromkeys(n for n in names if n is not None))
+
+    def pays(self, decisions: dict) -> bool:
+        """Whether the derivation sharded a part: a projection's part column-parallel, or (a joined
+        cut) a convolution's filters sharded with their channels."""
+        if self.joined:
+            return any(not decisions[p].placement.is_replicate() for p in self.part_names(self.weight))
+        return any(decisions[p].role == "column" for p in self.part_names(self.weight))
 
     def part_names(self, of: str) -> list[str]:
         mod, _, attr = of.rpartition(".")
@@ -53,6 +65,11 @@ def describe(cuts: list[Cut]) -> list[str]:
     for (sizes, where), cs in kinds.items():
         more = f" and {len(cs) - 1} more like it" if len(cs) > 1 else ""
         bias = " (and its bias)" if cs[0].bias else ""
+        if cs[0].joined:
+            out.append(f"{cs[0].weight}{bias}{more}: one parameter per part, {len(sizes)} parts of {list(sizes)} "
+                       f"channels (the per-channel convolution reads a cat of them{where_of(cs[0].linear)} and its "
+                       f"output is sliced so{where}; each part convolved and placed on its own)")
+            continue
         conv = "".join(f"; through the per-channel convolution {w}{' (and its bias)' if b else ''}{where_of(n)}, "
                        "cut alike" for n, w, b in cs[0].convs)
         out.append(f"{cs[0].weight}{bias}{more}: one parameter per part, {len(sizes)} parts of {list(sizes)} rows "
@@ -220,6 +237,40 @@ def find_cuts(gm: fx.GraphModule, model: nn.Module) -> list[Cut]:
         line = source_line(first)
         cuts.append(Cut(params[wnode], params[bnode] if bnode is not None else None, sizes,
                         f" at {line}" if line else "", lin, src, [ranges[r] for r in cuts_at], unit, convs))
+    return cuts + _joined_cuts(gm, params, uses)
+
+
+def _joined_cuts(gm: fx.GraphModule, params: dict, uses: dict) -> list[Cut]:
+    """A ``cat`` of parts of unequal sizes along the last dim, read through a per-channel chain with
+    a depthwise convolution (``_per_channel_chain``) by slices that cut it back into exactly those
+    parts: the convolution's weight and bias are cut into the parts (OLMo-hybrid's and Qwen3-Next's
+    ``conv1d(cat(q, k, v))``), so that each part, sharded by its own heads, is convolved on its own."""
+    cuts = []
+    for cat in gm.graph.nodes:
+        if cat.op != "call_function" or op_name(cat) != "cat" or not isinstance(cat.args[0], (list, tuple)):
+            continue
+        ins, v = list(cat.args[0]), val_of(cat)
+        dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+        if not isinstance(v, torch.Tensor) or len(ins) < 2 or not isinstance(dim, int) or dim % v.ndim != v.ndim - 1:
+            continue
+        vals = [val_of(a) if isinstance(a, fx.Node) else None for a in ins]
+        if not all(isinstance(x, torch.Tensor) and x.ndim == v.ndim for x in vals):
+            continue
+        sizes = [int(x.shape[-1]) for x in vals]
+        n_out = int(v.shape[-1])
+        if len(set(sizes)) == 1:
+            continue  # equal parts: a strided shard holds them (the derivation's own case)
+        src, convs = _per_channel_chain(cat, n_out, params, uses)
+        if len(convs) != 1:
+            continue
+        ranges = _readers(src, n_out, 1)
+        bounds = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
+        if not ranges or sorted(ranges) != bounds:
+            continue  # read otherwise than as the same parts
+        (_, wname, bname), = convs
+        line = source_line(ranges[bounds[0]][0])
+        cuts.append(Cut(wname, bname, sizes, f" at {line}" if line else "", cat, src, [ranges[r] for r in bounds], 1,
+                        convs, joined=True))
     return cuts
 
 
@@ -231,8 +282,8 @@ def _per_channel_chain(lin: fx.Node, n_out: int, params: dict, uses: dict):
     """From the linear's output, the ops read by one user each that act on each of its n_out
     channels apart, as far as the channels are the last dim again: (the last such node, the
     depthwise convolutions on the way as (node, weight name, bias name)). Per channel: casts and
-    ``unsqueeze`` keeping the channels last; transposes (the channels move); slices of the other
-    dims; an elementwise op of this value alone (an activation); a convolution with one filter
+    ``unsqueeze`` keeping the channels last; transposes (the channels move); slices and padding of
+    the other dims; an elementwise op of this value alone (an activation); a convolution with one filter
     per channel (``groups`` = channels, the channels on dim 1) whose weight and bias are
     parameters read nowhere else (Gated DeltaNet's and Mamba's causal conv1d over [q | k | v])."""
     cd, convs = val_of(lin).ndim - 1, []
@@ -254,6 +305,9 @@ def _per_channel_chain(lin: fx.Node, n_out: int, params: dict, uses: dict):
         elif name == "getitem" and isinstance(u.args[1], tuple) and len(u.args[1]) == nd and \
                 all(isinstance(i, slice) for i in u.args[1]) and u.args[1][cd] == slice(None):
             pass  # slices of the other dims (the causal conv's padding cut off)
+        elif name == "pad" and len(u.args) > 1 and isinstance(u.args[1], (list, tuple)) and \
+                tuple(u.args[1][2 * (nd - 1 - cd):2 * (nd - cd)]) in ((), (0, 0)):
+            pass  # padding of the other dims (the causal conv's, on the left of the sequence)
         elif name in CONV and cd == 1:
             conv = _depthwise(u, n_out, params, uses)
             if conv is None:

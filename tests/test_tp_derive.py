@@ -514,3 +514,31 @@ def test_sequence_parallel_through_a_causal_conv():
     per_block = {k: two.get(k, 0) - one.get(k, 0) for k in set(one) | set(two)}
     assert {k: v for k, v in per_block.items() if v} == {(p, k): 1 for p in ("forward", "backward")
                                                          for k in ("all_gather", "reduce_scatter")}
+
+
+def test_a_cat_of_unequal_parts_before_one_conv_cuts_the_conv(pools):
+    """q, k and v projected apart, values twice as wide ([32 | 32 | 64] channels), joined by ``cat``
+    before one depthwise conv and split back after it (OLMo-hybrid's and Qwen3-Next's gated delta
+    nets): the conv's filters become one parameter per part, each sharded with its part's heads,
+    and q, k, v stay column-parallel; on tp=2 no all-gather, and two steps match one process (the
+    gradients compared under the user's own parameter names)."""
+    from autopar.models import linear_attn, unruled
+    from test_derived_rules import _close
+
+    model, batches, loss_fn = linear_attn.build(wide=2)
+    want = model(batches[0][0])
+    gm, dec, cuts, _ = _cut(model, batches[0], loss_fn)
+    conv = "layers.0.conv.weight"
+    assert [(c.weight, c.sizes, c.joined) for c in cuts][:1] == [(conv, [32, 32, 64], True)]
+    for i, (p, proj) in enumerate(zip(cuts[0].part_names(conv), ("q", "k", "v"))):
+        assert (dec[p].placement, dec[p].role) == (Shard(0), "with-column"), dec[p]
+        assert dec[f"layers.0.{proj}.weight"].placement == Shard(0)
+    assert dec["layers.0.o.weight"].placement == Shard(1)
+    from autopar.unfuse_find import describe
+
+    line = describe(cuts)[0]
+    assert "3 parts of [32, 32, 64] channels" in line and "reads a cat of them" in line, line
+    assert torch.equal(model(batches[0][0]), want)
+    out = pools(2).run(unruled.job, {"tp": 2}, {"tp": "megatron"}, False, model="linear_attn_wide")
+    _close(out, unruled.reference(False, model="linear_attn_wide"))
+    assert not [c for c in out["collectives"] if c == "all_gather"], out["collectives"]

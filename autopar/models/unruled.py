@@ -134,11 +134,11 @@ def build(centered: bool = False, seed: int = 0, experts: int = 0, frozen: tuple
 
 
 def _build(centered: bool, experts: int, frozen: tuple, model: str):
-    """``model``: "unruled" (this file's), or "linear_attn" (autopar/models/linear_attn.py)."""
-    if model == "linear_attn":
+    """``model``: "unruled" (this file's), or "linear_attn" / "linear_attn_wide" (autopar/models/linear_attn.py)."""
+    if model.startswith("linear_attn"):
         from autopar.models import linear_attn
 
-        return linear_attn.build()
+        return linear_attn.build(wide=2 if model == "linear_attn_wide" else 1)
     return build(centered, experts=experts, frozen=frozen)
 
 
@@ -161,6 +161,7 @@ def job(axes: dict, plan: dict, centered: bool, steps: int = 2, experts: int = 0
         model: str = "unruled") -> dict:
     """On every rank of a pool: compile under ``plan``, the same steps; what was derived."""
     import autopar
+    from autopar.parts import fuse
     from autopar.runtime.common import full_tensor
 
     model, batches, loss_fn = _build(centered, experts, frozen, model)
@@ -170,7 +171,8 @@ def job(axes: dict, plan: dict, centered: bool, steps: int = 2, experts: int = 0
     losses, grads = [], []
     for x, y in batches[:steps]:
         losses.append(pm.train_step(x, y).item())
-        grads.append({n: full_tensor(p.grad).clone() for n, p in pm.named_parameters() if p.grad is not None})
+        local = {n: full_tensor(p.grad).clone() for n, p in pm.named_parameters() if p.grad is not None}
+        grads.append(fuse(local, pm.module))  # (a weight cut into parts: its whole gradient)
         opt.step()
         opt.zero_grad()
     return {"losses": losses, "grads": grads, "derived": list(pm.ctx.derived_rules), "report": pm.report(),
