@@ -1,6 +1,8 @@
 """Finding fused projections in the captured graph (autopar/unfuse.py cuts them): a matmul by a
 parameter read nowhere else whose output, through per-channel ops (casts, transposes, a depthwise
-convolution), is read only by slices that cut it into contiguous parts of unequal sizes."""
+convolution), is read only by slices that cut it into contiguous parts of unequal sizes; and parts
+of unequal sizes joined by ``cat`` before such a convolution and sliced back after it (the
+convolution's filters are what is cut)."""
 
 from __future__ import annotations
 
@@ -52,7 +54,6 @@ class Cut:
     def part_names(self, of: str) -> list[str]:
         mod, _, attr = of.rpartition(".")
         return [f"{mod}.parametrizations.{attr}.original{i}" for i in range(len(self.sizes))]
-
 
 
 def describe(cuts: list[Cut]) -> list[str]:

@@ -10,7 +10,10 @@ repeated blocks' matrix parameters sharded on tp (``hf_archs.tp_sharded``), and 
 weighed by each matrix's size at the architecture's own default sizes (``own_sizes_share``). The
 numerics against one process are benchmarks/hf_breadth.py's, for the 34 families it trains.
 
-    .venv/bin/python benchmarks/hf_tp_sweep.py [--jobs 2] [--timeout 240] [--out FILE.md] [TYPE ...]
+    .venv/bin/python benchmarks/hf_tp_sweep.py [--jobs 2] [--timeout 240] [--out FILE.md] [--tiny-only] [TYPE ...]
+
+(``--tiny-only``: the share at the tiny sizes alone, the headline's measure; the own-sizes column
+builds each default config on meta too and takes about three times as long.)
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def one(model_type: str) -> dict:
+def one(model_type: str, own_sizes: bool = True) -> dict:
     """Build, run eagerly, compile on a fake tp=2 mesh; what happened, as a dict."""
     import transformers
 
@@ -50,7 +53,7 @@ def one(model_type: str) -> dict:
                                  capture_eval=False)
         share = hf_archs.tp_sharded(pm)
         try:
-            own = own_sizes_share(model_type, extra, model.config, pm)
+            own = own_sizes_share(model_type, extra, model.config, pm) if own_sizes else None
         except Exception as e:  # noqa: BLE001 - the default config does not build; said per architecture
             own = f"{type(e).__name__}: {str(e)[:80]}"
         left = sorted({d.why.split(" at ")[0][:90] for n, d in pm.ctx.plan.derived["tp"].decisions.items()
@@ -147,8 +150,8 @@ def hf_archs_block(name: str) -> bool:
     return bool(block_of(name))
 
 
-def _run(model_type: str, timeout: float) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--one", model_type]
+def _run(model_type: str, timeout: float, tiny_only: bool = False) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", model_type] + (["--tiny-only"] if tiny_only else [])
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=os.path.dirname(HERE))
     except subprocess.TimeoutExpired:
@@ -169,16 +172,17 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=240)
     ap.add_argument("--out")
+    ap.add_argument("--tiny-only", action="store_true", help="skip the share weighed at each architecture's own sizes")
     a = ap.parse_args()
     if a.one:
-        print(json.dumps(one(a.one)))
+        print(json.dumps(one(a.one, own_sizes=not a.tiny_only)))
         return
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     types = a.types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     t0 = time.time()
     def run(t):  # each row printed as it comes (a sweep stopped midway keeps what it had)
-        r = _run(t, a.timeout)
+        r = _run(t, a.timeout, a.tiny_only)
         print(json.dumps(r), flush=True)
         return r
     with ThreadPoolExecutor(a.jobs) as ex:
