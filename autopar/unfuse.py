@@ -48,9 +48,9 @@ import torch
 from torch import fx, nn
 from torch.nn.utils import parametrize
 
-from autopar.analysis.tp_graph import val_of
+from autopar.analysis.tp_graph import op_name, val_of
 from autopar.parts import Parts
-from autopar.unfuse_find import Cut, _conv_args, _weight_args, find_cuts
+from autopar.unfuse_find import SHAPE, Cut, _conv_args, _weight_args, find_cuts
 
 
 def _copy(graph: fx.Graph, n: fx.Node, env: dict, args: tuple | None = None, groups: int | None = None) -> fx.Node:
@@ -93,22 +93,24 @@ def cut(gm: fx.GraphModule, model: nn.Module, cuts: list[Cut]) -> None:
             originals = getattr(mod.parametrizations, attr)
             parts[which] = [getattr(originals, f"original{i}") for i in range(len(c.sizes))]
         w, b = _weight_args(lin) if not c.joined else (None, None)
-        wdone = _part_chain(gm, lin, w, parts["weight"], c) if "weight" in parts else [None] * len(c.sizes)
-        bdone = _part_chain(gm, lin, b, parts["bias"], c) if "bias" in parts else [None] * len(c.sizes)
+        wdone = _part_chain(gm, lin, w, parts["weight"], c.sizes) if "weight" in parts else [None] * len(c.sizes)
+        bdone = _part_chain(gm, lin, b, parts["bias"], c.sizes) if "bias" in parts else [None] * len(c.sizes)
         conv_env = [{} for _ in c.sizes]  # per part: each convolution's weight / bias argument -> the part's
         conv_args = []
         for conv, wname, bname in c.convs:
             cw, cb = _conv_args(conv)
             conv_args += [cw, cb]
+            covered = c.conv_parts(conv)
+            sizes = [c.sizes[i] for i in covered]
             for arg, name in ((cw, wname), (cb, bname)):
                 if name is None:
                     continue
                 mod_name, _, attr = name.rpartition(".")
                 mod = model.get_submodule(mod_name)
-                parametrize.register_parametrization(mod, attr, Parts(c.sizes, 0), unsafe=True)
+                parametrize.register_parametrization(mod, attr, Parts(sizes, 0), unsafe=True)
                 originals = getattr(mod.parametrizations, attr)
-                done = _part_chain(gm, lin, arg, [getattr(originals, f"original{i}") for i in range(len(c.sizes))], c)
-                for i, d in enumerate(done):
+                done = _part_chain(gm, lin, arg, [getattr(originals, f"original{i}") for i in range(len(sizes))], sizes)
+                for i, d in zip(covered, done):
                     conv_env[i][arg] = d
         keep = []  # the per-channel ops between the linear and the slices
         src = lin
@@ -117,27 +119,33 @@ def cut(gm: fx.GraphModule, model: nn.Module, cuts: list[Cut]) -> None:
             keep.append(src)
         convs = {conv for conv, _, _ in c.convs}
         for i, readers in enumerate(c.readers):
+            chain = keep if c.refined is None else c.refined[i][1:]  # (a refined chain's first: the part's slice)
+            alias = [] if c.refined is None else c.refined[i][:1]
             with graph.inserting_before(lin):
                 env = {w: wdone[i], **conv_env[i]} if w is not None else dict(conv_env[i])
                 if b is not None:
                     env[b] = bdone[i]
                 out = _copy(graph, lin, env) if not c.joined else lin.args[0][i]  # (a joined cut: the part itself)
-                for k in keep:
+                for k in chain:
                     shape = None
                     if k is c.source and c.unit > 1:  # the view as heads: this part's heads
                         shape = list(val_of(k).shape)
                         shape[-2] = c.sizes[i] // c.unit
                         shape = (out, *shape) if k.op == "call_method" else (out, tuple(shape))
-                    out = _copy(graph, k, {**env, lin: out, **{kk: out for kk in keep}}, shape,
+                    out = _copy(graph, k, {**env, lin: out, **{kk: out for kk in (*alias, *chain)}}, shape,
                                 groups=c.sizes[i] if k in convs else None)
             for r in readers:
                 r.replace_all_uses_with(out)
-        dead = {lin, *keep, *_chain(w), *_chain(b), *(n for a in conv_args for n in _chain(a))}
+        dead = {lin, *keep, *_chain(w), *_chain(b), *(n for a in conv_args for n in _chain(a)),
+                *(n for ch in (c.refined or []) for n in ch), *(ch[0].args[0] for ch in (c.refined or []) if ch)}
         for readers in c.readers:
             for r in readers:
                 dead.add(r)
                 if r.args[0] not in (lin, *keep):  # a split's getitem: the split too
                     dead.add(r.args[0])
+        # a reshape of a cut parameter that nothing reads (Bamba's `conv1d.weight.squeeze(1)` for the
+        # cached-decode path, left in the trace): it would keep the fused parameter in the graph
+        dead |= {u for n in list(dead) if n.op == "get_attr" for u in n.users if not u.users and op_name(u) in SHAPE}
         for n in reversed(list(graph.nodes)):
             if n in dead and not n.users:
                 if n.op == "get_attr":
@@ -147,8 +155,9 @@ def cut(gm: fx.GraphModule, model: nn.Module, cuts: list[Cut]) -> None:
     gm.recompile()
 
 
-def _part_chain(gm, lin: fx.Node, arg: fx.Node, part_params: list, c: Cut) -> list[fx.Node]:
-    """For each part: a ``get_attr`` of its parameter and the casts / transposes ``arg`` went through."""
+def _part_chain(gm, lin: fx.Node, arg: fx.Node, part_params: list, sizes: list[int]) -> list[fx.Node]:
+    """For each part (of ``sizes`` rows): a ``get_attr`` of its parameter and the casts / transposes
+    ``arg`` went through."""
     node, chain = arg, []
     while node.op != "get_attr":
         chain.append(node)
@@ -162,9 +171,9 @@ def _part_chain(gm, lin: fx.Node, arg: fx.Node, part_params: list, c: Cut) -> li
             g = gm.graph.get_attr(target)
             key = "example_value" if "example_value" in node.meta else "val"
             ev = val_of(node)
-            a = sum(c.sizes[:i])
+            a = sum(sizes[:i])
             g.meta.update({k: v for k, v in node.meta.items() if k != key})
-            g.meta[key] = ev[a:a + c.sizes[i]] if isinstance(ev, torch.Tensor) else None
+            g.meta[key] = ev[a:a + sizes[i]] if isinstance(ev, torch.Tensor) else None
             env = {node: g}
             for ch in chain:
                 env[ch] = _copy(gm.graph, ch, env)

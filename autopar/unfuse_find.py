@@ -38,6 +38,16 @@ class Cut:
     # Qwen3-Next's regrouped heads) rather than a matmul: the convolution's weight (and bias) is the
     # one cut, and there is no fused projection
     joined: bool = False
+    # a part itself cut after a depthwise convolution (Mamba-2's [z | xBC | dt], xBC convolved and
+    # then split into x | B | C): per final part, the nodes from the linear's part to what its slice
+    # reads (the outer slice first: it stands for the part); and per convolution, the final parts
+    # it convolves. None / empty: every part goes through ``source``'s chain and every convolution
+    refined: list[list[fx.Node]] | None = field(repr=False, default=None)
+    covers: dict = field(repr=False, default_factory=dict)
+
+    def conv_parts(self, conv: fx.Node) -> list[int]:
+        """The final parts ``conv`` convolves (its weight is cut into their sizes)."""
+        return self.covers.get(conv, list(range(len(self.sizes))))
 
     def names(self) -> list[str]:
         """Every parameter this cut holds as parts: the weight, its bias, the convolutions' own."""
@@ -71,7 +81,8 @@ def describe(cuts: list[Cut]) -> list[str]:
                        f"channels (the per-channel convolution reads a cat of them{where_of(cs[0].linear)} and its "
                        f"output is sliced so{where}; each part convolved and placed on its own)")
             continue
-        conv = "".join(f"; through the per-channel convolution {w}{' (and its bias)' if b else ''}{where_of(n)}, "
+        conv = "".join(f"; {'' if n not in cs[0].covers else 'parts ' + ', '.join(map(str, cs[0].covers[n])) + ' '}"
+                       f"through the per-channel convolution {w}{' (and its bias)' if b else ''}{where_of(n)}, "
                        "cut alike" for n, w, b in cs[0].convs)
         out.append(f"{cs[0].weight}{bias}{more}: one parameter per part, {len(sizes)} parts of {list(sizes)} rows "
                    f"(its output is sliced so{where}; each part placed on its own{conv})")
@@ -236,9 +247,45 @@ def find_cuts(gm: fx.GraphModule, model: nn.Module) -> list[Cut]:
             continue  # equal parts: a strided shard holds them (the derivation's own case)
         first = ranges[cuts_at[0]][0]
         line = source_line(first)
-        cuts.append(Cut(params[wnode], params[bnode] if bnode is not None else None, sizes,
-                        f" at {line}" if line else "", lin, src, [ranges[r] for r in cuts_at], unit, convs))
+        c = Cut(params[wnode], params[bnode] if bnode is not None else None, sizes,
+                f" at {line}" if line else "", lin, src, [ranges[r] for r in cuts_at], unit, convs)
+        if src is lin and unit == 1 and not convs:
+            _refine(c, params, uses)
+        cuts.append(c)
     return cuts + _joined_cuts(gm, params, uses)
+
+
+def _refine(c: Cut, params: dict, uses: dict) -> None:
+    """Cut a part of ``c`` again where it goes through a depthwise convolution and is then sliced
+    into parts (Mamba-2's ``xBC``: convolved, then split into x, B and C): its slices become parts of
+    their own, each convolved by its own filters."""
+    sizes, readers, chains, covers = [], [], [], {}
+    for size, rs in zip(c.sizes, c.readers):
+        sub = None
+        if len(rs) == 1:
+            src, convs = _per_channel_chain(rs[0], size, params, uses)
+            ranges = _readers(src, size, 1) if len(convs) == 1 and src is not rs[0] else None
+            at = sorted(ranges) if ranges else []
+            if len(at) >= 2 and at[0][0] == 0 and at[-1][1] == size and all(x[1] == y[0] for x, y in zip(at, at[1:])):
+                sub = (src, convs, at, ranges)
+        if sub is None:
+            sizes.append(size)
+            readers.append(rs)
+            chains.append([])
+            continue
+        src, convs, at, ranges = sub
+        chain, node = [rs[0]], rs[0]
+        while node is not src:
+            (node,) = node.users
+            chain.append(node)
+        covers[convs[0][0]] = list(range(len(sizes), len(sizes) + len(at)))
+        c.convs.append(convs[0])
+        for a, b in at:
+            sizes.append(b - a)
+            readers.append(ranges[(a, b)])
+            chains.append(chain)
+    if covers:
+        c.sizes, c.readers, c.refined, c.covers = sizes, readers, chains, covers
 
 
 def _joined_cuts(gm: fx.GraphModule, params: dict, uses: dict) -> list[Cut]:

@@ -78,6 +78,12 @@ CASES = [  # (architecture, plan, config overrides, rules that must have decided
     ("qwen3_5_text", "sequence", dict(ONE_LAYER, **GDN), {"convolution per channel, sharded on the channels"}),
     pytest.param("qwen3_5_text", "megatron", dict(ONE_LAYER, **GDN), {"convolution per channel, sharded on the channels"},
                  marks=pytest.mark.slow),
+    # Nemotron-H's Mamba-2 mixer: in_proj cut into [z | xBC | dt], xBC cut again after its depthwise
+    # conv into [x | B | C] (x's filters sharded, B's and C's whole); B and C, one group for every
+    # head, read by each rank's heads through repeat_interleave and the per-head einsum (broadcast)
+    ("nemotron_h", "megatron", dict(layers_block_type=["linear_attention", "mlp"], n_groups=1, mamba_num_heads=4,
+                                    mamba_head_dim=16, ssm_state_size=16, chunk_size=16),
+     {"convolution per channel, sharded on the channels"}),
 ]
 
 

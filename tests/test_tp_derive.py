@@ -542,3 +542,30 @@ def test_a_cat_of_unequal_parts_before_one_conv_cuts_the_conv(pools):
     out = pools(2).run(unruled.job, {"tp": 2}, {"tp": "megatron"}, False, model="linear_attn_wide")
     _close(out, unruled.reference(False, model="linear_attn_wide"))
     assert not [c for c in out["collectives"] if c == "all_gather"], out["collectives"]
+
+
+def test_a_part_cut_again_after_its_depthwise_conv():
+    """Mamba-2 (Bamba): in_proj's output is split into [z | xBC | dt], and xBC is convolved per
+    channel and split again into [x | B | C]. The cut goes through: five parts, the conv's filters
+    cut into x's, B's and C's. z, x and dt are column-parallel by heads (the gated norm over the
+    whole inner dim: its statistic all-reduced), out_proj row-parallel; B and C, one group shared by
+    every head (repeated to the heads, multiplied per head by einsum), are held whole, and so are
+    their filters; x's filters are sharded with x."""
+    model, inputs, loss_fn = _hf("bamba")
+    want = model(inputs[0]).logits
+    gm, dec, cuts, _ = _cut(model, inputs, loss_fn)
+    m = "model.layers.0.mamba"
+    (c,) = cuts
+    assert (c.weight, c.sizes) == (f"{m}.in_proj.weight", [128, 128, 256, 256, 128])
+    assert [(w, c.conv_parts(n)) for n, w, _ in c.convs] == [(f"{m}.conv1d.weight", [1, 2, 3])]
+    proj = c.part_names(c.weight)
+    assert [dec[p].role for p in proj] == ["column", "column", "replicated", "replicated", "column"]
+    assert "einsum" in dec[proj[2]].why
+    filters = [f"{m}.conv1d.parametrizations.weight.original{i}" for i in range(3)]
+    assert [dec[f].placement for f in filters] == [Shard(0), R, R]
+    assert dec[f"{m}.out_proj.weight"].placement == Shard(1) and dec[f"{m}.norm.weight"].placement == Shard(0)
+    from autopar.unfuse_find import describe
+
+    (line,) = describe(cuts)
+    assert "5 parts of [128, 128, 256, 256, 128] rows" in line and "parts 1, 2, 3 through the per-channel" in line, line
+    assert torch.equal(model(inputs[0]).logits, want)

@@ -13,15 +13,53 @@ from autopar.analysis.tp_graph import EXPAND, RESHAPE, SAME, Fail, Graph, op_nam
 def broadcast(a, dim: int) -> bool:
     """``a`` is an expand of a value of size 1 at ``dim`` (the same on every rank's part), or a
     reshape merging such expanded dims (one key / value head repeated for every query head:
-    ``repeat_kv`` with one KV head, multi-query attention)."""
-    if isinstance(a, fx.Node) and op_name(a) in RESHAPE and isinstance(a.args[0], fx.Node):
-        group = merged_into(shape_of(a.args[0]), shape_of(a), dim)
+    ``repeat_kv`` with one KV head, multi-query attention); seen through casts, padding of other
+    dims, ``repeat_interleave`` of a size-1 dim, and einsums whose operands holding that letter
+    are all broadcast along it (Mamba-2's B and C, one group repeated for every head, and their
+    product per head ``einsum("bclhn,bcshn->bclsh", C, B)``)."""
+    if not isinstance(a, fx.Node):
+        return False
+    name = op_name(a)
+    if name in SAME and a.args and isinstance(a.args[0], fx.Node) and shape_of(a.args[0]) == shape_of(a):
+        return broadcast(a.args[0], dim)
+    if name == "pad" and len(a.args) > 1 and isinstance(a.args[1], (list, tuple)) and isinstance(a.args[0], fx.Node):
+        nd = len(shape_of(a))
+        return tuple(a.args[1][2 * (nd - 1 - dim):2 * (nd - dim)]) in ((), (0, 0)) and broadcast(a.args[0], dim)
+    if name == "repeat_interleave" and isinstance(a.args[0], fx.Node):
+        d = a.args[2] if len(a.args) > 2 else a.kwargs.get("dim")
+        src = shape_of(a.args[0])
+        return isinstance(d, int) and d % len(src) == dim and src[dim] == 1
+    if name == "einsum":
+        from autopar.analysis.tp_starts import parse_einsum
+
+        parsed = parse_einsum(a)
+        if parsed is None:
+            return False
+        ins, out, ops = parsed
+        letter = out[dim]
+        holding = [(op, s.index(letter)) for s, op in zip(ins, ops) if letter in s]
+        return bool(holding) and all(broadcast(op, i) for op, i in holding)
+    if name in RESHAPE and isinstance(a.args[0], fx.Node):
+        src, out = shape_of(a.args[0]), shape_of(a)
+        group = merged_into(src, out, dim) or _same_dim(src, out, dim)
         return bool(group) and all(broadcast(a.args[0], j) for j in group)
     if not isinstance(a, fx.Node) or op_name(a) not in EXPAND or not isinstance(a.args[0], fx.Node):
         return False
     src, out = shape_of(a.args[0]), shape_of(a)
     ds = dim - (len(out) - len(src))
     return ds < 0 or src[ds] == 1
+
+
+def _same_dim(src, out, dim: int) -> list[int]:
+    """[i] where a reshape from ``src`` to ``out`` keeps ``out[dim]`` as ``src``'s dim i whole (the
+    dims before it hold as many elements: Mamba-2's [b, s, h, n] -> [b, chunks, l, h, n]); else []."""
+    import math
+
+    before = math.prod(out[:dim])
+    for i in range(len(src)):
+        if math.prod(src[:i]) == before and src[i] == out[dim]:
+            return [i]
+    return []
 
 
 def merged_into(src, out, dim: int) -> list[int]:
