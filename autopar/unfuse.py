@@ -20,7 +20,8 @@ strategy on an axis of more than one rank:
    head_dim] first) is read only by slices of that dim (``x[..., a:b]``, ``x[..., [i], :]``,
    ``split`` with sizes) that cut it into contiguous parts, not all of one size (equal parts are a
    strided shard already). Such a convolution's weight and bias are cut into the same parts.
-   Also, with no fused projection: parts of unequal sizes joined by ``cat`` before such a
+   An elementwise op of the chain may also read buffers with one value per channel (Falcon-H1's
+   muP vector): each part's copy reads its own channels of them. Also, with no fused projection: parts of unequal sizes joined by ``cat`` before such a
    convolution and split back into the same parts after it (OLMo-hybrid, Qwen3-Next): the
    convolution's weight and bias alone are cut, each part convolved on its own (``Cut.joined``).
 2. **The module**: the weight (and its bias) gets torch's own parametrization
@@ -119,8 +120,9 @@ def cut(gm: fx.GraphModule, model: nn.Module, cuts: list[Cut]) -> None:
             keep.append(src)
         convs = {conv for conv, _, _ in c.convs}
         for i, readers in enumerate(c.readers):
-            chain = keep if c.refined is None else c.refined[i][1:]  # (a refined chain's first: the part's slice)
+            chain = keep if c.refined is None else keep + c.refined[i][1:]  # (a refined chain's first: the part's slice)
             alias = [] if c.refined is None else c.refined[i][:1]
+            at = sum(c.sizes[:i])
             with graph.inserting_before(lin):
                 env = {w: wdone[i], **conv_env[i]} if w is not None else dict(conv_env[i])
                 if b is not None:
@@ -132,7 +134,8 @@ def cut(gm: fx.GraphModule, model: nn.Module, cuts: list[Cut]) -> None:
                         shape = list(val_of(k).shape)
                         shape[-2] = c.sizes[i] // c.unit
                         shape = (out, *shape) if k.op == "call_method" else (out, tuple(shape))
-                    out = _copy(graph, k, {**env, lin: out, **{kk: out for kk in (*alias, *chain)}}, shape,
+                    scale = _buffer_parts(graph, k, out, at, c.sizes[i]) if k in keep else {}
+                    out = _copy(graph, k, {**env, **scale, lin: out, **{kk: out for kk in (*alias, *chain)}}, shape,
                                 groups=c.sizes[i] if k in convs else None)
             for r in readers:
                 r.replace_all_uses_with(out)
@@ -146,13 +149,44 @@ def cut(gm: fx.GraphModule, model: nn.Module, cuts: list[Cut]) -> None:
         # a reshape of a cut parameter that nothing reads (Bamba's `conv1d.weight.squeeze(1)` for the
         # cached-decode path, left in the trace): it would keep the fused parameter in the graph
         dead |= {u for n in list(dead) if n.op == "get_attr" for u in n.users if not u.users and op_name(u) in SHAPE}
+        stale = {a for k in keep for a in k.all_input_nodes if a.op == "get_attr"}  # (buffers read afresh per part)
         for n in reversed(list(graph.nodes)):
             if n in dead and not n.users:
                 if n.op == "get_attr":
                     _drop_attr(gm, n.target)
                 graph.erase_node(n)
+            elif n in stale and not n.users:
+                graph.erase_node(n)
     graph.lint()
     gm.recompile()
+
+
+def _buffer_parts(graph: fx.Graph, k: fx.Node, x: fx.Node, at: int, size: int) -> dict:
+    """For an elementwise op ``k`` of the chain whose other operands are buffers holding a value per
+    channel (Falcon-H1's muP vector): each such buffer -> its ``size`` channels from ``at``
+    (``torch.narrow``), for the part's copy of ``k`` reading ``x``."""
+    from autopar.unfuse_find import _per_channel_buffer
+
+    out = {}
+    vx = val_of(x)
+    for a in (*k.args[1:], *k.kwargs.values()):
+        if not isinstance(a, fx.Node) or a.op != "get_attr":
+            continue
+        d = _per_channel_buffer(a, vx.ndim, vx.ndim - 1, int(val_of(k.args[0]).shape[-1]))
+        if d is not None and d >= 0:
+            out[a] = _narrow(graph, a, d, at, size)
+    return out
+
+
+def _narrow(graph: fx.Graph, a: fx.Node, d: int, at: int, size: int) -> fx.Node:
+    """``torch.narrow`` of buffer ``a`` read afresh here (its own ``get_attr`` may come later)."""
+    key = "example_value" if "example_value" in a.meta else "val"
+    g = graph.get_attr(a.target)
+    g.meta.update(a.meta)
+    n = graph.call_function(torch.narrow, (g, d, at, size))
+    n.meta.update({k: v for k, v in a.meta.items() if k != key})
+    n.meta[key] = torch.narrow(val_of(a), d, at, size)
+    return n
 
 
 def _part_chain(gm, lin: fx.Node, arg: fx.Node, part_params: list, sizes: list[int]) -> list[fx.Node]:

@@ -204,6 +204,7 @@ def find_cuts(gm: fx.GraphModule, model: nn.Module) -> list[Cut]:
 
     ids = tensor_names(model)
     params = {}
+    buffers = set()
     uses: dict[str, int] = {}
     for n in gm.graph.nodes:
         if n.op == "get_attr":
@@ -211,6 +212,8 @@ def find_cuts(gm: fx.GraphModule, model: nn.Module) -> list[Cut]:
             if kind == "param":
                 params[n] = name
                 uses[name] = uses.get(name, 0) + 1
+            elif kind == "buffer":
+                buffers.add(n)
     cuts = []
     for lin in gm.graph.nodes:
         wb = _weight_of(lin, params) if lin.op == "call_function" else None
@@ -229,7 +232,7 @@ def find_cuts(gm: fx.GraphModule, model: nn.Module) -> list[Cut]:
         if not isinstance(wv, torch.Tensor) or wv.ndim != 2:
             continue
         n_out = int(wv.shape[0])
-        src, convs = _per_channel_chain(lin, n_out, params, uses)
+        src, convs = _per_channel_chain(lin, n_out, params, uses, buffers)
         unit, ranges = 1, _readers(src, n_out, 1)
         if ranges is None and len(src.users) == 1:  # viewed as [.., heads, head_dim], then cut by heads
             (u,) = src.users
@@ -249,13 +252,13 @@ def find_cuts(gm: fx.GraphModule, model: nn.Module) -> list[Cut]:
         line = source_line(first)
         c = Cut(params[wnode], params[bnode] if bnode is not None else None, sizes,
                 f" at {line}" if line else "", lin, src, [ranges[r] for r in cuts_at], unit, convs)
-        if src is lin and unit == 1 and not convs:
-            _refine(c, params, uses)
+        if unit == 1 and not convs:
+            _refine(c, params, uses, buffers)
         cuts.append(c)
-    return cuts + _joined_cuts(gm, params, uses)
+    return cuts + _joined_cuts(gm, params, uses, buffers)
 
 
-def _refine(c: Cut, params: dict, uses: dict) -> None:
+def _refine(c: Cut, params: dict, uses: dict, buffers: set) -> None:
     """Cut a part of ``c`` again where it goes through a depthwise convolution and is then sliced
     into parts (Mamba-2's ``xBC``: convolved, then split into x, B and C): its slices become parts of
     their own, each convolved by its own filters."""
@@ -263,7 +266,7 @@ def _refine(c: Cut, params: dict, uses: dict) -> None:
     for size, rs in zip(c.sizes, c.readers):
         sub = None
         if len(rs) == 1:
-            src, convs = _per_channel_chain(rs[0], size, params, uses)
+            src, convs = _per_channel_chain(rs[0], size, params, uses, buffers)
             ranges = _readers(src, size, 1) if len(convs) == 1 and src is not rs[0] else None
             at = sorted(ranges) if ranges else []
             if len(at) >= 2 and at[0][0] == 0 and at[-1][1] == size and all(x[1] == y[0] for x, y in zip(at, at[1:])):
@@ -288,7 +291,7 @@ def _refine(c: Cut, params: dict, uses: dict) -> None:
         c.sizes, c.readers, c.refined, c.covers = sizes, readers, chains, covers
 
 
-def _joined_cuts(gm: fx.GraphModule, params: dict, uses: dict) -> list[Cut]:
+def _joined_cuts(gm: fx.GraphModule, params: dict, uses: dict, buffers: set) -> list[Cut]:
     """A ``cat`` of parts of unequal sizes along the last dim, read through a per-channel chain with
     a depthwise convolution (``_per_channel_chain``) by slices that cut it back into exactly those
     parts: the convolution's weight and bias are cut into the parts (OLMo-hybrid's and Qwen3-Next's
@@ -308,7 +311,7 @@ def _joined_cuts(gm: fx.GraphModule, params: dict, uses: dict) -> list[Cut]:
         n_out = int(v.shape[-1])
         if len(set(sizes)) == 1:
             continue  # equal parts: a strided shard holds them (the derivation's own case)
-        src, convs = _per_channel_chain(cat, n_out, params, uses)
+        src, convs = _per_channel_chain(cat, n_out, params, uses, buffers)
         if len(convs) != 1:
             continue
         ranges = _readers(src, n_out, 1)
@@ -326,7 +329,7 @@ CONV = {"conv1d", "conv2d", "conv3d"}
 SHAPE = SAME | {"squeeze", "unsqueeze", "view", "reshape"}  # between a convolution's weight and the convolution
 
 
-def _per_channel_chain(lin: fx.Node, n_out: int, params: dict, uses: dict):
+def _per_channel_chain(lin: fx.Node, n_out: int, params: dict, uses: dict, buffers: set = frozenset()):
     """From the linear's output, the ops read by one user each that act on each of its n_out
     channels apart, as far as the channels are the last dim again: (the last such node, the
     depthwise convolutions on the way as (node, weight name, bias name)). Per channel: casts and
@@ -361,8 +364,9 @@ def _per_channel_chain(lin: fx.Node, n_out: int, params: dict, uses: dict):
             if conv is None:
                 break
             convs.append(conv)
-        elif pointwise(name) and not any(isinstance(a, fx.Node) for a in list(u.args[1:]) + list(u.kwargs.values())):
-            pass
+        elif pointwise(name) and all(a in buffers and cd == nd - 1 and _per_channel_buffer(a, nd, cd, n_out) is not None
+                                     for a in list(u.args[1:]) + list(u.kwargs.values()) if isinstance(a, fx.Node)):
+            pass  # an activation, or a scale per channel held in a buffer (Falcon-H1's muP vector): sliced per part
         else:
             break
         if int(v.shape[cd]) != n_out:
@@ -371,6 +375,19 @@ def _per_channel_chain(lin: fx.Node, n_out: int, params: dict, uses: dict):
         if cd == nd - 1:
             best = (u, list(convs))
     return best
+
+
+def _per_channel_buffer(a: fx.Node, nd: int, cd: int, n_out: int) -> int | None:
+    """The dim of buffer ``a`` that lines up with the channels (dim ``cd`` of an ``nd``-dim value)
+    when it holds all n_out of them; -1 where it broadcasts over them (size 1 or no such dim);
+    None where it holds some other number."""
+    v = val_of(a)
+    if not isinstance(v, torch.Tensor):
+        return None
+    d = cd - (nd - v.ndim)
+    if d < 0 or v.shape[d] == 1:
+        return -1
+    return d if int(v.shape[d]) == n_out else None
 
 
 def _depthwise(u: fx.Node, n_out: int, params: dict, uses: dict):

@@ -569,3 +569,25 @@ def test_a_part_cut_again_after_its_depthwise_conv():
     (line,) = describe(cuts)
     assert "5 parts of [128, 128, 256, 256, 128] rows" in line and "parts 1, 2, 3 through the per-channel" in line, line
     assert torch.equal(model(inputs[0]).logits, want)
+
+
+def test_a_scale_per_channel_before_the_split_is_sliced_per_part():
+    """Falcon-H1 multiplies in_proj's output by a muP vector (a buffer, one scale per channel)
+    before splitting it as Mamba-2 does: the cut goes through the multiplication, each part's copy
+    reading its own channels of the buffer, and the rewritten program computes the same loss."""
+    from autopar import unfuse
+    from autopar.capture import capture_graph as capture
+
+    model, inputs, loss_fn = _hf("falcon_h1")
+    gm = capture(model, inputs, loss_fn)
+    gm.recompile()  # (the capture renamed its attributes after generating its code)
+    before = gm(*inputs)
+    d, cuts, _ = unfuse.derive_with_cuts(gm, model, lambda: derive(gm, model, 2), lambda name: False)
+    (c,) = [c for c in cuts if ".layers.0." in c.weight]
+    assert c.sizes == [1024, 1024, 256, 256, 128] and [c.conv_parts(n) for n, *_ in c.convs] == [[1, 2, 3]]
+    narrows = [n for n in gm.graph.nodes if n.target is torch.narrow and "mup_vector" in str(n.args[0].target)]
+    assert sorted(n.args[2:] for n in narrows if "layers_0" in str(n.args[0].target)) == \
+        [(0, 1024), (1024, 1024), (2048, 256), (2304, 256), (2560, 128)]
+    assert [d.decisions[p].role for p in c.part_names(c.weight)] == ["column", "column", "replicated", "replicated", "column"]
+    gm.recompile()
+    torch.testing.assert_close(gm(*inputs), before)
