@@ -51,7 +51,7 @@ from torch.nn.utils import parametrize
 
 from autopar.analysis.tp_graph import op_name, val_of
 from autopar.parts import Parts
-from autopar.unfuse_find import SHAPE, Cut, _conv_args, _weight_args, find_cuts
+from autopar.unfuse_find import SHAPE, Cut, _conv_args, _per_channel_buffer, _weight_args, find_cuts
 
 
 def _copy(graph: fx.Graph, n: fx.Node, env: dict, args: tuple | None = None, groups: int | None = None) -> fx.Node:
@@ -165,8 +165,6 @@ def _buffer_parts(graph: fx.Graph, k: fx.Node, x: fx.Node, at: int, size: int) -
     """For an elementwise op ``k`` of the chain whose other operands are buffers holding a value per
     channel (Falcon-H1's muP vector): each such buffer -> its ``size`` channels from ``at``
     (``torch.narrow``), for the part's copy of ``k`` reading ``x``."""
-    from autopar.unfuse_find import _per_channel_buffer
-
     out = {}
     vx = val_of(x)
     for a in (*k.args[1:], *k.kwargs.values()):

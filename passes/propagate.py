@@ -111,10 +111,14 @@ def _refined_view(n: fx.Node, graph: fx.Graph) -> fx.Node | None:
     c = refined_shape([d for d in a if d != 1], [d for d in b if d != 1])
     if c is None or c in ([d for d in a if d != 1], [d for d in b if d != 1]):
         return None
+    try:
+        val = n.target(x.meta["val"], c)
+    except RuntimeError:  # (strides that do not allow the first step as a view: the original error stands)
+        return None
     with graph.inserting_before(n):
         mid = graph.call_function(n.target, (x, c))
     mid.meta.update({k: v for k, v in n.meta.items() if k not in ("val", "autopar")})
-    mid.meta["val"] = n.target(x.meta["val"], c)
+    mid.meta["val"] = val
     n.args = (mid, *n.args[1:])
     return mid
 
