@@ -448,6 +448,11 @@ def _elementwise(node, in_specs, ctx, out_shape, name, first=0):
 POINTWISE_UNTAGGED = {aten.softplus_backward.default}
 
 
+def elementwise(op) -> bool:
+    """An elementwise aten op: torch's pointwise tag, or one of ``POINTWISE_UNTAGGED``."""
+    return torch.Tag.pointwise in getattr(op, "tags", ()) or op in POINTWISE_UNTAGGED
+
+
 def pointwise_rule(node, in_specs, ctx):
     """Any elementwise op (torch's pointwise tag, or ``POINTWISE_UNTAGGED``) DTensor lacks."""
     return _elementwise(node, in_specs, ctx, tuple(node.meta["val"].shape), "elementwise")

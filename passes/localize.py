@@ -33,7 +33,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from autopar import torch_compat as tc
 from autopar.analysis.ops import VIEW_OPS, is_view
 from autopar.errors import ShardingError
-from autopar.rules import POINTWISE_UNTAGGED
+from autopar.rules import elementwise
 from autopar.experts import EP_KIND, ep_record_bytes
 from autopar.layout import ring_axes, zigzag_order, zigzag_take, zigzag_unorder
 from autopar.ir import (
@@ -125,7 +125,7 @@ def _reshape_views_of_mixed_layouts(graph: fx.Graph) -> int:
         if n.target == aten.view.default and ins and ins[0] in uncertain:
             n.target = aten.reshape.default
             done += 1
-        if _elementwise(n.target):
+        if elementwise(n.target):
             same = [a for a in ins if tuple(a.meta["val"].shape) == tuple(out.shape) and out.dim() > 1]
             if len({layout(a.meta["val"]) for a in same}) > 1:
                 uncertain.add(n)
@@ -134,16 +134,12 @@ def _reshape_views_of_mixed_layouts(graph: fx.Graph) -> int:
     return done
 
 
-def _elementwise(target) -> bool:
-    return torch.Tag.pointwise in getattr(target, "tags", ()) or target in POINTWISE_UNTAGGED
-
-
 def _follows_layout(target) -> bool:
     """Whether an op's output takes its layout from its input's (TensorIterator's ops, views, cat,
     copies that preserve the format), rather than being laid out fresh (a matmul's, attention's)."""
     aten = torch.ops.aten
     tags = getattr(target, "tags", ())
-    return (_elementwise(target) or torch.Tag.reduction in tags or is_view(target)
+    return (elementwise(target) or torch.Tag.reduction in tags or is_view(target)
             or target in (aten.cat.default, aten.clone.default, aten._to_copy.default, aten.reshape.default))
 
 

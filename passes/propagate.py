@@ -14,6 +14,7 @@ Otherwise it is an error naming the op and the user's source line.
 
 from __future__ import annotations
 
+import math
 import contextlib
 import contextvars
 import operator
@@ -80,8 +81,6 @@ def refined_shape(a, b) -> list[int] | None:
     """The finest shape both ``a`` and ``b`` are merges of (each of their prefix products is one
     of its prefix products), or None where there is none ([6, 4] and [4, 6]). [4, 16, 4096] and
     [2048, 128]: [4, 16, 32, 128]."""
-    import math
-
     def prefixes(shape):
         out, p = set(), 1
         for d in shape:

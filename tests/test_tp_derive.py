@@ -137,11 +137,13 @@ class Block(nn.Module):
         return x + (nn.functional.silu(gate) * up) @ d
 
 
-class Net(nn.Module):
-    def __init__(self, names, vocab=64, dim=32):
+class LM(nn.Module):
+    """An embedding, ``blocks`` on the residual stream, an LM head."""
+
+    def __init__(self, blocks, vocab=64, dim=32):
         super().__init__()
         self.table = nn.Embedding(vocab, dim)
-        self.stack = nn.ModuleList([Block(names=names) for _ in range(2)])
+        self.stack = nn.ModuleList(blocks)
         self.out = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, tokens):
@@ -149,6 +151,10 @@ class Net(nn.Module):
         for blk in self.stack:
             x = blk(x)
         return self.out(x)
+
+
+def Net(names):
+    return LM([Block(names=names) for _ in range(2)])
 
 
 def _ce(logits, targets):
@@ -351,12 +357,17 @@ def test_a_table_with_fewer_rows_than_ranks_is_held_whole_with_the_reason():
 
 
 def _cut(model, inputs, loss_fn, keep_whole=lambda name: False, tp=2):
+    """Capture, cut, derive; the rewritten program computes the loss the captured one did."""
     from autopar import unfuse
 
     gm = capture_graph(model, inputs, loss_fn)
+    gm.recompile()  # (the capture renamed its attributes after generating its code)
+    want = gm(*inputs)
     before = {n: p for n, p in model.named_parameters()}
     d, cuts, notes = unfuse.derive_with_cuts(gm, model, lambda: derive(gm, model, tp), keep_whole)
     assert not notes or not cuts
+    gm.recompile()
+    torch.testing.assert_close(gm(*inputs), want)
     return gm, d.decisions, cuts, before
 
 
@@ -491,17 +502,8 @@ class ConvBlock(nn.Module):
         return x + self.down(nn.functional.silu(h))
 
 
-class ConvNet(nn.Module):
-    def __init__(self, layers, vocab=64, dim=32):
-        super().__init__()
-        self.table, self.out = nn.Embedding(vocab, dim), nn.Linear(dim, vocab, bias=False)
-        self.blocks = nn.ModuleList([ConvBlock(dim) for _ in range(layers)])
-
-    def forward(self, tokens):
-        x = self.table(tokens)
-        for b in self.blocks:
-            x = b(x)
-        return self.out(x)
+def ConvNet(layers):
+    return LM([ConvBlock() for _ in range(layers)])
 
 
 def test_sequence_parallel_through_a_causal_conv():
@@ -575,19 +577,11 @@ def test_a_scale_per_channel_before_the_split_is_sliced_per_part():
     """Falcon-H1 multiplies in_proj's output by a muP vector (a buffer, one scale per channel)
     before splitting it as Mamba-2 does: the cut goes through the multiplication, each part's copy
     reading its own channels of the buffer, and the rewritten program computes the same loss."""
-    from autopar import unfuse
-    from autopar.capture import capture_graph as capture
-
     model, inputs, loss_fn = _hf("falcon_h1")
-    gm = capture(model, inputs, loss_fn)
-    gm.recompile()  # (the capture renamed its attributes after generating its code)
-    before = gm(*inputs)
-    d, cuts, _ = unfuse.derive_with_cuts(gm, model, lambda: derive(gm, model, 2), lambda name: False)
+    gm, dec, cuts, _ = _cut(model, inputs, loss_fn)  # (the loss the captured program computed: _cut checks it)
     (c,) = [c for c in cuts if ".layers.0." in c.weight]
     assert c.sizes == [1024, 1024, 256, 256, 128] and [c.conv_parts(n) for n, *_ in c.convs] == [[1, 2, 3]]
     narrows = [n for n in gm.graph.nodes if n.target is torch.narrow and "mup_vector" in str(n.args[0].target)]
     assert sorted(n.args[2:] for n in narrows if "layers_0" in str(n.args[0].target)) == \
         [(0, 1024), (1024, 1024), (2048, 256), (2304, 256), (2560, 128)]
-    assert [d.decisions[p].role for p in c.part_names(c.weight)] == ["column", "column", "replicated", "replicated", "column"]
-    gm.recompile()
-    torch.testing.assert_close(gm(*inputs), before)
+    assert [dec[p].role for p in c.part_names(c.weight)] == ["column", "column", "replicated", "replicated", "column"]

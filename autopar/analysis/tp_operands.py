@@ -5,6 +5,7 @@ through views, casts, elementwise functions and constants."""
 
 from __future__ import annotations
 
+import math
 from torch import fx
 
 from autopar.analysis.tp_graph import EXPAND, RESHAPE, SAME, Fail, Graph, op_name, pointwise, reshape_track, shape_of
@@ -53,8 +54,6 @@ def broadcast(a, dim: int) -> bool:
 def _same_dim(src, out, dim: int) -> list[int]:
     """[i] where a reshape from ``src`` to ``out`` keeps ``out[dim]`` as ``src``'s dim i whole (the
     dims before it hold as many elements: Mamba-2's [b, s, h, n] -> [b, chunks, l, h, n]); else []."""
-    import math
-
     before = math.prod(out[:dim])
     for i in range(len(src)):
         if math.prod(src[:i]) == before and src[i] == out[dim]:
