@@ -86,6 +86,13 @@ CASES = [  # (architecture, plan, config overrides, rules that must have decided
     ("nemotron_h", "megatron", dict(layers_block_type=["linear_attention", "mlp"], n_groups=1, mamba_num_heads=4,
                                     mamba_head_dim=16, ssm_state_size=16, chunk_size=16),
      {"convolution per channel, sharded on the channels"}),
+    # DeepSeek-V3.2's sparse-attention indexer: q (heads) and the per-head weights both sharded by
+    # heads, contracted with each other (sum over heads): each rank's partial sum all-reduced
+    # before the top-k (8 indexer heads of 32, the top 8 of 16 tokens)
+    ("deepseek_v32", "megatron", dict(ONE_LAYER, index_n_heads=8, index_head_dim=32, index_topk=8), set()),
+    # Moshi: [gate | up] fused, viewed [.., 2, ffn] and picked by h[..., 0, :] (strided by the two
+    # parts); the token table's vocabulary + 1 rows split by its columns
+    ("moshi", "megatron", ONE_LAYER, set()),
 ]
 
 

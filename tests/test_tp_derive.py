@@ -334,16 +334,19 @@ def test_a_linear_attention_block_and_bmm_experts_against_one_process(pools):
 def test_a_table_with_fewer_rows_than_ranks_is_held_whole_with_the_reason():
     """A lookup indexed by the program's input with fewer rows than the tensor-parallel ranks
     (RoBERTa-XL's one-row token-type table) has nothing to split: replicated, and the reason
-    says so. A table whose rows the ranks do not divide is still a PlanError that names it."""
+    says so. A table whose rows the ranks do not divide (Moshi's vocabulary + 1) is split by its
+    columns, the reason saying so; one whose columns they do not divide either is a PlanError that
+    names it."""
 
     class Typed(nn.Module):
-        def __init__(self, rows):
+        def __init__(self, rows, cols=16):
             super().__init__()
-            self.words, self.types = nn.Embedding(64, 16), nn.Embedding(rows, 16)
+            self.words, self.types = nn.Embedding(64, 16), nn.Embedding(rows, cols)
             self.out = nn.Linear(16, 64, bias=False)
 
         def forward(self, tokens):
-            return self.out(self.words(tokens) + self.types(tokens.clamp(max=0)))
+            t = self.types(tokens.clamp(max=0))
+            return self.out(self.words(tokens) + nn.functional.pad(t, (0, 16 - t.shape[-1])))
 
     tokens = torch.randint(0, 64, (2, 8))
     dec = _derived(Typed(1), (tokens, tokens), _ce)
@@ -352,8 +355,11 @@ def test_a_table_with_fewer_rows_than_ranks_is_held_whole_with_the_reason():
     assert dec["words.weight"].placement == Shard(0)
     from autopar.errors import PlanError
 
-    with pytest.raises(PlanError, match=r"types.weight \[3, 16\]"):
-        _derived(Typed(3), (tokens, tokens), _ce)
+    dec = _derived(Typed(3), (tokens, tokens), _ce)
+    assert dec["types.weight"].placement == Shard(1)
+    assert "of 3 rows, which 2 ranks do not divide: split by its 16 columns" in dec["types.weight"].why
+    with pytest.raises(PlanError, match=r"types.weight \[3, 15\]"):
+        _derived(Typed(3, 15), (tokens, tokens), _ce)
 
 
 def _cut(model, inputs, loss_fn, keep_whole=lambda name: False, tp=2):

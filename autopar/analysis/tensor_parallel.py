@@ -100,7 +100,7 @@ def _flows(g: Graph, tp: int, relaxed: bool, used: set, failed: dict, indivisibl
         fl, first = _follow(g, n, start, tp, relaxed)
         if fl.fail is not None and first.indivisible:  # parts tried in vain: the axis size was the problem
             fl.fail = first
-        if fl.fail is None and not fl.rows and not fl.vocab:
+        if fl.fail is None and not fl.rows and not fl.vocab and not fl.partial:
             fl.fail = Fail("nothing that contracts it back")
         if fl.fail is not None and fl.fail.indivisible and tp > 1 and not relaxed and _holds(g, n, start):
             indivisible.setdefault(fl.weight, fl.fail.why)
@@ -197,8 +197,11 @@ def _decide_region(g: Graph, fs: list[Flow], out: Derived) -> None:
         facts = "; ".join(f.trail[:3])
         pl = strided(f.out_pdim, f.outer)
         split = f", split into {f.outer} parts, each sharded" if f.outer > 1 else ""
-        why = (f"column-parallel: output dim sharded{split}{line}" + (f"; {facts}" if facts else "")
-               + f"; contracted back by {_names(rows)}")
+        back = f"; contracted back by {_names(rows)}" if rows else ""
+        if not rows and any(f.partial for f in fs):
+            u = next(p for f in fs for p in f.partial)
+            back = f"; contracted with another sharded value by {op_name(u)}{where_of(u)} (all-reduced there)"
+        why = f"column-parallel: output dim sharded{split}{line}" + (f"; {facts}" if facts else "") + back
         _put(dec, f.weight, Decision(pl, "column", why))
         if f.bias:
             _put(dec, f.bias, Decision(strided(0, f.outer), "with-column", f"bias of column-parallel {f.weight}"))
@@ -243,6 +246,12 @@ def _decide_rest(g: Graph, out: Derived, failed: dict[str, str], indivisible: di
             elif rows < out.tp and name not in dec:  # (RoBERTa's one-row token-type table)
                 dec[name] = Decision(R, "replicated", f"a lookup of {rows} row(s), fewer than the {out.tp} ranks: "
                                      f"nothing to split{where_of(uses[0])}")
+            elif name not in dec and len(g.shapes[name]) == 2 and g.shapes[name][1] % out.tp == 0:
+                # (Moshi's table of vocab + 1 rows): split by its columns instead, the looked-up
+                # rows all-gathered where the residual stream needs them whole
+                dec[name] = Decision(Shard(1), "vocab", f"a lookup indexed by the program's input{where_of(uses[0])} "
+                                     f"of {rows} rows, which {out.tp} ranks do not divide: split by its "
+                                     f"{g.shapes[name][1]} columns, each rank looking up its share of every row")
             else:
                 indivisible.setdefault(name, f"a lookup indexed by the program's input (vocabulary-parallel) of {rows} "
                                              f"rows, not divisible by {out.tp}")

@@ -37,6 +37,9 @@ class Flow:
     trail: list = field(default_factory=list)  # the graph facts worth printing
     logp: set = field(default_factory=set)  # log_softmax over the sharded dim (nll_loss may read them)
     written: list = field(default_factory=list)  # (buffer, track): fresh buffers a copy_ fills with the sharded values
+    # matmuls that contract the sharded dim between two values sharded alike (the second pass):
+    # their output is a partial sum, all-reduced where it is needed whole
+    partial: list = field(default_factory=list)
     # a statistic over the sharded dim (a norm's mean of squares) allowed: each rank reduces its
     # part and the small result is all-reduced (the second pass, for starts the first left out)
     relaxed: bool = False
@@ -152,6 +155,8 @@ def _step(g: Graph, flow: Flow, u: fx.Node, tp: int):
         dims = dims_arg(u, 1, nd)
         if name == "normalize":
             dims = dims_arg(u, 2, nd) or {nd - 1}
+        elif name in ("norm", "linalg_vector_norm", "vector_norm"):  # (x, ord, dim): None is every dim
+            dims = dims_arg(u, 2, nd)
         if dims is not None and tx[0] in dims and flow.relaxed and name in STATISTICS:
             if len(flow.trail) < 4:
                 flow.trail.append(f"{name} over the sharded dim{where_of(u)} (each rank's part, then all-reduced)")
@@ -262,6 +267,8 @@ def _index(u: fx.Node, tx, tp: int):
                 lo, hi, step = i.indices(n)
                 if lo < step and hi == n and (n // tp) % step == 0:  # each rank's part holds whole strides
                     return d_out, 1
+            if type(i) is int and n % o == 0 and n // o > 1:  # one of n parts: ([gate | up] viewed [.., 2, f], h[..., 0, :])
+                raise Fail(f"an index into the sharded dim{where_of(u)} picks one of {n} parts", outer=n // o)
             if not isinstance(i, slice) or i.step not in (None, 1):
                 raise Fail(f"indexing into the sharded dim{where_of(u)}")  # (an int or a list of them too)
             lo, hi, _ = i.indices(n)
@@ -479,10 +486,11 @@ def _matmul(g: Graph, flow: Flow, u: fx.Node, name: str, tp: int):
         raise Fail(f"{name}{where_of(u)}: a matmul of the sharded values autopar cannot follow")
     outs = set()
     # per operand: its dim the product contracts, and its matrix dim the output keeps (a's rows, b's columns)
-    for t, s, gone, kept, at in ((ta, sa, len(sa) - 1, len(sa) - 2, len(so) - 2), (tb, sb, len(sb) - 2, len(sb) - 1, len(so) - 1)):
+    gones = (len(sa) - 1, len(sb) - 2)
+    for t, s, gone, kept, at in ((ta, sa, gones[0], len(sa) - 2, len(so) - 2), (tb, sb, gones[1], len(sb) - 1, len(so) - 1)):
         if t is not None:
             if t[0] == gone:
-                raise Fail(f"{name}{where_of(u)} contracts the sharded dim between values that are not a weight")
+                return _contracted(g, flow, u, [(a, gones[0]), (b, gones[1])], t[1])
             outs.add((at, t[1]) if t[0] == kept else (t[0] + len(so) - len(s), t[1]))
     if len(outs) != 1:
         raise Fail(f"{name}{where_of(u)} multiplies values sharded differently")
@@ -493,6 +501,35 @@ def _matmul(g: Graph, flow: Flow, u: fx.Node, name: str, tp: int):
             if dv >= 0 and s[dv] == so[d]:
                 _operand_needs(g, flow, u, v, dv, o)
     return d, o
+
+
+def _contracted(g: Graph, flow: Flow, u: fx.Node, operands, o: int):
+    """A matmul (or einsum) contracting the sharded dim between values that are not a weight (a
+    sparse-attention indexer's ``sum_h w[b,s,h] * relu(q[b,s,h] . k[t])``: both heads-sharded).
+    In the second pass only: every operand holding that dim is this flow's, or comes sharded the
+    same way from another flow (a value without a gradient is sliced locally); each rank
+    contracts its share and the output is a partial sum, all-reduced where it is needed whole
+    (one all-reduce of the output's size, the price against computing the whole on every rank).
+    The flow ends there. In the first pass: refused, so Megatron's own regions come first; and
+    where the output is more than half the largest sharded operand (Mamba-2's ``C . B`` over the
+    state, [.., chunk, chunk, heads] from [.., chunk, heads, state]): its all-reduce would move more
+    than gathering that operand, so the operands are better held whole."""
+    if not flow.relaxed:
+        raise Fail(f"{op_name(u)}{where_of(u)} contracts the sharded dim between values that are not a weight")
+    biggest = max(math.prod(shape_of(a)) for a, _ in operands)
+    if 2 * math.prod(shape_of(u)) > biggest:
+        raise Fail(f"{op_name(u)}{where_of(u)} contracts the sharded dim into a partial sum of "
+                   f"{list(shape_of(u))}, more than half its operand's size (the all-reduce would cost more)")
+    for a, dim in operands:
+        t = _track(flow, a)
+        if t is None:
+            if g.param_view(a) is not None:
+                raise Fail(f"{op_name(u)}{where_of(u)} contracts the sharded dim with a weight read another way")
+            _operand_needs(g, flow, u, a, dim, o)
+        elif t != (dim, o):
+            raise Fail(f"{op_name(u)}{where_of(u)} contracts values sharded differently")
+    flow.partial.append(u)
+    return None
 
 
 def _einsum_step(g: Graph, flow: Flow, u: fx.Node):
@@ -510,7 +547,7 @@ def _einsum_step(g: Graph, flow: Flow, u: fx.Node):
     if letter not in out:
         weights = [(g.param_view(a), s) for a, s in zip(ops, ins) if letter in s and _track(flow, a) is None]
         if len(weights) != 1 or weights[0][0] is None:
-            raise Fail(f"einsum{where_of(u)} contracts the sharded dim between values that are not a weight")
+            return _contracted(g, flow, u, [(a, s.index(letter)) for a, s in zip(ops, ins) if letter in s], o)
         (wname, perm), letters = weights[0]
         flow.rows.append((u, wname, perm[letters.index(letter)], o))
         return None

@@ -1,0 +1,124 @@
+"""Tensor parallelism derived from the graph: sharded values contracted with each other, one of
+several fused parts picked by an index (capture and derivation only; the numbers against one
+process: tests/test_hf_breadth.py's DeepSeek-V3.2 and Moshi cases)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor.placement_types import Replicate, Shard
+
+from autopar import torch_compat as tc
+from autopar.analysis.tensor_parallel import derive
+from autopar.capture import capture_graph
+
+
+def _derived(model, inputs, loss_fn, tp=2):
+    gm = capture_graph(model, inputs, loss_fn)
+    return derive(gm, model, tp).decisions
+
+
+def _ce(logits, targets):
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+
+
+class Indexer(nn.Module):
+    """A sparse-attention indexer's shape (DeepSeek-V3.2's): per-head queries and per-head
+    weights, summed over the heads into one score per (query, key); the top k keys of each
+    query kept by a mask. ``whole``: the per-head weights a fixed buffer, not a projection."""
+
+    def __init__(self, dim=16, heads=4, hd=8, vocab=32, whole=False):
+        super().__init__()
+        self.heads, self.hd = heads, hd
+        self.emb = nn.Embedding(vocab, dim)
+        self.wq = nn.Linear(dim, heads * hd, bias=False)
+        self.wk = nn.Linear(dim, hd, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.w = nn.Linear(dim, heads, bias=False)
+        if whole:
+            self.register_buffer("fixed", torch.linspace(0.5, 1.5, heads))
+        self.whole = whole
+        self.out = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.heads, self.hd)
+        k = self.wk(x)
+        scores = torch.relu(torch.matmul(q, k.transpose(-1, -2).unsqueeze(1)))  # [b, s, h, s]
+        w = self.fixed.expand(b, s, self.heads) if self.whole else self.w(x)
+        index = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)  # sum over heads: [b, s, s]
+        keep = torch.zeros_like(index).scatter(-1, index.topk(3, dim=-1).indices, 1.0).bool()
+        att = torch.softmax(torch.einsum("bsd,btd->bst", x, x).masked_fill(~keep, -1e9), -1)
+        return self.out(x + att @ self.wv(x))
+
+
+def test_values_sharded_alike_are_contracted_into_a_partial_sum():
+    """The indexer's queries and its per-head weights are both split by heads; their contraction
+    over the heads gives each rank a partial sum (all-reduced before the top-k): both projections
+    column-parallel, the reason naming the contraction. The key projection (one head) is whole."""
+    tokens = torch.randint(0, 32, (2, 8))
+    dec = _derived(Indexer(), (tokens, tokens), _ce)
+    for w in ("wq.weight", "w.weight"):
+        assert dec[w].placement == Shard(0) and dec[w].role == "column", (w, dec[w])
+        assert "contracted with another sharded value by matmul" in dec[w].why, dec[w].why
+    assert dec["wk.weight"].placement == Replicate()
+
+
+def test_a_contraction_with_a_value_no_flow_shards_slices_it_locally():
+    """The per-head weights a buffer (no gradient): each rank takes its heads of it; the queries
+    still column-parallel."""
+    tokens = torch.randint(0, 32, (2, 8))
+    dec = _derived(Indexer(whole=True), (tokens, tokens), _ce)
+    assert dec["wq.weight"].placement == Shard(0), dec["wq.weight"]
+
+
+class PickedParts(nn.Module):
+    """Moshi's gating MLP: [gate | up] in one weight, viewed [.., 2, ffn] and picked by index."""
+
+    def __init__(self, dim=16, ffn=32, vocab=32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.fc1 = nn.Linear(dim, 2 * ffn, bias=False)
+        self.fc2 = nn.Linear(ffn, dim, bias=False)
+        self.out = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        h = self.fc1(x).view(*x.shape[:2], 2, -1)
+        return self.out(x + self.fc2(nn.functional.silu(h[..., 0, :]) * h[..., 1, :]))
+
+
+def test_a_part_picked_by_index_makes_the_weight_strided_by_its_parts():
+    tokens = torch.randint(0, 32, (2, 8))
+    dec = _derived(PickedParts(), (tokens, tokens), _ce)
+    assert dec["fc1.weight"].placement == tc.StridedShard(0, split_factor=2), dec["fc1.weight"]
+    assert dec["fc2.weight"].placement == Shard(1) and dec["fc2.weight"].role == "row"
+
+
+class L2Heads(nn.Module):
+    """Queries and keys scaled to unit length per head (torch.linalg.vector_norm over head_dim,
+    Inkling2's l2 clip): a reduction over another dim than the heads."""
+
+    def __init__(self, dim=16, heads=4, vocab=32):
+        super().__init__()
+        self.heads = heads
+        self.emb = nn.Embedding(vocab, dim)
+        self.qkv = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.o = nn.Linear(dim, dim, bias=False)
+        self.out = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        b, s, d = x.shape
+        q, k, v = (p(x).view(b, s, self.heads, -1).transpose(1, 2) for p in self.qkv)
+        q, k = (t / torch.linalg.vector_norm(t, dim=-1, keepdim=True) for t in (q, k))
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(x + self.o(a.transpose(1, 2).reshape(b, s, d)))
+
+
+def test_a_vector_norm_over_the_head_dim_keeps_the_heads_sharded():
+    tokens = torch.randint(0, 32, (2, 8))
+    dec = _derived(L2Heads(), (tokens, tokens), _ce)
+    assert [dec[f"qkv.{i}.weight"].role for i in range(3)] == ["column"] * 3
+    assert dec["o.weight"].role == "row"
