@@ -122,3 +122,35 @@ def test_a_vector_norm_over_the_head_dim_keeps_the_heads_sharded():
     dec = _derived(L2Heads(), (tokens, tokens), _ce)
     assert [dec[f"qkv.{i}.weight"].role for i in range(3)] == ["column"] * 3
     assert dec["o.weight"].role == "row"
+
+
+class GatedHeads(nn.Module):
+    """An output gate per head, shaped by the attention's output (Beam's
+    ``gate_proj(x).view_as(attn_output) + gate_bias[None, None, :, None]``)."""
+
+    def __init__(self, dim=16, heads=4, vocab=32):
+        super().__init__()
+        self.heads = heads
+        self.emb = nn.Embedding(vocab, dim)
+        self.qkv = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.gate = nn.Linear(dim, dim, bias=False)
+        self.gate_bias = nn.Parameter(torch.zeros(heads))
+        self.o = nn.Linear(dim, dim, bias=False)
+        self.out = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        b, s, d = x.shape
+        q, k, v = (p(x).view(b, s, self.heads, -1).transpose(1, 2) for p in self.qkv)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        a = a * torch.sigmoid(self.gate(x).view_as(a) + self.gate_bias[None, None, :, None])
+        return self.out(x + self.o(a.reshape(b, s, d)))
+
+
+def test_a_value_shaped_like_a_sharded_one_by_view_as_is_sharded_with_it():
+    """``view_as(a)`` reads only a's shape: the q / k / v flows go on past it, and the gate, viewed
+    per head, is column-parallel with its bias by heads."""
+    tokens = torch.randint(0, 32, (2, 8))
+    dec = _derived(GatedHeads(), (tokens, tokens), _ce)
+    assert [dec[f"qkv.{i}.weight"].role for i in range(3)] + [dec["gate.weight"].role] == ["column"] * 4
+    assert dec["gate_bias"].placement == Shard(0) and dec["o.weight"].role == "row"

@@ -104,6 +104,8 @@ def _step(g: Graph, flow: Flow, u: fx.Node, tp: int):
         return _setitem(g, flow, u, tp)
     if not isinstance(val, (torch.Tensor, tuple, list)) or name in FRESH:
         return None  # metadata (x.size(), x.dim()), or a fresh tensor of its shape: no data moves
+    if name in ("view_as", "reshape_as", "expand_as", "type_as") and tx is None:
+        return None  # the sharded value gives only its shape or dtype (gate.view_as(attn_output)): no data moves
     if name == "copy_":
         return _copy_into(g, flow, u)
     if name in SAME and tx is not None:
