@@ -88,8 +88,9 @@ CASES = [  # (architecture, plan, config overrides, rules that must have decided
      {"convolution per channel, sharded on the channels"}),
     # DeepSeek-V3.2's sparse-attention indexer: q (heads) and the per-head weights both sharded by
     # heads, contracted with each other (sum over heads): each rank's partial sum all-reduced
-    # before the top-k (8 indexer heads of 32, the top 8 of 16 tokens)
-    ("deepseek_v32", "megatron", dict(ONE_LAYER, index_n_heads=8, index_head_dim=32, index_topk=8), set()),
+    # before the top-k (8 indexer heads of 32, the top 8 of 16 tokens; a dense MLP)
+    ("deepseek_v32", "megatron", dict(ONE_LAYER, first_k_dense_replace=1, index_n_heads=8, index_head_dim=32,
+                                      index_topk=8), set()),
     # Moshi: [gate | up] fused, viewed [.., 2, ffn] and picked by h[..., 0, :] (strided by the two
     # parts); the token table's vocabulary + 1 rows split by its columns
     ("moshi", "megatron", ONE_LAYER, set()),

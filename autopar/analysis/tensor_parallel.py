@@ -249,7 +249,7 @@ def _decide_rest(g: Graph, out: Derived, failed: dict[str, str], indivisible: di
             elif name not in dec and len(g.shapes[name]) == 2 and g.shapes[name][1] % out.tp == 0:
                 # (Moshi's table of vocab + 1 rows): split by its columns instead, the looked-up
                 # rows all-gathered where the residual stream needs them whole
-                dec[name] = Decision(Shard(1), "vocab", f"a lookup indexed by the program's input{where_of(uses[0])} "
+                dec[name] = Decision(Shard(1), "column", f"a lookup indexed by the program's input{where_of(uses[0])} "
                                      f"of {rows} rows, which {out.tp} ranks do not divide: split by its "
                                      f"{g.shapes[name][1]} columns, each rank looking up its share of every row")
             else:

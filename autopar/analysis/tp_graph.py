@@ -23,7 +23,7 @@ REDUCE = {"softmax", "log_softmax", "sum", "mean", "amax", "amin", "max", "min",
           "cumsum", "cumprod", "argmax", "argmin", "topk", "sort", "prod", "all", "any", "var_mean", "std_mean",
           "normalize", "_softmax", "_log_softmax", "linalg_vector_norm", "vector_norm"}
 NORM = {"layer_norm", "rms_norm"}
-STATISTICS = {"mean", "sum", "var", "amax", "norm", "linalg_vector_norm", "vector_norm"}  # reductions whose result is small and linear-ish to combine
+STATISTICS = {"mean", "sum", "var", "amax", "norm"}  # reductions whose result is small and linear-ish to combine
 MATMUL = {"linear", "addmm", "mm", "matmul", "bmm", "baddbmm"}
 CAT = {"cat", "concat", "concatenate", "stack"}
 CONV = {"conv1d", "conv2d", "conv3d"}
