@@ -154,3 +154,42 @@ def test_a_value_shaped_like_a_sharded_one_by_view_as_is_sharded_with_it():
     dec = _derived(GatedHeads(), (tokens, tokens), _ce)
     assert [dec[f"qkv.{i}.weight"].role for i in range(3)] + [dec["gate.weight"].role] == ["column"] * 4
     assert dec["gate_bias"].placement == Shard(0) and dec["o.weight"].role == "row"
+
+
+class GroupedOut(nn.Module):
+    """DeepSeek-V4's shape: one key / value head repeated for every query head (expand + reshape,
+    then transposed for ``q @ k^T``), and a grouped output projection whose weight is read as
+    ``W.view(groups, -1, k).transpose(1, 2)`` in a bmm over the head groups."""
+
+    def __init__(self, dim=16, heads=4, hd=4, groups=2, rank=8, vocab=32):
+        super().__init__()
+        self.heads, self.hd, self.groups = heads, hd, groups
+        self.emb = nn.Embedding(vocab, dim)
+        self.q = nn.Linear(dim, heads * hd, bias=False)
+        self.kv = nn.Linear(dim, hd, bias=False)
+        self.o_a = nn.Parameter(torch.randn(groups * rank, heads * hd // groups) / 4)
+        self.o_b = nn.Linear(groups * rank, dim, bias=False)
+        self.out = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.hd).transpose(1, 2)
+        kv = self.kv(x).view(b, s, 1, self.hd).transpose(1, 2)  # one head
+        kv = kv[:, :, None].expand(b, 1, self.heads, s, self.hd).reshape(b, self.heads, s, self.hd)
+        a = torch.softmax(torch.matmul(q, kv.transpose(2, 3)), -1) @ kv  # [b, h, s, hd]
+        g = a.transpose(1, 2).reshape(b * s, self.groups, -1).transpose(0, 1)  # [groups, b*s, h*hd/groups]
+        w = self.o_a.view(self.groups, -1, g.shape[-1]).transpose(1, 2)
+        y = torch.bmm(g, w).transpose(0, 1).reshape(b, s, -1)
+        return self.out(x + self.o_b(y))
+
+
+def test_a_transposed_broadcast_head_and_a_grouped_weight_read_through_a_transpose():
+    """The one key / value head, transposed, is seen as the same on every rank's heads; the
+    grouped weight, seen back through its transpose and view, is split by groups with the heads:
+    q column-parallel, the grouped weight sharded with it, the mixing projection row-parallel."""
+    tokens = torch.randint(0, 32, (2, 8))
+    dec = _derived(GroupedOut(), (tokens, tokens), _ce)
+    assert dec["q.weight"].role == "column", dec["q.weight"]
+    assert dec["o_a"].placement == Shard(0) and dec["o_a"].role == "with-column", dec["o_a"]
+    assert dec["o_b.weight"].role == "row" and dec["kv.weight"].placement == Replicate()

@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 from torch import fx
 
-from autopar.analysis.tp_graph import EXPAND, RESHAPE, SAME, Fail, Graph, op_name, pointwise, reshape_track, shape_of
+from autopar.analysis.tp_graph import (EXPAND, PERMUTE, RESHAPE, SAME, Fail, Graph, apply_permute, op_name, pointwise,
+                                       reshape_track, shape_of)
 
 
 def broadcast(a, dim: int) -> bool:
@@ -30,6 +31,9 @@ def broadcast(a, dim: int) -> bool:
         d = a.args[2] if len(a.args) > 2 else a.kwargs.get("dim")
         src = shape_of(a.args[0])
         return isinstance(d, int) and d % len(src) == dim and src[dim] == 1
+    if name in PERMUTE and isinstance(a.args[0], fx.Node):  # (repeat_kv's keys, transposed for q @ k^T)
+        d = permuted_from(a, dim)
+        return d is not None and broadcast(a.args[0], d)
     if name == "einsum":
         from autopar.analysis.tp_starts import parse_einsum
 
@@ -49,6 +53,13 @@ def broadcast(a, dim: int) -> bool:
     src, out = shape_of(a.args[0]), shape_of(a)
     ds = dim - (len(out) - len(src))
     return ds < 0 or src[ds] == 1
+
+
+def permuted_from(a: fx.Node, dim: int) -> int | None:
+    """The dim of ``a``'s input that a permutation (transpose, permute, movedim) puts at ``dim``."""
+    nd = len(shape_of(a))
+    out = apply_permute(a, list(range(nd)))
+    return None if out is None else out[dim]
 
 
 def _same_dim(src, out, dim: int) -> list[int]:
@@ -109,6 +120,9 @@ def param_back(g: Graph, a, dim: int, o: int):
             return param_back(g, src, dim - k + 1, o) if dim >= k else None
         if name in SAME:
             return param_back(g, src, dim, o)
+        if name in PERMUTE:  # (a grouped weight: W.view(groups, -1, k).transpose(1, 2), DeepSeek-V4's o_a_proj)
+            d = permuted_from(a, dim)
+            return param_back(g, src, d, o) if d is not None else None
         if name in EXPAND:
             d = dim - (len(s_out) - len(s_in))
             return param_back(g, src, d, o) if d >= 0 and s_in[d] == s_out[dim] else None
