@@ -96,9 +96,10 @@ def test_a_part_picked_by_index_makes_the_weight_strided_by_its_parts():
     assert dec["fc2.weight"].placement == Shard(1) and dec["fc2.weight"].role == "row"
 
 
-class L2Heads(nn.Module):
-    """Queries and keys scaled to unit length per head (torch.linalg.vector_norm over head_dim,
-    Inkling2's l2 clip): a reduction over another dim than the heads."""
+class Heads(nn.Module):
+    """Attention over heads on the residual stream (q, k, v and o projections, an LM head), with
+    ``between(q, k)`` applied to the queries and keys and ``after(x, a)`` to the attention's output
+    (both [b, s, heads, head_dim]): what the tests below vary."""
 
     def __init__(self, dim=16, heads=4, vocab=32):
         super().__init__()
@@ -108,13 +109,36 @@ class L2Heads(nn.Module):
         self.o = nn.Linear(dim, dim, bias=False)
         self.out = nn.Linear(dim, vocab, bias=False)
 
+    def between(self, q, k):
+        return q, k
+
+    def after(self, x, a):
+        return a
+
     def forward(self, tokens):
         x = self.emb(tokens)
         b, s, d = x.shape
-        q, k, v = (p(x).view(b, s, self.heads, -1).transpose(1, 2) for p in self.qkv)
-        q, k = (t / torch.linalg.vector_norm(t, dim=-1, keepdim=True) for t in (q, k))
-        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(x + self.o(a.transpose(1, 2).reshape(b, s, d)))
+        q, k, v = (p(x).view(b, s, self.heads, -1) for p in self.qkv)
+        q, k = self.between(q, k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        return self.out(x + self.o(self.after(x, a).reshape(b, s, d)))
+
+
+class L2Heads(Heads):
+    """Queries and keys scaled per head and clipped to a length (torch.linalg.vector_norm over
+    head_dim, Inkling2's scaled l2 clip): a reduction over another dim than the heads."""
+
+    def __init__(self, dim=16, heads=4, vocab=32):
+        super().__init__(dim, heads, vocab)
+        self.scale = nn.Parameter(torch.ones(heads, dim // heads))
+
+    def between(self, q, k):
+        def clip(t):
+            t = t.float() * self.scale.float()
+            return t * (1.0 / (torch.linalg.vector_norm(t, dim=-1, keepdim=True) + 1e-6)).clamp(max=1.0)
+
+        return clip(q), clip(k)
 
 
 def test_a_vector_norm_over_the_head_dim_keeps_the_heads_sharded():
@@ -124,27 +148,17 @@ def test_a_vector_norm_over_the_head_dim_keeps_the_heads_sharded():
     assert dec["o.weight"].role == "row"
 
 
-class GatedHeads(nn.Module):
+class GatedHeads(Heads):
     """An output gate per head, shaped by the attention's output (Beam's
     ``gate_proj(x).view_as(attn_output) + gate_bias[None, None, :, None]``)."""
 
     def __init__(self, dim=16, heads=4, vocab=32):
-        super().__init__()
-        self.heads = heads
-        self.emb = nn.Embedding(vocab, dim)
-        self.qkv = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(3))
+        super().__init__(dim, heads, vocab)
         self.gate = nn.Linear(dim, dim, bias=False)
         self.gate_bias = nn.Parameter(torch.zeros(heads))
-        self.o = nn.Linear(dim, dim, bias=False)
-        self.out = nn.Linear(dim, vocab, bias=False)
 
-    def forward(self, tokens):
-        x = self.emb(tokens)
-        b, s, d = x.shape
-        q, k, v = (p(x).view(b, s, self.heads, -1).transpose(1, 2) for p in self.qkv)
-        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
-        a = a * torch.sigmoid(self.gate(x).view_as(a) + self.gate_bias[None, None, :, None])
-        return self.out(x + self.o(a.reshape(b, s, d)))
+    def after(self, x, a):
+        return a * torch.sigmoid(self.gate(x).view_as(a) + self.gate_bias[None, None, :, None])
 
 
 def test_a_value_shaped_like_a_sharded_one_by_view_as_is_sharded_with_it():

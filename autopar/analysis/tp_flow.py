@@ -157,7 +157,7 @@ def _step(g: Graph, flow: Flow, u: fx.Node, tp: int):
         dims = dims_arg(u, 1, nd)
         if name == "normalize":
             dims = dims_arg(u, 2, nd) or {nd - 1}
-        elif name in ("norm", "linalg_vector_norm", "vector_norm"):  # (x, ord, dim): None is every dim
+        elif name in ("norm", "linalg_vector_norm"):  # (x, ord, dim): None is every dim
             dims = dims_arg(u, 2, nd)
         if dims is not None and tx[0] in dims and flow.relaxed and name in STATISTICS:
             if len(flow.trail) < 4:

@@ -21,7 +21,7 @@ PERMUTE = {"transpose", "swapaxes", "swapdims", "permute", "t", "movedim", "move
 SPLIT = {"split", "chunk", "split_with_sizes", "tensor_split", "unbind"}
 REDUCE = {"softmax", "log_softmax", "sum", "mean", "amax", "amin", "max", "min", "var", "std", "norm", "logsumexp",
           "cumsum", "cumprod", "argmax", "argmin", "topk", "sort", "prod", "all", "any", "var_mean", "std_mean",
-          "normalize", "_softmax", "_log_softmax", "linalg_vector_norm", "vector_norm"}
+          "normalize", "_softmax", "_log_softmax", "linalg_vector_norm"}
 NORM = {"layer_norm", "rms_norm"}
 STATISTICS = {"mean", "sum", "var", "amax", "norm"}  # reductions whose result is small and linear-ish to combine
 MATMUL = {"linear", "addmm", "mm", "matmul", "bmm", "baddbmm"}
