@@ -188,7 +188,7 @@ def capture_graph(model: nn.Module, example_inputs: tuple, loss_fn: Callable | N
     stay as written, also on meta (the lower pass rewrites them; ``_meta_autograd`` fixes the rest).
     ``dropless``: Hugging Face experts modules traced as autopar::moe_experts (autopar/experts.py)."""
     from autopar import capture_cache as cc
-    from autopar import splice
+    from autopar import splice, value_checks
     from autopar.experts import dropless_experts
 
     if splice.active():  # planning a deep model: capture three blocks, repeat the third (autopar/splice.py)
@@ -205,13 +205,26 @@ def capture_graph(model: nn.Module, example_inputs: tuple, loss_fn: Callable | N
 
     def trace():
         with (warnings.catch_warnings(), tc.no_compiled_fn_globals(), dropless_experts(model, dropless),
-              _static_capture()):
+              _static_capture(), tc.scalar_outputs()):
             warnings.simplefilter("ignore")
-            return dynamo_capture(wrapper)(*example_inputs)
+            gm = dynamo_capture(wrapper)(*example_inputs)
+        value_checks.to_device(gm)  # asserts on a tensor's value: checked on the device (autopar/value_checks.py)
+        reads = value_checks.host_reads(gm)
+        if reads:
+            raise CaptureError(
+                f"the model reads a tensor's value on the host at {reads[0]}"
+                + (f" (and {len(reads) - 1} more place(s))" if len(reads) > 1 else "")
+                + ": the program's shapes and control flow would depend on the data",
+                where=reads[0].split("  ")[0] or type(model).__name__,
+                fix="compute it with tensor ops (masks, scatter / index_add, padding to a fixed size) instead of "
+                "reading it (.item(), .tolist()); an assert on such a value is fine (it stays a device check)")
+        return gm
 
     try:
         return cc.cached("capture", lambda: cc.module_key("capture", wrapper, example_inputs, dropless), trace,
                          lambda gm: cc.gm_template(gm, wrapper), lambda t: cc.gm_from_template(t, wrapper))
+    except CaptureError:
+        raise
     except Exception as e:  # noqa: BLE001 - re-raised with context
         own = None
         if "Observed exception" in str(e):

@@ -23,7 +23,7 @@ class Context:
                  "timings", "compute_dtype", "reduce_dtype", "recompute", "accumulate", "loss_scale", "progress",
                  "bucket_mb", "prefetch", "reshard_after_forward", "kept_gathered", "sync_grads", "output_roles",
                  "strategy_cache", "_groups", "boundary", "lowered", "kernel_choices", "derived_rules", "masks", "cuts",
-                 "cache_layout")
+                 "value_checks", "cache_layout")
 
     def __init__(self, mesh: DeviceMesh, plan: Plan, placed: Placed, *, compute_dtype: torch.dtype | None,
                  reduce_dtype: torch.dtype | None, recompute: str, accumulate: int, loss_scale: str | float | None,
@@ -73,6 +73,7 @@ class Context:
         self.derived_rules: list[str] = []  # ops with no rule: what autopar/derived_rules.py derived, and how
         self.masks: list[str] = []  # what the masks pass did with each attention mask (passes/masks.py)
         self.cuts: list[str] = []  # fused weights cut into one parameter per part (autopar/unfuse.py)
+        self.value_checks: list[str] = []  # the model's asserts on values, checked on the device (autopar/value_checks.py)
         # generation's programs (autopar/generation.py): the KV cache inputs' placements, by
         # input index (role ("cache", i)); a cache input or output not listed is replicated
         self.cache_layout: dict[int, tuple[Placement, ...]] = {}
@@ -183,6 +184,7 @@ def make_context(mesh: DeviceMesh, parsed: Plan, params: dict, options, accumula
         ctx.lowered = state.lowered
         ctx.kernel_choices = state.kernel_choices
         ctx.masks = state.masks
+        ctx.value_checks = state.value_checks
         ctx.cuts = describe_cuts(state.cuts) + state.cut_notes
     return ctx
 

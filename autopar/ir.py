@@ -260,6 +260,7 @@ class CompileState:
     micro_inputs: tuple  # one micro-batch of it: what capture traces
     gm: fx.GraphModule | None = None  # capture: the torch-level graph of model + loss
     masks: list = field(default_factory=list)  # masks: per attention mask, what was done and why (one line each)
+    value_checks: list = field(default_factory=list)  # capture: the model's asserts kept as device checks (source lines)
     lowered: dict = field(default_factory=dict)  # lower: rewrites into kernel ops, per rule
     kernel_choices: list = field(default_factory=list)  # lower, kernels="auto": kernels/choice.Choice per op
     stages: list[Stage] = field(default_factory=list)  # split: the stages compiled on this rank

@@ -124,6 +124,10 @@ PRIVATE: dict[str, Private] = {
     "constraint_check": Private(_FE, "_suggest_or_raise_constraint_violation", "a fast capture",
                                 "torch's constraint check runs"),
     "functional_export": Private(_FE, None, "freeing a capture's compiled-function globals", "they are kept"),
+    "assert_async": Private("torch", "_assert_async", "checking a model's assert on a tensor's value",
+                            "such a model is not captured"),
+    "dynamo_config": Private("torch._dynamo", "config", "capturing an assert on a tensor's value",
+                             "such a model is not captured"),
     "aot_export_joint_with_descriptors": Private("torch._functorch.aot_autograd", "aot_export_joint_with_descriptors",
                                                  "the joint forward+backward trace"),
     "aot_descriptors": Private("torch._functorch._aot_autograd.descriptors", None, "naming the traced graph's inputs"),
@@ -511,6 +515,14 @@ def static_export():
     """Inside the block, this thread's export captures skip the dynamic-shape constraint check
     when they have no dynamic shapes."""
     return setting(_STATIC_CAPTURE, True, _NO_EXPORT_GUARDS)
+
+
+def scalar_outputs():
+    """Inside the block, dynamo traces ``tensor.item()`` into the graph instead of stopping there
+    (``capture_scalar_outputs``): a model's ``assert t.max().item() <= n`` becomes part of the
+    capture (autopar/value_checks.py keeps it on the device)."""
+    config = find("dynamo_config", None)
+    return config.patch(capture_scalar_outputs=True) if config is not None else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ ATen graph is where sharding happens (propagate onwards).
 
 from __future__ import annotations
 
+from autopar import value_checks
 from autopar.capture import capture_graph, joint_program
 from autopar.experts import expert_plan
 from autopar.ir import CompileState
@@ -24,6 +25,7 @@ def capture_pass(state: CompileState) -> CompileState:
     """After it: ``state.gm`` is the torch-level graph of model + loss on one micro-batch."""
     o = state.options
     state.gm = capture_graph(state.model, state.micro_inputs, o.given.loss_fn, o.compute_dtype, dropless=expert_plan(o.plan))
+    state.value_checks = value_checks.checks(state.gm)  # (autopar/value_checks.py)
     return state
 
 

@@ -132,6 +132,7 @@ def _issue_batch_statistics_first(gm: fx.GraphModule, inputs) -> None:
     data = {n for n, (kind, _) in zip(placeholders, inputs) if kind == "input"}
     pos = {n: i for i, n in enumerate(graph.nodes)}
     anchor = placeholders[-1]
+    moved: set[fx.Node] = set()  # (two statistics may share ops: XLM's two asserts on one lengths.max())
     for c in list(graph.nodes):
         if c.op != "call_function" or COLLECTIVES.get(c.target) != "all_reduce":
             continue
@@ -151,9 +152,10 @@ def _issue_batch_statistics_first(gm: fx.GraphModule, inputs) -> None:
             todo += [a for a in n.all_input_nodes]
         if not ok or not chain:
             continue
-        for n in sorted(chain, key=pos.__getitem__) + [c]:
+        for n in sorted(chain - moved, key=pos.__getitem__) + [c]:
             anchor.append(n)
             anchor = n
+            moved.add(n)
 
 
 def _defer_waits_to_first_use(gm: fx.GraphModule) -> None:

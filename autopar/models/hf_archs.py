@@ -91,10 +91,34 @@ def hf_config(model_type: str, extra: dict, **overrides):
 
     fields = {k: v for k, v in {**COMMON, **extra, **overrides}.items() if v is not _DROP}
     cfg = AutoConfig.for_model(model_type, **fields)
-    for k, v in cfg.to_dict().items():
-        if ("dropout" in k or "pdrop" in k) and isinstance(v, float):
-            setattr(cfg, k, 0.0)
+    nested = _nested(cfg, fields)
+    if nested:
+        cfg = AutoConfig.for_model(model_type, **fields, **nested)
+    for c in [cfg] + [getattr(cfg, key, None) for key in getattr(type(cfg), "sub_configs", None) or {}]:
+        for k, v in (c.to_dict().items() if hasattr(c, "to_dict") else ()):  # (Emu3's text config's own 0.1)
+            if ("dropout" in k or "pdrop" in k) and isinstance(v, float):
+                setattr(c, k, 0.0)
     return cfg
+
+
+def _nested(cfg, fields: dict) -> dict:
+    """For a composite config (a multimodal model's text and vision configs, BLT's patcher / encoder /
+    decoder / global ones): each sub-config's share of ``fields`` (those it has), so that the text
+    model a batch of tokens reaches is built at the tiny sizes too, and the towers beside it are
+    small, not the default-size ones an 8B text config or a 400M vision tower would make."""
+    out = {}
+    for key in getattr(type(cfg), "sub_configs", None) or {}:
+        sub = getattr(cfg, key, None)
+        if sub is None or not hasattr(sub, "to_dict"):
+            continue
+        own = sub.to_dict()
+        mine = {k: v for k, v in fields.items() if k in own}
+        if any(own[k] != v for k, v in mine.items()):  # not built from the flat fields already
+            # on top of the defaults the composite config gives this sub-config (Fuyu's Persimmon: relu2...)
+            spec = (getattr(type(cfg), "sub_configs_defaults", None) or {}).get(key)
+            base = dict(getattr(spec, "init_kwargs", None) or {})
+            out[key] = {**({"model_type": own["model_type"]} if "model_type" in own else {}), **base, **mine}
+    return out
 
 
 def build_hf(name: str, seed: int = 0, seq: int = SEQ, router_aux: float = 0.0, **overrides):

@@ -22,6 +22,7 @@ from autopar.ir import CommRecord, Stage, bytes_by_collective, fmt_dtype, fmt_pl
 from autopar.plan import replicated_lines
 from autopar.runtime.base import Runtime
 from autopar.parts import NOTE as CUT_NOTE
+from autopar import value_checks
 from autopar.runtime import failure
 from autopar.runtime.common import bytes_lines, check_indices, local_inputs, local_tensor, plain_parameters
 from autopar.runtime.executor import Executor, call
@@ -135,6 +136,7 @@ class ParallelModule(Runtime):
             lines.append(self.auto_plan)
         lines += [f"attention masks: {m}" for m in ctx.masks]  # (passes/masks.py)
         lines += [CUT_NOTE + m for m in ctx.cuts]  # (autopar/unfuse.py)
+        lines += [value_checks.NOTE + m for m in ctx.value_checks]  # (autopar/value_checks.py)
         lines += [f"kernels='auto': {line}" for line in summary(ctx.kernel_choices)]  # (kernels/choice.py)
         lines += [f"no rule, derived: {line}" for line in ctx.derived_rules]  # (autopar/derived_rules.py)
         lines += ["", "parameters (as stored):"]

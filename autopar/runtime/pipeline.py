@@ -16,6 +16,7 @@ from autopar.ir import Stage, info
 from autopar.plan import replicated_lines
 from autopar.runtime.base import Runtime
 from autopar.parts import NOTE as CUT_NOTE
+from autopar import value_checks
 from autopar.runtime.common import bytes_lines
 from autopar.runtime import failure
 from autopar.runtime.executor import Executor
@@ -236,6 +237,7 @@ class PipelineModule(Runtime):
         some = next(iter(self.local.values()), None)  # (the masks pass ran before the split: one list)
         lines += [f"attention masks: {m}" for m in (some.ctx.masks if some is not None else [])]
         lines += [CUT_NOTE + m for m in (some.ctx.cuts if some is not None else [])]  # (autopar/unfuse.py)
+        lines += [value_checks.NOTE + m for m in (some.ctx.value_checks if some is not None else [])]
         lines += [f"kernels='auto': {line}" for line in summary(some.ctx.kernel_choices if some is not None else [])]
         # propagate runs per stage: every local stage's derived rules, once each
         derived = dict.fromkeys(line for sp in self.local.values() for line in sp.ctx.derived_rules)

@@ -33,7 +33,7 @@ from autopar.options import CompileOptions
 from autopar.tools.render import (MASKS_NOTE, Analysis, dump_dot, dump_json, dump_svg, dump_text, explain_text,
                                   plan_table, summary)
 from autopar.kernels import choice
-from autopar import parts
+from autopar import parts, value_checks
 
 
 # --------------------------------------------------------------------------- parsing
@@ -281,6 +281,7 @@ def analyse(args, rank: int, progress: Progress, loaded=None, stop_after: str | 
         ctxs = [sp.ctx for sp in pm.local.values()] if pm.pipelined else [pm.ctx]
         notes += [MASKS_NOTE + m for m in (ctxs[0].masks if ctxs else [])]  # (passes/masks.py)
         notes += [parts.NOTE + m for m in (ctxs[0].cuts if ctxs else [])]  # (autopar/unfuse.py)
+        notes += [value_checks.NOTE + m for m in (ctxs[0].value_checks if ctxs else [])]
         notes += [f"kernels='auto': {line}" for line in choice.summary(ctxs[0].kernel_choices if ctxs else [])]
         notes += [f"no rule, derived: {line}" for line in dict.fromkeys(d for c in ctxs for d in c.derived_rules)]
         twins = [s for s, st in pm.stages.items() if st.twin_of is not None] if pm.pipelined else []
