@@ -202,7 +202,7 @@ def main() -> None:
         lines.append(f"| {r['type']} | {r['status']} | {share} | {o.replace('|', '/')} | {why.replace('|', '/')} |")
     lines += ["", f"{len(types)} architectures, {len(built)} buildable at the tiny sizes, {len(ok)} compiled under "
               f"megatron on a fake tp=2 mesh, {len(most)} of them with at least 90% of their blocks' matrices "
-              f"sharded ({100 * len(most) / max(1, len(built)):.0f}% of the buildable); at their own sizes "
+              f"sharded ({100 * len(most) / max(1, len(built)):.1f}% of the buildable); at their own sizes "
               f"(`own_sizes_share`) {len(own_most)} of the {len(own)} whose default config built on meta; "
               f"{time.time() - t0:.0f} s"]
     text = "\n".join(lines)

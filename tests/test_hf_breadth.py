@@ -15,6 +15,7 @@ import torch
 from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
 from autopar.ir import ShardSpec
+from autopar.models import hf_archs
 from autopar.models.hf_archs import breadth_job, breadth_reference, compare
 from autopar.passes.collectives import plan_steps, step_kind
 from autopar.rules import PSUM, copy_rule
@@ -200,3 +201,16 @@ def test_a_view_of_an_output_whose_run_time_layout_the_trace_cannot_promise_is_a
     assert [n.target for n in views] == [aten.reshape.default, aten.view.default, aten.view.default]
     got, want = gm(g, x, w), f(g, x, w, torch.Tensor.reshape)
     assert all(torch.allclose(a, b) for a, b in zip(got, want))
+
+
+def test_a_composite_config_is_tiny_throughout():
+    """A multimodal model's text config and towers get the tiny sizes too, dropout off in each (they
+    kept their default sizes: Emu3's 8B text model, Llama-4's and Gemma-3's, were built whole), and a
+    sub-config the composite builds from its flat fields keeps the defaults it gives it (Fuyu's relu2)."""
+    emu3 = hf_archs.hf_config("emu3", {})
+    assert (emu3.text_config.hidden_size, emu3.text_config.num_hidden_layers, emu3.text_config.vocab_size) == (64, 2, 128)
+    assert emu3.text_config.attention_dropout == 0.0  # (its own default is 0.1)
+    llama4 = hf_archs.hf_config("llama4", {})
+    assert (llama4.text_config.hidden_size, llama4.vision_config.hidden_size) == (64, 64)
+    fuyu = hf_archs.hf_config("fuyu", {})
+    assert (fuyu.text_config.hidden_size, fuyu.text_config.hidden_act) == (64, "relu2")
