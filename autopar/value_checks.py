@@ -7,10 +7,12 @@ cannot follow a value read on the host, and a per-rank program should not read o
 ``to_device`` rewrites each such assert into torch's ``_assert_async`` of the same condition computed
 on the tensor (the comparison operators mean the same on a 0-d tensor): the check stays in the
 program, on every rank, and fails as the eager assert would (on CPU at once; on a GPU at the next
-synchronization, as CUDA's device asserts do). An assert it cannot rewrite so (a host value used
-for anything but operators on it) is left as it is, and the capture fails as before, naming it.
+synchronization, as CUDA's device asserts do). Where the value is sharded (a max over batch rows
+split on dp), propagation all-reduces it before the comparison, so every rank fails together. An
+assert it cannot rewrite so (the host value used for anything but those operators) is left as it
+is, and the capture stops at ``host_reads``' CaptureError, which names its line.
 
-What the program checks this way is reported (``pm.report()``: "value checks").
+What the program checks this way is reported (``pm.report()``, ``autopar explain``: ``NOTE``).
 """
 
 from __future__ import annotations
