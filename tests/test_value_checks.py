@@ -73,8 +73,16 @@ def _job(plan: dict):
     return {"got": got, "want": want, "failed": failed, "report": pm.report()}
 
 
-def test_the_program_trains_and_fails_on_every_rank(pools):
-    out = pools(2).run(_job, {"dp": "ddp"})
+def test_the_program_trains_and_fails_on_every_rank():
+    from autopar.testing import DistPool
+
+    # a pool of its own: the failed step leaves a fatal record in the process group's store
+    # (autopar/runtime/failure.py), which a later program on the same group would read
+    pool = DistPool(2)
+    try:
+        out = pool.run(_job, {"dp": "ddp"})
+    finally:
+        pool.close()
     assert abs(out["got"] - out["want"]) <= 1e-5 * abs(out["want"]), out
     assert out["failed"] and "the model's assert failed" in out["failed"] and "LIMIT" in out["failed"], out
     assert out["report"].count(value_checks.NOTE) == 3 and "LIMIT" in out["report"], out["report"]
