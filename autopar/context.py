@@ -201,3 +201,25 @@ def _dtype_cast(n: fx.Node) -> bool:
     val = getattr(n.args[0], "meta", {}).get("val")
     return (val is not None and n.kwargs.get("device", val.device) == val.device
             and n.kwargs.get("layout", val.layout) == val.layout)
+
+
+MASKS_NOTE = "attention masks: "  # a note's prefix for the masks pass's lines (passes/masks.py)
+
+
+def compile_notes(ctxs: list) -> list[str]:
+    """What the compile decided on the user's behalf, one line each, for the reports
+    (``pm.report()``, a pipeline's, ``autopar explain``): the masks pass's, the fused weights cut
+    (autopar/unfuse.py) and the value checks (autopar/value_checks.py), recorded before the split
+    and so the same in every stage (the first context's); the kernels chosen; and every context's
+    derived op rules (propagate runs per stage), once each."""
+    from autopar import value_checks
+    from autopar.kernels.choice import summary
+    from autopar.parts import NOTE as CUT_NOTE
+
+    first = ctxs[0] if ctxs else None
+    lines = [MASKS_NOTE + m for m in (first.masks if first else [])]
+    lines += [CUT_NOTE + m for m in (first.cuts if first else [])]
+    lines += [value_checks.NOTE + m for m in (first.value_checks if first else [])]
+    lines += [f"kernels='auto': {line}" for line in summary(first.kernel_choices if first else [])]
+    lines += [f"no rule, derived: {line}" for line in dict.fromkeys(d for c in ctxs for d in c.derived_rules)]
+    return lines

@@ -17,12 +17,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from autopar.errors import InputError
-from autopar.kernels.choice import summary
 from autopar.ir import CommRecord, Stage, bytes_by_collective, fmt_dtype, fmt_placements, info
 from autopar.plan import replicated_lines
 from autopar.runtime.base import Runtime
-from autopar.parts import NOTE as CUT_NOTE
-from autopar import value_checks
+from autopar.context import compile_notes
 from autopar.runtime import failure
 from autopar.runtime.common import bytes_lines, check_indices, local_inputs, local_tensor, plain_parameters
 from autopar.runtime.executor import Executor, call
@@ -134,11 +132,7 @@ class ParallelModule(Runtime):
                  f"plan: {ctx.plan.describe()}; " + ", ".join(opts)]
         if getattr(self, "auto_plan", None):  # autopar.compile(plan="auto"): what it chose, and why
             lines.append(self.auto_plan)
-        lines += [f"attention masks: {m}" for m in ctx.masks]  # (passes/masks.py)
-        lines += [CUT_NOTE + m for m in ctx.cuts]  # (autopar/unfuse.py)
-        lines += [value_checks.NOTE + m for m in ctx.value_checks]  # (autopar/value_checks.py)
-        lines += [f"kernels='auto': {line}" for line in summary(ctx.kernel_choices)]  # (kernels/choice.py)
-        lines += [f"no rule, derived: {line}" for line in ctx.derived_rules]  # (autopar/derived_rules.py)
+        lines += compile_notes([ctx])
         lines += ["", "parameters (as stored):"]
         for name, p in self.module.named_parameters():
             local = local_tensor(p).shape

@@ -11,12 +11,10 @@ import torch.distributed as dist
 from autopar.analysis.ops import val_bytes
 from autopar.analysis.schedules import saved_in_flight
 from autopar.errors import InputError, PlanError
-from autopar.kernels.choice import summary
 from autopar.ir import Stage, info
 from autopar.plan import replicated_lines
 from autopar.runtime.base import Runtime
-from autopar.parts import NOTE as CUT_NOTE
-from autopar import value_checks
+from autopar.context import compile_notes
 from autopar.runtime.common import bytes_lines
 from autopar.runtime import failure
 from autopar.runtime.executor import Executor
@@ -234,14 +232,7 @@ class PipelineModule(Runtime):
                 f"{self.schedule.name}, {len(self.specs)} stages on {self.pp_size} ranks, {self.microbatches} "
                 f"micro-batches; inside each stage: {self.plan.describe()}")
         lines = [head] + ([self.auto_plan] if getattr(self, "auto_plan", None) else [])
-        some = next(iter(self.local.values()), None)  # (the masks pass ran before the split: one list)
-        lines += [f"attention masks: {m}" for m in (some.ctx.masks if some is not None else [])]
-        lines += [CUT_NOTE + m for m in (some.ctx.cuts if some is not None else [])]  # (autopar/unfuse.py)
-        lines += [value_checks.NOTE + m for m in (some.ctx.value_checks if some is not None else [])]
-        lines += [f"kernels='auto': {line}" for line in summary(some.ctx.kernel_choices if some is not None else [])]
-        # propagate runs per stage: every local stage's derived rules, once each
-        derived = dict.fromkeys(line for sp in self.local.values() for line in sp.ctx.derived_rules)
-        lines += [f"no rule, derived: {line}" for line in derived]
+        lines += compile_notes([sp.ctx for sp in self.local.values()])
         lines += ["", "stages:"]
         for r in self.describe_stages():
             lines.append(f"  stage {r['stage']} (pp rank {r['rank']}): {r['first']} .. {r['last']}, "

@@ -30,10 +30,9 @@ import warnings
 from autopar.errors import AutoparError, PlanError
 from autopar.mesh import fake_mesh
 from autopar.options import CompileOptions
-from autopar.tools.render import (MASKS_NOTE, Analysis, dump_dot, dump_json, dump_svg, dump_text, explain_text,
+from autopar.tools.render import (Analysis, dump_dot, dump_json, dump_svg, dump_text, explain_text,
                                   plan_table, summary)
-from autopar.kernels import choice
-from autopar import parts, value_checks
+from autopar.context import compile_notes
 
 
 # --------------------------------------------------------------------------- parsing
@@ -279,11 +278,7 @@ def analyse(args, rank: int, progress: Progress, loaded=None, stop_after: str | 
                                                                   progress))
         notes = sorted({str(w.message) for w in caught if "autopar" in str(w.message)})
         ctxs = [sp.ctx for sp in pm.local.values()] if pm.pipelined else [pm.ctx]
-        notes += [MASKS_NOTE + m for m in (ctxs[0].masks if ctxs else [])]  # (passes/masks.py)
-        notes += [parts.NOTE + m for m in (ctxs[0].cuts if ctxs else [])]  # (autopar/unfuse.py)
-        notes += [value_checks.NOTE + m for m in (ctxs[0].value_checks if ctxs else [])]
-        notes += [f"kernels='auto': {line}" for line in choice.summary(ctxs[0].kernel_choices if ctxs else [])]
-        notes += [f"no rule, derived: {line}" for line in dict.fromkeys(d for c in ctxs for d in c.derived_rules)]
+        notes += compile_notes(ctxs)
         twins = [s for s, st in pm.stages.items() if st.twin_of is not None] if pm.pipelined else []
         if twins:
             notes.append(f"{len(twins)} of {len(pm.stages)} pipeline stages compile to an earlier stage's program and "

@@ -49,7 +49,8 @@ import warnings
 
 from autopar.forked import Forked, can_fork, shared_heap
 from autopar.parts import NOTE as CUT_NOTE
-from autopar.tools.render import MASKS_NOTE, Analysis, summary
+from autopar.context import MASKS_NOTE
+from autopar.tools.render import Analysis, summary
 
 DEPTHS = (3, 4, 5)
 # relative tolerance on (L - 5) * (increment 5 - increment 4), against the extrapolated figure

@@ -12,7 +12,6 @@ import torch
 from autopar.ir import info, spec_of
 
 
-MASKS_NOTE = "attention masks: "  # a note's prefix for the masks pass's lines (passes/masks.py)
 
 
 @dataclass
