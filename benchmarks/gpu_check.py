@@ -20,6 +20,12 @@ that one; its traceback or the tail of its log is recorded and the next one runs
   steps, every step's loss (same init and batches everywhere), and for autopar the cost model's
   predicted step time (its program costed op by op and Inductor-fused) and step peak on the
   device's row (autopar/analysis/devices.py);
+- ``candidates``: every launch configuration the kernels' tuner may pick (kernels/attention.py FWD /
+  DKDV / DQ, kernels/matmul.py CANDIDATES), each forced on one bf16 shape of the kernel table's
+  (B4 H32/8 S1024; 4096^3 with the backward's transposed operands), against the fp32 reference:
+  the tuner picks by speed alone, and Triton's interpreter on CPU (tests/test_kernels.py) cannot
+  see a compiler's error on this chip. A configuration this chip cannot compile is listed with
+  its error;
 - ``kernel-table``: ``autopar bench --kernels`` (autopar/tools/kernelbench.py) into ``$OUT``:
   kernels-DATE.json / .md, the device in its meta;
 - ``calibrate``: ``autopar calibrate --device cuda``'s row for this GPU (matmul rate, HBM
@@ -59,7 +65,7 @@ MIN_START_S = 20.0  # no section starts with less than this left of the budget
 SMOKE_CAP_SCALE = 3  # --smoke on a CPU: Inductor's C++ compiles take longer than a GPU machine's whole section
 
 # (section, cap in seconds on an H100), in the order they run: what the issue needs most first
-SECTIONS = [("correctness", 150), ("kernel-table", 240), ("calibrate", 60), ("step-eager", 60),
+SECTIONS = [("correctness", 150), ("candidates", 150), ("kernel-table", 240), ("calibrate", 60), ("step-eager", 60),
             ("step-autopar-off", 90),
             ("step-autopar-auto", 100), ("step-compile", 120), ("step-autopar-inductor", 150),
             ("step-autopar-on", 100), ("kernel-profile", 120)]
@@ -300,6 +306,74 @@ def correctness(cfg: Config, out: dict, stage) -> None:
     # flagged: an error above twice PyTorch's own bf16 error (plus 1e-3 for the tiniest ones)
     out["worse_than_torch"] = [f"{r['kernel']} {r['case']} {p}" for r in rows for p in ("out", "dq", "dk", "dv")
                                if r[f"autopar_{p}"] > 2 * r[f"torch_{p}"] + 1e-3]
+
+
+def candidates(cfg: Config, out: dict, stage) -> None:
+    """Each device launch configuration forced (kernels/tune.py ``force``) against the fp32
+    reference, beside PyTorch's own bf16 error on the same values; the backward's dK/dV and dQ
+    candidates in pairs, as tests/test_kernels.py checks them on CPU."""
+    import contextlib
+
+    import torch
+
+    import autopar.kernels.ops  # noqa: F401  (registers torch.ops.autopar.*)
+    from autopar.kernels import attention, matmul, tune
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.set_float32_matmul_precision("highest")
+    out["rows"] = rows = []
+    b, h, hkv, s = (1, 4, 2, 40) if cfg.smoke else (4, 32, 8, 1024)
+
+    def record(row, fn):
+        try:
+            with contextlib.ExitStack() as stack:
+                for kernel, c in row.pop("forced").items():
+                    stack.enter_context(tune.force(kernel, c))
+                fn(row)
+        except Exception as e:  # noqa: BLE001 - a configuration this chip cannot run: recorded
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        rows.append(row)
+
+    for d in (64, 128):
+        for causal in (True, False):
+            case = (b, h, hkv, s, d, causal)
+            for c in attention.FWD[d]:
+                stage(f"attention forward {c} D{d}{' causal' if causal else ''}")
+                label = f"B{b} H{h}/{hkv} S{s} D{d}{' causal' if causal else ''}"
+                record({"kernel": "attention_fwd", "config": str(c), "case": label,
+                        "forced": {"attention_fwd": c}},
+                       lambda row: row.update(_fwd_errors(case, device)))
+            for ckv, cq in zip(attention.DKDV[d], attention.DQ[d]):
+                stage(f"attention backward {ckv} / {cq} D{d}{' causal' if causal else ''}")
+                record({"kernel": "attention_bwd", "config": f"{ckv} / {cq}", "case": case,
+                        "forced": {"attention_bwd_dkdv": ckv, "attention_bwd_dq": cq}},
+                       lambda row: row.update(attention_errors(case, device)))
+    shape = (64, 70, 40) if cfg.smoke else (4096, 4096, 4096)
+    for c in matmul.CANDIDATES:
+        stage(f"linear + gelu {c}")
+        record({"kernel": "linear+gelu", "config": str(c), "case": "x".join(map(str, shape)), "forced": {"matmul": c}},
+               lambda row: row.update(linear_errors(shape, "gelu", device)))
+    # wrong: an error above twice PyTorch's own (+1e-3), as the correctness section flags them
+    out["wrong"] = [f"{r['kernel']} {r['config']} {r['case']} {p}" for r in rows if "error" not in r
+                    for p in ("out", "dq", "dk", "dv") if f"autopar_{p}" in r
+                    and r[f"autopar_{p}"] > 2 * r[f"torch_{p}"] + 1e-3]
+    out["failed"] = [f"{r['kernel']} {r['config']}: {r['error']}" for r in rows if "error" in r]
+
+
+def _fwd_errors(case, device: str) -> dict:
+    """The forward alone (out), autopar's and SDPA's, against the fp32 reference."""
+    import torch
+
+    import autopar.kernels.ops as ops
+
+    b, h, hkv, s, d, causal = case
+    g = torch.Generator(device).manual_seed(0)
+    q, k, v = (torch.randn(b, n, s, d, generator=g, device=device).to(torch.bfloat16) for n in (h, hkv, hkv))
+    with torch.no_grad():
+        ref = ops.attention_reference(q.float(), k.float(), v.float(), None, causal, d ** -0.5)[0]
+        mine = torch.ops.autopar.flash_attention(q, k, v, None, causal, d ** -0.5)[0]
+        theirs = _sdpa(q, k, v, causal)
+    return {"autopar_out": _err(mine, ref), "torch_out": _err(theirs, ref)}
 
 
 # ----------------------------------------------------------------------------- kernel table (child)
@@ -610,6 +684,8 @@ def child(section: str, cfg: Config, out_dir: str) -> int:
     try:
         if section == "correctness":
             correctness(cfg, out, rec.stage)
+        elif section == "candidates":
+            candidates(cfg, out, rec.stage)
         elif section == "kernel-table":
             kernel_table(cfg, out, out_dir, rec.stage)
         elif section == "kernel-profile":
@@ -727,6 +803,18 @@ def summary_md(record: dict) -> str:
     if corr:
         lines += ["", "## Kernels against fp32 (bf16 inputs; max |error| / max |fp32 reference|, autopar / "
                   "PyTorch)", ""] + _correctness_lines(corr)
+    cand = record["sections"].get("candidates", {}).get("result", {})
+    if cand.get("rows"):
+        lines += ["", "## Every launch configuration the tuner may pick, forced (max |error| / max |fp32|, "
+                  "autopar / PyTorch)", "", "| kernel | configuration | case | out | dq (dx) | dk (dw) | dv (db) |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in cand["rows"]:
+            cells = ["error: " + r["error"]] if "error" in r else [
+                f"{r[f'autopar_{p}']:.1e} / {r[f'torch_{p}']:.1e}" if f"autopar_{p}" in r else "-"
+                for p in ("out", "dq", "dk", "dv")]
+            lines.append(f"| {r['kernel']} | {r['config']} | {r['case']} | " + " | ".join(cells) + " |")
+        lines += ["", "wrong (above twice PyTorch's error + 1e-3): " + (", ".join(cand.get("wrong", [])) or "none"),
+                  "", "could not run: " + (", ".join(cand.get("failed", [])) or "none")]
     table = record["sections"].get("kernel-table", {}).get("result", {})
     for name in table.get("files", []):
         if name.endswith(".md"):

@@ -35,7 +35,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from autopar.kernels import tma as _tma
 from autopar.kernels import tune
+from autopar.kernels.attention_launches import DKDV, DKDV_I, DQ, DQ_I, FWD, FWD_I  # (the tuner's candidates)
 
 # Whether these kernels run in Triton's interpreter: Triton's own choice here (TRITON_INTERPRET,
 # read, never set, by autopar); True in the interpreted twin that CPU tensors use.
@@ -43,35 +45,6 @@ INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
-
-L = tune.Launch.of
-# Candidates per head-dim block (<= 64, 128+). The first H100 run (benchmarks/results/gpu-check-2026-11-26-
-# h100.md) chose 64x64 w4 for the forward but at D128 past 4k (128x128 w8), 64x128 w8 for dK/dV at D128
-# (32x128 w4 spilled its two [128, 128] fp32 accumulators: 3x slower), 128x64 w8 for dQ.
-# forward: BLOCK_M query rows, BLOCK_N keys; BLOCK_N divides BLOCK_M (the causal split needs it)
-# WS=True: the key loop warp-specialised by Triton (tl.range's warp_specialize). On the H200 with Triton 3.6
-# (benchmarks/results/gpu-2026-11-26-h200.md, run 1) it compiled with 8 warps and won D128 at S >= 2048 by up
-# to 5%; with 4 warps Triton's NVGPUWarpSpecialization pass failed, and at D64 it never won.
-FWD = {64: [L(4, 3, BLOCK_M=64, BLOCK_N=64), L(4, 4, BLOCK_M=64, BLOCK_N=64), L(4, 3, BLOCK_M=128, BLOCK_N=64),
-            L(8, 3, BLOCK_M=128, BLOCK_N=128), L(8, 4, BLOCK_M=128, BLOCK_N=64)],
-       128: [L(4, 3, BLOCK_M=64, BLOCK_N=64), L(8, 3, BLOCK_M=128, BLOCK_N=128), L(8, 3, BLOCK_M=128, BLOCK_N=64),
-             L(4, 2, BLOCK_M=64, BLOCK_N=64), L(8, 4, BLOCK_M=128, BLOCK_N=64),
-             L(8, 3, BLOCK_M=128, BLOCK_N=128, WS=True), L(8, 2, BLOCK_M=128, BLOCK_N=128, WS=True)]}
-# dK/dV: a block of BLOCK_N keys walks query blocks of BLOCK_M rows; BLOCK_M divides BLOCK_N. On the H200
-# (run 1) 64x64 w4 s3 won every D64 shape and 64x128 w8 s3 every D128 one (128x128 w8 s2 ran 2-4x slower:
-# dropped); the other stage counts are there to be measured.
-DKDV = {64: [L(4, 3, BLOCK_M=64, BLOCK_N=64), L(4, 4, BLOCK_M=64, BLOCK_N=64), L(4, 2, BLOCK_M=64, BLOCK_N=64),
-             L(8, 3, BLOCK_M=64, BLOCK_N=128)],
-        128: [L(8, 3, BLOCK_M=64, BLOCK_N=128), L(8, 2, BLOCK_M=64, BLOCK_N=128), L(8, 4, BLOCK_M=64, BLOCK_N=128),
-              L(4, 3, BLOCK_M=64, BLOCK_N=64)]}
-# dQ: a block of BLOCK_M query rows walks key blocks of BLOCK_N; BLOCK_N divides BLOCK_M (run 1: 128x64 w8
-# s3 or 64x64 w4 s3 at D64, 128x64 w8 s3 at D128; 128x32 never won)
-DQ = {64: [L(8, 3, BLOCK_M=128, BLOCK_N=64), L(4, 3, BLOCK_M=64, BLOCK_N=64), L(8, 4, BLOCK_M=128, BLOCK_N=64),
-           L(4, 4, BLOCK_M=64, BLOCK_N=64)],
-      128: [L(8, 3, BLOCK_M=128, BLOCK_N=64), L(8, 4, BLOCK_M=128, BLOCK_N=64), L(8, 2, BLOCK_M=128, BLOCK_N=128),
-            L(4, 3, BLOCK_M=64, BLOCK_N=64)]}
-# interpreted (CPU tests): small blocks, so short test sequences still cross several blocks
-FWD_I, DKDV_I, DQ_I = L(BLOCK_M=32, BLOCK_N=16), L(BLOCK_M=16, BLOCK_N=32), L(BLOCK_M=32, BLOCK_N=16)
 
 
 @triton.jit
@@ -90,6 +63,36 @@ def _load_tile(P, rows, cols_d, sr, sd, r_ok, d_ok, EVEN_R: tl.constexpr, EVEN_D
     if UPCAST:  # the interpreter's bf16 dot is wrong: do it in fp32
         t = t.to(tl.float32)
     return t
+
+
+@triton.jit
+def _rows(P, base, bi, hi, start, rows, cols_d, sr, sd, r_ok, d_ok, EVEN_R: tl.constexpr, EVEN_D: tl.constexpr,
+          UPCAST: tl.constexpr, TMA: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows [start, start + BLOCK_R) of head (bi, hi) as a [BLOCK_R, BLOCK_D] tile. TMA: ``P`` is a
+    tensor descriptor over the [B, H, S, D] tensor (the copy engine fetches the box; rows past the
+    end and columns past the head dim read as zero); else ``P + base`` is the head's first element."""
+    if TMA:
+        t = P.load([bi, hi, start, 0]).reshape(BLOCK_R, BLOCK_D)
+        if UPCAST:
+            t = t.to(tl.float32)
+    else:
+        t = _load_tile(P + base, rows, cols_d, sr, sd, r_ok, d_ok, EVEN_R, EVEN_D, UPCAST)
+    return t
+
+
+@triton.jit
+def _store_rows(P, base, bi, hi, start, rows, cols_d, sr, sd, r_ok, d_ok, value, EVEN_R: tl.constexpr,
+                EVEN_D: tl.constexpr, TMA: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``value`` [BLOCK_R, BLOCK_D] into rows [start, start + BLOCK_R) of head (bi, hi), clipped to
+    the tensor's rows and head dim (by the descriptor's bounds under TMA, by masks else)."""
+    if TMA:
+        P.store([bi, hi, start, 0], value.to(P.dtype).reshape(1, 1, BLOCK_R, BLOCK_D))
+    else:
+        ptrs = P + base + rows[:, None] * sr + cols_d[None, :] * sd
+        if EVEN_R and EVEN_D:
+            tl.store(ptrs, value.to(P.dtype.element_ty))
+        else:
+            tl.store(ptrs, value.to(P.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -126,10 +129,11 @@ def _score_tile(q, k, Bias, bias_base, rows, cols, m_ok, n_ok, sbm, sbn, qk_scal
 
 
 @triton.jit
-def _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, offs_m, m_ok, offs_d, d_ok, lo, hi,
-                skn, skd, svn, svd, sbm, sbn, N, qk_scale,
+def _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, bi, hki, offs_m, m_ok, offs_d, d_ok,
+                lo, hi, skn, skd, svn, svd, sbm, sbn, N, qk_scale,
                 DIAG: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-                UPCAST: tl.constexpr, FOLD: tl.constexpr, WS: tl.constexpr, BLOCK_N: tl.constexpr):
+                UPCAST: tl.constexpr, FOLD: tl.constexpr, WS: tl.constexpr, TMA: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Key/value blocks [lo, hi) of one query block; DIAG: the causal mask applies in them. FOLD (no
     bias, a positive scale): max(s * c) = max(s) * c, so the [rows, keys] tile is never scaled on
     its own: one multiply-add per score instead of a multiply and a subtract. WS: Triton's warp
@@ -139,7 +143,8 @@ def _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, offs_m,
         start = tl.multiple_of(start, BLOCK_N)
         cols = start + offs_n
         n_ok = cols < N
-        k = _load_tile(K + k_base, cols, offs_d, skn, skd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST)
+        k = _rows(K, k_base, bi, hki, start, cols, offs_d, skn, skd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST, TMA,
+                  BLOCK_N, BLOCK_D)
         if FOLD:  # raw scores: the scale goes into the row max and, fused, into exp2's argument
             s = tl.dot(q, tl.trans(k))
         else:
@@ -158,7 +163,8 @@ def _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, offs_m,
             p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(V + v_base, cols, offs_d, svn, svd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST)
+        v = _rows(V, v_base, bi, hki, start, cols, offs_d, svn, svd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST, TMA,
+                  BLOCK_N, BLOCK_D)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
@@ -171,10 +177,14 @@ def _fwd(Q, K, V, Bias, O, LSE,
          sbb, sbh, sbm, sbn, sob, soh, som, sod,
          H, G, M, N, DH, scale,
          HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, FOLD: tl.constexpr, WS: tl.constexpr,
-         EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+         TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """TMA: Q, K, V and O are tensor descriptors over [B, H, S, D] (blocks [1, 1, BLOCK_M or
+    BLOCK_N, BLOCK_D]), not pointers."""
     pid_m, pid_bh, b, h, hk, offs_m, offs_d, m_ok, d_ok = _query_block(H, G, M, DH, CAUSAL, BLOCK_M, BLOCK_D)
-    q = _load_tile(Q + b * sqb + h * sqh, offs_m, offs_d, sqm, sqd, m_ok, d_ok, EVEN_M, EVEN_D, UPCAST)
+    bi, hi, hki = b.to(tl.int32), h.to(tl.int32), hk.to(tl.int32)
+    q = _rows(Q, b * sqb + h * sqh, bi, hi, pid_m * BLOCK_M, offs_m, offs_d, sqm, sqd, m_ok, d_ok, EVEN_M, EVEN_D,
+              UPCAST, TMA, BLOCK_M, BLOCK_D)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -185,25 +195,23 @@ def _fwd(Q, K, V, Bias, O, LSE,
     if CAUSAL:
         first = pid_m * BLOCK_M
         # below the diagonal: every key visible to every row of the block, no mask
-        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, offs_m, m_ok,
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, bi, hki, offs_m, m_ok,
                                     offs_d, d_ok, 0, tl.minimum(first, N), skn, skd, svn, svd, sbm, sbn, N,
-                                    qk_scale, False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, BLOCK_N)
+                                    qk_scale, False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, TMA, BLOCK_N, BLOCK_D)
         # the blocks the diagonal crosses
-        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, offs_m, m_ok,
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, bi, hki, offs_m, m_ok,
                                     offs_d, d_ok, first, tl.minimum(first + BLOCK_M, N), skn, skd, svn, svd,
-                                    sbm, sbn, N, qk_scale, True, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, BLOCK_N)
+                                    sbm, sbn, N, qk_scale, True, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, TMA,
+                                    BLOCK_N, BLOCK_D)
     else:
-        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, offs_m, m_ok,
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, bi, hki, offs_m, m_ok,
                                     offs_d, d_ok, 0, N, skn, skd, svn, svd, sbm, sbn, N, qk_scale,
-                                    False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, BLOCK_N)
+                                    False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, TMA, BLOCK_N, BLOCK_D)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    o_ptrs = O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod
     lse = tl.where(m_i == float("-inf"), float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
-    if EVEN_M and EVEN_D:
-        tl.store(o_ptrs, out.to(O.dtype.element_ty))
-    else:
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    _store_rows(O, b * sob + h * soh, bi, hi, pid_m * BLOCK_M, offs_m, offs_d, som, sod, m_ok, d_ok, out, EVEN_M,
+                EVEN_D, TMA, BLOCK_M, BLOCK_D)
     if EVEN_M:
         tl.store(LSE + pid_bh * M + offs_m, lse)
     else:
@@ -227,17 +235,18 @@ def _bwd_delta(O, DO, Delta, H, M, DH, sob, soh, som, sod, BLOCK_M: tl.constexpr
 
 
 @triton.jit
-def _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, Delta, Bias, q_base, o_base, row_base, bias_base, offs_n, offs_d, d_ok,
-                 lo, hi, sqm, sqd, som, sod, sbm, sbn, M, N, qk_scale,
+def _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, Delta, Bias, q_base, o_base, row_base, bias_base, bi, hi_, offs_n, offs_d,
+                 d_ok, lo, hi, sqm, sqd, som, sod, sbm, sbn, M, N, qk_scale,
                  DIAG: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
-                 UPCAST: tl.constexpr, BLOCK_M: tl.constexpr):
+                 UPCAST: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """Query blocks [lo, hi) against one key block, transposed: scores [keys, rows]."""
     offs_m = tl.arange(0, BLOCK_M)
     for start in range(lo, hi, BLOCK_M):
         start = tl.multiple_of(start, BLOCK_M)
         rows = start + offs_m
         m_ok = rows < M
-        q = _load_tile(Q + q_base, rows, offs_d, sqm, sqd, m_ok, d_ok, EVEN_M, EVEN_D, UPCAST)
+        q = _rows(Q, q_base, bi, hi_, start, rows, offs_d, sqm, sqd, m_ok, d_ok, EVEN_M, EVEN_D, UPCAST, TMA,
+                  BLOCK_M, BLOCK_D)
         if EVEN_M:
             lse2 = tl.load(LSE + row_base + rows) * LOG2E
             delta = tl.load(Delta + row_base + rows)
@@ -251,7 +260,8 @@ def _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, Delta, Bias, q_base, o_base, row_base
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if DIAG:
             p_t = tl.where(offs_n[:, None] <= rows[None, :], p_t, 0.0)
-        do = _load_tile(DO + o_base, rows, offs_d, som, sod, m_ok, d_ok, EVEN_M, EVEN_D, UPCAST)
+        do = _rows(DO, o_base, bi, hi_, start, rows, offs_d, som, sod, m_ok, d_ok, EVEN_M, EVEN_D, UPCAST, TMA,
+                   BLOCK_M, BLOCK_D)
         dv = tl.dot(p_t.to(do.dtype), do, dv)
         dp_t = tl.dot(v, tl.trans(do))
         ds_t = p_t * (dp_t - delta[None, :])
@@ -264,11 +274,11 @@ def _bwd_dkdv(Q, K, V, Bias, DO, LSE, Delta, DK, DV,
               sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
               sbb, sbh, sbm, sbn, sob, soh, som, sod,
               H, G, M, N, DH, scale,
-              HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+              HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
               EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One key/value block of one KV head: dK, dV summed over the query heads of its group.
-    dO shares O's strides (so), dK k's, dV v's."""
+    dO shares O's strides (so), dK k's, dV v's. TMA: Q, K, V, DO, DK and DV are tensor descriptors."""
     pid_n = tl.program_id(0)
     pid_bk = tl.program_id(1)
     Hkv = H // G
@@ -278,8 +288,11 @@ def _bwd_dkdv(Q, K, V, Bias, DO, LSE, Delta, DK, DV,
     offs_d = tl.arange(0, BLOCK_D)
     n_ok = offs_n < N
     d_ok = offs_d < DH
-    k = _load_tile(K + b * skb + hk * skh, offs_n, offs_d, skn, skd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST)
-    v = _load_tile(V + b * svb + hk * svh, offs_n, offs_d, svn, svd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST)
+    bi, hki = b.to(tl.int32), hk.to(tl.int32)
+    k = _rows(K, b * skb + hk * skh, bi, hki, pid_n * BLOCK_N, offs_n, offs_d, skn, skd, n_ok, d_ok, EVEN_N, EVEN_D,
+              UPCAST, TMA, BLOCK_N, BLOCK_D)
+    v = _rows(V, b * svb + hk * svh, bi, hki, pid_n * BLOCK_N, offs_n, offs_d, svn, svd, n_ok, d_ok, EVEN_N, EVEN_D,
+              UPCAST, TMA, BLOCK_N, BLOCK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     qk_scale = scale * LOG2E
@@ -290,42 +303,41 @@ def _bwd_dkdv(Q, K, V, Bias, DO, LSE, Delta, DK, DV,
         o_base = b * sob + h * soh
         row_base = (b * H + h) * M
         bias_base = b * sbb + h * sbh
+        hi_ = h.to(tl.int32)
         if CAUSAL:
             # rows the diagonal crosses in this key block, then the rows that see all of it
-            dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, Delta, Bias, q_base, o_base, row_base, bias_base, offs_n,
-                                  offs_d, d_ok, first, tl.minimum(first + BLOCK_N, M), sqm, sqd, som, sod, sbm, sbn,
-                                  M, N, qk_scale, True, HAS_BIAS, EVEN_M, EVEN_D, UPCAST, BLOCK_M)
-            dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, Delta, Bias, q_base, o_base, row_base, bias_base, offs_n,
-                                  offs_d, d_ok, first + BLOCK_N, M, sqm, sqd, som, sod, sbm, sbn,
-                                  M, N, qk_scale, False, HAS_BIAS, EVEN_M, EVEN_D, UPCAST, BLOCK_M)
+            dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, Delta, Bias, q_base, o_base, row_base, bias_base, bi, hi_,
+                                  offs_n, offs_d, d_ok, first, tl.minimum(first + BLOCK_N, M), sqm, sqd, som, sod,
+                                  sbm, sbn, M, N, qk_scale, True, HAS_BIAS, EVEN_M, EVEN_D, UPCAST, TMA, BLOCK_M,
+                                  BLOCK_D)
+            dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, Delta, Bias, q_base, o_base, row_base, bias_base, bi, hi_,
+                                  offs_n, offs_d, d_ok, first + BLOCK_N, M, sqm, sqd, som, sod, sbm, sbn,
+                                  M, N, qk_scale, False, HAS_BIAS, EVEN_M, EVEN_D, UPCAST, TMA, BLOCK_M, BLOCK_D)
         else:
-            dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, Delta, Bias, q_base, o_base, row_base, bias_base, offs_n,
-                                  offs_d, d_ok, 0, M, sqm, sqd, som, sod, sbm, sbn,
-                                  M, N, qk_scale, False, HAS_BIAS, EVEN_M, EVEN_D, UPCAST, BLOCK_M)
+            dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, Delta, Bias, q_base, o_base, row_base, bias_base, bi, hi_,
+                                  offs_n, offs_d, d_ok, 0, M, sqm, sqd, som, sod, sbm, sbn,
+                                  M, N, qk_scale, False, HAS_BIAS, EVEN_M, EVEN_D, UPCAST, TMA, BLOCK_M, BLOCK_D)
     dk = dk * scale
-    kv_ok = n_ok[:, None] & d_ok[None, :]
-    dk_ptrs = DK + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd
-    dv_ptrs = DV + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :] * svd
-    if EVEN_N and EVEN_D:
-        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty))
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
-    else:
-        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=kv_ok)
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_ok)
+    _store_rows(DK, b * skb + hk * skh, bi, hki, pid_n * BLOCK_N, offs_n, offs_d, skn, skd, n_ok, d_ok, dk, EVEN_N,
+                EVEN_D, TMA, BLOCK_N, BLOCK_D)
+    _store_rows(DV, b * svb + hk * svh, bi, hki, pid_n * BLOCK_N, offs_n, offs_d, svn, svd, n_ok, d_ok, dv, EVEN_N,
+                EVEN_D, TMA, BLOCK_N, BLOCK_D)
 
 
 @triton.jit
-def _dq_blocks(dq, q, do, lse2, delta, K, V, Bias, k_base, v_base, bias_base, offs_m, m_ok, offs_d, d_ok, lo, hi,
-               skn, skd, svn, svd, sbm, sbn, N, qk_scale,
+def _dq_blocks(dq, q, do, lse2, delta, K, V, Bias, k_base, v_base, bias_base, bi, hki, offs_m, m_ok, offs_d, d_ok,
+               lo, hi, skn, skd, svn, svd, sbm, sbn, N, qk_scale,
                DIAG: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-               UPCAST: tl.constexpr, BLOCK_N: tl.constexpr):
+               UPCAST: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)
         cols = start + offs_n
         n_ok = cols < N
-        k = _load_tile(K + k_base, cols, offs_d, skn, skd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST)
-        v = _load_tile(V + v_base, cols, offs_d, svn, svd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST)
+        k = _rows(K, k_base, bi, hki, start, cols, offs_d, skn, skd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST, TMA,
+                  BLOCK_N, BLOCK_D)
+        v = _rows(V, v_base, bi, hki, start, cols, offs_d, svn, svd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST, TMA,
+                  BLOCK_N, BLOCK_D)
         s = _score_tile(q, k, Bias, bias_base, offs_m, cols, m_ok, n_ok, sbm, sbn, qk_scale, HAS_BIAS)
         p = tl.math.exp2(s - lse2[:, None])
         if DIAG:
@@ -343,12 +355,16 @@ def _bwd_dq(Q, K, V, Bias, DO, LSE, Delta, DQ,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
             sbb, sbh, sbm, sbn, sob, soh, som, sod,
             H, G, M, N, DH, scale,
-            HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+            HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
             EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """TMA: Q, K, V, DO and DQ are tensor descriptors."""
     pid_m, pid_bh, b, h, hk, offs_m, offs_d, m_ok, d_ok = _query_block(H, G, M, DH, CAUSAL, BLOCK_M, BLOCK_D)
-    q = _load_tile(Q + b * sqb + h * sqh, offs_m, offs_d, sqm, sqd, m_ok, d_ok, EVEN_M, EVEN_D, UPCAST)
-    do = _load_tile(DO + b * sob + h * soh, offs_m, offs_d, som, sod, m_ok, d_ok, EVEN_M, EVEN_D, UPCAST)
+    bi, hi, hki = b.to(tl.int32), h.to(tl.int32), hk.to(tl.int32)
+    q = _rows(Q, b * sqb + h * sqh, bi, hi, pid_m * BLOCK_M, offs_m, offs_d, sqm, sqd, m_ok, d_ok, EVEN_M, EVEN_D,
+              UPCAST, TMA, BLOCK_M, BLOCK_D)
+    do = _rows(DO, b * sob + h * soh, bi, hi, pid_m * BLOCK_M, offs_m, offs_d, som, sod, m_ok, d_ok, EVEN_M, EVEN_D,
+               UPCAST, TMA, BLOCK_M, BLOCK_D)
     if EVEN_M:
         lse2 = tl.load(LSE + pid_bh * M + offs_m) * LOG2E
         delta = tl.load(Delta + pid_bh * M + offs_m)
@@ -362,22 +378,19 @@ def _bwd_dq(Q, K, V, Bias, DO, LSE, Delta, DQ,
     bias_base = b * sbb + h * sbh
     if CAUSAL:
         first = pid_m * BLOCK_M
-        dq = _dq_blocks(dq, q, do, lse2, delta, K, V, Bias, k_base, v_base, bias_base, offs_m, m_ok, offs_d, d_ok,
-                        0, tl.minimum(first, N), skn, skd, svn, svd, sbm, sbn, N, qk_scale,
-                        False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, BLOCK_N)
-        dq = _dq_blocks(dq, q, do, lse2, delta, K, V, Bias, k_base, v_base, bias_base, offs_m, m_ok, offs_d, d_ok,
-                        first, tl.minimum(first + BLOCK_M, N), skn, skd, svn, svd, sbm, sbn, N, qk_scale,
-                        True, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, BLOCK_N)
+        dq = _dq_blocks(dq, q, do, lse2, delta, K, V, Bias, k_base, v_base, bias_base, bi, hki, offs_m, m_ok, offs_d,
+                        d_ok, 0, tl.minimum(first, N), skn, skd, svn, svd, sbm, sbn, N, qk_scale,
+                        False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, TMA, BLOCK_N, BLOCK_D)
+        dq = _dq_blocks(dq, q, do, lse2, delta, K, V, Bias, k_base, v_base, bias_base, bi, hki, offs_m, m_ok, offs_d,
+                        d_ok, first, tl.minimum(first + BLOCK_M, N), skn, skd, svn, svd, sbm, sbn, N, qk_scale,
+                        True, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, TMA, BLOCK_N, BLOCK_D)
     else:
-        dq = _dq_blocks(dq, q, do, lse2, delta, K, V, Bias, k_base, v_base, bias_base, offs_m, m_ok, offs_d, d_ok,
-                        0, N, skn, skd, svn, svd, sbm, sbn, N, qk_scale,
-                        False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, BLOCK_N)
+        dq = _dq_blocks(dq, q, do, lse2, delta, K, V, Bias, k_base, v_base, bias_base, bi, hki, offs_m, m_ok, offs_d,
+                        d_ok, 0, N, skn, skd, svn, svd, sbm, sbn, N, qk_scale,
+                        False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, TMA, BLOCK_N, BLOCK_D)
     dq = dq * scale
-    dq_ptrs = DQ + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd
-    if EVEN_M and EVEN_D:
-        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty))
-    else:
-        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    _store_rows(DQ, b * sqb + h * sqh, bi, hi, pid_m * BLOCK_M, offs_m, offs_d, sqm, sqd, m_ok, d_ok, dq, EVEN_M,
+                EVEN_D, TMA, BLOCK_M, BLOCK_D)
 
 
 def _for_d(candidates: dict, block_d: int) -> list:
@@ -389,11 +402,11 @@ def _block_d(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def _key(q, k, bias, causal: bool) -> tuple:
-    """The shape class a launch configuration is chosen for."""
+def _key(q, k, bias, causal: bool, tma: bool) -> tuple:
+    """The shape class a launch configuration is chosen for (and whether TMA candidates were offered)."""
     b, h, m, d = q.shape
     return (str(q.dtype), _block_d(d), causal, bias is not None, h // k.shape[1] > 1,
-            tune.bucket(m), tune.bucket(k.shape[2]), tune.bucket(b * h))
+            tune.bucket(m), tune.bucket(k.shape[2]), tune.bucket(b * h), tma)
 
 
 def _even(n: int, block: int) -> bool:
@@ -418,11 +431,13 @@ def forward(q, k, v, bias, causal: bool, scale: float):
     b, h, m, d = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((b, h, m), device=q.device, dtype=torch.float32)
-    sig = _signature(("attention_fwd",), q, k, v, causal, scale) if bias is None else None
+    tma = _tma_ok(q, k, v, out)
+    sig = _signature(("attention_fwd",), q, k, v, causal, scale, tma) if bias is None else None
     plan = _FWD_PLANS.get(sig) if sig is not None else None
     if plan is not None:  # the same shapes, strides and flags as an earlier call
         grid, scalars, kw = plan
-        _fwd[grid](q, k, v, q, out, lse, *scalars, **kw)
+        qa, ka, va, oa = _operands(kw, (q, k, v, out), ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M"))
+        _fwd[grid](qa, ka, va, q, oa, lse, *scalars, **kw)
         return out, lse
     hkv, n = k.shape[1], k.shape[2]
     bd = _block_d(d)
@@ -432,13 +447,15 @@ def forward(q, k, v, bias, causal: bool, scale: float):
         return ((triton.cdiv(m, c["BLOCK_M"]), b * h), scalars,
                 dict(HAS_BIAS=bias is not None, CAUSAL=causal, UPCAST=_upcast(q), FOLD=bias is None and scale > 0,
                      EVEN_M=_even(m, c["BLOCK_M"]), EVEN_N=_even(n, c["BLOCK_N"]), EVEN_D=bd == d, BLOCK_D=bd,
-                     **{"WS": False, **c.kwargs(INTERPRETED)}))
+                     **{"WS": False, **c.kwargs(INTERPRETED), "TMA": tma and bool(dict(c.blocks).get("TMA"))}))
 
     def run(c: tune.Launch):
         grid, scalars_, kw = launch(c)
-        _fwd[grid](q, k, v, bias if bias is not None else q, out, lse, *scalars_, **kw)
+        qa, ka, va, oa = _operands(kw, (q, k, v, out), ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M"))
+        _fwd[grid](qa, ka, va, bias if bias is not None else q, oa, lse, *scalars_, **kw)
 
-    c = tune.choose("attention_fwd", _key(q, k, bias, causal), _for_d(FWD, bd), run, FWD_I if INTERPRETED else None)
+    c = tune.choose("attention_fwd", _key(q, k, bias, causal, tma), _offered(FWD, bd, tma), run,
+                    FWD_I if INTERPRETED else None)
     run(c)
     if sig is not None:
         _FWD_PLANS.put(sig, launch(c))
@@ -456,14 +473,15 @@ def backward(do, q, k, v, out, lse, bias, causal: bool, scale: float):
     k, dk = _with_grad_buffer(k)
     v, dv = _with_grad_buffer(v)
     delta = torch.empty((b, h, m), device=q.device, dtype=torch.float32)
+    tma = _tma_ok(q, k, v, do, dq, dk, dv)
     sig = None if bias is not None else _signature(("attention_bwd_dkdv", "attention_bwd_dq"), q, k, v, causal, scale,
-                                                   out.stride(), dq.stride(), dk.stride(), dv.stride())
+                                                   out.stride(), dq.stride(), dk.stride(), dv.stride(), tma)
     plan = _BWD_PLANS.get(sig) if sig is not None else None
     if plan is not None:
         (g_delta, s_delta, k_delta), (g_kv, kw_kv), (g_q, kw_q), common = plan
         _bwd_delta[g_delta](out, do, delta, *s_delta, **k_delta)
-        _bwd_dkdv[g_kv](q, k, v, q, do, lse, delta, dk, dv, *common, **kw_kv)
-        _bwd_dq[g_q](q, k, v, q, do, lse, delta, dq, *common, **kw_q)
+        _run_dkdv(g_kv, kw_kv, q, k, v, q, do, lse, delta, dk, dv, common)
+        _run_dq(g_q, kw_q, q, k, v, q, do, lse, delta, dq, common)
         return dq, dk, dv
     bd = _block_d(d)
     dm = 16 if INTERPRETED else 64
@@ -472,11 +490,12 @@ def backward(do, q, k, v, out, lse, bias, causal: bool, scale: float):
     common = (*q.stride(), *k.stride(), *v.stride(), *_bias_strides(bias), *out.stride(), h, h // hkv, m, n, d,
               scale)
     bias_arg = bias if bias is not None else q
-    key = _key(q, k, bias, causal)
+    key = _key(q, k, bias, causal, tma)
 
     def flags(c):
         return dict(HAS_BIAS=bias is not None, CAUSAL=causal, UPCAST=_upcast(q), EVEN_M=_even(m, c["BLOCK_M"]),
-                    EVEN_N=_even(n, c["BLOCK_N"]), EVEN_D=bd == d, BLOCK_D=bd, **c.kwargs(INTERPRETED))
+                    EVEN_N=_even(n, c["BLOCK_N"]), EVEN_D=bd == d, BLOCK_D=bd,
+                    **{**c.kwargs(INTERPRETED), "TMA": tma and bool(dict(c.blocks).get("TMA"))})
 
     def dkdv_grid(c):
         return triton.cdiv(n, c["BLOCK_N"]), b * hkv
@@ -485,18 +504,50 @@ def backward(do, q, k, v, out, lse, bias, causal: bool, scale: float):
         return triton.cdiv(m, c["BLOCK_M"]), b * h
 
     def run_dkdv(c: tune.Launch):
-        _bwd_dkdv[dkdv_grid(c)](q, k, v, bias_arg, do, lse, delta, dk, dv, *common, **flags(c))
+        _run_dkdv(dkdv_grid(c), flags(c), q, k, v, bias_arg, do, lse, delta, dk, dv, common)
 
     def run_dq(c: tune.Launch):
-        _bwd_dq[dq_grid(c)](q, k, v, bias_arg, do, lse, delta, dq, *common, **flags(c))
+        _run_dq(dq_grid(c), flags(c), q, k, v, bias_arg, do, lse, delta, dq, common)
 
-    c_kv = tune.choose("attention_bwd_dkdv", key, _for_d(DKDV, bd), run_dkdv, DKDV_I if INTERPRETED else None)
+    c_kv = tune.choose("attention_bwd_dkdv", key, _offered(DKDV, bd, tma), run_dkdv, DKDV_I if INTERPRETED else None)
     run_dkdv(c_kv)
-    c_q = tune.choose("attention_bwd_dq", key, _for_d(DQ, bd), run_dq, DQ_I if INTERPRETED else None)
+    c_q = tune.choose("attention_bwd_dq", key, _offered(DQ, bd, tma), run_dq, DQ_I if INTERPRETED else None)
     run_dq(c_q)
     if sig is not None:
         _BWD_PLANS.put(sig, (delta_plan, (dkdv_grid(c_kv), flags(c_kv)), (dq_grid(c_q), flags(c_q)), common))
     return dq, dk, dv
+
+
+def _run_dkdv(grid, kw, q, k, v, bias_arg, do, lse, delta, dk, dv, common):
+    """dK / dV's kernel: a key block (BLOCK_N rows of k, v, dk, dv) walks query blocks (BLOCK_M rows of q, dO)."""
+    qa, ka, va, doa, dka, dva = _operands(kw, (q, k, v, do, dk, dv),
+                                          ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M", "BLOCK_N", "BLOCK_N"))
+    _bwd_dkdv[grid](qa, ka, va, bias_arg, doa, lse, delta, dka, dva, *common, **kw)
+
+
+def _run_dq(grid, kw, q, k, v, bias_arg, do, lse, delta, dq, common):
+    """dQ's kernel: a query block (BLOCK_M rows of q, dO, dq) walks key blocks (BLOCK_N rows of k, v)."""
+    qa, ka, va, doa, dqa = _operands(kw, (q, k, v, do, dq), ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M", "BLOCK_M"))
+    _bwd_dq[grid](qa, ka, va, bias_arg, doa, lse, delta, dqa, *common, **kw)
+
+
+def _tma_ok(*ts) -> bool:
+    """Whether the copy engine can fetch tiles of every one of ``ts`` ([B, H, S, D], the head dim
+    contiguous): the TMA candidates are offered only then (kernels/tma.py)."""
+    return _tma.available(ts[0].device) and all(_tma.fits(t) for t in ts)
+
+
+def _operands(kw: dict, ts: tuple, rows: tuple) -> tuple:
+    """The kernel's tensor operands: ``ts`` themselves, or under ``kw['TMA']`` a descriptor of each
+    whose box is [1, 1, kw[rows[i]], BLOCK_D] (rows of one head)."""
+    if not kw.get("TMA"):
+        return ts
+    return tuple(_tma.descriptor(t, (1, 1, kw[r], kw["BLOCK_D"])) for t, r in zip(ts, rows))
+
+
+def _offered(candidates: dict, block_d: int, tma: bool) -> list:
+    """The candidates for a head-dim block, those that load by TMA only where the call allows it."""
+    return [c for c in _for_d(candidates, block_d) if tma or not dict(c.blocks).get("TMA")]
 
 
 def _with_grad_buffer(t):

@@ -93,6 +93,8 @@ def _ranges(values) -> list[tuple[int, int, str]]:
     for i, v in values:
         if isinstance(v, (tuple, list)):
             out += _ranges([(f"{i}[{j}]", x) for j, x in enumerate(v)])
+        elif callable(getattr(getattr(v, "base", None), "untyped_storage", None)):  # a tensor descriptor
+            out += _ranges([(f"{i} (descriptor)", v.base)])
         elif callable(getattr(v, "untyped_storage", None)):
             st = v.untyped_storage()
             out.append((st.data_ptr(), st.data_ptr() + st.nbytes(), f"argument {i} {list(v.shape)} {v.dtype}"))
@@ -142,13 +144,13 @@ class _Bounds:
         self.saved = b.__dict__.get("create_masked_load"), b.__dict__.get("create_masked_store")
         load, store = b.create_masked_load, b.create_masked_store
 
-        def checked_load(ptrs, mask, other, *rest):
+        def checked_load(ptrs, mask, other, *rest, **kw):  # (a descriptor's load passes its options by name)
             self.check("load", ptrs, mask, get_np(ptrs.get_element_ty()).itemsize)
-            return load(ptrs, mask, other, *rest)
+            return load(ptrs, mask, other, *rest, **kw)
 
-        def checked_store(ptrs, value, mask, *rest):
+        def checked_store(ptrs, value, mask, *rest, **kw):
             self.check("store", ptrs, mask, value.data.dtype.itemsize)
-            return store(ptrs, value, mask, *rest)
+            return store(ptrs, value, mask, *rest, **kw)
 
         b.create_masked_load, b.create_masked_store = checked_load, checked_store
         return self

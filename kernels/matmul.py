@@ -17,6 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from autopar.kernels import tma as _tma
 from autopar.kernels import tune
 
 # Whether these kernels run in Triton's interpreter (see kernels/attention.py): the bf16 dot is
@@ -36,8 +37,8 @@ def _act(z, ACT: tl.constexpr):
 
 @triton.jit
 def _tile(tile_id, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Output tile ``tile_id``'s rows and first column, in grouped order (GROUP_M rows of tiles
-    share B's tiles in cache)."""
+    """Output tile ``tile_id``'s first row and first column, in grouped order (GROUP_M rows of
+    tiles share B's tiles in cache)."""
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     width = GROUP_M * grid_n
@@ -46,15 +47,37 @@ def _tile(tile_id, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
     size_m = tl.minimum(grid_m - first_m, GROUP_M)
     pid_m = first_m + (tile_id % width) % size_m
     pid_n = (tile_id % width) // size_m
-    return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N
+    return pid_m * BLOCK_M, pid_n * BLOCK_N
 
 
 @triton.jit
-def _main_loop(A, B, rm, rn, M, N, K, sam, sak, sbk, sbn, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
-               EVEN_MN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc = A[rm, :] @ B[:, rn] in fp32. Where the tiles do not divide the output, rows / columns
-    past the edge wrap around (loaded unmasked, never stored); only K is masked, and only where
-    the block does not divide it."""
+def _main_loop(A, B, start_m, start_n, M, N, K, sam, sak, sbk, sbn, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
+               EVEN_MN: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc = A[rows, :] @ B[:, cols] in fp32 for the tile at (start_m, start_n). Where the tiles do
+    not divide the output, rows / columns past the edge wrap around (loaded unmasked, never
+    stored); only K is masked, and only where the block does not divide it. TMA: A and B are
+    tensor descriptors and the copy engine fetches the tiles (past any edge it reads zeros, so
+    nothing is masked); A_T / B_T: the descriptor is over the operand's transpose (its contiguous
+    dim is M for A, N for B), and the loaded tile is transposed back."""
+    if TMA:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if A_T:
+                a = A.load([k0, start_m]).T
+            else:
+                a = A.load([start_m, k0])
+            if B_T:
+                b = B.load([start_n, k0]).T
+            else:
+                b = B.load([k0, start_n])
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc)
+        return acc
+    rm = start_m + tl.arange(0, BLOCK_M)
+    rn = start_n + tl.arange(0, BLOCK_N)
     if EVEN_MN:
         am = rm
         bn = rn
@@ -123,11 +146,13 @@ def _matmul(A, B, Bias, C, Z, M, N, K,
             sam, sak, sbk, sbn, scm, scn,
             HAS_BIAS: tl.constexpr, ACT: tl.constexpr, STORE_Z: tl.constexpr, UPCAST: tl.constexpr,
             EVEN_K: tl.constexpr, EVEN_MN: tl.constexpr, EPI_SPLIT: tl.constexpr,
+            TMA: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """One program per output tile."""
-    rm, start_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    acc = _main_loop(A, B, rm, start_n + tl.arange(0, BLOCK_N), M, N, K, sam, sak, sbk, sbn, UPCAST, EVEN_K,
-                     EVEN_MN, BLOCK_M, BLOCK_N, BLOCK_K)
+    start_m, start_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = _main_loop(A, B, start_m, start_n, M, N, K, sam, sak, sbk, sbn, UPCAST, EVEN_K, EVEN_MN, TMA, A_T, B_T,
+                     BLOCK_M, BLOCK_N, BLOCK_K)
+    rm = start_m + tl.arange(0, BLOCK_M)
     _epilogue(acc, rm, start_n, Bias, C, Z, M, N, scm, scn, HAS_BIAS, ACT, STORE_Z, EVEN_MN, EPI_SPLIT, BLOCK_M,
               BLOCK_N)
 
@@ -137,6 +162,7 @@ def _matmul_persistent(A, B, Bias, C, Z, M, N, K,
                        sam, sak, sbk, sbn, scm, scn,
                        HAS_BIAS: tl.constexpr, ACT: tl.constexpr, STORE_Z: tl.constexpr, UPCAST: tl.constexpr,
                        EVEN_K: tl.constexpr, EVEN_MN: tl.constexpr, EPI_SPLIT: tl.constexpr,
+                       TMA: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                        NUM_SMS: tl.constexpr):
     """One program per multiprocessor, walking output tiles NUM_SMS apart. The tile loop and the K
@@ -144,9 +170,10 @@ def _matmul_persistent(A, B, Bias, C, Z, M, N, K,
     while this tile's epilogue (bias, activation, stores) runs."""
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
-        rm, start_n = _tile(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = _main_loop(A, B, rm, start_n + tl.arange(0, BLOCK_N), M, N, K, sam, sak, sbk, sbn, UPCAST, EVEN_K,
-                         EVEN_MN, BLOCK_M, BLOCK_N, BLOCK_K)
+        start_m, start_n = _tile(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = _main_loop(A, B, start_m, start_n, M, N, K, sam, sak, sbk, sbn, UPCAST, EVEN_K, EVEN_MN, TMA, A_T, B_T,
+                         BLOCK_M, BLOCK_N, BLOCK_K)
+        rm = start_m + tl.arange(0, BLOCK_M)
         _epilogue(acc, rm, start_n, Bias, C, Z, M, N, scm, scn, HAS_BIAS, ACT, STORE_Z, EVEN_MN, EPI_SPLIT, BLOCK_M,
                   BLOCK_N)
 
@@ -180,7 +207,12 @@ CANDIDATES = [L(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64), L(8, 4, BLOCK_M=128
               L(4, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), L(8, 3, BLOCK_M=256, BLOCK_N=128, BLOCK_K=64),
               L(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, EPI_SPLIT=1),
               L(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, PERSISTENT=1),
-              L(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, EPI_SPLIT=1, PERSISTENT=1)]
+              L(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, EPI_SPLIT=1, PERSISTENT=1),
+              # TMA=1: A's and B's tiles fetched by the copy engine through tensor descriptors (Hopper
+              # and later, offered where _tma_ok holds); not yet measured on a GPU when added (2026-11-28)
+              L(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, TMA=1), L(4, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, TMA=1),
+              L(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, EPI_SPLIT=1, PERSISTENT=1, TMA=1),
+              L(8, 4, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, PERSISTENT=1, TMA=1)]
 INTERPRETED_TILES = L(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32)
 
 
@@ -209,18 +241,21 @@ def matmul(a, b, bias=None, act: str = "none", store_z: bool = False):
     c = torch.empty((m, n), device=a.device, dtype=a.dtype)
     z = torch.empty_like(c) if store_z else c
     bias_arg = bias if bias is not None else a
+    tma = _tma_ok(a, b)
     sig = None if tune.forced("matmul") is not None else \
-        (a.shape, b.shape, a.stride(), b.stride(), a.dtype, a.device, bias is not None, act, store_z)
+        (a.shape, b.shape, a.stride(), b.stride(), a.dtype, a.device, bias is not None, act, store_z, tma)
     plan = _PLANS.get(sig) if sig is not None else None
     if plan is not None:  # the same shapes, strides and flags as an earlier call: the launch it computed
         kernel, grid, scalars, kw = plan
-        kernel[grid](a, b, bias_arg, c, z, *scalars, **kw)
+        kernel[grid](*_operands(kw, a, b), bias_arg, c, z, *scalars, **kw)
         return (c, z) if store_z else c
     scalars = (m, n, k, *a.stride(), *b.stride(), *c.stride())
 
     def launch(cfg: tune.Launch):
         cfg = _fit(cfg, m, n, k)
-        kw = {"EPI_SPLIT": 0, **cfg.kwargs(INTERPRETED)}
+        kw = {"EPI_SPLIT": 0, "TMA": 0, **cfg.kwargs(INTERPRETED)}
+        kw["TMA"] = int(bool(kw["TMA"]) and tma)  # (a forced TMA candidate on operands TMA cannot fetch: pointers)
+        kw.update(A_T=int(kw["TMA"] and a.stride(1) != 1), B_T=int(kw["TMA"] and b.stride(1) != 1))
         tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
         kernel, grid = _matmul, (tiles,)
         if kw.pop("PERSISTENT", 0):
@@ -234,14 +269,31 @@ def matmul(a, b, bias=None, act: str = "none", store_z: bool = False):
 
     def run(cfg: tune.Launch):
         kernel, grid, scalars_, kw = launch(cfg)
-        kernel[grid](a, b, bias_arg, c, z, *scalars_, **kw)
+        kernel[grid](*_operands(kw, a, b), bias_arg, c, z, *scalars_, **kw)
 
-    key = (str(a.dtype), tune.bucket(m), n, k, _layout(a), _layout(b), act, store_z, bias is not None)
-    cfg = tune.choose("matmul", key, CANDIDATES, run, INTERPRETED_TILES if INTERPRETED else None)
+    key = (str(a.dtype), tune.bucket(m), n, k, _layout(a), _layout(b), act, store_z, bias is not None, tma)
+    offered = [cfg for cfg in CANDIDATES if tma or not dict(cfg.blocks).get("TMA")]
+    cfg = tune.choose("matmul", key, offered, run, INTERPRETED_TILES if INTERPRETED else None)
     run(cfg)
     if sig is not None:
         _PLANS.put(sig, launch(cfg))
     return (c, z) if store_z else c
+
+
+def _tma_ok(a, b) -> bool:
+    """Whether the copy engine can fetch a's and b's tiles, either of their dims contiguous
+    (kernels/tma.py): the TMA candidates are offered only then."""
+    return _tma.available(a.device) and _tma.fits(a, (1, 0)) and _tma.fits(b, (1, 0))
+
+
+def _operands(kw: dict, a, b) -> tuple:
+    """a and b, or under ``kw['TMA']`` a descriptor of each: of the operand as it is where its
+    columns are contiguous, else of its transpose (``A_T`` / ``B_T``), boxed as the tile."""
+    if not kw["TMA"]:
+        return a, b
+    bm, bn, bk = kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"]
+    return (_tma.descriptor(a, (bk, bm) if kw["A_T"] else (bm, bk), bool(kw["A_T"])),
+            _tma.descriptor(b, (bn, bk) if kw["B_T"] else (bk, bn), bool(kw["B_T"])))
 
 
 _SMS: dict = {}

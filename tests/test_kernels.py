@@ -429,6 +429,34 @@ def test_every_device_attention_candidate_computes_the_same(which):
             close(a, ref, torch.float32, f"{dq if g == 'q' else dkdv} D{d} S{s} d{g}")
 
 
+def test_tma_candidates_only_where_the_copy_engine_can_fetch_the_operands():
+    """kernels/tma.py: a descriptor needs a contiguous dim, a 16-byte aligned base and 16-byte
+    multiples for the other strides. Operands that break one of these never get descriptors, even
+    with a TMA candidate forced: the launch takes the pointer path and stays right."""
+    from autopar.kernels import attention, matmul, tma, tune
+
+    x = torch.randn(2, 4, 64, 72)
+    assert tma.fits(x) and tma.fits(x.transpose(1, 2))  # [B, S, H, D] seen as [B, H, S, D]
+    assert not tma.fits(torch.randn(2, 4, 64, 73)[..., 1:])  # base 4 bytes off, rows of 292 bytes
+    assert not tma.fits(torch.randn(2, 4, 64, 6))  # a row of 24 bytes
+    assert not tma.fits(x.transpose(2, 3))  # the head dim strided
+    w = torch.randn(96, 40)
+    assert tma.fits(w.T, (1, 0)) and not tma.fits(w.T)  # a transposed matrix, where either dim may be the inner one
+    tma_fwd = next(c for c in attention.FWD[64] if dict(c.blocks).get("TMA"))
+    q = torch.randn(1, 2, 50, 65)[..., 1:]  # head dim 64, base 4 bytes off, rows of 260 bytes: no descriptor
+    assert not attention._tma_ok(q)
+    with tune.force("attention_fwd", tma_fwd), torch.no_grad():
+        out, _ = torch.ops.autopar.flash_attention(q, q, q, None, True, 0.125)
+    close(out, ops.attention_reference(q, q, q, None, True, 0.125)[0], torch.float32, "forced TMA, misaligned q")
+    a = torch.randn(70, 41)[:, 1:]  # rows of 164 bytes
+    assert not matmul._tma_ok(a, w.T)
+    from autopar.kernels.interpreter import interpreted
+
+    with tune.force("matmul", next(c for c in matmul.CANDIDATES if dict(c.blocks).get("TMA"))):
+        y = interpreted(matmul).matmul(a, w.T)
+    close(y, a @ w.T, torch.float32, "forced TMA, misaligned a")
+
+
 def test_every_device_matmul_candidate_computes_the_same():
     """The matmul's launch configurations (kernels/matmul.py CANDIDATES: the split epilogue, the
     persistent kernel) forced through the interpreter, on sizes the tiles divide and sizes they do
