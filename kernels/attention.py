@@ -35,9 +35,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from autopar.kernels import tma as _tma
 from autopar.kernels import tune
-from autopar.kernels.attention_launches import DKDV, DKDV_I, DQ, DQ_I, FWD, FWD_I  # (the tuner's candidates)
+from autopar.kernels.attention_launches import DKDV, DKDV_I, DQ, DQ_I, FWD, FWD_I, offered, operands, tma_ok
 
 # Whether these kernels run in Triton's interpreter: Triton's own choice here (TRITON_INTERPRET,
 # read, never set, by autopar); True in the interpreted twin that CPU tensors use.
@@ -132,43 +131,81 @@ def _score_tile(q, k, Bias, bias_base, rows, cols, m_ok, n_ok, sbm, sbn, qk_scal
 def _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, bi, hki, offs_m, m_ok, offs_d, d_ok,
                 lo, hi, skn, skd, svn, svd, sbm, sbn, N, qk_scale,
                 DIAG: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-                UPCAST: tl.constexpr, FOLD: tl.constexpr, WS: tl.constexpr, TMA: tl.constexpr,
+                UPCAST: tl.constexpr, FOLD: tl.constexpr, WS: tl.constexpr, TMA: tl.constexpr, PIPE: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Key/value blocks [lo, hi) of one query block; DIAG: the causal mask applies in them. FOLD (no
     bias, a positive scale): max(s * c) = max(s) * c, so the [rows, keys] tile is never scaled on
     its own: one multiply-add per score instead of a multiply and a subtract. WS: Triton's warp
-    specialisation of the loop (a candidate the tuner may pick where this Triton and chip run it)."""
+    specialisation of the loop (a candidate the tuner may pick where this Triton and chip run it).
+    PIPE (FOLD only): software-pipelined by hand, the next block's scores issued before this
+    block's softmax, so that the matrix unit computes q k^T while the exponentials run (the
+    overlap FlashAttention-3 gets from its schedule)."""
     offs_n = tl.arange(0, BLOCK_N)
-    for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
-        start = tl.multiple_of(start, BLOCK_N)
-        cols = start + offs_n
-        n_ok = cols < N
-        k = _rows(K, k_base, bi, hki, start, cols, offs_d, skn, skd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST, TMA,
-                  BLOCK_N, BLOCK_D)
-        if FOLD:  # raw scores: the scale goes into the row max and, fused, into exp2's argument
-            s = tl.dot(q, tl.trans(k))
-        else:
-            s = _score_tile(q, k, Bias, bias_base, offs_m, cols, m_ok, n_ok, sbm, sbn, qk_scale, HAS_BIAS)
-        if DIAG:
-            s = tl.where(cols[None, :] <= offs_m[:, None], s, float("-inf"))
-        if not EVEN_N:
-            s = tl.where(n_ok[None, :], s, float("-inf"))
-        if FOLD:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            p = tl.math.exp2(s * qk_scale - m_new[:, None])
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            if HAS_BIAS:  # a mask of -inf can hide a whole row so far
-                m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _rows(V, v_base, bi, hki, start, cols, offs_d, svn, svd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST, TMA,
-                  BLOCK_N, BLOCK_D)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+    if PIPE:
+        last = lo + tl.maximum(tl.cdiv(hi - lo, BLOCK_N) - 1, 0) * BLOCK_N
+        first = tl.where(lo < hi, lo, 0)  # (an empty range: block 0, which exists, loaded and dropped)
+        k = _rows(K, k_base, bi, hki, first, first + offs_n, offs_d, skn, skd, first + offs_n < N, d_ok, EVEN_N,
+                  EVEN_D, UPCAST, TMA, BLOCK_N, BLOCK_D)
+        s = tl.dot(q, tl.trans(k))
+        for start in tl.range(lo, last, BLOCK_N):
+            start = tl.multiple_of(start, BLOCK_N)
+            nxt = start + BLOCK_N
+            k = _rows(K, k_base, bi, hki, nxt, nxt + offs_n, offs_d, skn, skd, nxt + offs_n < N, d_ok, EVEN_N, EVEN_D,
+                      UPCAST, TMA, BLOCK_N, BLOCK_D)
+            s_next = tl.dot(q, tl.trans(k))
+            acc, l_i, m_i = _softmax_block(acc, l_i, m_i, s, V, v_base, bi, hki, start, offs_m, offs_d, d_ok, svn, svd,
+                                           N, qk_scale, DIAG, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, TMA, BLOCK_N,
+                                           BLOCK_D)
+            s = s_next
+        if lo < hi:
+            acc, l_i, m_i = _softmax_block(acc, l_i, m_i, s, V, v_base, bi, hki, last, offs_m, offs_d, d_ok, svn, svd,
+                                           N, qk_scale, DIAG, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, TMA, BLOCK_N,
+                                           BLOCK_D)
+    else:
+        for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+            start = tl.multiple_of(start, BLOCK_N)
+            cols = start + offs_n
+            n_ok = cols < N
+            k = _rows(K, k_base, bi, hki, start, cols, offs_d, skn, skd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST, TMA,
+                      BLOCK_N, BLOCK_D)
+            if FOLD:  # raw scores: the scale goes into the row max and, fused, into exp2's argument
+                s = tl.dot(q, tl.trans(k))
+            else:
+                s = _score_tile(q, k, Bias, bias_base, offs_m, cols, m_ok, n_ok, sbm, sbn, qk_scale, HAS_BIAS)
+            acc, l_i, m_i = _softmax_block(acc, l_i, m_i, s, V, v_base, bi, hki, start, offs_m, offs_d, d_ok, svn, svd,
+                                           N, qk_scale, DIAG, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, TMA, BLOCK_N,
+                                           BLOCK_D)
     return acc, l_i, m_i
+
+
+@triton.jit
+def _softmax_block(acc, l_i, m_i, s, V, v_base, bi, hki, start, offs_m, offs_d, d_ok, svn, svd, N, qk_scale,
+                   DIAG: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+                   UPCAST: tl.constexpr, FOLD: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    """One key block's scores ``s`` (raw under FOLD, else scaled to base 2) into the running max,
+    normaliser and output: masked, exponentiated, multiplied by the block's values."""
+    cols = start + tl.arange(0, BLOCK_N)
+    n_ok = cols < N
+    if DIAG:
+        s = tl.where(cols[None, :] <= offs_m[:, None], s, float("-inf"))
+    if not EVEN_N:
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+    if FOLD:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if HAS_BIAS:  # a mask of -inf can hide a whole row so far
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _rows(V, v_base, bi, hki, start, cols, offs_d, svn, svd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST, TMA,
+              BLOCK_N, BLOCK_D)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
 
 
 @triton.jit
@@ -177,7 +214,7 @@ def _fwd(Q, K, V, Bias, O, LSE,
          sbb, sbh, sbm, sbn, sob, soh, som, sod,
          H, G, M, N, DH, scale,
          HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, FOLD: tl.constexpr, WS: tl.constexpr,
-         TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+         TMA: tl.constexpr, PIPE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """TMA: Q, K, V and O are tensor descriptors over [B, H, S, D] (blocks [1, 1, BLOCK_M or
     BLOCK_N, BLOCK_D]), not pointers."""
@@ -197,16 +234,18 @@ def _fwd(Q, K, V, Bias, O, LSE,
         # below the diagonal: every key visible to every row of the block, no mask
         acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, bi, hki, offs_m, m_ok,
                                     offs_d, d_ok, 0, tl.minimum(first, N), skn, skd, svn, svd, sbm, sbn, N,
-                                    qk_scale, False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, TMA, BLOCK_N, BLOCK_D)
+                                    qk_scale, False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, TMA, PIPE, BLOCK_N,
+                                    BLOCK_D)
         # the blocks the diagonal crosses
         acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, bi, hki, offs_m, m_ok,
                                     offs_d, d_ok, first, tl.minimum(first + BLOCK_M, N), skn, skd, svn, svd,
-                                    sbm, sbn, N, qk_scale, True, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, TMA,
+                                    sbm, sbn, N, qk_scale, True, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, TMA, PIPE,
                                     BLOCK_N, BLOCK_D)
     else:
         acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, bi, hki, offs_m, m_ok,
                                     offs_d, d_ok, 0, N, skn, skd, svn, svd, sbm, sbn, N, qk_scale,
-                                    False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, TMA, BLOCK_N, BLOCK_D)
+                                    False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, TMA, PIPE, BLOCK_N,
+                                    BLOCK_D)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(m_i == float("-inf"), float("inf"), (m_i + tl.math.log2(l_safe)) * LN2)
@@ -393,11 +432,6 @@ def _bwd_dq(Q, K, V, Bias, DO, LSE, Delta, DQ,
                 EVEN_D, TMA, BLOCK_M, BLOCK_D)
 
 
-def _for_d(candidates: dict, block_d: int) -> list:
-    """The candidates for a head-dim block: those of the smallest listed dim that holds it."""
-    return candidates[min((k for k in candidates if k >= block_d), default=max(candidates))]
-
-
 def _block_d(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
@@ -431,12 +465,12 @@ def forward(q, k, v, bias, causal: bool, scale: float):
     b, h, m, d = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((b, h, m), device=q.device, dtype=torch.float32)
-    tma = _tma_ok(q, k, v, out)
+    tma = tma_ok(q, k, v, out)
     sig = _signature(("attention_fwd",), q, k, v, causal, scale, tma) if bias is None else None
     plan = _FWD_PLANS.get(sig) if sig is not None else None
     if plan is not None:  # the same shapes, strides and flags as an earlier call
         grid, scalars, kw = plan
-        qa, ka, va, oa = _operands(kw, (q, k, v, out), ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M"))
+        qa, ka, va, oa = operands(kw, (q, k, v, out), ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M"))
         _fwd[grid](qa, ka, va, q, oa, lse, *scalars, **kw)
         return out, lse
     hkv, n = k.shape[1], k.shape[2]
@@ -447,14 +481,15 @@ def forward(q, k, v, bias, causal: bool, scale: float):
         return ((triton.cdiv(m, c["BLOCK_M"]), b * h), scalars,
                 dict(HAS_BIAS=bias is not None, CAUSAL=causal, UPCAST=_upcast(q), FOLD=bias is None and scale > 0,
                      EVEN_M=_even(m, c["BLOCK_M"]), EVEN_N=_even(n, c["BLOCK_N"]), EVEN_D=bd == d, BLOCK_D=bd,
-                     **{"WS": False, **c.kwargs(INTERPRETED), "TMA": tma and bool(dict(c.blocks).get("TMA"))}))
+                     **{"WS": False, **c.kwargs(INTERPRETED), "TMA": tma and bool(dict(c.blocks).get("TMA")),
+                        "PIPE": bias is None and scale > 0 and bool(dict(c.blocks).get("PIPE"))}))
 
     def run(c: tune.Launch):
         grid, scalars_, kw = launch(c)
-        qa, ka, va, oa = _operands(kw, (q, k, v, out), ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M"))
+        qa, ka, va, oa = operands(kw, (q, k, v, out), ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M"))
         _fwd[grid](qa, ka, va, bias if bias is not None else q, oa, lse, *scalars_, **kw)
 
-    c = tune.choose("attention_fwd", _key(q, k, bias, causal, tma), _offered(FWD, bd, tma), run,
+    c = tune.choose("attention_fwd", _key(q, k, bias, causal, tma), offered(FWD, bd, tma), run,
                     FWD_I if INTERPRETED else None)
     run(c)
     if sig is not None:
@@ -473,7 +508,7 @@ def backward(do, q, k, v, out, lse, bias, causal: bool, scale: float):
     k, dk = _with_grad_buffer(k)
     v, dv = _with_grad_buffer(v)
     delta = torch.empty((b, h, m), device=q.device, dtype=torch.float32)
-    tma = _tma_ok(q, k, v, do, dq, dk, dv)
+    tma = tma_ok(q, k, v, do, dq, dk, dv)
     sig = None if bias is not None else _signature(("attention_bwd_dkdv", "attention_bwd_dq"), q, k, v, causal, scale,
                                                    out.stride(), dq.stride(), dk.stride(), dv.stride(), tma)
     plan = _BWD_PLANS.get(sig) if sig is not None else None
@@ -509,9 +544,9 @@ def backward(do, q, k, v, out, lse, bias, causal: bool, scale: float):
     def run_dq(c: tune.Launch):
         _run_dq(dq_grid(c), flags(c), q, k, v, bias_arg, do, lse, delta, dq, common)
 
-    c_kv = tune.choose("attention_bwd_dkdv", key, _offered(DKDV, bd, tma), run_dkdv, DKDV_I if INTERPRETED else None)
+    c_kv = tune.choose("attention_bwd_dkdv", key, offered(DKDV, bd, tma), run_dkdv, DKDV_I if INTERPRETED else None)
     run_dkdv(c_kv)
-    c_q = tune.choose("attention_bwd_dq", key, _offered(DQ, bd, tma), run_dq, DQ_I if INTERPRETED else None)
+    c_q = tune.choose("attention_bwd_dq", key, offered(DQ, bd, tma), run_dq, DQ_I if INTERPRETED else None)
     run_dq(c_q)
     if sig is not None:
         _BWD_PLANS.put(sig, (delta_plan, (dkdv_grid(c_kv), flags(c_kv)), (dq_grid(c_q), flags(c_q)), common))
@@ -520,34 +555,15 @@ def backward(do, q, k, v, out, lse, bias, causal: bool, scale: float):
 
 def _run_dkdv(grid, kw, q, k, v, bias_arg, do, lse, delta, dk, dv, common):
     """dK / dV's kernel: a key block (BLOCK_N rows of k, v, dk, dv) walks query blocks (BLOCK_M rows of q, dO)."""
-    qa, ka, va, doa, dka, dva = _operands(kw, (q, k, v, do, dk, dv),
+    qa, ka, va, doa, dka, dva = operands(kw, (q, k, v, do, dk, dv),
                                           ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M", "BLOCK_N", "BLOCK_N"))
     _bwd_dkdv[grid](qa, ka, va, bias_arg, doa, lse, delta, dka, dva, *common, **kw)
 
 
 def _run_dq(grid, kw, q, k, v, bias_arg, do, lse, delta, dq, common):
     """dQ's kernel: a query block (BLOCK_M rows of q, dO, dq) walks key blocks (BLOCK_N rows of k, v)."""
-    qa, ka, va, doa, dqa = _operands(kw, (q, k, v, do, dq), ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M", "BLOCK_M"))
+    qa, ka, va, doa, dqa = operands(kw, (q, k, v, do, dq), ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M", "BLOCK_M"))
     _bwd_dq[grid](qa, ka, va, bias_arg, doa, lse, delta, dqa, *common, **kw)
-
-
-def _tma_ok(*ts) -> bool:
-    """Whether the copy engine can fetch tiles of every one of ``ts`` ([B, H, S, D], the head dim
-    contiguous): the TMA candidates are offered only then (kernels/tma.py)."""
-    return _tma.available(ts[0].device) and all(_tma.fits(t) for t in ts)
-
-
-def _operands(kw: dict, ts: tuple, rows: tuple) -> tuple:
-    """The kernel's tensor operands: ``ts`` themselves, or under ``kw['TMA']`` a descriptor of each
-    whose box is [1, 1, kw[rows[i]], BLOCK_D] (rows of one head)."""
-    if not kw.get("TMA"):
-        return ts
-    return tuple(_tma.descriptor(t, (1, 1, kw[r], kw["BLOCK_D"])) for t, r in zip(ts, rows))
-
-
-def _offered(candidates: dict, block_d: int, tma: bool) -> list:
-    """The candidates for a head-dim block, those that load by TMA only where the call allows it."""
-    return [c for c in _for_d(candidates, block_d) if tma or not dict(c.blocks).get("TMA")]
 
 
 def _with_grad_buffer(t):

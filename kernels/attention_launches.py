@@ -1,10 +1,12 @@
 """Flash attention's launch candidates (kernels/attention.py): per head-dim block (<= 64, 128+), the
 block sizes, warps and pipeline stages the tuner (kernels/tune.py) times on the device, and the one
-fixed configuration an interpreted (CPU) launch takes. What each won on which GPU is in
-docs/kernels.md and benchmarks/results/."""
+fixed configuration an interpreted (CPU) launch takes, and the operands a launch hands the kernel
+(pointers, or TMA descriptors where kernels/tma.py says they fit). What each candidate won on which
+GPU is in docs/kernels.md and benchmarks/results/."""
 
 from __future__ import annotations
 
+from autopar.kernels import tma as _tma
 from autopar.kernels import tune
 
 L = tune.Launch.of
@@ -40,9 +42,37 @@ DQ = {64: [L(8, 3, BLOCK_M=128, BLOCK_N=64), L(4, 3, BLOCK_M=64, BLOCK_N=64), L(
            L(4, 4, BLOCK_M=64, BLOCK_N=64)],
       128: [L(8, 3, BLOCK_M=128, BLOCK_N=64), L(8, 4, BLOCK_M=128, BLOCK_N=64), L(8, 2, BLOCK_M=128, BLOCK_N=128),
             L(4, 3, BLOCK_M=64, BLOCK_N=64)]}
+# PIPE=True: the forward's key loop software-pipelined by hand (the next block's q k^T issued before this
+# block's softmax; kernels/attention.py _fwd_blocks), where the scale folds (no mask, positive scale).
+# Added 2026-11-28: at D128 the exponentials cost about what the two products do, and only overlapping
+# them goes past half the matrix unit's rate.
+FWD[64] += [L(4, 3, BLOCK_M=64, BLOCK_N=64, PIPE=True), L(8, 4, BLOCK_M=128, BLOCK_N=64, PIPE=True)]
+FWD[128] += [L(8, 3, BLOCK_M=128, BLOCK_N=128, PIPE=True), L(8, 3, BLOCK_M=128, BLOCK_N=64, PIPE=True),
+             L(8, 2, BLOCK_M=128, BLOCK_N=128, PIPE=True), L(8, 3, BLOCK_M=128, BLOCK_N=128, PIPE=True, TMA=True)]
 DKDV[64] += [L(4, 3, BLOCK_M=64, BLOCK_N=64, TMA=True), L(8, 3, BLOCK_M=64, BLOCK_N=128, TMA=True)]
 DKDV[128] += [L(8, 3, BLOCK_M=64, BLOCK_N=128, TMA=True), L(8, 2, BLOCK_M=64, BLOCK_N=128, TMA=True)]
 DQ[64] += [L(8, 3, BLOCK_M=128, BLOCK_N=64, TMA=True), L(4, 3, BLOCK_M=64, BLOCK_N=64, TMA=True)]
 DQ[128] += [L(8, 3, BLOCK_M=128, BLOCK_N=64, TMA=True), L(8, 4, BLOCK_M=128, BLOCK_N=64, TMA=True)]
 # interpreted (CPU tests): small blocks, so short test sequences still cross several blocks
 FWD_I, DKDV_I, DQ_I = L(BLOCK_M=32, BLOCK_N=16), L(BLOCK_M=16, BLOCK_N=32), L(BLOCK_M=32, BLOCK_N=16)
+
+
+def offered(candidates: dict, block_d: int, tma: bool) -> list:
+    """The candidates for a head-dim block (those of the smallest listed dim that holds it), the ones
+    that load by TMA only where the call's operands allow it."""
+    listed = candidates[min((k for k in candidates if k >= block_d), default=max(candidates))]
+    return [c for c in listed if tma or not dict(c.blocks).get("TMA")]
+
+
+def tma_ok(*ts) -> bool:
+    """Whether the copy engine can fetch tiles of every one of ``ts`` ([B, H, S, D], the head dim
+    contiguous): the TMA candidates are offered only then (kernels/tma.py)."""
+    return _tma.available(ts[0].device) and all(_tma.fits(t) for t in ts)
+
+
+def operands(kw: dict, ts: tuple, rows: tuple) -> tuple:
+    """The kernel's tensor operands: ``ts`` themselves, or under ``kw['TMA']`` a descriptor of each
+    whose box is [1, 1, kw[rows[i]], BLOCK_D] (rows of one head)."""
+    if not kw.get("TMA"):
+        return ts
+    return tuple(_tma.descriptor(t, (1, 1, kw[r], kw["BLOCK_D"])) for t, r in zip(ts, rows))

@@ -60,8 +60,8 @@ def _main_loop(A, B, start_m, start_n, M, N, K, sam, sak, sbk, sbn, UPCAST: tl.c
     tensor descriptors and the copy engine fetches the tiles (past any edge it reads zeros, so
     nothing is masked); A_T / B_T: the descriptor is over the operand's transpose (its contiguous
     dim is M for A, N for B), and the loaded tile is transposed back."""
-    if TMA:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if TMA:  # (one return at the end: Triton 3.6 refused this function with an early one)
         for k0 in range(0, K, BLOCK_K):
             if A_T:
                 a = A.load([k0, start_m]).T
@@ -75,32 +75,31 @@ def _main_loop(A, B, start_m, start_n, M, N, K, sam, sak, sbk, sbn, UPCAST: tl.c
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc)
-        return acc
-    rm = start_m + tl.arange(0, BLOCK_M)
-    rn = start_n + tl.arange(0, BLOCK_N)
-    if EVEN_MN:
-        am = rm
-        bn = rn
     else:
-        am = rm % M
-        bn = rn % N
-    rk = tl.arange(0, BLOCK_K)
-    a_ptrs = A + am[:, None].to(tl.int64) * sam + rk[None, :] * sak
-    b_ptrs = B + rk[:, None] * sbk + bn[None, :].to(tl.int64) * sbn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
+        rm = start_m + tl.arange(0, BLOCK_M)
+        rn = start_n + tl.arange(0, BLOCK_N)
+        if EVEN_MN:
+            am = rm
+            bn = rn
         else:
-            a = tl.load(a_ptrs, mask=(k0 + rk)[None, :] < K, other=0.0)
-            b = tl.load(b_ptrs, mask=(k0 + rk)[:, None] < K, other=0.0)
-        if UPCAST:  # the interpreter's bf16 dot is wrong: do it in fp32
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K * sak
-        b_ptrs += BLOCK_K * sbk
+            am = rm % M
+            bn = rn % N
+        rk = tl.arange(0, BLOCK_K)
+        a_ptrs = A + am[:, None].to(tl.int64) * sam + rk[None, :] * sak
+        b_ptrs = B + rk[:, None] * sbk + bn[None, :].to(tl.int64) * sbn
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=(k0 + rk)[None, :] < K, other=0.0)
+                b = tl.load(b_ptrs, mask=(k0 + rk)[:, None] < K, other=0.0)
+            if UPCAST:  # the interpreter's bf16 dot is wrong: do it in fp32
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K * sak
+            b_ptrs += BLOCK_K * sbk
     return acc
 
 

@@ -444,7 +444,7 @@ def test_tma_candidates_only_where_the_copy_engine_can_fetch_the_operands():
     assert tma.fits(w.T, (1, 0)) and not tma.fits(w.T)  # a transposed matrix, where either dim may be the inner one
     tma_fwd = next(c for c in attention.FWD[64] if dict(c.blocks).get("TMA"))
     q = torch.randn(1, 2, 50, 65)[..., 1:]  # head dim 64, base 4 bytes off, rows of 260 bytes: no descriptor
-    assert not attention._tma_ok(q)
+    assert not attention.tma_ok(q)
     with tune.force("attention_fwd", tma_fwd), torch.no_grad():
         out, _ = torch.ops.autopar.flash_attention(q, q, q, None, True, 0.125)
     close(out, ops.attention_reference(q, q, q, None, True, 0.125)[0], torch.float32, "forced TMA, misaligned q")
