@@ -331,7 +331,9 @@ def candidates(cfg: Config, out: dict, stage) -> None:
                     stack.enter_context(tune.force(kernel, c))
                 fn(row)
         except Exception as e:  # noqa: BLE001 - a configuration this chip cannot run: recorded
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            lines = [ln for ln in str(e).splitlines() if ln.strip()]  # (a compile error's cause is its last line)
+            row["error"] = f"{type(e).__name__}: " + (" ... ".join(dict.fromkeys([lines[0], lines[-1]]))[:400]
+                                                     if lines else "")
         rows.append(row)
 
     for d in (64, 128):

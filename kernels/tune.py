@@ -76,7 +76,8 @@ def choose(name: str, key: tuple, candidates: list[Launch], run: Callable[[Launc
             try:
                 ms = do_bench(lambda c=c: run(c), warmup=5, rep=15, return_mode="median")
             except Exception as e:  # noqa: BLE001 - a candidate this chip cannot run: recorded, skipped
-                times[str(c)] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+                lines = [ln for ln in str(e).splitlines() if ln.strip()]  # (a compile error's cause: its last line)
+                times[str(c)] = (f"{type(e).__name__}: " + " ... ".join(dict.fromkeys(lines[:1] + lines[-1:])))[:300]
                 first_error = first_error or e
                 continue
             times[str(c)] = ms
