@@ -131,50 +131,26 @@ def _score_tile(q, k, Bias, bias_base, rows, cols, m_ok, n_ok, sbm, sbn, qk_scal
 def _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, bi, hki, offs_m, m_ok, offs_d, d_ok,
                 lo, hi, skn, skd, svn, svd, sbm, sbn, N, qk_scale,
                 DIAG: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-                UPCAST: tl.constexpr, FOLD: tl.constexpr, WS: tl.constexpr, TMA: tl.constexpr, PIPE: tl.constexpr,
+                UPCAST: tl.constexpr, FOLD: tl.constexpr, WS: tl.constexpr, TMA: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Key/value blocks [lo, hi) of one query block; DIAG: the causal mask applies in them. FOLD (no
     bias, a positive scale): max(s * c) = max(s) * c, so the [rows, keys] tile is never scaled on
     its own: one multiply-add per score instead of a multiply and a subtract. WS: Triton's warp
-    specialisation of the loop (a candidate the tuner may pick where this Triton and chip run it).
-    PIPE (FOLD only): software-pipelined by hand, the next block's scores issued before this
-    block's softmax, so that the matrix unit computes q k^T while the exponentials run (the
-    overlap FlashAttention-3 gets from its schedule)."""
+    specialisation of the loop (a candidate the tuner may pick where this Triton and chip run it)."""
     offs_n = tl.arange(0, BLOCK_N)
-    if PIPE:
-        last = lo + tl.maximum(tl.cdiv(hi - lo, BLOCK_N) - 1, 0) * BLOCK_N
-        first = tl.where(lo < hi, lo, 0)  # (an empty range: block 0, which exists, loaded and dropped)
-        k = _rows(K, k_base, bi, hki, first, first + offs_n, offs_d, skn, skd, first + offs_n < N, d_ok, EVEN_N,
-                  EVEN_D, UPCAST, TMA, BLOCK_N, BLOCK_D)
-        s = tl.dot(q, tl.trans(k))
-        for start in tl.range(lo, last, BLOCK_N):
-            start = tl.multiple_of(start, BLOCK_N)
-            nxt = start + BLOCK_N
-            k = _rows(K, k_base, bi, hki, nxt, nxt + offs_n, offs_d, skn, skd, nxt + offs_n < N, d_ok, EVEN_N, EVEN_D,
-                      UPCAST, TMA, BLOCK_N, BLOCK_D)
-            s_next = tl.dot(q, tl.trans(k))
-            acc, l_i, m_i = _softmax_block(acc, l_i, m_i, s, V, v_base, bi, hki, start, offs_m, offs_d, d_ok, svn, svd,
-                                           N, qk_scale, DIAG, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, TMA, BLOCK_N,
-                                           BLOCK_D)
-            s = s_next
-        if lo < hi:
-            acc, l_i, m_i = _softmax_block(acc, l_i, m_i, s, V, v_base, bi, hki, last, offs_m, offs_d, d_ok, svn, svd,
-                                           N, qk_scale, DIAG, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, TMA, BLOCK_N,
-                                           BLOCK_D)
-    else:
-        for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
-            start = tl.multiple_of(start, BLOCK_N)
-            cols = start + offs_n
-            n_ok = cols < N
-            k = _rows(K, k_base, bi, hki, start, cols, offs_d, skn, skd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST, TMA,
-                      BLOCK_N, BLOCK_D)
-            if FOLD:  # raw scores: the scale goes into the row max and, fused, into exp2's argument
-                s = tl.dot(q, tl.trans(k))
-            else:
-                s = _score_tile(q, k, Bias, bias_base, offs_m, cols, m_ok, n_ok, sbm, sbn, qk_scale, HAS_BIAS)
-            acc, l_i, m_i = _softmax_block(acc, l_i, m_i, s, V, v_base, bi, hki, start, offs_m, offs_d, d_ok, svn, svd,
-                                           N, qk_scale, DIAG, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, TMA, BLOCK_N,
-                                           BLOCK_D)
+    for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+        start = tl.multiple_of(start, BLOCK_N)
+        cols = start + offs_n
+        n_ok = cols < N
+        k = _rows(K, k_base, bi, hki, start, cols, offs_d, skn, skd, n_ok, d_ok, EVEN_N, EVEN_D, UPCAST, TMA,
+                  BLOCK_N, BLOCK_D)
+        if FOLD:  # raw scores: the scale goes into the row max and, fused, into exp2's argument
+            s = tl.dot(q, tl.trans(k))
+        else:
+            s = _score_tile(q, k, Bias, bias_base, offs_m, cols, m_ok, n_ok, sbm, sbn, qk_scale, HAS_BIAS)
+        acc, l_i, m_i = _softmax_block(acc, l_i, m_i, s, V, v_base, bi, hki, start, offs_m, offs_d, d_ok, svn, svd,
+                                       N, qk_scale, DIAG, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, TMA, BLOCK_N,
+                                       BLOCK_D)
     return acc, l_i, m_i
 
 
@@ -214,7 +190,7 @@ def _fwd(Q, K, V, Bias, O, LSE,
          sbb, sbh, sbm, sbn, sob, soh, som, sod,
          H, G, M, N, DH, scale,
          HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, FOLD: tl.constexpr, WS: tl.constexpr,
-         TMA: tl.constexpr, PIPE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+         TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """TMA: Q, K, V and O are tensor descriptors over [B, H, S, D] (blocks [1, 1, BLOCK_M or
     BLOCK_N, BLOCK_D]), not pointers."""
@@ -234,17 +210,17 @@ def _fwd(Q, K, V, Bias, O, LSE,
         # below the diagonal: every key visible to every row of the block, no mask
         acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, bi, hki, offs_m, m_ok,
                                     offs_d, d_ok, 0, tl.minimum(first, N), skn, skd, svn, svd, sbm, sbn, N,
-                                    qk_scale, False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, TMA, PIPE, BLOCK_N,
+                                    qk_scale, False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, TMA, BLOCK_N,
                                     BLOCK_D)
         # the blocks the diagonal crosses
         acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, bi, hki, offs_m, m_ok,
                                     offs_d, d_ok, first, tl.minimum(first + BLOCK_M, N), skn, skd, svn, svd,
-                                    sbm, sbn, N, qk_scale, True, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, TMA, PIPE,
+                                    sbm, sbn, N, qk_scale, True, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, TMA,
                                     BLOCK_N, BLOCK_D)
     else:
         acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, K, V, Bias, k_base, v_base, bias_base, bi, hki, offs_m, m_ok,
                                     offs_d, d_ok, 0, N, skn, skd, svn, svd, sbm, sbn, N, qk_scale,
-                                    False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, TMA, PIPE, BLOCK_N,
+                                    False, HAS_BIAS, EVEN_N, EVEN_D, UPCAST, FOLD, WS, TMA, BLOCK_N,
                                     BLOCK_D)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -481,8 +457,7 @@ def forward(q, k, v, bias, causal: bool, scale: float):
         return ((triton.cdiv(m, c["BLOCK_M"]), b * h), scalars,
                 dict(HAS_BIAS=bias is not None, CAUSAL=causal, UPCAST=_upcast(q), FOLD=bias is None and scale > 0,
                      EVEN_M=_even(m, c["BLOCK_M"]), EVEN_N=_even(n, c["BLOCK_N"]), EVEN_D=bd == d, BLOCK_D=bd,
-                     **{"WS": False, **c.kwargs(INTERPRETED), "TMA": tma and bool(dict(c.blocks).get("TMA")),
-                        "PIPE": bias is None and scale > 0 and bool(dict(c.blocks).get("PIPE"))}))
+                     **{"WS": False, **c.kwargs(INTERPRETED), "TMA": tma and bool(dict(c.blocks).get("TMA"))}))
 
     def run(c: tune.Launch):
         grid, scalars_, kw = launch(c)

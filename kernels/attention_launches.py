@@ -42,13 +42,6 @@ DQ = {64: [L(8, 3, BLOCK_M=128, BLOCK_N=64), L(4, 3, BLOCK_M=64, BLOCK_N=64), L(
            L(4, 4, BLOCK_M=64, BLOCK_N=64)],
       128: [L(8, 3, BLOCK_M=128, BLOCK_N=64), L(8, 4, BLOCK_M=128, BLOCK_N=64), L(8, 2, BLOCK_M=128, BLOCK_N=128),
             L(4, 3, BLOCK_M=64, BLOCK_N=64)]}
-# PIPE=True: the forward's key loop software-pipelined by hand (the next block's q k^T issued before this
-# block's softmax; kernels/attention.py _fwd_blocks), where the scale folds (no mask, positive scale).
-# Added 2026-11-28: at D128 the exponentials cost about what the two products do, and only overlapping
-# them goes past half the matrix unit's rate.
-FWD[64] += [L(4, 3, BLOCK_M=64, BLOCK_N=64, PIPE=True), L(8, 4, BLOCK_M=128, BLOCK_N=64, PIPE=True)]
-FWD[128] += [L(8, 3, BLOCK_M=128, BLOCK_N=128, PIPE=True), L(8, 3, BLOCK_M=128, BLOCK_N=64, PIPE=True),
-             L(8, 2, BLOCK_M=128, BLOCK_N=128, PIPE=True), L(8, 3, BLOCK_M=128, BLOCK_N=128, PIPE=True, TMA=True)]
 DKDV[64] += [L(4, 3, BLOCK_M=64, BLOCK_N=64, TMA=True), L(8, 3, BLOCK_M=64, BLOCK_N=128, TMA=True)]
 DKDV[128] += [L(8, 3, BLOCK_M=64, BLOCK_N=128, TMA=True), L(8, 2, BLOCK_M=64, BLOCK_N=128, TMA=True)]
 DQ[64] += [L(8, 3, BLOCK_M=128, BLOCK_N=64, TMA=True), L(4, 3, BLOCK_M=64, BLOCK_N=64, TMA=True)]
