@@ -5,8 +5,9 @@ the matrix instruction, any sizes (rows and columns past the edge wrap around wh
 never stored, so only K is masked, and only where the block does not divide it), any strides (so
 ``x @ w.T`` is a stride swap, not a copy). Tiles, warps and pipeline depth are chosen per shape
 by timing on the device (kernels/tune.py), among them an epilogue split in two column halves and a
-persistent kernel (``_matmul_persistent``: the next tile's loads overlap this tile's epilogue); a
-call's launch is remembered per signature (``tune.Plans``).
+persistent kernel (``_matmul_persistent``: the next tile's loads overlap this tile's epilogue) and
+tiles fetched through TMA descriptors (kernels/tma.py); a call's launch is remembered per signature
+(``tune.Plans``).
 
 The backward of ``linear_act`` uses the same kernel: ``dz = dy * act'(z)`` (an elementwise
 kernel), ``dx = dz @ w``, ``dw = dz.T @ x`` (stride swaps again), ``db = dz.sum(0)``.
