@@ -20,12 +20,6 @@ that one; its traceback or the tail of its log is recorded and the next one runs
   steps, every step's loss (same init and batches everywhere), and for autopar the cost model's
   predicted step time (its program costed op by op and Inductor-fused) and step peak on the
   device's row (autopar/analysis/devices.py);
-- ``candidates``: every launch configuration the kernels' tuner may pick (kernels/attention.py FWD /
-  DKDV / DQ, kernels/matmul.py CANDIDATES), each forced on one bf16 shape of the kernel table's
-  (B4 H32/8 S1024; 4096^3 with the backward's transposed operands), against the fp32 reference:
-  the tuner picks by speed alone, and Triton's interpreter on CPU (tests/test_kernels.py) cannot
-  see a compiler's error on this chip. A configuration this chip cannot compile is listed with
-  its error;
 - ``kernel-table``: ``autopar bench --kernels`` (autopar/tools/kernelbench.py) into ``$OUT``:
   kernels-DATE.json / .md, the device in its meta;
 - ``calibrate``: ``autopar calibrate --device cuda``'s row for this GPU (matmul rate, HBM
@@ -34,6 +28,12 @@ that one; its traceback or the tail of its log is recorded and the next one runs
   calibrated-row.json: the autopar step sections predict with it too, beside the datasheet row.
   Then grouped-query SDPA (``enable_gqa``) against repeated K/V heads at the step's attention
   shape, and the kernels each ran.
+- ``candidates`` (last: it compiles every configuration): every launch configuration the kernels'
+  tuner may pick (kernels/attention_launches.py FWD / DKDV / DQ, kernels/matmul.py CANDIDATES),
+  each forced on one bf16 shape of the kernel table's (B4 H32/8 S1024; 4096^3 with the
+  backward's transposed operands), against the fp32 reference: the tuner picks by speed alone,
+  and Triton's interpreter on CPU (tests/test_kernels.py) cannot see a compiler's error on this
+  chip. A configuration this chip cannot compile is listed with its error.
 
 A time budget (``--budget-s``) is enforced here: each section's process gets at most its own cap
 and what is left of the budget, and none starts with less than ``MIN_START_S`` left. summary.md
@@ -65,10 +65,12 @@ MIN_START_S = 20.0  # no section starts with less than this left of the budget
 SMOKE_CAP_SCALE = 3  # --smoke on a CPU: Inductor's C++ compiles take longer than a GPU machine's whole section
 
 # (section, cap in seconds on an H100), in the order they run: what the issue needs most first
-SECTIONS = [("correctness", 150), ("candidates", 150), ("kernel-table", 240), ("calibrate", 60), ("step-eager", 60),
+# (candidates last: it compiles every launch configuration, 44-150 s on the H200; run it with --only
+# candidates after changing them)
+SECTIONS = [("correctness", 150), ("kernel-table", 240), ("calibrate", 60), ("step-eager", 60),
             ("step-autopar-off", 90),
             ("step-autopar-auto", 100), ("step-compile", 120), ("step-autopar-inductor", 150),
-            ("step-autopar-on", 100), ("kernel-profile", 120)]
+            ("step-autopar-on", 100), ("kernel-profile", 120), ("candidates", 200)]
 
 # step variant: (system, autopar kernels, autopar inductor)
 VARIANTS = {"eager": ("eager", None, False), "compile": ("torch.compile", None, False),
