@@ -85,6 +85,9 @@ def choose(name: str, key: tuple, candidates: list[Launch], run: Callable[[Launc
                 best, best_ms = c, ms
         if best is None:
             raise first_error
+        # a kept exception's traceback holds this frame and the failed launch's (their tensors among
+        # them) in a cycle that only the cyclic collector frees: drop it now
+        first_error = None
         _CHOSEN[full], _TIMES[full] = best, times
         return best
 

@@ -391,6 +391,41 @@ def test_auto_rank_zero_decides_for_every_rank(monkeypatch):
     assert not failed.use_kernel and "timing failed: RuntimeError: out of shared memory" in failed.reason
 
 
+def test_a_candidate_that_fails_leaves_nothing_alive(monkeypatch):
+    """kernels/tune.py ``choose`` records a candidate that fails (a chip that cannot compile it) and
+    goes on. The first failure is kept, to be raised if every candidate fails; its traceback holds
+    the failed launch's frames, tensors included, in a cycle only the cyclic collector frees. On
+    the H200 (2026-11-28, run 1, four matmul candidates failing to compile) a step's allocator peak
+    was 3 GiB above the next run's with the same program; whether this was the cause is not known,
+    but a choice must not keep them."""
+    import gc
+    import weakref
+
+    import triton.testing
+
+    from autopar.kernels import tune
+
+    alive = []
+
+    def run(c):
+        t = torch.empty(1000)
+        alive.append(weakref.ref(t))
+        if c.num_warps == 4:
+            raise RuntimeError("this chip cannot")
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.0)[1])
+    gc.disable()
+    try:
+        configs = [tune.Launch.of(4, 3, B=1), tune.Launch.of(8, 3, B=1)]
+        got = tune.choose("a failing candidate (test)", ("key",), configs, run, None)
+        assert got.num_warps == 8 and len(alive) == 2
+        assert [r() for r in alive] == [None, None]
+    finally:
+        gc.enable()
+        tune._CHOSEN.pop(("a failing candidate (test)", ("key",)), None)
+        tune._TIMES.pop(("a failing candidate (test)", ("key",)), None)
+
+
 # ------------------------------------------------------------------ every device candidate
 @pytest.mark.parametrize("which", ["fwd", "bwd"])
 def test_every_device_attention_candidate_computes_the_same(which):
