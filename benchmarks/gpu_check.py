@@ -315,6 +315,7 @@ def candidates(cfg: Config, out: dict, stage) -> None:
     reference, beside PyTorch's own bf16 error on the same values; the backward's dK/dV and dQ
     candidates in pairs, as tests/test_kernels.py checks them on CPU."""
     import contextlib
+    import itertools
 
     import torch
 
@@ -347,7 +348,8 @@ def candidates(cfg: Config, out: dict, stage) -> None:
                 record({"kernel": "attention_fwd", "config": str(c), "case": label,
                         "forced": {"attention_fwd": c}},
                        lambda row: row.update(_fwd_errors(case, device)))
-            for ckv, cq in zip(attention.DKDV[d], attention.DQ[d]):
+            for ckv, cq in itertools.zip_longest(attention.DKDV[d], attention.DQ[d]):  # (the shorter's first fills in)
+                ckv, cq = ckv or attention.DKDV[d][0], cq or attention.DQ[d][0]
                 stage(f"attention backward {ckv} / {cq} D{d}{' causal' if causal else ''}")
                 record({"kernel": "attention_bwd", "config": f"{ckv} / {cq}", "case": case,
                         "forced": {"attention_bwd_dkdv": ckv, "attention_bwd_dq": cq}},

@@ -10,44 +10,37 @@ from autopar.kernels import tma as _tma
 from autopar.kernels import tune
 
 L = tune.Launch.of
-# Candidates per head-dim block (<= 64, 128+). The first H100 run (benchmarks/results/gpu-check-2026-11-26-
-# h100.md) chose 64x64 w4 for the forward but at D128 past 4k (128x128 w8), 64x128 w8 for dK/dV at D128
-# (32x128 w4 spilled its two [128, 128] fp32 accumulators: 3x slower), 128x64 w8 for dQ.
-# forward: BLOCK_M query rows, BLOCK_N keys; BLOCK_N divides BLOCK_M (the causal split needs it)
+# Candidates per head-dim block (<= 64, 128+). forward: BLOCK_M query rows, BLOCK_N keys; BLOCK_N divides
+# BLOCK_M (the causal split needs it). dK/dV: a block of BLOCK_N keys walks query blocks of BLOCK_M rows;
+# BLOCK_M divides BLOCK_N. dQ: a block of BLOCK_M query rows walks key blocks of BLOCK_N; BLOCK_N divides
+# BLOCK_M. The small 4-warp ones are there for GPUs with less shared memory than Hopper's.
 # WS=True: the key loop warp-specialised by Triton (tl.range's warp_specialize). On the H200 with Triton 3.6
 # (benchmarks/results/gpu-2026-11-26-h200.md, run 1) it compiled with 8 warps and won D128 at S >= 2048 by up
 # to 5%; with 4 warps Triton's NVGPUWarpSpecialization pass failed, and at D64 it never won.
-FWD = {64: [L(4, 3, BLOCK_M=64, BLOCK_N=64), L(4, 4, BLOCK_M=64, BLOCK_N=64), L(4, 3, BLOCK_M=128, BLOCK_N=64),
-            L(8, 3, BLOCK_M=128, BLOCK_N=128), L(8, 4, BLOCK_M=128, BLOCK_N=64)],
-       128: [L(4, 3, BLOCK_M=64, BLOCK_N=64), L(8, 3, BLOCK_M=128, BLOCK_N=128), L(8, 3, BLOCK_M=128, BLOCK_N=64),
-             L(4, 2, BLOCK_M=64, BLOCK_N=64), L(8, 4, BLOCK_M=128, BLOCK_N=64),
-             L(8, 3, BLOCK_M=128, BLOCK_N=128, WS=True), L(8, 2, BLOCK_M=128, BLOCK_N=128, WS=True)]}
 # TMA=True: tiles fetched by the copy engine through tensor descriptors (Hopper and later; offered where
 # kernels/tma.py says every operand fits): no address arithmetic or masks in the loops, fewer registers.
 # On the H200 (benchmarks/results/gpu-2026-11-28.md) they beat every other candidate in some backward
 # shape classes by up to 9% (dK/dV D64 causal S >= 4096, dQ D128 S8192) and lost elsewhere by up to
 # 10%; in the forward they never gained more than 2%.
-FWD[64] += [L(4, 3, BLOCK_M=64, BLOCK_N=64, TMA=True), L(8, 3, BLOCK_M=128, BLOCK_N=128, TMA=True),
-            L(8, 4, BLOCK_M=128, BLOCK_N=64, TMA=True)]
-FWD[128] += [L(8, 3, BLOCK_M=128, BLOCK_N=128, TMA=True), L(8, 3, BLOCK_M=128, BLOCK_N=64, TMA=True),
-             L(8, 3, BLOCK_M=128, BLOCK_N=128, WS=True, TMA=True)]
-# dK/dV: a block of BLOCK_N keys walks query blocks of BLOCK_M rows; BLOCK_M divides BLOCK_N. On the H200
-# (run 1) 64x64 w4 s3 won every D64 shape and 64x128 w8 s3 every D128 one (128x128 w8 s2 ran 2-4x slower:
-# dropped); the other stage counts are there to be measured.
+# Dropped on 2026-11-28: the candidates that in every kernel table so far (10 runs on H100s and H200s,
+# benchmarks/results/kernels-2026-11-2*.json) neither won a shape class nor came within 2% of the
+# winner: forward D64 64x64 w4 s4, 128x128 w8 s3 and TMA 128x128 w8 s3 / 128x64 w8 s4; forward D128 WS
+# 128x128 w8 s2 and TMA 128x64 w8 s3; dK/dV TMA 64x128 w8 s3 (D64) and w8 s2 (D128); dQ D64 64x64 w4 s4.
+FWD = {64: [L(4, 3, BLOCK_M=64, BLOCK_N=64), L(4, 3, BLOCK_M=128, BLOCK_N=64), L(8, 4, BLOCK_M=128, BLOCK_N=64),
+            L(4, 3, BLOCK_M=64, BLOCK_N=64, TMA=True)],
+       128: [L(4, 3, BLOCK_M=64, BLOCK_N=64), L(8, 3, BLOCK_M=128, BLOCK_N=128), L(8, 3, BLOCK_M=128, BLOCK_N=64),
+             L(4, 2, BLOCK_M=64, BLOCK_N=64), L(8, 4, BLOCK_M=128, BLOCK_N=64),
+             L(8, 3, BLOCK_M=128, BLOCK_N=128, WS=True), L(8, 3, BLOCK_M=128, BLOCK_N=128, TMA=True),
+             L(8, 3, BLOCK_M=128, BLOCK_N=128, WS=True, TMA=True)]}
 DKDV = {64: [L(4, 3, BLOCK_M=64, BLOCK_N=64), L(4, 4, BLOCK_M=64, BLOCK_N=64), L(4, 2, BLOCK_M=64, BLOCK_N=64),
-             L(8, 3, BLOCK_M=64, BLOCK_N=128)],
+             L(8, 3, BLOCK_M=64, BLOCK_N=128), L(4, 3, BLOCK_M=64, BLOCK_N=64, TMA=True)],
         128: [L(8, 3, BLOCK_M=64, BLOCK_N=128), L(8, 2, BLOCK_M=64, BLOCK_N=128), L(8, 4, BLOCK_M=64, BLOCK_N=128),
-              L(4, 3, BLOCK_M=64, BLOCK_N=64)]}
-# dQ: a block of BLOCK_M query rows walks key blocks of BLOCK_N; BLOCK_N divides BLOCK_M (run 1: 128x64 w8
-# s3 or 64x64 w4 s3 at D64, 128x64 w8 s3 at D128; 128x32 never won)
+              L(4, 3, BLOCK_M=64, BLOCK_N=64), L(8, 3, BLOCK_M=64, BLOCK_N=128, TMA=True)]}
 DQ = {64: [L(8, 3, BLOCK_M=128, BLOCK_N=64), L(4, 3, BLOCK_M=64, BLOCK_N=64), L(8, 4, BLOCK_M=128, BLOCK_N=64),
-           L(4, 4, BLOCK_M=64, BLOCK_N=64)],
+           L(8, 3, BLOCK_M=128, BLOCK_N=64, TMA=True), L(4, 3, BLOCK_M=64, BLOCK_N=64, TMA=True)],
       128: [L(8, 3, BLOCK_M=128, BLOCK_N=64), L(8, 4, BLOCK_M=128, BLOCK_N=64), L(8, 2, BLOCK_M=128, BLOCK_N=128),
-            L(4, 3, BLOCK_M=64, BLOCK_N=64)]}
-DKDV[64] += [L(4, 3, BLOCK_M=64, BLOCK_N=64, TMA=True), L(8, 3, BLOCK_M=64, BLOCK_N=128, TMA=True)]
-DKDV[128] += [L(8, 3, BLOCK_M=64, BLOCK_N=128, TMA=True), L(8, 2, BLOCK_M=64, BLOCK_N=128, TMA=True)]
-DQ[64] += [L(8, 3, BLOCK_M=128, BLOCK_N=64, TMA=True), L(4, 3, BLOCK_M=64, BLOCK_N=64, TMA=True)]
-DQ[128] += [L(8, 3, BLOCK_M=128, BLOCK_N=64, TMA=True), L(8, 4, BLOCK_M=128, BLOCK_N=64, TMA=True)]
+            L(4, 3, BLOCK_M=64, BLOCK_N=64), L(8, 3, BLOCK_M=128, BLOCK_N=64, TMA=True),
+            L(8, 4, BLOCK_M=128, BLOCK_N=64, TMA=True)]}
 # interpreted (CPU tests): small blocks, so short test sequences still cross several blocks
 FWD_I, DKDV_I, DQ_I = L(BLOCK_M=32, BLOCK_N=16), L(BLOCK_M=16, BLOCK_N=32), L(BLOCK_M=32, BLOCK_N=16)
 

@@ -210,9 +210,9 @@ CANDIDATES = [L(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64), L(8, 4, BLOCK_M=128
               L(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, EPI_SPLIT=1, PERSISTENT=1),
               # TMA=1: A's and B's tiles fetched by the copy engine through tensor descriptors (Hopper
               # and later, offered where _tma_ok holds). On the H200 (benchmarks/results/gpu-2026-11-28.md,
-              # run 2) they won 3 of 9 shape classes by 1.3-3.4% and lost the rest by up to 9.5%
-              L(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, TMA=1),
-              L(4, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, TMA=1),
+              # run 2) the persistent ones won 3 of 9 shape classes by 1.3-3.4% and lost the rest by up
+              # to 9.5%; the two one-tile-per-program ones (128x256 w8 s3, 128x128 w4 s4) were never within
+              # 2% of the winner: dropped
               L(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, EPI_SPLIT=1, PERSISTENT=1, TMA=1),
               L(8, 4, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, PERSISTENT=1, TMA=1)]
 INTERPRETED_TILES = L(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32)
