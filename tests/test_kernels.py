@@ -494,6 +494,23 @@ def test_tma_candidates_only_where_the_copy_engine_can_fetch_the_operands():
     close(y, a @ w.T, torch.float32, "forced TMA, misaligned a")
 
 
+@pytest.mark.slow
+def test_every_device_candidate_compiles_for_hopper():
+    """benchmarks/compile_candidates.py: each launch configuration compiled ahead of time for sm_90 on
+    this CPU (Triton's full pipeline to ptxas) and within an H100's shared memory: what the
+    interpreted tests above cannot see (an early return refused by the compiler, 2026-11-28).
+    About 5 minutes on 2 cores: slow."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                        "compile_candidates.py")
+    spec = importlib.util.spec_from_file_location("compile_candidates", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--jobs", "2"]) == 0
+
+
 def test_every_device_matmul_candidate_computes_the_same():
     """The matmul's launch configurations (kernels/matmul.py CANDIDATES: the split epilogue, the
     persistent kernel) forced through the interpreter, on sizes the tiles divide and sizes they do
