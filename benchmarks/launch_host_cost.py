@@ -44,11 +44,12 @@ def main() -> None:
     A.INTERPRETED = MM.INTERPRETED = False  # the compiled path's host code
     q, k = torch.randn(4, 32, 64, 64), torch.randn(4, 8, 64, 64)
     v = k.clone()
+    tma = A.tma_ok(q, k, v, q)  # (CPU tensors: True, as the interpreter runs descriptors; on a Hopper GPU too)
     for name, table in (("attention_fwd", A.FWD), ("attention_bwd_dkdv", A.DKDV), ("attention_bwd_dq", A.DQ)):
-        tune._CHOSEN[(name, A._key(q, k, None, True))] = table[64][0]
+        tune._CHOSEN[(name, A._key(q, k, None, True, tma))] = table[64][0]
     x, w = torch.randn(256, 128), torch.randn(128, 512)
-    tune._CHOSEN[("matmul", (str(x.dtype), tune.bucket(256), 512, 128, "r", "r", "none", False, False))] = \
-        MM.CANDIDATES[0]
+    tune._CHOSEN[("matmul", (str(x.dtype), tune.bucket(256), 512, 128, "r", "r", "none", False, False,
+                             MM._tma_ok(x, w)))] = MM.CANDIDATES[0]
     out, lse = A.forward(q, k, v, None, True, 0.125)
     do = torch.randn_like(out)
     calls = {"attention forward": lambda: A.forward(q, k, v, None, True, 0.125),

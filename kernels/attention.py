@@ -37,6 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from autopar.kernels import tma as _tma
 from autopar.kernels import tune
 from autopar.kernels.attention_launches import DKDV, DKDV_I, DQ, DQ_I, FWD, FWD_I, offered, operands, tma_ok
 
@@ -429,14 +430,18 @@ def forward(q, k, v, bias, causal: bool, scale: float):
     b, h, m, d = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((b, h, m), device=q.device, dtype=torch.float32)
-    tma = tma_ok(q, k, v, out)
-    sig = _signature(("attention_fwd",), q, k, v, causal, scale, tma) if bias is None else None
+    aligned = _tma.aligned(q, k, v)  # (the signature fixes the rest of what TMA needs: strides, dtype, device)
+    sig = _signature(("attention_fwd",), q, k, v, causal, scale, aligned) if bias is None else None
     plan = _FWD_PLANS.get(sig) if sig is not None else None
     if plan is not None:  # the same shapes, strides and flags as an earlier call
         grid, scalars, kw = plan
-        qa, ka, va, oa = operands(kw, (q, k, v, out), ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M"))
-        _fwd[grid](qa, ka, va, q, oa, lse, *scalars, **kw)
+        if kw["TMA"]:
+            qa, ka, va, oa = operands(kw, (q, k, v, out), ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M"))
+            _fwd[grid](qa, ka, va, q, oa, lse, *scalars, **kw)
+        else:
+            _fwd[grid](q, k, v, q, out, lse, *scalars, **kw)
         return out, lse
+    tma = aligned and tma_ok(q, k, v, out)
     hkv, n = k.shape[1], k.shape[2]
     bd = _block_d(d)
     scalars = (*q.stride(), *k.stride(), *v.stride(), *_bias_strides(bias), *out.stride(), h, h // hkv, m, n, d, scale)
@@ -471,16 +476,21 @@ def backward(do, q, k, v, out, lse, bias, causal: bool, scale: float):
     k, dk = _with_grad_buffer(k)
     v, dv = _with_grad_buffer(v)
     delta = torch.empty((b, h, m), device=q.device, dtype=torch.float32)
-    tma = tma_ok(q, k, v, do, dq, dk, dv)
+    aligned = _tma.aligned(q, k, v, do)  # (dq, dk, dv: fresh buffers)
     sig = None if bias is not None else _signature(("attention_bwd_dkdv", "attention_bwd_dq"), q, k, v, causal, scale,
-                                                   out.stride(), dq.stride(), dk.stride(), dv.stride(), tma)
+                                                   out.stride(), dq.stride(), dk.stride(), dv.stride(), aligned)
     plan = _BWD_PLANS.get(sig) if sig is not None else None
     if plan is not None:
         (g_delta, s_delta, k_delta), (g_kv, kw_kv), (g_q, kw_q), common = plan
         _bwd_delta[g_delta](out, do, delta, *s_delta, **k_delta)
-        _run_dkdv(g_kv, kw_kv, q, k, v, q, do, lse, delta, dk, dv, common)
-        _run_dq(g_q, kw_q, q, k, v, q, do, lse, delta, dq, common)
+        if kw_kv["TMA"] or kw_q["TMA"]:
+            _run_dkdv(g_kv, kw_kv, q, k, v, q, do, lse, delta, dk, dv, common)
+            _run_dq(g_q, kw_q, q, k, v, q, do, lse, delta, dq, common)
+        else:  # (pointers: straight to the launcher, the host's time per call being what a short call waits on)
+            _bwd_dkdv[g_kv](q, k, v, q, do, lse, delta, dk, dv, *common, **kw_kv)
+            _bwd_dq[g_q](q, k, v, q, do, lse, delta, dq, *common, **kw_q)
         return dq, dk, dv
+    tma = aligned and tma_ok(q, k, v, do, dq, dk, dv)
     bd = _block_d(d)
     dm = 16 if INTERPRETED else 64
     delta_plan = ((triton.cdiv(m, dm), b * h), (h, m, d, *out.stride()), dict(BLOCK_M=dm, BLOCK_D=bd))

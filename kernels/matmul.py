@@ -243,14 +243,18 @@ def matmul(a, b, bias=None, act: str = "none", store_z: bool = False):
     c = torch.empty((m, n), device=a.device, dtype=a.dtype)
     z = torch.empty_like(c) if store_z else c
     bias_arg = bias if bias is not None else a
-    tma = _tma_ok(a, b)
+    aligned = _tma.aligned(a, b)  # (the signature fixes the rest of what TMA needs: strides, dtype, device)
     sig = None if tune.forced("matmul") is not None else \
-        (a.shape, b.shape, a.stride(), b.stride(), a.dtype, a.device, bias is not None, act, store_z, tma)
+        (a.shape, b.shape, a.stride(), b.stride(), a.dtype, a.device, bias is not None, act, store_z, aligned)
     plan = _PLANS.get(sig) if sig is not None else None
     if plan is not None:  # the same shapes, strides and flags as an earlier call: the launch it computed
         kernel, grid, scalars, kw = plan
-        kernel[grid](*_operands(kw, a, b), bias_arg, c, z, *scalars, **kw)
+        if kw["TMA"]:
+            kernel[grid](*_operands(kw, a, b), bias_arg, c, z, *scalars, **kw)
+        else:
+            kernel[grid](a, b, bias_arg, c, z, *scalars, **kw)
         return (c, z) if store_z else c
+    tma = aligned and _tma_ok(a, b)
     scalars = (m, n, k, *a.stride(), *b.stride(), *c.stride())
 
     def launch(cfg: tune.Launch):

@@ -33,6 +33,16 @@ def available(device) -> bool:
     return _CAPABLE[device.index]
 
 
+def aligned(*ts) -> bool:
+    """Whether every one of ``ts`` starts on a 16-byte boundary: the one condition of ``fits`` that a
+    call's shapes, strides and dtype do not fix, so a launch plan remembered by signature
+    (kernels/tune.py ``Plans``) keys on it and runs ``fits`` only when it plans."""
+    bits = 0
+    for t in ts:  # (a loop, not a generator: this runs on every call, before its remembered plan)
+        bits |= t.data_ptr()
+    return bits % 16 == 0
+
+
 def fits(t, contiguous_dims: tuple = (-1,)) -> bool:
     """Whether a descriptor can cover ``t``: one of ``contiguous_dims`` has stride 1, the base is
     16-byte aligned, and the stride of every other dim longer than one is a multiple of 16 bytes."""

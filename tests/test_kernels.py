@@ -542,6 +542,45 @@ def test_no_gradient_made_for_the_side_outputs_and_none_accepted_through_them():
         torch.autograd.grad(lse.sum(), (q,))
 
 
+def test_a_remembered_plan_that_loads_by_tma_serves_later_calls(monkeypatch):
+    """A plan whose configuration loads by TMA builds fresh descriptors from each call's tensors:
+    the interpreted launches made to take TMA configurations (the twins' fixed ones swapped), the
+    second call of each signature runs from the first's plan, on fresh values; a call whose
+    operands are not aligned gets a plan of its own, with pointers."""
+    from autopar.kernels import attention, matmul, tune
+    from autopar.kernels.interpreter import interpreted
+
+    att, mm = interpreted(attention), interpreted(matmul)
+    tma = {"FWD_I": tune.Launch.of(BLOCK_M=32, BLOCK_N=16, TMA=True),
+           "DKDV_I": tune.Launch.of(BLOCK_M=16, BLOCK_N=32, TMA=True),
+           "DQ_I": tune.Launch.of(BLOCK_M=32, BLOCK_N=16, TMA=True)}
+    for name, config in tma.items():
+        monkeypatch.setitem(att.forward.__globals__, name, config)
+    monkeypatch.setitem(mm.matmul.__globals__, "INTERPRETED_TILES", tune.Launch.of(BLOCK_M=64, BLOCK_N=64,
+                                                                                   BLOCK_K=32, TMA=1))
+    tables = (att._FWD_PLANS, att._BWD_PLANS, mm._PLANS)
+    for t in tables:
+        monkeypatch.setattr(t, "_plans", {})
+    for _ in range(2):
+        r = run_attention_case(1, 2, 1, 40, 40, 16, True, False, torch.float32)
+        close(r["out"], r["ref"], torch.float32, "out")
+        for g, a, ref in zip("qkv", r["grads"], r["ref_grads"]):
+            close(a, ref, torch.float32, f"d{g}")
+    assert [len(t._plans) for t in tables[:2]] == [1, 1]
+    assert all(kw["TMA"] for _, _, kw in tables[0]._plans.values())
+    for _ in range(2):
+        r = run_linear_act_case("silu", torch.float32, rows=(2, 64), k=64, n=128)
+        close(r["y"], r["ref"], torch.float32, "y")
+        for name, a, ref in zip(("dx", "dw", "db"), r["grads"], r["ref_grads"]):
+            close(a, ref, torch.float32, name)
+    assert len(tables[2]._plans) == 3 and all(kw["TMA"] for _, _, _, kw in tables[2]._plans.values())
+    q = torch.randn(1, 2, 40, 17)[..., 1:]  # base 4 bytes off: its own plan, with pointers
+    with torch.no_grad():
+        out, _ = torch.ops.autopar.flash_attention(q, q, q, None, True, 0.25)
+    close(out, ops.attention_reference(q, q, q, None, True, 0.25)[0], torch.float32, "misaligned out")
+    assert len(tables[0]._plans) == 2 and sum(kw["TMA"] for _, _, kw in tables[0]._plans.values()) == 1
+
+
 def test_a_remembered_launch_plan_serves_later_calls_of_the_same_signature():
     """The second call of a signature goes through the plan the first one remembered (tune.Plans):
     fresh values each call, both right; a new shape or flag makes its own plan."""
