@@ -12,9 +12,9 @@ configurations over the chip's shared memory as this Triton lays them out. One s
 candidate: bf16, no mask, causal, sizes the blocks divide, the candidate's own flags (TMA ones with
 tensor descriptors). The GPU machine's Triton (3.6) is older than this venv's (3.9), and their
 shared memory differs: the hand-pipelined 128x128 3-stage forward of 020d5e5 needed 262,144 bytes
-on the H200's 3.6 (refused) and 65,536 here, its TMA twin 263,168 here and fitted there. So this is
-a check before the GPU's, not instead of it (benchmarks/gpu_check.py ``candidates`` forces each
-configuration on the chip).
+on the H200's 3.6 (refused) and 65,536 here; its TMA twin needed 263,168 on both (refused on both).
+So this is a check before the GPU's, not instead of it (benchmarks/gpu_check.py ``candidates``
+forces each configuration on the chip).
 
 Prints one line per configuration (compiled, its shared memory and seconds, or the error's last
 line) and exits 1 if any failed or exceeds ``--smem``.

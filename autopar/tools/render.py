@@ -12,8 +12,6 @@ import torch
 from autopar.ir import info, spec_of
 
 
-
-
 @dataclass
 class Analysis:
     model: str
