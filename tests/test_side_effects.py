@@ -92,6 +92,7 @@ def torch_state() -> dict:
         "torch function modes": torch._C._len_torch_function_stack(),
         "cpu flash FLOP formulas": [op in flop_counter.flop_registry for op in CPU_FLASH],
         "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),
+        "Module.__setattr__": torch.nn.Module.__dict__["__setattr__"],
     }
 
 
@@ -99,7 +100,8 @@ PRISTINE = {"sdpa": torch._C._nn.scaled_dot_product_attention, "selector": _shar
             "view split": torch_compat.find("find_shard_for_split", None),
             "export's constraint check": functional_export._suggest_or_raise_constraint_violation,
             "nll_loss AutogradMeta kernel": False, "torch function modes": 0, "cpu flash FLOP formulas": [False, False],
-            "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET")}
+            "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),
+            "Module.__setattr__": torch.nn.Module.__dict__["__setattr__"]}
 
 
 @torch.library.custom_op("autopar_test::no_backward", mutates_args=())
@@ -213,3 +215,61 @@ def test_exports_constraint_check_is_skipped_for_autopars_static_captures_only(m
     calls.clear()
     capture.capture_graph(torch.nn.Linear(4, 4), (torch.randn(2, 4), torch.randn(2, 4)), lambda y, t: ((y - t) ** 2).sum())
     assert calls == []
+
+
+class _ReassignsItsBuffer(torch.nn.Module):
+    """A position table made as ``nn.Buffer`` and assigned again in forward, as CTRL does
+    (``self.pos_encoding = self.pos_encoding.to(device=..., dtype=...)``): dynamo could not trace
+    Module's own ``__setattr__`` for it ("Unsupported python_type() call")."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+        self.pos = torch.nn.Buffer(torch.randn(8, 16), persistent=False)
+        self.proj = torch.nn.Linear(16, 32)
+
+    def forward(self, tokens):
+        self.pos = self.pos.to(device=tokens.device, dtype=self.emb.weight.dtype)
+        return self.proj(self.emb(tokens) + self.pos[: tokens.shape[1]])
+
+
+def test_a_buffer_assigned_again_in_forward_is_traced_and_matches_eager():
+    """The capture takes the assignment (autopar/capture.py ``_assign_buffer``), the program on one
+    rank trains as one eager process does, the buffer stays non-persistent, and Module's
+    ``__setattr__`` is Module's own again afterwards."""
+    from autopar.testing import parity_optimizer
+
+    from test_kernels import _one_rank
+
+    torch.manual_seed(0)
+    ref = _ReassignsItsBuffer()
+    model = _ReassignsItsBuffer()
+    model.load_state_dict(ref.state_dict())
+    model.pos.copy_(ref.pos)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g)) for _ in range(2)]
+
+    def loss_fn(logits, targets):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+
+    def trained(step, params):
+        opt, losses = parity_optimizer(params, 1e-2), []
+        for x, y in batches:
+            losses.append(step(x, y))
+            opt.step()
+            opt.zero_grad()
+        return losses
+
+    def eager_step(x, y):
+        loss = loss_fn(ref(x), y)
+        loss.backward()
+        return loss.item()
+
+    with _one_rank() as mesh:
+        pm = autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn, plan={"dp": "ddp"},
+                             capture_eval=False)
+        losses = trained(lambda x, y: float(pm.train_step(x, y)), pm.parameters())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(trained(eager_step, ref.parameters())),
+                               rtol=2e-5, atol=2e-5)
+    assert "pos" in model._non_persistent_buffers_set
+    assert torch_state() == PRISTINE
