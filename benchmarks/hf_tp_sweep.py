@@ -10,10 +10,12 @@ repeated blocks' matrix parameters sharded on tp (``hf_archs.tp_sharded``), and 
 weighed by each matrix's size at the architecture's own default sizes (``own_sizes_share``). The
 numerics against one process are benchmarks/hf_breadth.py's, for the 34 families it trains.
 
-    .venv/bin/python benchmarks/hf_tp_sweep.py [--jobs 2] [--timeout 240] [--out FILE.md] [--tiny-only] [TYPE ...]
+    .venv/bin/python benchmarks/hf_tp_sweep.py [--jobs 2] [--timeout 240] [--out FILE.md] [--tiny-only] [--fsdp]
+        [TYPE ...]
 
 (``--tiny-only``: the share at the tiny sizes alone, the headline's measure; the own-sizes column
-builds each default config on meta too and takes about three times as long.)
+builds each default config on meta too and takes about three times as long. ``--fsdp``: the same
+under ``{"dp": "fsdp", "tp": "megatron"}`` on a fake dp=2 x tp=2 mesh.)
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def one(model_type: str, own_sizes: bool = True) -> dict:
-    """Build, run eagerly, compile on a fake tp=2 mesh; what happened, as a dict."""
+def one(model_type: str, own_sizes: bool = True, fsdp: bool = False) -> dict:
+    """Build, run eagerly, compile on a fake tp=2 mesh (``fsdp``: dp=2 x tp=2 under fsdp + megatron);
+    what happened, as a dict."""
     import transformers
 
     import autopar
@@ -48,9 +51,9 @@ def one(model_type: str, own_sizes: bool = True) -> dict:
         except Exception as e:  # noqa: BLE001 - the architecture cannot be built or run at these sizes
             return {"type": model_type, "status": "not buildable", "why": f"{type(e).__name__}: {str(e)[:160]}"}
     try:
-        with fake_mesh({"tp": 2}, 0) as mesh:
-            pm = autopar.compile(model, mesh, example_inputs=(x, y), loss_fn=loss_fn, plan={"tp": "megatron"},
-                                 capture_eval=False)
+        axes, plan = ({"dp": 2, "tp": 2}, {"dp": "fsdp", "tp": "megatron"}) if fsdp else ({"tp": 2}, {"tp": "megatron"})
+        with fake_mesh(axes, 0) as mesh:
+            pm = autopar.compile(model, mesh, example_inputs=(x, y), loss_fn=loss_fn, plan=plan, capture_eval=False)
         share = hf_archs.tp_sharded(pm)
         try:
             own = own_sizes_share(model_type, extra, model.config, pm) if own_sizes else None
@@ -150,8 +153,9 @@ def hf_archs_block(name: str) -> bool:
     return bool(block_of(name))
 
 
-def _run(model_type: str, timeout: float, tiny_only: bool = False) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--one", model_type] + (["--tiny-only"] if tiny_only else [])
+def _run(model_type: str, timeout: float, tiny_only: bool = False, fsdp: bool = False) -> dict:
+    cmd = ([sys.executable, os.path.abspath(__file__), "--one", model_type] + (["--tiny-only"] if tiny_only else [])
+           + (["--fsdp"] if fsdp else []))
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=os.path.dirname(HERE))
     except subprocess.TimeoutExpired:
@@ -173,16 +177,17 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=240)
     ap.add_argument("--out")
     ap.add_argument("--tiny-only", action="store_true", help="skip the share weighed at each architecture's own sizes")
+    ap.add_argument("--fsdp", action="store_true", help="fsdp + megatron on a fake dp=2 x tp=2 mesh (4 ranks)")
     a = ap.parse_args()
     if a.one:
-        print(json.dumps(one(a.one, own_sizes=not a.tiny_only)))
+        print(json.dumps(one(a.one, own_sizes=not a.tiny_only, fsdp=a.fsdp)))
         return
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     types = a.types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     t0 = time.time()
     def run(t):  # each row printed as it comes (a sweep stopped midway keeps what it had)
-        r = _run(t, a.timeout, a.tiny_only)
+        r = _run(t, a.timeout, a.tiny_only, a.fsdp)
         print(json.dumps(r), flush=True)
         return r
     with ThreadPoolExecutor(a.jobs) as ex:
@@ -201,7 +206,7 @@ def main() -> None:
         why = "; ".join(r.get("replicated", [])) if r["status"] == "ok" else r.get("why", "")
         lines.append(f"| {r['type']} | {r['status']} | {share} | {o.replace('|', '/')} | {why.replace('|', '/')} |")
     lines += ["", f"{len(types)} architectures, {len(built)} buildable at the tiny sizes, {len(ok)} compiled under "
-              f"megatron on a fake tp=2 mesh, {len(most)} of them with at least 90% of their blocks' matrices "
+              f"{'fsdp + megatron on a fake dp=2 x tp=2' if a.fsdp else 'megatron on a fake tp=2'} mesh, {len(most)} of them with at least 90% of their blocks' matrices "
               f"sharded ({100 * len(most) / max(1, len(built)):.1f}% of the buildable); at their own sizes "
               f"(`own_sizes_share`) {len(own_most)} of the {len(own)} whose default config built on meta; "
               f"{time.time() - t0:.0f} s"]
