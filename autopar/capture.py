@@ -160,33 +160,6 @@ def _static_capture():
     return tc.static_export()
 
 
-_module_setattr = nn.Module.__setattr__
-
-
-def _assign_buffer(self, name, value):
-    """``nn.Module.__setattr__`` while dynamo traces: a tensor assigned to a buffer the module has
-    already goes into ``_buffers`` as it is (what Module does, its persistence unchanged). Module's
-    own path reads ``value.persistent`` where the buffer was made as ``nn.Buffer``, which dynamo
-    cannot trace (CTRL's ``self.pos_encoding = self.pos_encoding.to(...)`` in its forward failed
-    with "Unsupported python_type() call"). Anything else takes Module's own path."""
-    buffers = self.__dict__.get("_buffers")
-    if buffers is not None and name in buffers and isinstance(value, torch.Tensor) \
-            and not isinstance(value, nn.Parameter):
-        buffers[name] = value
-        return
-    _module_setattr(self, name, value)
-
-
-@contextlib.contextmanager
-def _buffer_assignments():
-    """``_assign_buffer`` as Module's ``__setattr__`` for the time of a capture."""
-    nn.Module.__setattr__ = _assign_buffer
-    try:
-        yield
-    finally:
-        nn.Module.__setattr__ = _module_setattr
-
-
 def _user_exception(wrapper: nn.Module, example_inputs: tuple):
     """When dynamo reports only "Observed exception", the user's code raised: run model + loss
     once on fake tensors (shapes only, nothing computed or allocated) to get that exception and
@@ -217,6 +190,7 @@ def capture_graph(model: nn.Module, example_inputs: tuple, loss_fn: Callable | N
     from autopar import capture_cache as cc
     from autopar import splice, value_checks
     from autopar.experts import dropless_experts
+    from autopar.scoped import buffer_assignments
 
     if splice.active():  # planning a deep model: capture three blocks, repeat the third (autopar/splice.py)
         found = splice.block_list(model)
@@ -232,7 +206,7 @@ def capture_graph(model: nn.Module, example_inputs: tuple, loss_fn: Callable | N
 
     def trace():
         with (warnings.catch_warnings(), tc.no_compiled_fn_globals(), dropless_experts(model, dropless),
-              _static_capture(), tc.scalar_outputs(), _buffer_assignments()):
+              _static_capture(), tc.scalar_outputs(), buffer_assignments()):
             warnings.simplefilter("ignore")
             gm = dynamo_capture(wrapper)(*example_inputs)
         value_checks.to_device(gm)  # asserts on a tensor's value: checked on the device (autopar/value_checks.py)

@@ -60,3 +60,37 @@ class SharedPatch:
                 if self._users == 0:
                     token, self._token = self._token, None
                     self._undo(token)
+
+
+def _module_setattr_for_traces():
+    import torch
+
+    orig = torch.nn.Module.__setattr__
+
+    def __setattr__(module, name, value):
+        buffers = module.__dict__.get("_buffers")
+        if torch.compiler.is_compiling() and buffers is not None and name in buffers \
+                and isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+            buffers[name] = value  # what Module does, its persistence unchanged
+        else:
+            orig(module, name, value)
+
+    torch.nn.Module.__setattr__ = __setattr__
+    return orig
+
+
+def _undo_module_setattr(orig) -> None:
+    import torch
+
+    torch.nn.Module.__setattr__ = orig
+
+
+# ``with buffer_assignments():`` (autopar/capture.py, around dynamo's capture): a tensor that code
+# dynamo traces assigns to a buffer its module has already goes into ``_buffers`` as Module does.
+# Module's own path reads ``value.persistent`` where the buffer was made as ``nn.Buffer``, which
+# dynamo cannot trace ("Unsupported python_type() call"; CTRL assigns its position table again in
+# forward). Public torch API only (so here, not in the torch boundary). The gate is
+# ``torch.compiler.is_compiling()``, not a ContextVar, whose ``get`` dynamo cannot trace: eager
+# code in any thread takes Module's own path; a dynamo trace in another thread in that window
+# takes this one, which assigns what Module would (global buffer-registration hooks not run).
+buffer_assignments = SharedPatch(_module_setattr_for_traces, _undo_module_setattr)

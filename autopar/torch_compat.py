@@ -64,7 +64,8 @@ step runs, seen only by the thread that runs it), all made here: DTensor's strat
 (``strategy_selector``), the view split fix (``fixed_views``), export's constraint check
 (``static_export``), export's compiled-function globals (``no_compiled_fn_globals``), a dispatcher
 kernel (``dispatcher_kernel``: nll_loss's AutogradMeta on meta) and ``nn.Module.register_parameter``
-(``register_parameter_hook``). The selector stays a patch: choosing in autopar from DTensor's
+(``register_parameter_hook``); with public API only, ``nn.Module.__setattr__`` during a capture
+(``autopar.scoped.buffer_assignments``). The selector stays a patch: choosing in autopar from DTensor's
 strategy list would mean re-implementing what ``propagate_op_sharding_non_cached`` does after the
 choice (shape-argument rewrites, tuple strategies, single-dim expansion), which differs by version.
 

@@ -51,7 +51,7 @@ def one(model_type: str, own_sizes: bool = True, fsdp: bool = False) -> dict:
         except Exception as e:  # noqa: BLE001 - the architecture cannot be built or run at these sizes
             return {"type": model_type, "status": "not buildable", "why": f"{type(e).__name__}: {str(e)[:160]}"}
     try:
-        axes, plan = ({"dp": 2, "tp": 2}, {"dp": "fsdp", "tp": "megatron"}) if fsdp else ({"tp": 2}, {"tp": "megatron"})
+        axes, plan = hf_archs.MORE_PLANS["fsdp+megatron"] if fsdp else hf_archs.PLANS["megatron"]
         with fake_mesh(axes, 0) as mesh:
             pm = autopar.compile(model, mesh, example_inputs=(x, y), loss_fn=loss_fn, plan=plan, capture_eval=False)
         share = hf_archs.tp_sharded(pm)
@@ -206,8 +206,9 @@ def main() -> None:
         why = "; ".join(r.get("replicated", [])) if r["status"] == "ok" else r.get("why", "")
         lines.append(f"| {r['type']} | {r['status']} | {share} | {o.replace('|', '/')} | {why.replace('|', '/')} |")
     lines += ["", f"{len(types)} architectures, {len(built)} buildable at the tiny sizes, {len(ok)} compiled under "
-              f"{'fsdp + megatron on a fake dp=2 x tp=2' if a.fsdp else 'megatron on a fake tp=2'} mesh, {len(most)} of them with at least 90% of their blocks' matrices "
-              f"sharded ({100 * len(most) / max(1, len(built)):.1f}% of the buildable); at their own sizes "
+              f"{'fsdp + megatron on a fake dp=2 x tp=2' if a.fsdp else 'megatron on a fake tp=2'} mesh, "
+              f"{len(most)} of them with at least 90% of their blocks' matrices sharded "
+              f"({100 * len(most) / max(1, len(built)):.1f}% of the buildable); at their own sizes "
               f"(`own_sizes_share`) {len(own_most)} of the {len(own)} whose default config built on meta; "
               f"{time.time() - t0:.0f} s"]
     text = "\n".join(lines)

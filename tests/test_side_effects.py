@@ -234,9 +234,12 @@ class _ReassignsItsBuffer(torch.nn.Module):
 
 
 def test_a_buffer_assigned_again_in_forward_is_traced_and_matches_eager():
-    """The capture takes the assignment (autopar/capture.py ``_assign_buffer``), the program on one
+    """The capture takes the assignment (``autopar.scoped.buffer_assignments``), the program on one
     rank trains as one eager process does, the buffer stays non-persistent, and Module's
-    ``__setattr__`` is Module's own again afterwards."""
+    ``__setattr__`` is Module's own again afterwards. While the change is in place, eager code
+    (not traced) takes Module's own path: an ``nn.Buffer`` assigned with another persistence
+    changes it, as Module does."""
+    from autopar.scoped import buffer_assignments
     from autopar.testing import parity_optimizer
 
     from test_kernels import _one_rank
@@ -272,4 +275,10 @@ def test_a_buffer_assigned_again_in_forward_is_traced_and_matches_eager():
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(trained(eager_step, ref.parameters())),
                                rtol=2e-5, atol=2e-5)
     assert "pos" in model._non_persistent_buffers_set
+    assert torch_state() == PRISTINE
+    eager = _ReassignsItsBuffer()
+    with buffer_assignments():
+        assert torch.nn.Module.__dict__["__setattr__"] is not PRISTINE["Module.__setattr__"]
+        eager.pos = torch.nn.Buffer(eager.pos.clone(), persistent=True)
+    assert "pos" not in eager._non_persistent_buffers_set and "pos" in eager.state_dict()
     assert torch_state() == PRISTINE
