@@ -262,7 +262,7 @@ def gm_template(gm: fx.GraphModule, wrapper: nn.Module) -> _GraphModuleTemplate 
 def gm_from_template(t: _GraphModuleTemplate, wrapper: nn.Module) -> fx.GraphModule:
     tensors = _tensors_by_name(wrapper)
     root = {target: (tensors[v] if kind == "model" else v) for target, (kind, v) in t.attrs.items()}
-    gm = fx.GraphModule(root, copy_graph(t.graph))
+    gm = tc.graph_module(root, copy_graph(t.graph))
     gm.meta.update(t.meta)
     gm.__dict__.update(t.extra)
     return gm

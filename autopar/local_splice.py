@@ -41,6 +41,7 @@ import re
 import torch
 from torch import fx
 
+from autopar import torch_compat as tc
 from autopar.analysis.liveness import storage_key
 from autopar.capture_cache import copy_graph
 from autopar.ir import info
@@ -113,7 +114,7 @@ def _record(rec: _Record, program) -> str:
         return "the per-rank program reads attributes"
     rec.g3 = copy_graph(program.graph)
     lg = copy_graph(program.local.graph)
-    rec.l3 = fx.GraphModule(program.local, lg)
+    rec.l3 = tc.graph_module(program.local, lg)
     rec.roles = list(program.outputs)
     return ""
 
@@ -319,7 +320,7 @@ def splice_local(rec: _Record, program, ctx, annotate):
     out = g.output([new[v] if isinstance(v, tuple) else v for v, _ in want])
     out.meta = dict(out_node.meta)
     annotate(g, {n.name: n for n in program.graph.nodes}, ctx)
-    return fx.GraphModule(rec.l3, g)
+    return tc.graph_module(rec.l3, g)
 
 
 def _tensors(val):

@@ -38,6 +38,7 @@ import re
 import torch
 from torch import fx, nn
 
+from autopar import torch_compat as tc
 from autopar.modpath import block_of as _block
 from autopar.modpath import get_attr as _get_attr
 from autopar.modpath import module_path as _path
@@ -295,7 +296,7 @@ def splice(gm: fx.GraphModule, model: nn.Module, path: str, blocks: nn.ModuleLis
     for n in g.nodes:
         if n.op == "get_attr" and n.target not in attrs:
             attrs[n.target] = _get_attr(gm, n.target)
-    out = fx.GraphModule(attrs, g)
+    out = tc.graph_module(attrs, g)
     out.meta.update(gm.meta)
     out.__dict__.update({k: gm.__dict__[k] for k in ("_in_spec", "_out_spec", "shape_env") if k in gm.__dict__})
     out.graph.lint()

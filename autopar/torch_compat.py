@@ -53,6 +53,7 @@ _inductor.config (realize thresholds)                  -                    torc
 _ops.OpOverload                                        -                    TorchVersionError
 _ops.OpOverloadPacket                                  -                    no capture cache (each compile traces)
 fx.graph_module._WrappedCall                           -                    TorchVersionError (twins)
+fx._lazy_graph_module._LazyGraphModule                 -                    GraphModule (code made on each change)
 distributed.device_mesh.DeviceMesh._flatten            -                    a new group over the mesh's ranks
 testing._internal.distributed.fake_pg                  -                    TorchVersionError (fake meshes)
 testing._internal.distributed.fake_pg.FakeStore        -                    a HashStore
@@ -182,6 +183,8 @@ PRIVATE: dict[str, Private] = {
     "OpOverloadPacket": Private("torch._ops", "OpOverloadPacket", "keying the capture cache",
                                 "the capture cache keeps nothing (every compile traces)"),
     "WrappedCall": Private("torch.fx.graph_module", "_WrappedCall", "cloning a GraphModule's class"),
+    "LazyGraphModule": Private("torch.fx._lazy_graph_module", "_LazyGraphModule", "generating a program's code once",
+                               "GraphModule (its code generated again on each change)"),
     "mesh_flatten": Private("torch.distributed.device_mesh", "DeviceMesh._flatten", "a whole-mesh process group",
                             "a new group over the mesh's ranks"),
     "fake_pg": Private("torch.testing._internal.distributed.fake_pg", None, "fake process groups"),
@@ -263,9 +266,15 @@ def native_nn(name: str) -> frozenset:
     return frozenset(f for f in (getattr(F, name, None), getattr(find("c_nn", None), name, None)) if f is not None)
 
 
+def graph_module(root, graph) -> torch.fx.GraphModule:
+    """``GraphModule(root, graph)`` whose code is generated when first called or read (torch's lazy
+    kind, as dynamo's), not on each ``recompile()``: passes rewrite a program several times, and
+    ``autopar plan`` never runs it (0.5 s of a Llama-3-8B plan went there)."""
+    return find("LazyGraphModule", torch.fx.GraphModule)(root, graph)
+
+
 def contiguous_strides(shape) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape`` (as torch's ``make_contiguous_strides_for``:
-    a dim of size 0 counts as 1)."""
+    """A contiguous ``shape``'s strides (torch's ``make_contiguous_strides_for``: a 0 counts as 1)."""
     strides, step = [], 1
     for size in reversed(tuple(shape)):
         strides.append(step)
@@ -273,14 +282,12 @@ def contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def storage_use_count(t: torch.Tensor) -> int:
-    """References to ``t``'s storage (C++); a large number where torch cannot say."""
+def storage_use_count(t: torch.Tensor) -> int:  # references to t's storage (C++); many if torch cannot say
     count = find("storage_use_count", None)
     return count(t.untyped_storage()._cdata) if count is not None else 1 << 30
 
 
-def dispatch_mode_active() -> bool:
-    """Whether a TorchDispatchMode is watching (True where torch cannot say)."""
+def dispatch_mode_active() -> bool:  # whether a TorchDispatchMode is watching (True where torch cannot say)
     current = find("get_current_dispatch_mode", None)
     return current is None or current() is not None
 
@@ -326,9 +333,8 @@ def whole_mesh_group(mesh):
     return dist.new_group(mesh.mesh.flatten().tolist())
 
 
-def fake_store():
-    """A store for ``init_process_group("fake")``; importing torch's fake_pg registers that backend."""
-    find("fake_pg")  # (registers the backend; TorchVersionError without it)
+def fake_store():  # a store for init_process_group("fake")
+    find("fake_pg")  # (importing it registers the backend; TorchVersionError without it)
     store = find("FakeStore", None)
     if store is not None:
         return store()
@@ -349,8 +355,7 @@ def sharding_propagator():
     return find("op_dispatcher").sharding_propagator
 
 
-def dtensor_knows(op) -> bool:
-    """Whether DTensor has a strategy (or a rule) for ``op``."""
+def dtensor_knows(op) -> bool:  # whether DTensor has a strategy (or a rule) for op
     prop = sharding_propagator()
     return any(op in getattr(prop, table, {}) for table in
                ("op_strategy_funcs", "op_to_rules", "op_single_dim_strategy_funcs"))
@@ -424,8 +429,7 @@ def known_output_meta(meta_of: Callable) -> SharedPatch:
 
 
 def _same_split_factor(expected, actual) -> bool:
-    """torch 2.13's ``_split_factor_matches`` for autopar's static shapes (2.12 compares with ``==``;
-    2.11 has neither)."""
+    """torch 2.13's ``_split_factor_matches`` for static shapes (2.12 compares with ``==``; 2.11: neither)."""
     if expected is None:
         return False
     try:
@@ -467,8 +471,7 @@ _SPLIT_FIX = SharedPatch(_apply_split_fix, lambda undo: undo and setattr(undo[0]
 _VIEW_FIX: contextvars.ContextVar[bool] = contextvars.ContextVar("autopar_view_fix", default=False)
 
 
-def views_fixed() -> bool:
-    """Whether ``fixed_views`` fixes anything on this torch (2.12 and later)."""
+def views_fixed() -> bool:  # whether ``fixed_views`` fixes anything on this torch (2.12 and later)
     return has("find_shard_for_split") and has("expected_split_factor")
 
 

@@ -91,6 +91,7 @@ def trace_local(program: Program, ctx) -> Program:
 
     with fx_traceback.preserve_node_meta(), torch.no_grad(), tc.fixed_views():
         gm = make_fx(run, tracing_mode="fake")(*example)
+    gm = tc.graph_module(gm, gm.graph)  # (its code generated when it first runs: passes rewrite it)
     _annotate_collectives(gm.graph, origins, ctx)
     changed = _reshape_views_of_mixed_layouts(gm.graph)
     if drop_unread(gm.graph) or changed:  # (views a local op replaced: ring attention's, sequence parallelism's)

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from autopar import torch_compat as tc
+
 
 @dataclass
 class Part:
@@ -89,7 +91,7 @@ def partition(gm: fx.GraphModule, roles: list[tuple], in_roles: list[tuple] | No
             env[n] = graph.node_copy(n, env.__getitem__)
         keep = [n for n in nodes if n in later]
         graph.output(tuple(env[n] for n in keep))
-        parts[name] = Part(name, fx.GraphModule(gm, graph), args, [n.name for n in keep], len(g),
+        parts[name] = Part(name, tc.graph_module(gm, graph), args, [n.name for n in keep], len(g),
                            frozenset(n.name for n in g))
     return parts
 

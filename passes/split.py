@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from autopar import torch_compat as tc
 from autopar.analysis.ops import val_bytes
 from autopar.errors import CaptureError, PlanError
 from autopar.ir import CompileState, Stage
@@ -338,7 +339,7 @@ def split_stages(gm: fx.GraphModule, n_stages: int, split: list[str] | None, dev
             env[n] = g.node_copy(n, env.__getitem__)
         outs = outputs_of[st]
         g.output(tuple(env[n] for n in outs))
-        sg = fx.GraphModule(root, g)
+        sg = tc.graph_module(root, g)
         stage_paths = [paths[n] for n in stage_nodes[st] if n in paths and paths[n]]
         spec = StageSpec(st, sg, inputs, consumers[st], example, in_batched,
                          [False] if st == n_stages - 1 else

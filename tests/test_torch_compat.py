@@ -74,6 +74,16 @@ def compiles(fake):
     assert any(r.kind == "all_reduce" and r.axis == "tp" for r in pm.collectives())
 
 
+def steps_as_eager(fake):
+    """A compiled program that runs (its code generated when first called) computes what eager does."""
+    model, (tokens, _) = _llama()
+    want = cross_entropy(model(tokens), tokens)
+    with fake(dp=1) as mesh:
+        pm = autopar.compile(model, mesh, example_inputs=(tokens, tokens), loss_fn=cross_entropy,
+                             plan={"dp": "ddp"}, capture_eval=False)
+        torch.testing.assert_close(pm.train_step(tokens, tokens), want, rtol=1e-5, atol=1e-6)
+
+
 def compiles_on_meta(fake):
     """The meta fixes: nll_loss's AutogradMeta kernel (registered for the trace, removed after)."""
     pm = compile_llama(fake, meta=True)
@@ -195,7 +205,7 @@ CASES = {
     "select_decomp_table": compiles_with_inductor, "inductor_config": inductor_thresholds,
     "TracingContext": compiles_with_inductor,
     "tracing": compiles_with_inductor, "OpOverload": compiles, "OpOverloadPacket": compiles_with_capture_cache,
-    "WrappedCall": compiles_twin_stages, "mesh_flatten": whole_mesh_group, "fake_pg": fake_meshes,
+    "WrappedCall": compiles_twin_stages, "LazyGraphModule": steps_as_eager, "mesh_flatten": whole_mesh_group, "fake_pg": fake_meshes,
     "FakeStore": fake_meshes,
 }
 VERSION = ".".join(torch.__version__.split(".")[:2])
