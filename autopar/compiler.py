@@ -26,6 +26,7 @@ from autopar.options import CompileOptions, Options, compile_signature
 from autopar.pipeline_plan import is_pipeline_strategy, pipeline_setup
 from autopar.plan import Plan, parse_plan
 from autopar.runtime import failure, steptimes
+from autopar.scoped import paused_collector
 
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -158,7 +159,8 @@ def build(model: nn.Module, mesh: DeviceMesh, options: CompileOptions | None = N
     given = replace(options or CompileOptions(), **changes)
     opts, micro = validate(model, mesh, given)
     state = CompileState(model, mesh, opts, tuple(given.example_inputs), micro)
-    state = run_pipeline(state, skip=opts.skip, debug=given.debug, stop_after=stop_after)
+    with paused_collector():  # (autopar/scoped.py: a trace's objects live to its end)
+        state = run_pipeline(state, skip=opts.skip, debug=given.debug, stop_after=stop_after)
     state.timings["total"] = time.perf_counter() - t0
     return state
 

@@ -6,6 +6,7 @@ without switching other Triton code to it."""
 from __future__ import annotations
 
 import json
+import gc
 import os
 import subprocess
 import sys
@@ -93,6 +94,7 @@ def torch_state() -> dict:
         "cpu flash FLOP formulas": [op in flop_counter.flop_registry for op in CPU_FLASH],
         "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),
         "Module.__setattr__": torch.nn.Module.__dict__["__setattr__"],
+        "cyclic collector on": gc.isenabled(),
     }
 
 
@@ -101,7 +103,7 @@ PRISTINE = {"sdpa": torch._C._nn.scaled_dot_product_attention, "selector": _shar
             "export's constraint check": functional_export._suggest_or_raise_constraint_violation,
             "nll_loss AutogradMeta kernel": False, "torch function modes": 0, "cpu flash FLOP formulas": [False, False],
             "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),
-            "Module.__setattr__": torch.nn.Module.__dict__["__setattr__"]}
+            "Module.__setattr__": torch.nn.Module.__dict__["__setattr__"], "cyclic collector on": True}
 
 
 @torch.library.custom_op("autopar_test::no_backward", mutates_args=())
@@ -165,6 +167,27 @@ def test_a_compile_leaves_torch_as_it_found_it(fake, case):
             with pytest.raises(RAISES[case]):
                 CASES[case](mesh)
     assert torch_state() == PRISTINE
+
+
+def test_the_collector_paused_for_a_compile_stays_as_the_user_set_it(fake, monkeypatch):
+    """The cyclic collector is off while a compile's passes run (autopar.scoped.paused_collector),
+    on again after them, also when they raise; a user who turned it off finds it off."""
+    from autopar import passes
+
+    seen, run = [], passes.run_pipeline
+    monkeypatch.setattr(passes, "run_pipeline", lambda *a, **k: seen.append(gc.isenabled()) or run(*a, **k))
+    with fake(**MESH["succeeds"]) as mesh:
+        CASES["succeeds"](mesh)
+        assert seen == [False] and gc.isenabled()
+        gc.disable()
+        try:
+            CASES["succeeds"](mesh)
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
+    with fake(**MESH["fails in propagate"]) as mesh, pytest.raises(RAISES["fails in propagate"]):
+        CASES["fails in propagate"](mesh)
+    assert seen == [False, False, False] and gc.isenabled()
 
 
 def test_autopars_selector_is_seen_only_by_the_propagating_thread(monkeypatch):

@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     module, fn, _ = COMMANDS[cmd]
     console = argv_given is None
     if console and cmd in _QUICK_EXIT:
-        # no cyclic collection from here to the exit (see explain.paused_gc, which pauses it for
+        # no cyclic collection from here to the exit (see autopar.scoped.paused_collector, which pauses it for
         # the analyses alone where main() is called in a longer-lived process): importing torch,
         # dynamo and autopar makes objects by the million, and the collector's passes over them
         # took 0.4 s of those imports' 1.7 s

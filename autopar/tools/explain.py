@@ -28,6 +28,7 @@ import warnings
 
 
 from autopar.errors import AutoparError, PlanError
+from autopar.scoped import paused_collector
 from autopar.mesh import fake_mesh
 from autopar.options import CompileOptions
 from autopar.tools.render import (Analysis, dump_dot, dump_json, dump_svg, dump_text, explain_text,
@@ -149,27 +150,10 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 
 # --------------------------------------------------------------------------- analysis
-@contextlib.contextmanager
-def paused_gc():
-    """Python's cyclic collector off while an analysis traces and compiles. A trace makes objects
-    by the million and keeps most of them to the end (graphs, nodes, fake tensors), so the
-    collector's passes found little to free and took 0.5-0.7 s of a 5.5 s `autopar plan` of
-    Llama-3-8B (2.4 of 14.9 s with --full-depth). What it would have freed is freed when it runs
-    again: the peak grows by that (22 MB there, 72 MB with --full-depth). A forked child (the
-    depths compiled beside this process) inherits the setting."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 def _paused(fn, ranks: int):
     """``fn()`` (one rank's analysis) with the collector paused; of several ranks' analyses, each
     one's garbage collected before the next starts (64 of them would otherwise pile up)."""
-    with paused_gc():
+    with paused_collector():
         out = fn()
     if ranks > 1:
         gc.collect()
