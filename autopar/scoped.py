@@ -114,9 +114,9 @@ def _resume_collector(was) -> None:
 # ``with paused_collector():`` Python's cyclic garbage collector off while a compile or an analysis
 # traces (autopar/compiler.py ``build``, autopar/tools/explain.py). A trace makes objects by the
 # million and keeps most of them to its end (graphs, nodes, fake tensors), so the collector's passes
-# find little to free: they took 0.5-0.7 s of a 5.5 s `autopar plan` of Llama-3-8B, and 12 of the 79 s
-# tests/test_planner.py ran for. What they would have freed is freed when the collector next runs
-# (the peak grows by that: 22 MB in that plan). Counted like the patches above: nested or concurrent
+# find little to free: they took 0.5-0.7 s of a 5.5 s `autopar plan` of Llama-3-8B; a second compile
+# of llama-tiny on dp=2 x tp=2, 0.75 -> 0.62 s. What they would have freed is freed when the collector
+# next runs (the peak grows by that: 22 MB in that plan). Counted like the patches above: nested or concurrent
 # compiles share one pause, lifted when the last leaves, and only where the collector was on when
 # the first entered. A forked child (depths compiled beside a process) inherits the pause.
 paused_collector = SharedPatch(_pause_collector, _resume_collector)

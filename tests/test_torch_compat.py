@@ -205,7 +205,8 @@ CASES = {
     "select_decomp_table": compiles_with_inductor, "inductor_config": inductor_thresholds,
     "TracingContext": compiles_with_inductor,
     "tracing": compiles_with_inductor, "OpOverload": compiles, "OpOverloadPacket": compiles_with_capture_cache,
-    "WrappedCall": compiles_twin_stages, "LazyGraphModule": steps_as_eager, "mesh_flatten": whole_mesh_group, "fake_pg": fake_meshes,
+    "WrappedCall": compiles_twin_stages, "LazyGraphModule": steps_as_eager, "mesh_flatten": whole_mesh_group,
+    "fake_pg": fake_meshes,
     "FakeStore": fake_meshes,
 }
 VERSION = ".".join(torch.__version__.split(".")[:2])

@@ -50,8 +50,8 @@ def main(argv=None) -> int:
     module, fn, _ = COMMANDS[cmd]
     console = argv_given is None
     if console and cmd in _QUICK_EXIT:
-        # no cyclic collection from here to the exit (see autopar.scoped.paused_collector, which pauses it for
-        # the analyses alone where main() is called in a longer-lived process): importing torch,
+        # no cyclic collection from here to the exit (autopar.scoped.paused_collector pauses it for
+        # the compiles alone where main() is called in a longer-lived process): importing torch,
         # dynamo and autopar makes objects by the million, and the collector's passes over them
         # took 0.4 s of those imports' 1.7 s
         gc.disable()
