@@ -286,6 +286,42 @@ def test_context_and_expert_parallelism_are_searched():
         P.search("moe-tiny", 1, batch=2, seq=16, precision="fp32", confirm_top=0, expert=True, **SMALL)
 
 
+class _Repeats(torch.nn.Module):
+    """A block that runs its matmul ``times`` times: blocks alike in class and parameters whose
+    cost grows with their place in the list (``times`` = the block's index + 1)."""
+
+    def __init__(self, times: int):
+        super().__init__()
+        self.w = torch.nn.Linear(32, 32, bias=False)
+        self.times = times
+
+    def forward(self, x):
+        for _ in range(self.times):
+            x = x + self.w(x)
+        return x
+
+
+def test_blocks_whose_cost_grows_with_their_place_are_refused(monkeypatch):
+    """The search extrapolates one block to the model's depth: the check at depth 3 (in the child
+    beside the other block choices, as on the command line) refuses a model whose blocks differ."""
+    from test_tp_derive import LM  # (an embedding, the blocks, an LM head)
+
+    monkeypatch.setenv("AUTOPAR_PLAN_FORK", "always")
+    tokens = torch.zeros(4, 8, dtype=torch.long)
+
+    def loss(logits, targets):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+
+    model = LM([_Repeats(i + 1) for i in range(4)])
+    with pytest.raises(PlanError, match="its blocks are not identical .depth 3 - depth 2 differs from depth 2 - "
+                                        "depth 1: .*flops"):
+        P.search(P.info_of(model, (tokens, tokens), loss, spec="repeats"), 2, precision="fp32", confirm_top=0,
+                 **SMALL)
+    same = LM([_Repeats(1) for _ in range(4)])  # the same blocks alike in cost: searched
+    res = P.search(P.info_of(same, (tokens, tokens), loss, spec="once"), 2, precision="fp32", confirm_top=0, **SMALL)
+    assert res.ranked and res.linear_check == ["identical"]
+
+
 def test_auto_errors():
     with pytest.raises(PlanError, match="cannot import 'mypkg.mod'"):
         P.search("mypkg.mod:factory", 4)

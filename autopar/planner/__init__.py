@@ -13,8 +13,9 @@ block, not from a compile of the whole model per candidate:
    activations by category at the program's peak, its forward and backward time with its own
    tensor-parallel collectives as the simulator overlaps them); depth 1 minus one block is the
    rest (embeddings, final norm, head, loss). A third depth checks that the blocks really are
-   identical: depth 3 minus depth 2 must equal depth 2 minus depth 1 (``Coefficients.linear``),
-   otherwise the search refuses the model rather than extrapolating.
+   identical: depth 3 minus depth 2 must equal depth 2 minus depth 1 (``Coefficients.linear``;
+   compiled beside the other block choices), otherwise the search refuses the model rather than
+   extrapolating.
 2. **Composition, analytic.** A candidate is ``dp x ep x cp x tp x pp`` with a data-parallel strategy
    (ddp, zero1, zero2, fsdp), a pipeline schedule (1f1b, interleaved with 2 virtual stages) and
    a micro-batch count. Its memory is the block figures times the blocks a rank holds and keeps

@@ -181,7 +181,7 @@ class Coefficients:
     rest: Figures
     linear: list[str]  # depth 3 - depth 2 against depth 2 - depth 1: what differs (empty: identical blocks)
     compile_s: float
-
+    at2: Figures | None = None  # the model's figures at depth 2 (``depth_check`` compares depth 3 with them)
 
     def scaled(self, k: float) -> "Coefficients":
         return Coefficients(self.block.scaled(k), self.rest.scaled(k), self.linear, self.compile_s)
@@ -289,30 +289,48 @@ def planning_options(loaded, **choice) -> CompileOptions:
 def block_coefficients(info: ModelInfo, tp: int, tp_strategy: str | None, recompute: str, mbs: int, *,
                        precision: str, dev, check: bool = False, kernels: str = "off", cp: int = 1,
                        cp_strategy: str | None = None, ep: int = 1, fused: bool = False) -> Coefficients:
-    """Compile the model at depths 1 and 2 (3 with ``check``) on a fake mesh of the block's own
-    axes (ep x cp x tp: what one data-parallel rank's micro-batch is spread over) and difference.
-    Expert parallelism splits the batch as data parallelism does: the compile sees ``mbs`` sequences
-    per ep rank. Gradient buckets are left out (``bucket_mb=0``): a bucket's flat buffer is a
-    per-step matter (a pipeline or accumulation reduces the gradients after the micro-batches), and
-    would otherwise be counted as one micro-batch's activations."""
+    """Compile the model at depths 1 and 2 (3 with ``check``: ``depth_check``) on a fake mesh of the
+    block's own axes (ep x cp x tp: what one data-parallel rank's micro-batch is spread over) and
+    difference. Expert parallelism splits the batch as data parallelism does: the compile sees
+    ``mbs`` sequences per ep rank. Gradient buckets are left out (``bucket_mb=0``): a bucket's flat
+    buffer is a per-step matter (a pipeline or accumulation reduces the gradients after the
+    micro-batches), and would otherwise be counted as one micro-batch's activations."""
+    t0 = time.perf_counter()
+    figs = [_block_figures(info, depth, tp, tp_strategy, recompute, mbs, precision=precision, dev=dev,
+                           kernels=kernels, cp=cp, cp_strategy=cp_strategy, ep=ep, fused=fused) for depth in (1, 2)]
+    block = figs[1] - figs[0]
+    out = Coefficients(block, figs[0] - block, [], 0.0, at2=figs[1])
+    if check:
+        out.linear = depth_check(info, out, tp, tp_strategy, recompute, mbs, precision=precision, dev=dev,
+                                 kernels=kernels, cp=cp, cp_strategy=cp_strategy, ep=ep, fused=fused)
+    out.compile_s = time.perf_counter() - t0
+    return out
+
+
+def depth_check(info: ModelInfo, co: Coefficients, tp: int, tp_strategy: str | None, recompute: str, mbs: int,
+                **kw) -> list[str]:
+    """The identical-blocks check of ``co`` (``block_coefficients`` without it; the same block
+    choice and keywords): the model compiled at depth 3, depth 3 - depth 2 against depth 2 -
+    depth 1. What differs (empty: the blocks are identical)."""
+    at3 = _block_figures(info, 3, tp, tp_strategy, recompute, mbs, **kw)
+    return (at3 - co.at2).close(co.block)
+
+
+def _block_figures(info: ModelInfo, depth: int, tp: int, tp_strategy: str | None, recompute: str, mbs: int, *,
+                   precision: str, dev, kernels: str = "off", cp: int = 1, cp_strategy: str | None = None,
+                   ep: int = 1, fused: bool = False) -> Figures:
     from autopar.compiler import compile_with
     from autopar.mesh import fake_mesh
 
-    t0 = time.perf_counter()
     axes = {k: v for k, v in (("ep", ep), ("cp", cp), ("tp", tp)) if v > 1} or {"tp": 1}
     plan = {"tp": tp_strategy if tp > 1 else "ddp"} if "tp" in axes else {}
     if cp > 1:
         plan["cp"] = cp_strategy
     if ep > 1:
         plan["ep"] = "expert"
-    figs = []
-    for depth in (1, 2, 3) if check else (1, 2):
-        loaded = info.at(depth, mbs * ep)
-        with fake_mesh(axes, 0) as mesh, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            pm = compile_with(loaded.model, mesh, planning_options(loaded, plan=plan, precision=precision,
-                                                                  recompute=recompute, kernels=kernels, bucket_mb=0))
-            figs.append(figures_of(pm, dev, fused))
-    block = figs[1] - figs[0]
-    linear = (figs[2] - figs[1]).close(block) if check else []
-    return Coefficients(block, figs[0] - block, linear, time.perf_counter() - t0)
+    loaded = info.at(depth, mbs * ep)
+    with fake_mesh(axes, 0) as mesh, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = compile_with(loaded.model, mesh, planning_options(loaded, plan=plan, precision=precision,
+                                                              recompute=recompute, kernels=kernels, bucket_mb=0))
+        return figures_of(pm, dev, fused)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from autopar.errors import PlanError
 from autopar.forked import can_fork, side_by_side
 from autopar.planner.blocks import (DP_STRATEGIES, RECOMPUTE, SCHEDULES, TP_STRATEGIES, ModelInfo, block_coefficients,
-                                     model_info, planning_options)
+                                     depth_check, model_info, planning_options)
 from autopar.planner.compose import CP_STRATEGIES, Candidate, candidates, cost
 
 # plan="auto" searches context parallelism by default from this many tokens per sequence on
@@ -97,48 +97,68 @@ def search(spec: str | ModelInfo, world: int, *, device: str = "h100", budget: i
     linear: list[str] = []
     tc = time.perf_counter()
 
-    def figures_of(i: int, key, check: bool, report) -> tuple[str, object]:
+    def figures_of(i: int, key, report) -> tuple[str, object]:
         tp, ts, cp, cs, ep, rc = key
         report(f"block figures {i + 1}/{len(keys)}: tp={tp} {ts or ''}" + (f" cp={cp} {cs}" if cp > 1 else "")
                + (f" ep={ep}" if ep > 1 else "") + f" recompute={rc} mbs={base_mbs}")
         try:
-            return "ok", block_coefficients(info, tp, ts, rc, base_mbs, precision=precision, dev=dev, check=check,
+            return "ok", block_coefficients(info, tp, ts, rc, base_mbs, precision=precision, dev=dev,
                                             cp=cp, cp_strategy=cs, ep=ep, fused=inductor)
         except PlanError as e:  # the compiler refuses this block choice: its candidates go
             return "refused", str(e).splitlines()[0][:160]
 
+    def check_of(key) -> tuple[str, object]:
+        """The identical-blocks check (depth 3) of a block choice that compiled at depths 1 and 2:
+        ("ok", what differs) or ("refused", why depth 3 does not compile)."""
+        tp, ts, cp, cs, ep, rc = key
+        try:
+            return "ok", depth_check(info, coeffs[key], tp, ts, rc, base_mbs, precision=precision, dev=dev, cp=cp,
+                                     cp_strategy=cs, ep=ep, fused=inductor)
+        except PlanError as e:
+            return "refused", str(e).splitlines()[0][:160]
+
     def take(key, got) -> None:
-        nonlocal cands, refused, linear
+        nonlocal cands, refused
         kind, co = got
         if kind == "refused":
             refused += [(c.label(), f"the block does not compile: {co}") for c in cands if c.block_key == key]
             cands = [c for c in cands if c.block_key != key]
             return
-        if not coeffs and co.linear:
-            raise PlanError(f"{spec}: its blocks are not identical (depth 3 - depth 2 differs from depth 2 - depth 1: "
-                            + "; ".join(co.linear) + ")", where="plan='auto'",
-                            fix="give a fixed plan (the search extrapolates one block to the model's depth; a fixed "
-                                "plan compiles every block)")
-        linear = linear or (["identical"] if info.layers >= 3 else
-                            [f"not checked (the model has {info.layers} blocks, the check compiles 3)"])
         coeffs[key] = co
 
-    # the first block choice that compiles is also checked at depth 3 (identical blocks); the rest
-    # then split between this process and a forked child where it can fork (autopar/forked.py)
+    # the first block choice that compiles first, here; then the others, split between this
+    # process and a forked child where it can fork (autopar/forked.py), the child also checking
+    # the first at depth 3 (identical blocks: depth 3 - depth 2 must equal depth 2 - depth 1)
     rest = list(enumerate(keys))
     while rest and not coeffs:
         i, key = rest.pop(0)
-        take(key, figures_of(i, key, info.layers >= 3, progress))
+        take(key, figures_of(i, key, progress))
+    first = next(iter(coeffs), None)
+    check = first is not None and info.layers >= 3
     mine, theirs = (rest[0::2], rest[1::2]) if len(rest) > 1 and can_fork() else (rest, [])
 
-    def figures(which, report):
-        return lambda: [figures_of(i, key, False, report) for i, key in which]
+    def figures(which, report, checks: bool):
+        return lambda: ([figures_of(i, key, report) for i, key in which], check_of(first) if checks else None)
 
-    got_theirs, got_mine = side_by_side(figures(theirs, lambda s: None), figures(mine, progress),
-                                        again=figures(theirs, progress), fork=bool(theirs))
+    (got_theirs, verdict), (got_mine, _) = side_by_side(
+        figures(theirs, lambda s: None, check), figures(mine, progress, False),
+        again=figures(theirs, progress, check), fork=bool(theirs) or check)
     got = dict(zip([key for _, key in mine + theirs], got_mine + got_theirs))
     for _, key in rest:  # (in the keys' order, as one after the other)
         take(key, got[key])
+    while check and verdict[0] == "refused":  # depth 3 does not compile: that block choice goes, the next is checked
+        take(first, verdict)
+        coeffs.pop(first)
+        first = next(iter(coeffs), None)
+        verdict = check_of(first) if first is not None else ("ok", [])
+    if check and verdict[1]:
+        raise PlanError(f"{spec}: its blocks are not identical (depth 3 - depth 2 differs from depth 2 - depth 1: "
+                        + "; ".join(verdict[1]) + ")", where="plan='auto'",
+                        fix="give a fixed plan (the search extrapolates one block to the model's depth; a fixed "
+                            "plan compiles every block)")
+    if coeffs:
+        coeffs[first].linear = verdict[1] if check else []
+        linear = ["identical"] if check else [f"not checked (the model has {info.layers} blocks, the check compiles 3)"]
     tcoef = time.perf_counter() - tc
     if not cands:
         why = "; ".join(f"{a}: {b}" for a, b in refused[-3:])
