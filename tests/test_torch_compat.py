@@ -237,6 +237,23 @@ def test_without(name, hide, fake, monkeypatch):
         assert name in asked, f"{case.__name__} never looked {name} up"
 
 
+def test_a_compile_leaves_its_programs_code_to_their_first_run(hide, fake, monkeypatch):
+    """The programs autopar builds are torch's lazy GraphModules (``tc.graph_module``): a compile
+    that runs nothing generates less Python code than with plain GraphModules, each rewritten
+    program generating its code again (what is left: the graphs torch's own tracers make)."""
+    generated, plain_recompile = [0], torch.fx.GraphModule.recompile
+
+    def counted(self, *args):
+        generated[0] += 1
+        return plain_recompile(self)
+    monkeypatch.setattr(torch.fx.GraphModule, "recompile", counted)
+    compile_llama(fake)
+    lazy, generated[0] = generated[0], 0
+    hide("LazyGraphModule")
+    compile_llama(fake)
+    assert lazy < generated[0], (lazy, generated[0])
+
+
 def test_split_fix_without_split_factor_matches(fake):
     """torch 2.11 / 2.12 have no ``_split_factor_matches``: autopar's fix never reads it."""
     assert "_split_factor_matches" not in str([p.what for p in tc.PRIVATE.values()])

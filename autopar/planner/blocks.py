@@ -287,9 +287,9 @@ def planning_options(loaded, **choice) -> CompileOptions:
 
 
 def block_coefficients(info: ModelInfo, tp: int, tp_strategy: str | None, recompute: str, mbs: int, *,
-                       precision: str, dev, check: bool = False, kernels: str = "off", cp: int = 1,
-                       cp_strategy: str | None = None, ep: int = 1, fused: bool = False) -> Coefficients:
-    """Compile the model at depths 1 and 2 (3 with ``check``: ``depth_check``) on a fake mesh of the
+                       precision: str, dev, kernels: str = "off", cp: int = 1, cp_strategy: str | None = None,
+                       ep: int = 1, fused: bool = False) -> Coefficients:
+    """Compile the model at depths 1 and 2 (``depth_check`` compiles depth 3) on a fake mesh of the
     block's own axes (ep x cp x tp: what one data-parallel rank's micro-batch is spread over) and
     difference. Expert parallelism splits the batch as data parallelism does: the compile sees
     ``mbs`` sequences per ep rank. Gradient buckets are left out (``bucket_mb=0``): a bucket's flat
@@ -299,12 +299,7 @@ def block_coefficients(info: ModelInfo, tp: int, tp_strategy: str | None, recomp
     figs = [_block_figures(info, depth, tp, tp_strategy, recompute, mbs, precision=precision, dev=dev,
                            kernels=kernels, cp=cp, cp_strategy=cp_strategy, ep=ep, fused=fused) for depth in (1, 2)]
     block = figs[1] - figs[0]
-    out = Coefficients(block, figs[0] - block, [], 0.0, at2=figs[1])
-    if check:
-        out.linear = depth_check(info, out, tp, tp_strategy, recompute, mbs, precision=precision, dev=dev,
-                                 kernels=kernels, cp=cp, cp_strategy=cp_strategy, ep=ep, fused=fused)
-    out.compile_s = time.perf_counter() - t0
-    return out
+    return Coefficients(block, figs[0] - block, [], time.perf_counter() - t0, at2=figs[1])
 
 
 def depth_check(info: ModelInfo, co: Coefficients, tp: int, tp_strategy: str | None, recompute: str, mbs: int,
