@@ -38,6 +38,10 @@ class Figures:
     # attention's all-to-alls and ring shifts, routed tokens), (axis, "grad") once per step (the
     # gradients of parameters replicated on cp / ep, sequence parallelism's norm weights on tp)
     comm: dict = field(default_factory=dict)
+    # the program's parameter gradients in the order the backward produces them (the order the
+    # bucket pass assigns their reductions): ("block" / "rest", local elements) each. Read from one
+    # compile (``block_coefficients``: depth 1), not differenced or scaled
+    grads_order: tuple = ()
 
     def __sub__(self, o: "Figures") -> "Figures":
         return Figures(*(getattr(self, f) - getattr(o, f) for f in _SCALARS),
@@ -90,7 +94,21 @@ def figures_of(pm, dev, fused: bool = False) -> Figures:
     first_f, first_b = _embedding_seconds(pm, dev, links, fused)
     return Figures(elems, mem["parameters"], copies, prog.max_by["grads_in_flight"],
                    prog.peak_without_grads - copies, est.step_s * fwd_share, est.step_s * (1 - fwd_share),
-                   est.flops, first_f, first_b, comm)
+                   est.flops, first_f, first_b, comm, _grads_order(pm))
+
+
+def _grads_order(pm) -> tuple:
+    """``Figures.grads_order`` of ``pm``'s per-rank program: each gradient output by where its
+    value is made in the graph."""
+    from autopar.modpath import block_of
+
+    graph = pm.program.local.graph
+    where = {n: i for i, n in enumerate(graph.nodes)}
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    grads = [(where.get(o, -1), "block" if block_of(role[1]) else "rest", int(o.meta["val"].numel()))
+             for role, o in zip(pm.program.outputs, out.args[0])
+             if role[0] == "grad" and hasattr(o, "meta") and "val" in o.meta]
+    return tuple((kind, elems) for _, kind, elems in sorted(grads, key=lambda g: g[0]))
 
 
 def embedding_parameters(model) -> set[str]:
@@ -182,9 +200,11 @@ class Coefficients:
     linear: list[str]  # depth 3 - depth 2 against depth 2 - depth 1: what differs (empty: identical blocks)
     compile_s: float
     at2: Figures | None = None  # the model's figures at depth 2 (``depth_check`` compares depth 3 with them)
+    grads_order: tuple = ()  # ``Figures.grads_order`` at depth 1 (one block): the gradient buckets' sizes
 
     def scaled(self, k: float) -> "Coefficients":
-        return Coefficients(self.block.scaled(k), self.rest.scaled(k), self.linear, self.compile_s)
+        return Coefficients(self.block.scaled(k), self.rest.scaled(k), self.linear, self.compile_s,
+                            grads_order=self.grads_order)
 
 
 @dataclass
@@ -299,7 +319,8 @@ def block_coefficients(info: ModelInfo, tp: int, tp_strategy: str | None, recomp
     figs = [_block_figures(info, depth, tp, tp_strategy, recompute, mbs, precision=precision, dev=dev,
                            kernels=kernels, cp=cp, cp_strategy=cp_strategy, ep=ep, fused=fused) for depth in (1, 2)]
     block = figs[1] - figs[0]
-    return Coefficients(block, figs[0] - block, [], time.perf_counter() - t0, at2=figs[1])
+    return Coefficients(block, figs[0] - block, [], time.perf_counter() - t0, at2=figs[1],
+                        grads_order=figs[0].grads_order)
 
 
 def depth_check(info: ModelInfo, co: Coefficients, tp: int, tp_strategy: str | None, recompute: str, mbs: int,

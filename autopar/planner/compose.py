@@ -112,6 +112,38 @@ def _link_seconds(kind: str, n: int, nbytes: float, link) -> float:
     return steps * alpha + _ring(kind, n, nbytes) / bw
 
 
+_BUCKETS: dict = {}
+
+
+def _buckets(kind: str, order: tuple, blocks: int, rest: bool, bucket_mb: float, nbytes: int) -> tuple[int, float]:
+    """(collectives, bytes of the last) that the bucket pass makes of a rank's gradient
+    reductions (``nbytes`` per element): ``order`` is one block's program's gradients in backward order
+    (``Coefficients.grads_order``), repeated for ``blocks`` blocks, with the rest's (embeddings,
+    head) where ``rest``. The pass's own assignment (passes/bucket.py ``assign_buckets``): a
+    reduce-scatter bucket stays within its block. Without the order (no figures): one call."""
+    from types import SimpleNamespace
+
+    from autopar.passes.bucket import assign_buckets
+
+    if not order:
+        return 1, 0.0
+    key = (kind, order, blocks, rest, bucket_mb, nbytes)
+    hit = _BUCKETS.get(key)
+    if hit is None:
+        mine = [e for k, e in order if k == "block"]
+        first = next((i for i, (k, _) in enumerate(order) if k == "block"), len(order))
+        before = [e for k, e in order[:first] if k == "rest"] if rest else []
+        after = [e for k, e in order[first:] if k == "rest"] if rest else []
+        units = [(None, e) for e in before] + [(i, e) for i in range(blocks) for e in mine] + [(None, e) for e in after]
+        reds = [SimpleNamespace(key=kind, unit=u if kind == "reduce_scatter" else None, nbytes=e * nbytes)
+                for u, e in units]
+        got = assign_buckets(reds, bucket_mb * 2**20) if bucket_mb else [[r] for r in reds]
+        if len(_BUCKETS) > 4096:
+            _BUCKETS.clear()
+        hit = _BUCKETS[key] = (len(got), float(sum(r.nbytes for r in got[-1])) if got else 0.0)
+    return hit
+
+
 _SIMULATED: dict = {}
 
 
@@ -158,6 +190,7 @@ def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str
     # FSDP: each block's parameters gathered in forward and again in backward, one block ahead
     gather_exposed = 0.0
     fsdp_bytes = 0.0
+    ag_b = 0.0
     if c.dp_strategy == "fsdp" and d > 1:
         ag_b = _link_seconds("all_gather", d, b.param_elems * cb, links["dp"])
         fsdp_bytes = _ring("all_gather", d, (per_rank * b.param_elems + r.param_elems / max(1, c.pp)) * cb) * 2
@@ -172,6 +205,11 @@ def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str
         B = [x + per_stage * exposed_b for x in B]
         F[0] += ag_b  # the first gather has nothing to hide under
         gather_exposed = ag_b
+    # without a pipeline, the loss over batch rows sharded on dp: its sum and its count all-reduced
+    # in each micro-batch's forward (autopar's rule for nll_loss), two calls that are all latency. (A
+    # pipeline's last stage takes its micro-batch's loss as it is: its compiled programs have none.)
+    loss_ar = 2 * _link_seconds("all_reduce", d, 4, links["dp"]) if d > 1 and c.pp == 1 else 0.0
+    F[-1] += loss_ar
     m = c.microbatches
     if c.pp > 1:
         # a stage hands the next its micro-batch's activations: sequence-sharded over cp, and
@@ -188,18 +226,33 @@ def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str
     grad_elems = per_rank * b.param_elems + r.param_elems / max(1, c.pp)
     g = grad_elems * cb
     kind = "all_reduce" if c.dp_strategy in ("ddp", "zero1") else "reduce_scatter"
-    sync = _link_seconds(kind, d, g, links["dp"])
-    zero_gather = _link_seconds("all_gather", d, grad_elems * 4, links["dp"]) if c.dp_strategy in ("zero1", "zero2") else 0.0
+    # one collective per gradient bucket (passes/bucket.py), each paying the ring's latency: on a
+    # wide dp axis across nodes (127 steps of 20 us at dp=128) the calls, not the bytes, decide
+    calls, last = _buckets(kind, co.grads_order, per_rank, c.pp == 1, bucket_mb, cb) if d > 1 else (1, g)
+    alpha = links["dp"][0] * (2 * (d - 1) if kind == "all_reduce" else d - 1)
+    sync = _link_seconds(kind, d, g, links["dp"]) + (calls - 1) * alpha if d > 1 else 0.0
+    # ZeRO-1/2: the updated parameters gathered back in the compute dtype, one call per block
+    # (and one for the rest)
+    zero_gather = (_link_seconds("all_gather", d, grad_elems * cb, links["dp"]) + per_rank * links["dp"][0] * (d - 1)
+                   if c.dp_strategy in ("zero1", "zero2") and d > 1 else 0.0)
     if c.pp > 1 or m > 1:
         # the pipeline runs its gradient sync after the schedule; under accumulation the sync
         # program runs after the last micro-batch: neither overlaps with a backward
         sync_exposed = sync
     else:
-        bucket = min(1.0, bucket_mb * 2**20 / max(1.0, g))
-        sync_exposed = max(sync * bucket, sync - B[0] * (1 - 1 / max(1, L)))
+        sync_exposed = max(_link_seconds(kind, d, last, links["dp"]) if d > 1 else 0.0,
+                           sync - B[0] * (1 - 1 / max(1, L)))
     elems_local = grad_elems / (d if c.dp_strategy in ("zero1", "zero2", "fsdp") else 1)
     opt_s = optimizer_seconds(elems_local, optimizer, dev)
-    c.step_s = makespan + sync_exposed + zero_gather + opt_s
+    step = makespan + sync_exposed
+    if c.pp == 1:
+        # the dp link carries FSDP's gathers and the gradient reductions one after the other:
+        # what the compute cannot cover is exposed, whichever order they run in
+        link = m * loss_ar + sync
+        if c.dp_strategy == "fsdp" and d > 1:  # each block's gathers, and the rest's (its forward and backward)
+            link += m * (2 * per_stage * ag_b + 2 * _link_seconds("all_gather", d, r.param_elems * cb, links["dp"]))
+        step = max(step, link)
+    c.step_s = step + zero_gather + opt_s
     # ---- memory of the worst pipeline rank: rank 0 (embeddings, most in flight) or the last (head).
     # Without a pipeline the program peaks either between forward and backward (activations +
     # parameter copies) or at the end of the backward (the gradients), whichever is larger.
@@ -249,7 +302,7 @@ def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str
     own = {ax: int(per_rank * (b.bytes_on(ax, "mb") * m + b.bytes_on(ax, "grad"))
                    + r.bytes_on(ax, "mb") * m + r.bytes_on(ax, "grad")) for ax in ("tp", "cp", "ep")}
     c.comm_bytes = {**{ax: v for ax, v in own.items() if v or ax == "tp"},
-                    "dp": int(_ring(kind, d, g) + fsdp_bytes * m + (_ring("all_gather", d, grad_elems * 4)
+                    "dp": int(_ring(kind, d, g) + fsdp_bytes * m + (_ring("all_gather", d, grad_elems * cb)
                                                                     if zero_gather else 0)),
                     "pp": int(p2p)}
     c.parts["gather_exposed_s"] = gather_exposed
