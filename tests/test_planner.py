@@ -76,13 +76,13 @@ def test_the_screen_counts_the_calls_on_a_wide_data_parallel_axis():
     bytes. The screen counts the reductions' calls as the bucket pass groups them (passes/bucket.py
     on the block's gradients in backward order) and puts every call on the one dp link: within 10%
     of the compiled program (it counted one call for all gradients: 0.19x for ZeRO-2, 0.39x ddp,
-    0.48x FSDP)."""
+    0.48x FSDP at depth 4; depth 2 here)."""
     info = P.model_info("llama-small", 128, 64, None)
     co = P.block_coefficients(info, 1, None, "none", 1, precision="bf16", dev=H100)
     for ds in ("ddp", "zero2", "fsdp"):
         c = P.Candidate(128, 1, 1, ds, None, None, 1, "none", 1, 1)
-        got = P.compiled(c, info, H100, 4, precision="bf16")
-        mine = P.cost(c, info, co, H100, precision="bf16", layers=4)
+        got = P.compiled(c, info, H100, 2, precision="bf16")
+        mine = P.cost(c, info, co, H100, precision="bf16", layers=2)
         assert 0.9 <= mine.step_s / got["step_s"] <= 1.1, (ds, mine.step_s, got["step_s"])
 
 
