@@ -177,7 +177,8 @@ def search(spec: str | ModelInfo, world: int, *, device: str = "h100", budget: i
     n_compiles = sum(3 if i == 0 and info.layers >= 3 else 2 for i in range(len(coeffs)))
     # confirm the best screened candidates by compiling them (two depths each) and re-rank those:
     # the top ``confirm_top``, and the best of each data-parallel strategy (the screen's error is
-    # largest between strategies: their extra ops and collective latencies are not in one block)
+    # largest between strategies: their extra ops are not in one block; their dp calls are counted,
+    # compose.py ``_buckets``)
     done: list[Candidate] = []
     tries = 0
     order = fits[:confirm_top]
@@ -196,7 +197,7 @@ def search(spec: str | ModelInfo, world: int, *, device: str = "h100", budget: i
         # screen against screen: a candidate screened 10% slower than the best confirmed one was
         # screened stays screened. (Not against the confirmed time: the screen errs either way,
         # by up to 20% and by different amounts between data-parallel strategies, whose extra ops
-        # and collective latencies one block does not show; a screen against another candidate's
+        # one block does not show; a screen against another candidate's
         # compiled time mixes two errors. docs/planner.md: 70B's zero2 was left unconfirmed so.)
         best = min((d.screened[0] for d in done), default=math.inf)
         if c.step_s > 1.1 * best and len(done) >= min(want, confirm_top):
