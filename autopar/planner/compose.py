@@ -115,7 +115,8 @@ def _link_seconds(kind: str, n: int, nbytes: float, link) -> float:
 _BUCKETS: dict = {}
 
 
-def _buckets(kind: str, order: tuple, blocks: int, rest: bool, bucket_mb: float, nbytes: int) -> tuple[int, float]:
+def _buckets(kind: str, order: tuple, blocks: int, rest: bool, bucket_mb: float,
+             nbytes: int) -> tuple[int, float]:
     """(collectives, bytes of the last) that the bucket pass makes of a rank's gradient
     reductions (``nbytes`` per element): ``order`` is one block's program's gradients in backward order
     (``Coefficients.grads_order``), repeated for ``blocks`` blocks, with the rest's (embeddings,
@@ -134,7 +135,8 @@ def _buckets(kind: str, order: tuple, blocks: int, rest: bool, bucket_mb: float,
         first = next((i for i, (k, _) in enumerate(order) if k == "block"), len(order))
         before = [e for k, e in order[:first] if k == "rest"] if rest else []
         after = [e for k, e in order[first:] if k == "rest"] if rest else []
-        units = [(None, e) for e in before] + [(i, e) for i in range(blocks) for e in mine] + [(None, e) for e in after]
+        units = ([(None, e) for e in before] + [(i, e) for i in range(blocks) for e in mine]
+                 + [(None, e) for e in after])
         reds = [SimpleNamespace(key=kind, unit=u if kind == "reduce_scatter" else None, nbytes=e * nbytes)
                 for u, e in units]
         got = assign_buckets(reds, bucket_mb * 2**20) if bucket_mb else [[r] for r in reds]
@@ -233,8 +235,8 @@ def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str
     sync = _link_seconds(kind, d, g, links["dp"]) + (calls - 1) * alpha if d > 1 else 0.0
     # ZeRO-1/2: the updated parameters gathered back in the compute dtype, one call per block
     # (and one for the rest)
-    zero_gather = (_link_seconds("all_gather", d, grad_elems * cb, links["dp"]) + per_rank * links["dp"][0] * (d - 1)
-                   if c.dp_strategy in ("zero1", "zero2") and d > 1 else 0.0)
+    zero_gather = (_link_seconds("all_gather", d, grad_elems * cb, links["dp"])
+                   + per_rank * links["dp"][0] * (d - 1) if c.dp_strategy in ("zero1", "zero2") and d > 1 else 0.0)
     if c.pp > 1 or m > 1:
         # the pipeline runs its gradient sync after the schedule; under accumulation the sync
         # program runs after the last micro-batch: neither overlaps with a backward
@@ -249,8 +251,9 @@ def cost(c: Candidate, info: ModelInfo, co: Coefficients, dev, *, precision: str
         # the dp link carries FSDP's gathers and the gradient reductions one after the other:
         # what the compute cannot cover is exposed, whichever order they run in
         link = m * loss_ar + sync
-        if c.dp_strategy == "fsdp" and d > 1:  # each block's gathers, and the rest's (its forward and backward)
-            link += m * (2 * per_stage * ag_b + 2 * _link_seconds("all_gather", d, r.param_elems * cb, links["dp"]))
+        if c.dp_strategy == "fsdp" and d > 1:  # each block's gathers, and the rest's (forward and backward)
+            rest_ag = _link_seconds("all_gather", d, r.param_elems * cb, links["dp"])
+            link += m * (2 * per_stage * ag_b + 2 * rest_ag)
         step = max(step, link)
     c.step_s = step + zero_gather + opt_s
     # ---- memory of the worst pipeline rank: rank 0 (embeddings, most in flight) or the last (head).
