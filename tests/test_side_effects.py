@@ -5,8 +5,8 @@ without switching other Triton code to it."""
 
 from __future__ import annotations
 
-import json
 import gc
+import json
 import os
 import subprocess
 import sys

@@ -28,9 +28,9 @@ import warnings
 
 
 from autopar.errors import AutoparError, PlanError
-from autopar.scoped import paused_collector
 from autopar.mesh import fake_mesh
 from autopar.options import CompileOptions
+from autopar.scoped import paused_collector
 from autopar.tools.render import (Analysis, dump_dot, dump_json, dump_svg, dump_text, explain_text,
                                   plan_table, summary)
 from autopar.context import compile_notes
