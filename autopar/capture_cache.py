@@ -41,6 +41,7 @@ import torch.fx as fx
 from torch import nn
 
 from autopar import torch_compat as tc
+from autopar import trace_share as share
 
 _SIZE = 8  # entries kept per kind (least recently used dropped)
 _DEPTH = 8  # how deep the fingerprint walks into attribute objects before it gives up (no caching)
@@ -325,10 +326,30 @@ def cached(kind: str, keyed: Callable[[], Any], build: Callable[[], Any], templa
         return build()
     key, refs = keyed
     e = _lookup(kind, key)
+    # between ranks (autopar/trace_share.py): the leader says which trace this is and shares its
+    # copy; another rank without one waits for it instead of tracing
+    peers = share.active() if kind in share.KINDS else None
+    slot = share.slot(peers, kind) if peers is not None else None
+    announced = share.announce(peers, slot, key, refs) if peers is not None and peers.leader else None
     if e is not None:
+        if announced is not None:
+            share.publish(peers, announced, e.value)
         return restore(e.value)
-    out = build()
+    if peers is not None and not peers.leader:
+        got = share.follow(peers, slot, key, refs)
+        if got is not None:
+            _store(kind, key, _Entry(got, refs))
+            STATS[f"{kind}_shared"] = STATS.get(f"{kind}_shared", 0) + 1
+            return restore(got)
+    try:
+        out = build()
+    except BaseException:
+        if announced is not None:
+            share.publish(peers, announced, None)  # (the others trace, and raise, for themselves)
+        raise
     kept = template(out)
     if kept is not None:
         _store(kind, key, _Entry(kept, refs))
+    if announced is not None:
+        share.publish(peers, announced, kept)
     return out

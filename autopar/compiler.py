@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from autopar import trace_share
 from autopar.capture import capture_forward
 from autopar.experts import expert_plan
 from autopar.errors import PlanError
@@ -119,14 +120,16 @@ def compile_with(model: nn.Module, mesh: DeviceMesh | None, options: CompileOpti
     chose = None
     if options.plan == "auto" and mesh is not None and options.example_inputs is not None:
         options, mesh, chose = _auto(model, mesh, options)
-    try:
-        state = build(model, mesh, options)
-    except BaseException as e:
-        # every rank learns that this one cannot compile, before anyone waits for it in the
-        # first collective (distributing the parameters): autopar/runtime/failure.py
-        failure.agree(e, _wait_s(options.timeout))
-        raise
-    pm = runtime_for(state, capture_eval=options.capture_eval)
+    # the traces every rank would make alike made once, on the mesh's first rank (autopar/trace_share.py)
+    with trace_share.sharing(mesh, _wait_s(options.timeout)):
+        try:
+            state = build(model, mesh, options)
+        except BaseException as e:
+            # every rank learns that this one cannot compile, before anyone waits for it in the
+            # first collective (distributing the parameters): autopar/runtime/failure.py
+            failure.agree(e, _wait_s(options.timeout))
+            raise
+        pm = runtime_for(state, capture_eval=options.capture_eval)
     if chose is not None:
         pm.auto_plan = chose
     return pm

@@ -134,6 +134,9 @@ class _Unset:
     def __repr__(self) -> str:
         return "<unset>"
 
+    def __reduce__(self):  # one object in every process (a program shared between ranks: autopar/trace_share.py)
+        return "_UNSET"
+
 
 _UNSET = _Unset()
 

@@ -57,18 +57,18 @@ fx._lazy_graph_module._LazyGraphModule                 -                    Grap
 distributed.device_mesh.DeviceMesh._flatten            -                    a new group over the mesh's ranks
 testing._internal.distributed.fake_pg                  -                    TorchVersionError (fake meshes)
 testing._internal.distributed.fake_pg.FakeStore        -                    a HashStore
+fx._graph_pickler.GraphPickler/Options, c10d store     -                    every rank traces for itself
 _prims_common.make_contiguous_strides_for              -                    never read: ``contiguous_strides``
 ====================================================  ===================  ====================================
 
-Changes to torch's process-wide state (autopar/scoped.py's rules: in force only while autopar's
-step runs, seen only by the thread that runs it), all made here: DTensor's strategy selector
-(``strategy_selector``), the view split fix (``fixed_views``), export's constraint check
-(``static_export``), export's compiled-function globals (``no_compiled_fn_globals``), a dispatcher
-kernel (``dispatcher_kernel``: nll_loss's AutogradMeta on meta) and ``nn.Module.register_parameter``
-(``register_parameter_hook``); with public API only, ``nn.Module.__setattr__`` during a capture
-(``autopar.scoped.buffer_assignments``). The selector stays a patch: choosing in autopar from DTensor's
-strategy list would mean re-implementing what ``propagate_op_sharding_non_cached`` does after the
-choice (shape-argument rewrites, tuple strategies, single-dim expansion), which differs by version.
+Changes to torch's process-wide state (autopar/scoped.py's rules: in force only while autopar's step
+runs, seen only by the thread that runs it), all made here: DTensor's strategy selector
+(``strategy_selector``: choosing from DTensor's list in autopar would re-implement what
+``propagate_op_sharding_non_cached`` does after the choice, which differs by version), the view split
+fix (``fixed_views``), export's constraint check (``static_export``) and compiled-function globals
+(``no_compiled_fn_globals``), nll_loss's AutogradMeta kernel on meta (``dispatcher_kernel``),
+``nn.Module.register_parameter`` (``register_parameter_hook``); with public API only,
+``nn.Module.__setattr__`` during a capture (``autopar.scoped.buffer_assignments``).
 
 Not counted as private: ``torch.ops.<namespace>.<op>`` (the dispatcher's op registry, e.g.
 ``torch.ops._c10d_functional``, ``aten._to_copy``) and attributes of objects autopar holds
@@ -121,6 +121,7 @@ class Private:
 _DT = "torch.distributed.tensor"
 _FE = "torch._dynamo.functional_export"
 _VIEW = f"{_DT}._ops._view_ops._ViewShardingPropagator"
+_GP = "torch.fx._graph_pickler"
 PRIVATE: dict[str, Private] = {
     "dynamo_graph_capture_for_export": Private(_FE, "_dynamo_graph_capture_for_export", "capturing a model"),
     "constraint_check": Private(_FE, "_suggest_or_raise_constraint_violation", "a fast capture",
@@ -187,6 +188,9 @@ PRIVATE: dict[str, Private] = {
                                "GraphModule (its code generated again on each change)"),
     "mesh_flatten": Private("torch.distributed.device_mesh", "DeviceMesh._flatten", "a whole-mesh process group",
                             "a new group over the mesh's ranks"),
+    **{name: Private(module, attr, "sharing a trace between ranks", "each rank traces for itself")
+       for name, module, attr in (("GraphPickler", _GP, "GraphPickler"), ("GraphPicklerOptions", _GP, "Options"),
+                                  ("default_store", "torch.distributed.distributed_c10d", "_get_default_store"))},
     "fake_pg": Private("torch.testing._internal.distributed.fake_pg", None, "fake process groups"),
     "FakeStore": Private("torch.testing._internal.distributed.fake_pg", "FakeStore", "fake process groups",
                          "a HashStore"),
@@ -325,22 +329,18 @@ def composite_kernel(func):
 
 def whole_mesh_group(mesh):
     """A process group over every rank of ``mesh`` (collective: call on every rank)."""
-    flatten = find("mesh_flatten", None)
-    if flatten is not None:
-        return flatten(mesh).get_group()
     import torch.distributed as dist
 
-    return dist.new_group(mesh.mesh.flatten().tolist())
+    flatten = find("mesh_flatten", None)
+    return flatten(mesh).get_group() if flatten is not None else dist.new_group(mesh.mesh.flatten().tolist())
 
 
 def fake_store():  # a store for init_process_group("fake")
-    find("fake_pg")  # (importing it registers the backend; TorchVersionError without it)
-    store = find("FakeStore", None)
-    if store is not None:
-        return store()
     import torch.distributed as dist
 
-    return dist.HashStore()
+    find("fake_pg")  # (importing it registers the backend; TorchVersionError without it)
+    store = find("FakeStore", None)
+    return store() if store is not None else dist.HashStore()
 
 
 def preload() -> None:

@@ -98,6 +98,24 @@ def compiles_with_capture_cache(fake, monkeypatch):
     compile_llama(fake)
 
 
+def sharing_traces(fake):
+    """A joint program as the bytes one rank shares with the others (autopar/trace_share.py), read
+    back; where this torch lacks a name sharing needs, no bytes (each rank traces for itself)."""
+    from autopar import capture_cache, trace_share
+    from autopar.capture import capture_joint
+
+    model, inputs = _llama()
+    program = capture_joint(model, inputs, cross_entropy)
+    data = trace_share.encode(capture_cache.program_template(program, model))
+    with fake(dp=2):
+        store = trace_share.default_store()
+    if tc.has("GraphPickler") and tc.has("GraphPicklerOptions"):
+        assert str(trace_share.decode(data).graph) == str(program.graph)
+    else:
+        assert data is None
+    assert (store is not None) == tc.has("default_store")
+
+
 def compiles_under_a_budget(fake):
     compile_llama(fake, memory_budget="1GiB")  # (the predicted peak, from each rank's shard shapes)
 
@@ -206,6 +224,7 @@ CASES = {
     "TracingContext": compiles_with_inductor,
     "tracing": compiles_with_inductor, "OpOverload": compiles, "OpOverloadPacket": compiles_with_capture_cache,
     "WrappedCall": compiles_twin_stages, "LazyGraphModule": steps_as_eager, "mesh_flatten": whole_mesh_group,
+    "GraphPickler": sharing_traces, "GraphPicklerOptions": sharing_traces, "default_store": sharing_traces,
     "fake_pg": fake_meshes,
     "FakeStore": fake_meshes,
 }

@@ -498,6 +498,19 @@ class _NoCall:
 
 
 # ---------------------------------------------------------------- compile
+def compile_failed(rank: int) -> bool:
+    """Whether ``rank`` has said that its current compile failed (``agree``'s record): a rank
+    waiting for another's trace (autopar/trace_share.py) stops waiting."""
+    w = world()
+    if w is None:
+        return False
+    key = f"autopar/compile/{w.compiles}/{rank}"
+    try:
+        return bool(w.store.check([key])) and not json.loads(w.store.get(key))["ok"]
+    except Exception:  # noqa: BLE001 - the store is gone: the wait's own timeout ends it
+        return False
+
+
 def agree(error: BaseException | None, timeout: float, what: str = "autopar.compile") -> None:
     """Before the first collective of a compiled program (distributing its parameters): every
     rank learns whether every other rank compiled. A rank that failed raises its own error at

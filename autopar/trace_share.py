@@ -1,0 +1,275 @@
+"""Ranks that compile the same model share its traces: one rank traces, the others read its copy.
+
+Every rank of an SPMD program (and every rank of a pipeline, before the split) traces the same
+model with the same global shapes, so the joint forward+backward graph (AOTAutograd) and the
+forward-only program (torch.export) come out the same on each: rank-independent work that N
+ranks on one host do N times over (on this 2-core machine a 2-rank test job paid it twice). With
+a real process group of more than one rank, the mesh's lowest rank (the leader) traces and puts
+a copy in the default group's c10d store (the TCPStore every rank already reaches; no
+collective, so a rank that takes another path cannot hang anyone); the others wait for that
+copy instead of tracing. What is shared is what ``autopar/capture_cache.py`` keeps (its
+templates: the graph with its metadata, the trace's own constants; the model's tensors by name),
+pickled by torch's ``GraphPickler`` (fake tensors as descriptions, made again in a fresh fake
+mode on the reader), and a reader binds it to its own model as a cache hit would.
+
+Whether two ranks mean the same trace is checked, not assumed: the leader announces, for each
+trace of a compile in order, a digest of the cache key (the torch-level graph's text, the model
+tensors and constants it reads, the inputs' shapes; for the forward program the model's
+fingerprint, classes and functions by name rather than by identity); a rank whose own digest
+differs, or whose leader has announced nothing within the compile's ``timeout``, traces for
+itself. So does every rank where the leader's trace raised (each then raises its own error), or
+where this torch lacks what sharing needs (nothing is lost: each rank traces, as before).
+The dynamo capture itself is not shared (its graph holds dynamo's own objects, which do not
+pickle); each rank runs it, and the joint's key is read from it.
+
+``AUTOPAR_SHARE_TRACES=0`` switches it off; ``STATS`` counts what was shared.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import contextvars
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autopar import torch_compat as tc
+
+KINDS = ("joint", "forward")  # what capture_cache shares (its "capture" entries hold dynamo's objects)
+_KEEP = 8  # copies a leader leaves in the store per mesh (the oldest are deleted)
+_POLL_S = 0.02
+STATS: collections.Counter = collections.Counter()  # "taken" / "traced_here" / "published" / "refused"
+WAITED: list[float] = []  # seconds each ``follow`` waited (the tests read them)
+
+
+@dataclass
+class _Peers:
+    store: Any
+    leader: bool
+    leader_rank: int
+    wait_s: float
+    compile_no: int
+    calls: collections.Counter = field(default_factory=collections.Counter)
+    published: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+
+
+_ACTIVE: contextvars.ContextVar[_Peers | None] = contextvars.ContextVar("autopar_trace_share", default=None)
+_COMPILES: collections.Counter = collections.Counter()  # per mesh: compiles started (the ranks count alike)
+_PUBLISHED: dict = {}  # per mesh: the leader's copies in the store, oldest first
+
+
+def enabled() -> bool:
+    return os.environ.get("AUTOPAR_SHARE_TRACES", "1") not in ("0", "false", "off")
+
+
+@contextlib.contextmanager
+def sharing(mesh, wait_s: float):
+    """Around one compile on ``mesh``: its traces shared between the mesh's ranks where it is a
+    real process group of more than one rank (not a fake one: planning traces alone)."""
+    peers = _peers(mesh, wait_s)
+    token = _ACTIVE.set(peers)
+    try:
+        yield peers
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _peers(mesh, wait_s: float) -> _Peers | None:
+    import torch.distributed as dist
+
+    if not enabled() or mesh is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    if dist.get_backend() == "fake":
+        return None
+    ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+    if len(ranks) < 2 or tc.find("GraphPickler", None) is None or tc.find("GraphPicklerOptions", None) is None:
+        return None
+    store = default_store()
+    if store is None:
+        return None
+    name = hashlib.blake2b(repr(ranks).encode(), digest_size=8).hexdigest()
+    _COMPILES[name] += 1
+    store = dist.PrefixStore(f"autopar/traces/{name}/", store)
+    published = _PUBLISHED.setdefault(name, collections.OrderedDict())
+    return _Peers(store, dist.get_rank() == ranks[0], ranks[0], wait_s, _COMPILES[name], published=published)
+
+
+def default_store():
+    """The default process group's c10d store (None where this torch does not give it)."""
+    get = tc.find("default_store", None)
+    return get() if get is not None else None
+
+
+def forget() -> None:
+    """Delete the copies this process put in the store (a test that wants every trace made again)."""
+    import torch.distributed as dist
+
+    store = default_store() if dist.is_initialized() else None
+    for name, copies in _PUBLISHED.items():
+        for d in list(copies) if store is not None else ():
+            with contextlib.suppress(Exception):
+                dist.PrefixStore(f"autopar/traces/{name}/", store).delete_key(f"copy/{d}")
+        copies.clear()
+
+
+def active() -> _Peers | None:
+    return _ACTIVE.get()
+
+
+# ---- digests: the cache key, readable in another process ---------------------------------------
+
+def digest(key) -> str:
+    """The cache key as text another process computes alike: an object compared by identity in
+    this process (``("id", qualname, id)``) is named by its module and name, and by the order it
+    first appears in the key (two objects of one name stay apart)."""
+    seen: dict[int, int] = {}
+
+    def walk(x):
+        if isinstance(x, tuple) and len(x) == 3 and x[0] == "id" and isinstance(x[2], int):
+            return ("id", x[1], seen.setdefault(x[2], len(seen)))
+        if isinstance(x, (tuple, list)):
+            return tuple(walk(y) for y in x)
+        return x
+
+    return hashlib.blake2b(repr(walk(key)).encode(), digest_size=20).hexdigest()
+
+
+def _named(key, refs) -> tuple:
+    """``key`` with each object compared by identity also named by its module and qualified name
+    (the refs the fingerprint kept), so a digest tells two functions of one name in two modules apart."""
+    names = {id(r): f"{getattr(r, '__module__', '')}.{getattr(r, '__qualname__', type(r).__qualname__)}"
+             for r in refs}
+
+    def walk(x):
+        if isinstance(x, tuple) and len(x) == 3 and x[0] == "id" and isinstance(x[2], int) and x[2] in names:
+            return ("id", names[x[2]], x[2])
+        if isinstance(x, (tuple, list)):
+            return tuple(walk(y) for y in x)
+        return x
+
+    return walk(key)
+
+
+# ---- the copy on the wire ------------------------------------------------------------------------
+
+def encode(template) -> bytes | None:
+    """A capture-cache template as bytes (None where it does not pickle: the ranks trace alone)."""
+    pickler, options = tc.find("GraphPickler", None), tc.find("GraphPicklerOptions", None)
+    if pickler is None or options is None:
+        return None
+
+    class _Pickler(pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, fx.Graph):  # (a template holds a bare graph: pickled as a graph module's)
+                gm = fx.GraphModule.__new__(fx.GraphModule)
+                torch.nn.Module.__init__(gm)
+                gm._graph, gm._tracer_cls, gm._tracer_extras = obj, None, {}
+                return _graph_of, (gm,)
+            return super().reducer_override(obj)
+
+    try:
+        return _Pickler.dumps(template, options(ops_filter=None, node_metadata_key_filter=None))
+    except Exception:  # noqa: BLE001 - something in it does not pickle: not shared
+        return None
+
+
+def _graph_of(gm) -> fx.Graph:
+    return gm._graph
+
+
+def decode(data: bytes):
+    """A template from ``encode``'s bytes, its fake tensors made in a fresh fake mode."""
+    import warnings
+
+    with warnings.catch_warnings():  # (torch's own pytree specs warn of their deprecated class as they load)
+        warnings.simplefilter("ignore", FutureWarning)
+        return tc.find("GraphPickler").loads(data, tc.FakeTensorMode(shape_env=_shape_env()))
+
+
+def _shape_env():
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return ShapeEnv()
+
+
+# ---- the protocol ----------------------------------------------------------------------------------
+
+def slot(peers: _Peers, kind: str) -> str:
+    """Where the leader says which trace of ``kind`` this is: the n-th of this compile (every rank
+    takes one at each trace of ``kind``, from its cache or not, so the ranks count alike)."""
+    peers.calls[kind] += 1
+    return f"slot/{peers.compile_no}/{kind}/{peers.calls[kind]}"
+
+
+def announce(peers: _Peers, slot: str, key, refs) -> str:
+    """The leader, at a trace (traced or from its cache): says which trace this is."""
+    d = digest(_named(key, refs))
+    with contextlib.suppress(Exception):  # (the store is gone: the others wait, time out, trace for themselves)
+        peers.store.set(slot, d)
+    return f"{slot}|{d}"
+
+
+def publish(peers: _Peers, announced: str, template) -> None:
+    """The leader puts its copy of the trace it announced in the store (once per trace: the
+    oldest copies are deleted); ``template`` None: it has none (its trace raised), and the
+    others trace for themselves."""
+    slot, _, d = announced.partition("|")
+    store = peers.store
+    try:
+        if template is None:
+            store.set(slot, "none")
+            return
+        if store.check([f"copy/{d}"]):
+            return
+        data = encode(template)
+        if data is None:
+            STATS["refused"] += 1
+            store.set(slot, "none")
+            return
+        store.set(f"copy/{d}", data)
+        STATS["published"] += 1
+        peers.published[d] = True
+        while len(peers.published) > _KEEP:
+            old, _ = peers.published.popitem(last=False)
+            store.delete_key(f"copy/{old}")
+    except Exception:  # noqa: BLE001 - the store is gone: the others time out and trace for themselves
+        pass
+
+
+def follow(peers: _Peers, slot: str, key, refs):
+    """A rank other than the leader, at a trace of ``kind`` it has no copy of: the leader's copy
+    (a template) where the leader announced the same trace and published it; None (trace here)
+    where it announced another, has none, or said nothing within the compile's timeout."""
+    from autopar.runtime.failure import compile_failed
+
+    d = digest(_named(key, refs))
+    store = peers.store
+    copy_key = f"copy/{d}"
+    t0 = time.monotonic()
+    try:
+        while not store.check([copy_key]):
+            said = store.get(slot).decode() if store.check([slot]) else None
+            # the leader traces something else here or cannot share it, its compile failed (this
+            # rank's will say so), or it said nothing in time: trace here
+            if ((said is not None and said != d) or compile_failed(peers.leader_rank)
+                    or time.monotonic() - t0 > peers.wait_s):
+                return _here(t0)
+            time.sleep(_POLL_S)
+        got = decode(store.get(copy_key))
+    except Exception:  # noqa: BLE001 - the store is gone, or a copy this process cannot read: trace here
+        return _here(t0)
+    STATS["taken"] += 1
+    WAITED.append(time.monotonic() - t0)
+    return got
+
+
+def _here(t0: float) -> None:
+    STATS["traced_here"] += 1
+    WAITED.append(time.monotonic() - t0)
+    return None

@@ -1,0 +1,111 @@
+"""Ranks share the traces they would all make alike (autopar/trace_share.py): the mesh's first rank
+traces the joint and forward programs, the others read its copy from the store, and a rank whose
+trace differs, or whose leader failed, traces for itself without waiting out the timeout."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+def _compile_job(name: str, share: bool, batch: int | None = None, fail_on: int | None = None,
+                 evaluate: bool = True) -> dict:
+    import time
+
+    import torch.distributed as dist
+
+    import autopar
+    from autopar import capture_cache as cc
+    from autopar import trace_share as ts
+    from autopar.testing import build_model
+
+    os.environ["AUTOPAR_SHARE_TRACES"] = "1" if share else "0"
+    cc.clear()
+    ts.STATS.clear()
+    ts.WAITED.clear()
+    rank = dist.get_rank()
+    ts.forget()  # (the leader's copies from earlier jobs: this job's traces are made again)
+    dist.barrier()
+    model, batches, loss_fn = build_model(name)
+    x, y = batches[0]
+    if batch is not None and rank == 1:  # (this rank's global batch differs from the leader's)
+        x, y = x[:batch], y[:batch]
+
+    def loss(logits, targets):
+        if fail_on == rank:
+            raise ValueError(f"the loss refuses on rank {rank}")
+        return loss_fn(logits, targets)
+
+    out = {"rank": rank}
+    t0 = time.perf_counter()
+    try:
+        pm = autopar.compile(model, autopar.mesh(dp=2), example_inputs=(x, y), loss_fn=loss, plan={"dp": "fsdp"},
+                             capture_eval=evaluate, timeout=120)
+    except Exception as e:  # noqa: BLE001 - returned to the test
+        out.update(error=f"{type(e).__name__}: {e}".splitlines()[0])
+    else:
+        out.update(program=str(pm.program.graph))
+        if batch is None:
+            losses = []
+            for xb, yb in batches[:2]:
+                losses.append(pm.train_step(xb, yb).item())
+            out.update(losses=losses)
+        if evaluate:  # (the forward program's passes run at the first call)
+            out.update(eval=pm(x).detach(), forward=str(pm._forward_program.graph))
+    out.update(seconds=time.perf_counter() - t0, stats=dict(ts.STATS), waited=list(ts.WAITED),
+               cache=dict(cc.STATS))
+    got = [None, None]
+    dist.all_gather_object(got, out)
+    os.environ.pop("AUTOPAR_SHARE_TRACES")
+    return got
+
+
+def test_one_rank_traces_and_the_other_takes_its_copy(pools):
+    """Hugging Face Llama under fsdp, with its eval program: rank 1 takes rank 0's joint and
+    forward programs instead of tracing them; its programs, losses and eval outputs are those of
+    a compile where every rank traced for itself."""
+    pool = pools(2)
+    alone = pool.run(_compile_job, "hf_llama", False)
+    shared = pool.run(_compile_job, "hf_llama", True)
+    assert alone[1]["stats"] == {} and alone[1]["cache"]["joint_miss"] == 1  # (the switch holds: no sharing)
+    assert shared[0]["stats"] == {"published": 2}, shared[0]["stats"]
+    assert shared[1]["stats"] == {"taken": 2}, shared[1]["stats"]
+    assert shared[1]["cache"]["joint_shared"] == 1 and shared[1]["cache"]["forward_shared"] == 1
+    for r in (0, 1):
+        assert shared[r]["program"] == alone[r]["program"] and shared[r]["forward"] == alone[r]["forward"]
+        assert shared[r]["losses"] == alone[r]["losses"]
+        torch.testing.assert_close(shared[r]["eval"], alone[r]["eval"], rtol=0, atol=0)
+    assert shared[0]["program"] == shared[1]["program"]
+
+
+def test_a_rank_whose_trace_differs_traces_for_itself(pools):
+    """Rank 1's batch differs from the leader's: the leader announces another trace, and rank 1
+    traces its own at once (not after the compile's 120 s timeout)."""
+    got = pools(2).run(_compile_job, "llama", True, batch=2, evaluate=False)
+    assert got[1]["stats"] == {"traced_here": 1}, got[1]["stats"]
+    assert max(got[1]["waited"]) < 20, got[1]["waited"]
+    assert got[0]["program"] != got[1]["program"]
+
+
+def test_a_failed_leader_leaves_the_others_their_own_error(pools):
+    """The leader's capture raises (its loss refuses): rank 1 stops waiting once rank 0 has said
+    its compile failed, traces for itself and raises RankFailure naming rank 0; rank 0 raises its
+    own error."""
+    got = pools(2).run(_compile_job, "llama", True, fail_on=0, evaluate=False)
+    assert "the loss refuses on rank 0" in got[0]["error"], got[0]
+    assert got[1]["error"].startswith("RankFailure: rank 0 failed in autopar.compile"), got[1]
+    assert got[1]["stats"] == {"traced_here": 1} and max(got[1]["waited"]) < 20, got[1]
+
+
+@pytest.mark.parametrize("key", [("joint", "graph():\n    %x", (("tensor", (2, 3)),)),
+                                 ("forward", (("", ("id", "Llama", 140000000000001), ()),))])
+def test_the_digest_names_what_it_compares_by_identity(key):
+    """A key's digest is the same in another process (an object's id there differs: its order of
+    first appearance counts, not its address) and changes when the key does."""
+    from autopar import trace_share as ts
+
+    moved = eval(repr(key).replace("140000000000001", "140000000009999"))
+    assert ts.digest(key) == ts.digest(moved)
+    assert ts.digest(key) != ts.digest(key + ("more",))
