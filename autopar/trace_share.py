@@ -22,6 +22,8 @@ where this torch lacks what sharing needs (nothing is lost: each rank traces, as
 The dynamo capture itself is not shared (its graph holds dynamo's own objects, which do not
 pickle); each rank runs it, and the joint's key is read from it.
 
+A copy is shared only while its size times the ranks that read it stays under ``MAX_SENT`` (1 GiB):
+the store is one process, and on a thousand ranks each traces faster than it sends to all.
 ``AUTOPAR_SHARE_TRACES=0`` switches it off; ``STATS`` counts what was shared.
 """
 
@@ -44,6 +46,10 @@ from autopar import torch_compat as tc
 KINDS = ("joint", "forward")  # what capture_cache shares (its "capture" entries hold dynamo's objects)
 _KEEP = 8  # copies a leader leaves in the store per mesh (the oldest are deleted)
 _POLL_S = 0.02
+# at most this many bytes sent from the store per trace (its size times the ranks that read it):
+# the store is one process (rank 0's, or the launcher's agent's), and at a thousand ranks every
+# rank traces for itself faster than one server sends a large program to each
+MAX_SENT = 1 << 30
 STATS: collections.Counter = collections.Counter()  # "taken" / "traced_here" / "published" / "refused"
 WAITED: list[float] = []  # seconds each ``follow`` waited (the tests read them)
 
@@ -53,6 +59,7 @@ class _Peers:
     store: Any
     leader: bool
     leader_rank: int
+    followers: int
     wait_s: float
     compile_no: int
     calls: collections.Counter = field(default_factory=collections.Counter)
@@ -97,7 +104,8 @@ def _peers(mesh, wait_s: float) -> _Peers | None:
     _COMPILES[name] += 1
     store = dist.PrefixStore(f"autopar/traces/{name}/", store)
     published = _PUBLISHED.setdefault(name, collections.OrderedDict())
-    return _Peers(store, dist.get_rank() == ranks[0], ranks[0], wait_s, _COMPILES[name], published=published)
+    return _Peers(store, dist.get_rank() == ranks[0], ranks[0], len(ranks) - 1, wait_s, _COMPILES[name],
+                  published=published)
 
 
 def default_store():
@@ -228,7 +236,7 @@ def publish(peers: _Peers, announced: str, template) -> None:
         if store.check([f"copy/{d}"]):
             return
         data = encode(template)
-        if data is None:
+        if data is None or len(data) * peers.followers > MAX_SENT:
             STATS["refused"] += 1
             store.set(slot, "none")
             return

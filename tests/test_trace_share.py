@@ -11,7 +11,7 @@ import torch
 
 
 def _compile_job(name: str, share: bool, batch: int | None = None, fail_on: int | None = None,
-                 evaluate: bool = True) -> dict:
+                 evaluate: bool = True, max_sent: int | None = None) -> dict:
     import time
 
     import torch.distributed as dist
@@ -28,6 +28,7 @@ def _compile_job(name: str, share: bool, batch: int | None = None, fail_on: int 
     rank = dist.get_rank()
     ts.forget()  # (the leader's copies from earlier jobs: this job's traces are made again)
     dist.barrier()
+    sent, ts.MAX_SENT = ts.MAX_SENT, max_sent or ts.MAX_SENT
     model, batches, loss_fn = build_model(name)
     x, y = batches[0]
     if batch is not None and rank == 1:  # (this rank's global batch differs from the leader's)
@@ -59,6 +60,7 @@ def _compile_job(name: str, share: bool, batch: int | None = None, fail_on: int 
     got = [None, None]
     dist.all_gather_object(got, out)
     os.environ.pop("AUTOPAR_SHARE_TRACES")
+    ts.MAX_SENT = sent
     return got
 
 
@@ -87,6 +89,14 @@ def test_a_rank_whose_trace_differs_traces_for_itself(pools):
     assert got[1]["stats"] == {"traced_here": 1}, got[1]["stats"]
     assert max(got[1]["waited"]) < 20, got[1]["waited"]
     assert got[0]["program"] != got[1]["program"]
+
+
+def test_a_copy_too_large_to_send_to_every_rank_is_not_sent(pools):
+    """A copy whose size times the ranks that would read it exceeds ``MAX_SENT`` stays with the
+    leader, which says so: the other rank traces for itself at once."""
+    got = pools(2).run(_compile_job, "llama", True, evaluate=False, max_sent=1000)
+    assert got[0]["stats"] == {"refused": 1} and got[1]["stats"] == {"traced_here": 1}, got
+    assert max(got[1]["waited"]) < 20 and got[0]["program"] == got[1]["program"]
 
 
 def test_a_failed_leader_leaves_the_others_their_own_error(pools):
