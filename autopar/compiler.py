@@ -370,8 +370,11 @@ def runtime_for(state: CompileState, capture_eval: bool = True):
         rt = PipelineModule(state.model, state.mesh, pl.axis, pl.stage_mesh, pl.schedule, pl.options, state.specs,
                             state.stages, state.example_inputs, g.inputs, stage_plan=pl.parsed)
     else:
+        # (the eval and generation programs' passes run later, on the first call: DTensor's answers
+        # shared as in the compile, autopar/trace_share.py)
         rt = ParallelModule(state.model, state.stages[0], state.example_inputs, g.loss_fn is not None, g.inputs,
-                            forward_builder, functools.partial(generation.build, skip=o.skip, debug=g.debug))
+                            trace_share.later(forward_builder),
+                            trace_share.later(functools.partial(generation.build, skip=o.skip, debug=g.debug)))
     rt.timeout = o.timeout
     rt.clock = steptimes.StepClock(o.straggler_threshold, g.straggler_window)
     rt.index_checks = checks

@@ -1,30 +1,32 @@
 """Ranks that compile the same model share its traces: one rank traces, the others read its copy.
 
 Every rank of an SPMD program (and every rank of a pipeline, before the split) traces the same
-model with the same global shapes, so the joint forward+backward graph (AOTAutograd) and the
-forward-only program (torch.export) come out the same on each: rank-independent work that N
-ranks on one host do N times over (on this 2-core machine a 2-rank test job paid it twice). With
-a real process group of more than one rank, the mesh's lowest rank (the leader) traces and puts
-a copy in the default group's c10d store (the TCPStore every rank already reaches; no
-collective, so a rank that takes another path cannot hang anyone); the others wait for that
-copy instead of tracing. What is shared is what ``autopar/capture_cache.py`` keeps (its
-templates: the graph with its metadata, the trace's own constants; the model's tensors by name),
-pickled by torch's ``GraphPickler`` (fake tensors as descriptions, made again in a fresh fake
-mode on the reader), and a reader binds it to its own model as a cache hit would.
+model with the same global shapes, so dynamo's capture, the joint forward+backward graph
+(AOTAutograd) and the forward-only program (torch.export) come out the same on each, and the
+propagate pass puts the same questions to DTensor: rank-independent work that N ranks on one host
+do N times over (on this 2-core machine a 2-rank test job paid it twice). With a real process
+group of more than one rank, the mesh's lowest rank (the leader) traces and puts a copy in the
+default group's c10d store (the TCPStore every rank already reaches; no collective, so a rank
+that takes another path cannot hang anyone); the others wait for that copy instead of tracing.
+What is shared is what ``autopar/capture_cache.py`` keeps (its templates: the graph with its
+metadata, the trace's own constants; the model's tensors by name), pickled by torch's
+``GraphPickler`` (fake tensors as descriptions, made again in a fresh fake mode on the reader;
+dynamo's fake mode, which its graph names, becomes that one too), and a reader binds it to its own
+model as a cache hit would. DTensor's answers (propagate's memo, keyed by everything an answer
+depends on) go the same way: the leader's new entries, added by the others before they propagate.
 
 Whether two ranks mean the same trace is checked, not assumed: the leader announces, for each
-trace of a compile in order, a digest of the cache key (the torch-level graph's text, the model
-tensors and constants it reads, the inputs' shapes; for the forward program the model's
-fingerprint, classes and functions by name rather than by identity); a rank whose own digest
-differs, or whose leader has announced nothing within the compile's ``timeout``, traces for
-itself. So does every rank where the leader's trace raised (each then raises its own error), or
-where this torch lacks what sharing needs (nothing is lost: each rank traces, as before).
-The dynamo capture itself is not shared (its graph holds dynamo's own objects, which do not
-pickle); each rank runs it, and the joint's key is read from it.
+trace of a compile in order, a digest of the cache key (the model's fingerprint and the inputs'
+shapes for a capture or a forward program, the torch-level graph's text for a joint one; classes
+and functions by name rather than by identity); a rank whose own digest differs (a loss that
+closes over the rank's number is another loss on each rank), or whose leader has announced
+nothing within the compile's ``timeout``, traces for itself. So does every rank where the
+leader's trace raised (each then raises its own error), or where this torch lacks what sharing
+needs (nothing is lost: each rank traces, as before).
 
 A copy is shared only while its size times the ranks that read it stays under ``MAX_SENT`` (1 GiB,
-chosen, not measured: the store is one process, and sharing was measured on 2-rank jobs only).
-``AUTOPAR_SHARE_TRACES=0`` switches it off; ``STATS`` counts what was shared.
+chosen, not measured: the store is one process, and sharing was measured on 2- and 4-rank jobs of
+small models only). ``AUTOPAR_SHARE_TRACES=0`` switches it off; ``STATS`` counts what was shared.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import contextvars
 import hashlib
 import os
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,14 +46,14 @@ import torch.fx as fx
 
 from autopar import torch_compat as tc
 
-KINDS = ("joint", "forward")  # what capture_cache shares (its "capture" entries hold dynamo's objects)
+KINDS = ("capture", "joint", "forward")  # what capture_cache shares (and ``memo``: "strategies")
 _KEEP = 8  # copies a leader leaves in the store per mesh (the oldest are deleted)
 _POLL_S = 0.02
 # at most this many bytes sent from the store per trace (its size times the ranks that read it):
 # the store is one process (rank 0's, or the launcher's agent's). A bound chosen, not measured:
-# sharing was measured on 2-rank gloo jobs of small models only
+# sharing was measured on 2- and 4-rank gloo jobs of small models only
 MAX_SENT = 1 << 30
-STATS: collections.Counter = collections.Counter()  # "taken" / "traced_here" / "published" / "refused"
+STATS: collections.Counter = collections.Counter()  # "KIND taken" / "traced_here" / "published" / "refused"
 WAITED: list[float] = []  # seconds each ``follow`` waited (the tests read them)
 
 
@@ -64,6 +67,7 @@ class _Peers:
     compile_no: int
     calls: collections.Counter = field(default_factory=collections.Counter)
     published: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+    after: bool = False  # past the compile (``later``): the leader's end of compile says nothing
 
 
 _ACTIVE: contextvars.ContextVar[_Peers | None] = contextvars.ContextVar("autopar_trace_share", default=None)
@@ -85,6 +89,11 @@ def sharing(mesh, wait_s: float):
         yield peers
     finally:
         _ACTIVE.reset(token)
+        if peers is not None and peers.leader:
+            # a trace the leader has not announced by now it will not make (its stages differ:
+            # a pipeline's twins): the others stop waiting for it
+            with contextlib.suppress(Exception):
+                peers.store.set(f"end/{peers.compile_no}", "1")
 
 
 def _peers(mesh, wait_s: float) -> _Peers | None:
@@ -131,6 +140,23 @@ def active() -> _Peers | None:
     return _ACTIVE.get()
 
 
+def later(fn):
+    """``fn``, to be called after the compile (the eval program's passes at the first forward
+    call, generation's), sharing within the compile's peers as if it ran inside it."""
+    peers = active()
+    if peers is None or fn is None:
+        return fn
+
+    def run(*args, **kwargs):
+        token = _ACTIVE.set(dataclasses.replace(peers, after=True))  # (the same counts: ``calls`` shared)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _ACTIVE.reset(token)
+
+    return run
+
+
 # ---- digests: the cache key, readable in another process ---------------------------------------
 
 def digest(key) -> str:
@@ -173,6 +199,8 @@ def encode(template) -> bytes | None:
     if pickler is None or options is None:
         return None
 
+    fake_mode = tc.find("FakeTensorMode", None)
+
     class _Pickler(pickler):
         def reducer_override(self, obj):
             if isinstance(obj, fx.Graph):  # (a template holds a bare graph: pickled as a graph module's)
@@ -180,6 +208,10 @@ def encode(template) -> bytes | None:
                 torch.nn.Module.__init__(gm)
                 gm._graph, gm._tracer_cls, gm._tracer_extras = obj, None, {}
                 return _graph_of, (gm,)
+            if fake_mode is not None and isinstance(obj, fake_mode):
+                # dynamo's capture names its fake mode (the graph module's meta, a view's base in
+                # a fake tensor's description, which torch's pickler leaves in): the reader's own
+                return _fake_mode_of, (self._unpickle_state,)
             return super().reducer_override(obj)
 
     try:
@@ -190,6 +222,10 @@ def encode(template) -> bytes | None:
 
 def _graph_of(gm) -> fx.Graph:
     return gm._graph
+
+
+def _fake_mode_of(state):
+    return state.fake_mode
 
 
 def decode(data: bytes):
@@ -207,7 +243,46 @@ def _shape_env():
     return ShapeEnv()
 
 
+# ---- a memo filled alike on every rank --------------------------------------------------------------
+
+@contextlib.contextmanager
+def memo(kind: str, key, table: dict, shareable=lambda value: True):
+    """Around work that fills ``table``, a memo keyed by everything its answers depend on (so an
+    entry is right for any rank, whatever graph it was made for), the same way on every rank:
+    the leader puts the entries it added in the store (those ``shareable`` says pickle), and the
+    others wait for them and add them before doing the work (which then finds them). ``key``
+    (plain data, or a function giving it) says which work this is: where the leader's differs, a
+    rank waits for nothing."""
+    peers = active()
+    if peers is None:
+        yield
+        return
+    key = key() if callable(key) else key
+    where = slot(peers, kind)
+    if not peers.leader:
+        got = follow(peers, where, key, ())
+        if got:
+            table.update(got)
+        yield
+        return
+    announced = announce(peers, where, key, ())
+    before = len(table)
+    try:
+        yield
+    except BaseException:
+        publish(peers, announced, None)
+        raise
+    items = list(table.items())
+    # (a table emptied on the way, as a bounded one is, and filled again: every entry it holds)
+    added = items[before:] if len(items) >= before else items
+    publish(peers, announced, {k: v for k, v in added if shareable(v)})
+
+
 # ---- the protocol ----------------------------------------------------------------------------------
+
+def _kind(slot: str) -> str:
+    return slot.split("/")[2]
+
 
 def slot(peers: _Peers, kind: str) -> str:
     """Where the leader says which trace of ``kind`` this is: the n-th of this compile (every rank
@@ -238,11 +313,11 @@ def publish(peers: _Peers, announced: str, template) -> None:
             return
         data = encode(template)
         if data is None or len(data) * peers.followers > MAX_SENT:
-            STATS["refused"] += 1
+            STATS[f"{_kind(slot)} refused"] += 1
             store.set(slot, "none")
             return
         store.set(f"copy/{d}", data)
-        STATS["published"] += 1
+        STATS[f"{_kind(slot)} published"] += 1
         peers.published[d] = True
         while len(peers.published) > _KEEP:
             old, _ = peers.published.popitem(last=False)
@@ -254,7 +329,8 @@ def publish(peers: _Peers, announced: str, template) -> None:
 def follow(peers: _Peers, slot: str, key, refs):
     """A rank other than the leader, at a trace of ``kind`` it has no copy of: the leader's copy
     (a template) where the leader announced the same trace and published it; None (trace here)
-    where it announced another, has none, or said nothing within the compile's timeout."""
+    where it announced another, has none, ended its compile without announcing one, or said
+    nothing within the compile's timeout."""
     from autopar.runtime.failure import compile_failed
 
     d = digest(_named(key, refs))
@@ -263,22 +339,24 @@ def follow(peers: _Peers, slot: str, key, refs):
     t0 = time.monotonic()
     try:
         while not store.check([copy_key]):
+            ended = not peers.after and store.check([f"end/{peers.compile_no}"])  # (read before the slot)
             said = store.get(slot).decode() if store.check([slot]) else None
-            # the leader traces something else here or cannot share it, its compile failed (this
-            # rank's will say so), or it said nothing in time: trace here
-            if ((said is not None and said != d) or compile_failed(peers.leader_rank)
+            # the leader traces something else here or cannot share it, has finished its compile
+            # without this trace, its compile failed (this rank's will say so), or it said nothing
+            # in time: trace here
+            if ((said is not None and said != d) or (ended and said is None) or compile_failed(peers.leader_rank)
                     or time.monotonic() - t0 > peers.wait_s):
-                return _here(t0)
+                return _here(slot, t0)
             time.sleep(_POLL_S)
         got = decode(store.get(copy_key))
     except Exception:  # noqa: BLE001 - the store is gone, or a copy this process cannot read: trace here
-        return _here(t0)
-    STATS["taken"] += 1
+        return _here(slot, t0)
+    STATS[f"{_kind(slot)} taken"] += 1
     WAITED.append(time.monotonic() - t0)
     return got
 
 
-def _here(t0: float) -> None:
-    STATS["traced_here"] += 1
+def _here(slot: str, t0: float) -> None:
+    STATS[f"{_kind(slot)} traced_here"] += 1
     WAITED.append(time.monotonic() - t0)
     return None

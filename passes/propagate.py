@@ -24,6 +24,7 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from autopar import torch_compat as tc
+from autopar import trace_share
 from autopar.analysis.ops import VIEW_OPS
 from autopar.derived_rules import DERIVED, derive, record
 from autopar.errors import ShardingError, TorchVersionError
@@ -54,6 +55,16 @@ def propagate_pass(program: Program, ctx) -> Program:
     seq = SequenceDims(program, ctx)  # the activation layout of a sequence-parallel axis (autopar/layout.py)
     check_context_parallel(program, ctx)  # the sequence length divides over the context-parallel axes
     check_expert_parallel(program, ctx)  # expert weights sharded over ep are computed by the expert op
+    # the ranks of a real process group ask DTensor the same questions: one asks, the others take
+    # its answers from the store (autopar/trace_share.py; none that carries code)
+    with trace_share.memo("strategies", lambda: ("strategies", tuple(ctx.axis_sizes), str(graph)),
+                          _SHARED_STRATEGIES, lambda res: res.impl is None):
+        _propagate_nodes(program, ctx, seq)
+    return program
+
+
+def _propagate_nodes(program: Program, ctx, seq: SequenceDims) -> None:
+    graph = program.graph
     for n in graph.nodes:
         if n.op == "placeholder":
             val = n.meta["val"]
@@ -74,7 +85,6 @@ def propagate_pass(program: Program, ctx) -> Program:
                 _propagate_node(n, ctx, seq)
         elif n.op == "get_attr":
             raise ShardingError(f"unexpected get_attr node {n.target} in the captured graph")
-    return program
 
 
 def refined_shape(a, b) -> list[int] | None:
