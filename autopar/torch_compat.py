@@ -57,7 +57,7 @@ fx._lazy_graph_module._LazyGraphModule                 -                    Grap
 distributed.device_mesh.DeviceMesh._flatten            -                    a new group over the mesh's ranks
 testing._internal.distributed.fake_pg                  -                    TorchVersionError (fake meshes)
 testing._internal.distributed.fake_pg.FakeStore        -                    a HashStore
-fx._graph_pickler.GraphPickler/Options, c10d store     -                    every rank traces for itself
+fx._graph_pickler.GraphPickler/Options, c10d store     -                    traces not shared (store: failures raise)
 _prims_common.make_contiguous_strides_for              -                    never read: ``contiguous_strides``
 ====================================================  ===================  ====================================
 
@@ -188,9 +188,9 @@ PRIVATE: dict[str, Private] = {
                                "GraphModule (its code generated again on each change)"),
     "mesh_flatten": Private("torch.distributed.device_mesh", "DeviceMesh._flatten", "a whole-mesh process group",
                             "a new group over the mesh's ranks"),
-    **{name: Private(module, attr, "sharing a trace between ranks", "each rank traces for itself")
-       for name, module, attr in (("GraphPickler", _GP, "GraphPickler"), ("GraphPicklerOptions", _GP, "Options"),
-                                  ("default_store", "torch.distributed.distributed_c10d", "_get_default_store"))},
+    **{name: Private(_GP, attr, "sharing a trace between ranks", "each rank traces for itself")
+       for name, attr in (("GraphPickler", "GraphPickler"), ("GraphPicklerOptions", "Options"))},
+    "default_store": Private("torch.distributed.distributed_c10d", "_get_default_store", "shared traces", "not shared"),
     "fake_pg": Private("torch.testing._internal.distributed.fake_pg", None, "fake process groups"),
     "FakeStore": Private("torch.testing._internal.distributed.fake_pg", "FakeStore", "fake process groups",
                          "a HashStore"),

@@ -223,7 +223,7 @@ BOUNDARY = "autopar/torch_compat.py"
 # where the rule is not kept yet, each with its reason
 NOT_YET = {
     # rewritten on another branch (failure handling): move these to the boundary after it lands
-    "autopar/runtime/failure.py": {"dist.distributed_c10d._get_default_store", "dist.distributed_c10d._world"},
+    "autopar/runtime/failure.py": {"dist.distributed_c10d._world"},
     "autopar/runtime/executor.py": {"fx.graph._BoxedCodeGen"},
 }
 

@@ -59,6 +59,7 @@ import time
 
 import torch.distributed as dist
 
+from autopar import torch_compat as tc
 from autopar.errors import MemoryBudgetError, RankFailure
 
 SLICE_S = 0.1  # how long one wait blocks before it looks at the store
@@ -94,7 +95,7 @@ class World:
 
     def __init__(self):
         self.pg = dist.group.WORLD
-        self.store = dist.distributed_c10d._get_default_store()
+        self.store = tc.find("default_store")()  # (torch's private name, through the boundary)
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         self.calls = 0  # communicating calls (train_step, eval) begun on this rank, failed ones too
         self.compiles = 0
