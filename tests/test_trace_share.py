@@ -1,6 +1,7 @@
 """Ranks share the traces they would all make alike (autopar/trace_share.py): the mesh's first rank
-traces the model (dynamo's capture, the joint and forward programs), the others read its copy from the store, and a rank whose
-trace differs, or whose leader failed, traces for itself without waiting out the timeout."""
+traces the model (dynamo's capture, the joint and forward programs) and asks DTensor, the others
+read its copies from the store, and a rank whose trace differs, or whose leader failed, traces for
+itself without waiting out the timeout."""
 
 from __future__ import annotations
 
@@ -16,12 +17,10 @@ def _compile_job(name: str, share: bool, batch: int | None = None, fail_on: int 
 
     import torch.distributed as dist
 
-    import autopar
     from autopar import capture_cache as cc
     from autopar import trace_share as ts
-    from autopar.testing import build_model
-
     from autopar.passes import propagate
+    from autopar.testing import build_model
 
     os.environ["AUTOPAR_SHARE_TRACES"] = "1" if share else "0"
     cc.clear()
@@ -51,20 +50,9 @@ def _compile_job(name: str, share: bool, batch: int | None = None, fail_on: int 
     out = {"rank": rank}
     t0 = time.perf_counter()
     try:
-        pm = autopar.compile(model, autopar.mesh(dp=2), example_inputs=(x, y), loss_fn=loss, plan={"dp": "fsdp"},
-                             capture_eval=evaluate, timeout=120)
-    except Exception as e:  # noqa: BLE001 - returned to the test
-        out.update(error=f"{type(e).__name__}: {e}".splitlines()[0])
-    else:
-        out.update(program=str(pm.program.graph))
-        if batch is None:
-            losses = []
-            for xb, yb in batches[:2]:
-                losses.append(pm.train_step(xb, yb).item())
-            out.update(losses=losses)
-        if evaluate:  # (the forward program's passes run at the first call)
-            out.update(eval=pm(x).detach(), forward=str(pm._forward_program.graph))
-    propagate._dtensor_rule_uncached = ask
+        _compile_and_run(out, model, batches, x, y, loss, evaluate, batch is None)
+    finally:
+        propagate._dtensor_rule_uncached = ask
     out.update(seconds=time.perf_counter() - t0, stats=dict(ts.STATS), waited=list(ts.WAITED),
                cache=dict(cc.STATS), asked=len(asked))
     got = [None, None]
@@ -74,10 +62,26 @@ def _compile_job(name: str, share: bool, batch: int | None = None, fail_on: int 
     return got
 
 
+def _compile_and_run(out: dict, model, batches, x, y, loss, evaluate: bool, train: bool) -> None:
+    import autopar
+
+    try:
+        pm = autopar.compile(model, autopar.mesh(dp=2), example_inputs=(x, y), loss_fn=loss, plan={"dp": "fsdp"},
+                             capture_eval=evaluate, timeout=120)
+    except Exception as e:  # noqa: BLE001 - returned to the test
+        out.update(error=f"{type(e).__name__}: {e}".splitlines()[0])
+    else:
+        out.update(program=str(pm.program.graph))
+        if train:
+            out.update(losses=[pm.train_step(xb, yb).item() for xb, yb in batches[:2]])
+        if evaluate:  # (the forward program's passes run at the first call)
+            out.update(eval=pm(x).detach(), forward=str(pm._forward_program.graph))
+
+
 def test_one_rank_traces_and_the_other_takes_its_copy(pools):
     """Hugging Face Llama under fsdp, with its eval program: rank 1 takes rank 0's capture, joint
-    and forward programs instead of tracing them; its programs, losses and eval outputs are those
-    of a compile where every rank traced for itself."""
+    and forward programs and DTensor's answers instead of making them; its programs, losses and
+    eval outputs are those of a compile where every rank traced for itself."""
     pool = pools(2)
     alone = pool.run(_compile_job, "hf_llama", False)
     shared = pool.run(_compile_job, "hf_llama", True)
