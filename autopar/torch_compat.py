@@ -57,7 +57,7 @@ fx._lazy_graph_module._LazyGraphModule                 -                    Grap
 distributed.device_mesh.DeviceMesh._flatten            -                    a new group over the mesh's ranks
 testing._internal.distributed.fake_pg                  -                    TorchVersionError (fake meshes)
 testing._internal.distributed.fake_pg.FakeStore        -                    a HashStore
-fx._graph_pickler.GraphPickler/Options, c10d store     -                    traces not shared (store: failures raise)
+fx._graph_pickler.GraphPickler/Options, c10d store     -                    unshared traces; store: TorchVersionError
 _prims_common.make_contiguous_strides_for              -                    never read: ``contiguous_strides``
 ====================================================  ===================  ====================================
 
@@ -190,7 +190,7 @@ PRIVATE: dict[str, Private] = {
                             "a new group over the mesh's ranks"),
     **{name: Private(_GP, attr, "sharing a trace between ranks", "each rank traces for itself")
        for name, attr in (("GraphPickler", "GraphPickler"), ("GraphPicklerOptions", "Options"))},
-    "default_store": Private("torch.distributed.distributed_c10d", "_get_default_store", "shared traces", "not shared"),
+    "default_store": Private("torch.distributed.distributed_c10d", "_get_default_store", "failures", "fake groups only"),
     "fake_pg": Private("torch.testing._internal.distributed.fake_pg", None, "fake process groups"),
     "FakeStore": Private("torch.testing._internal.distributed.fake_pg", "FakeStore", "fake process groups",
                          "a HashStore"),

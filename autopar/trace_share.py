@@ -34,10 +34,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import dataclasses
 import hashlib
 import os
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,34 +101,30 @@ def _peers(mesh, wait_s: float) -> _Peers | None:
 
     from autopar.runtime.failure import world
 
-    # (failure's side channel decides what counts as ranks to coordinate: none for one rank or a fake group)
-    if not enabled() or mesh is None or world() is None:
+    # (failure's side channel decides what counts as ranks to coordinate, none for one rank or a
+    # fake group, and holds the default group's store)
+    w = world() if enabled() and mesh is not None else None
+    if w is None:
         return None
     ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
     if len(ranks) < 2 or tc.find("GraphPickler", None) is None or tc.find("GraphPicklerOptions", None) is None:
         return None
-    store = default_store()
-    if store is None:
-        return None
     name = hashlib.blake2b(repr(ranks).encode(), digest_size=8).hexdigest()
     _COMPILES[name] += 1
-    store = dist.PrefixStore(f"autopar/traces/{name}/", store)
+    store = dist.PrefixStore(f"autopar/traces/{name}/", w.store)
     published = _PUBLISHED.setdefault(name, collections.OrderedDict())
     return _Peers(store, dist.get_rank() == ranks[0], ranks[0], len(ranks) - 1, wait_s, _COMPILES[name],
                   published=published)
-
-
-def default_store():
-    """The default process group's c10d store (None where this torch does not give it)."""
-    get = tc.find("default_store", None)
-    return get() if get is not None else None
 
 
 def forget() -> None:
     """Delete the copies this process put in the store (a test that wants every trace made again)."""
     import torch.distributed as dist
 
-    store = default_store() if dist.is_initialized() else None
+    from autopar.runtime.failure import world
+
+    w = world()
+    store = w.store if w is not None else None
     for name, copies in _PUBLISHED.items():
         for d in list(copies) if store is not None else ():
             with contextlib.suppress(Exception):

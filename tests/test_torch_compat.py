@@ -108,7 +108,7 @@ def sharing_traces(fake):
     program = capture_joint(model, inputs, cross_entropy)
     data = trace_share.encode(capture_cache.program_template(program, model))
     with fake(dp=2):
-        store = trace_share.default_store()
+        store = tc.find("default_store", lambda: None)()  # (what the failure channel and sharing read)
     if tc.has("GraphPickler") and tc.has("GraphPicklerOptions"):
         assert str(trace_share.decode(data).graph) == str(program.graph)
     else:
