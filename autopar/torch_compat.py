@@ -190,7 +190,7 @@ PRIVATE: dict[str, Private] = {
                             "a new group over the mesh's ranks"),
     **{name: Private(_GP, attr, "sharing a trace between ranks", "each rank traces for itself")
        for name, attr in (("GraphPickler", "GraphPickler"), ("GraphPicklerOptions", "Options"))},
-    "default_store": Private("torch.distributed.distributed_c10d", "_get_default_store", "failures", "fake groups only"),
+    "default_store": Private("torch.distributed.distributed_c10d", "_get_default_store", "failures", "fake only"),
     "fake_pg": Private("torch.testing._internal.distributed.fake_pg", None, "fake process groups"),
     "FakeStore": Private("torch.testing._internal.distributed.fake_pg", "FakeStore", "fake process groups",
                          "a HashStore"),
