@@ -411,6 +411,85 @@ def capture_forward(model: nn.Module, example_inputs: tuple, compute_dtype: torc
                      lambda p: cc.program_template(p, model), lambda t: cc.program_copy(t, model))
 
 
+def forward_later(model: nn.Module, example_inputs: tuple, compute_dtype: torch.dtype | None, device: torch.device,
+                  dropless: bool = False) -> Callable[[], Program]:
+    """``capture_forward`` deferred to the first forward call: compile keeps no forward program
+    (torch.export and its decompositions were a third to two fifths of a small model's compile),
+    and a run that never calls ``pm(x)`` never exports. By then the parameters are DTensors, so
+    the export swaps every parameter and buffer for a fake tensor of its global shape on
+    ``device`` (tied ones stay one; no storage) and restores them; the model's training flag,
+    grad mode and the capture cache's key (which lets ranks share the export, as at compile) are
+    those of the compile. The program runs on the real shards and buffers, read by name. A tensor
+    the forward makes from data keeps its value (export records it as it is made); a constant that
+    were one of the stand-ins would have lost its value: CaptureError, with the fix (a buffer, or
+    ``capture_eval="compile"``, which exports at compile as before)."""
+    from autopar import capture_cache as cc
+
+    wrapper = _WithLoss(model, None, compute_dtype)
+    keyed = cc.module_key("forward", wrapper, example_inputs, dropless) if cc.enabled() else None
+    shapes = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    training, grad = model.training, torch.is_grad_enabled()
+
+    def capture() -> Program:
+        mode = tc.FakeTensorMode()
+        with mode:
+            inputs = tuple(torch.empty(x[0], dtype=x[1], device=device) if isinstance(x, tuple) else x for x in shapes)
+
+        def fake(t: torch.Tensor) -> torch.Tensor:
+            with mode:
+                return torch.empty(t.shape, dtype=t.dtype, device=device)
+
+        real = dict(model.named_buffers(remove_duplicate=False))
+
+        def export():
+            with dropless_experts(model, dropless):
+                program = _capture_forward(model, wrapper, inputs)
+            made = sorted(n for n, t in program.buffers.items() if n not in real and isinstance(t, tc.FakeTensor))
+            if made:
+                raise CaptureError(f"the model's forward creates tensor constant(s) {made} from data, which the eval "
+                                   "program, captured at its first call on stand-ins of the (by then sharded) "
+                                   "parameters, cannot keep", where=type(model).__name__,
+                                   fix="register them as buffers of the model, or compile with "
+                                   "capture_eval=\"compile\" (the eval program captured at compile)")
+            return program
+
+        from autopar.experts import dropless_experts
+
+        with swapped(model, fake, training), torch.set_grad_enabled(grad):
+            program = cc.cached("forward", lambda: keyed, export, lambda p: cc.program_template(p, model),
+                                lambda t: cc.program_copy(t, model))
+        # (the module's own buffers by name, as the run reads them; the stand-ins are gone)
+        program.buffers = {n: real.get(n, t) for n, t in program.buffers.items()}
+        return program
+
+    return capture
+
+
+@contextlib.contextmanager
+def swapped(module: nn.Module, make: Callable[[torch.Tensor], torch.Tensor], training: bool):
+    """The module as it was before compiling, for torch.export: each parameter (a DTensor now)
+    and buffer replaced by ``make(tensor)`` (a meta or fake tensor of its global shape; tied ones
+    stay one tensor), in ``training`` mode; everything restored after."""
+    saved, memo = [], {}
+    was = module.training
+    for m in module.modules():
+        for table in (m._parameters, m._buffers):
+            for name, t in list(table.items()):
+                if t is None:
+                    continue
+                if id(t) not in memo:
+                    memo[id(t)] = nn.Parameter(make(t), requires_grad=False) if table is m._parameters else make(t)
+                saved.append((table, name, t))
+                table[name] = memo[id(t)]
+    module.train(training)
+    try:
+        yield
+    finally:
+        for table, name, t in saved:
+            table[name] = t
+        module.train(was)
+
+
 def _capture_forward(model: nn.Module, wrapper: nn.Module, example_inputs: tuple) -> Program:
     try:
         with warnings.catch_warnings():

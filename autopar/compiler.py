@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar import trace_share
-from autopar.capture import capture_forward
+from autopar.capture import capture_forward, forward_later
 from autopar.experts import expert_plan
 from autopar.errors import PlanError
 from autopar.ir import CompileState
@@ -53,7 +53,9 @@ def compile(model: nn.Module | Callable | None = None, mesh: DeviceMesh | None =
     "dynamic" or a fixed scale. ``accumulate=K`` splits each global batch into K micro-batches
     and synchronises gradients once per step. ``recompute``: "none" | "full" | "selective".
     ``progress``: called with the name of each stage as it starts (the command line shows it).
-    ``capture_eval=False`` skips capturing the forward-only program (planning without running).
+    ``capture_eval``: the forward-only program (``pm(x)``) is captured on its first call (True,
+    the default), at compile (``"compile"``: for a forward that creates tensor constants from
+    data), or never (False: planning without running).
     ``pipeline_stages="all"`` (with a pipeline axis) also compiles the stages other ranks hold, so
     planning tools can show and cost the whole pipeline from one rank.
     ``kernels``: "on" lowers attention and linear + activation to autopar's Triton kernels
@@ -188,6 +190,9 @@ def validate(model, mesh, g: CompileOptions) -> tuple[Options, tuple]:
     budget = parse_budget(g.memory_budget)
     example_inputs = tuple(g.example_inputs)
     lower = _kernels_option(g.kernels, mesh)
+    if g.capture_eval not in (True, False, "compile"):
+        raise PlanError(f"unknown capture_eval option {g.capture_eval!r}", where="autopar.compile(capture_eval=...)",
+                        fix="True (the eval program captured on its first call), \"compile\" (at compile) or False")
     already = [n for n, p in model.named_parameters()
                if isinstance(p, DTensor) or getattr(p, "_autopar_placed", False)]
     if already:
@@ -335,7 +340,6 @@ def runtime_for(state: CompileState, capture_eval: bool = True):
     """The runtime object for a compiled state: ParallelModule (one stage) or PipelineModule."""
     from autopar import generation
     from autopar.analysis.budget import check_budget
-    from autopar.passes import run_stage_passes
     from autopar.runtime.common import index_checks
     from autopar.runtime.module import ParallelModule
     from autopar.runtime.pipeline import PipelineModule
@@ -347,19 +351,25 @@ def runtime_for(state: CompileState, capture_eval: bool = True):
         check_budget(state, o.memory_budget)
         checks = index_checks(state.gm, state.model)  # (before the parameters become DTensors)
         if o.pipeline is None and capture_eval:
-            # the eval program is captured now, while the parameters are still plain tensors; its
-            # passes run on the first forward call
+            # the eval program: captured on the first forward call (capture_forward's docstring),
+            # or now, while the parameters are still plain tensors (capture_eval="compile"); its
+            # passes run on the first forward call either way
             ctx = state.stages[0].ctx
             fwd_inputs = state.example_inputs[:-1] if g.loss_fn is not None else state.example_inputs
             if o.deferred:
                 fwd_inputs = tuple(_meta_like(x) for x in fwd_inputs)
-            if g.progress:
-                g.progress("capture (eval forward)")
-            t0 = time.perf_counter()
-            fwd_program = capture_forward(state.model, fwd_inputs, o.compute_dtype, dropless=expert_plan(o.plan))
-            ctx.timings["capture_forward"] = time.perf_counter() - t0
-            forward_builder = functools.partial(run_stage_passes, fwd_program, ctx, debug=g.debug, label="eval ",
-                                                skip=tuple(o.skip) + ("recompute",))
+            dropless = expert_plan(o.plan)
+            if capture_eval == "compile":
+                if g.progress:
+                    g.progress("capture (eval forward)")
+                t0 = time.perf_counter()
+                fwd_program = capture_forward(state.model, fwd_inputs, o.compute_dtype, dropless=dropless)
+                ctx.timings["capture_forward"] = time.perf_counter() - t0
+                def fwd_capture(program=fwd_program):
+                    return program
+            else:
+                fwd_capture = forward_later(state.model, fwd_inputs, o.compute_dtype, ctx.device, dropless)
+            forward_builder = functools.partial(_eval_program, fwd_capture, ctx, g.debug, tuple(o.skip))
     except BaseException as e:
         failure.agree(e, o.timeout)
         raise
@@ -407,6 +417,16 @@ def _materialize_buffers(pm, o: Options):
 
         materialize_buffers(pm)
     return pm
+
+
+def _eval_program(capture: Callable, ctx, debug: bool, skip: tuple):
+    """The eval program (on the first forward call): captured (``capture``), then the per-stage passes."""
+    from autopar.passes import run_stage_passes
+
+    t0 = time.perf_counter()
+    program = capture()
+    ctx.timings.setdefault("capture_forward", time.perf_counter() - t0)
+    return run_stage_passes(program, ctx, debug=debug, label="eval ", skip=skip + ("recompute",))
 
 
 def _kernels_option(kernels: str, mesh) -> str:

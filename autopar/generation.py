@@ -20,14 +20,12 @@ positions' dimension. torch.export turns the in-place update of a cache input in
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
-from torch import nn
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from autopar.capture import capture_forward
+from autopar.capture import capture_forward, swapped
 from autopar.errors import CaptureError, PlanError
 from autopar.ir import Program, info, spec_of
 from autopar.passes import run_stage_passes
@@ -48,7 +46,7 @@ def build(pm, path, batch: int, prompt: int, max_len: int, *, skip=(), debug: bo
     ids = torch.zeros((batch, prompt), dtype=torch.long, device="meta")
     pos = torch.zeros((prompt,), dtype=torch.long, device="meta")
     step = path.step
-    with _traced_on_meta(pm.module):
+    with swapped(pm.module, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), False):
         prefill = capture_forward(pm.module, (ids, pos, *cache), ctx.compute_dtype, call=step)
         decode = capture_forward(pm.module, (ids[:, :1], pos[:1], *cache), ctx.compute_dtype, call=step)
     buffers = dict(pm.module.named_buffers())
@@ -80,32 +78,6 @@ def _local(shape, placements, sizes) -> tuple[int, ...]:
         if isinstance(p, Shard):
             local[p.dim] //= n
     return tuple(local)
-
-
-@contextlib.contextmanager
-def _traced_on_meta(module: nn.Module):
-    """The module as it was before compiling, for torch.export: each parameter (a DTensor now) and
-    buffer swapped for a meta tensor of its global shape (tied ones stay one tensor), in eval mode;
-    everything restored after. The programs run on the real local shards (``pm._run_program``)."""
-    saved, memo = [], {}
-    training = module.training
-    for m in module.modules():
-        for table in (m._parameters, m._buffers):
-            for name, t in list(table.items()):
-                if t is None:
-                    continue
-                if id(t) not in memo:
-                    meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
-                    memo[id(t)] = nn.Parameter(meta, requires_grad=False) if table is m._parameters else meta
-                saved.append((table, name, t))
-                table[name] = memo[id(t)]
-    module.eval()
-    try:
-        yield
-    finally:
-        for table, name, t in saved:
-            table[name] = t
-        module.train(training)
 
 
 def _check_updates(program: Program, n: int, path) -> None:

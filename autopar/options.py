@@ -36,7 +36,7 @@ class CompileOptions:
     debug: bool = False  # the full checker after every pass, the passes' before/after
     skip_passes: tuple[str, ...] = ()  # passes left out, by name (passes/__init__.py)
     progress: Callable[[str], None] | None = None  # called with each stage's name as it starts
-    capture_eval: bool = True  # capture the forward-only program (False: planning without running)
+    capture_eval: bool | str = True  # the forward-only program: at its first call / "compile" / False (none)
     pipeline_stages: str = "local"  # "all": also compile the stages other ranks hold (planning tools)
     kernels: str = "auto"  # "on" | "off" | "auto": autopar's Triton kernels (compiler._kernels_option)
     bucket_mb: float = 25  # MiB of gradients per bucketed collective (DDP's bucket_cap_mb: passes/bucket.py); 0: none
