@@ -455,7 +455,7 @@ def forward_later(model: nn.Module, example_inputs: tuple, compute_dtype: torch.
 
         from autopar.experts import dropless_experts
 
-        with swapped(model, fake, training), torch.set_grad_enabled(grad):
+        with swapped(model, fake, training, keep_requires_grad=True), torch.set_grad_enabled(grad):
             program = cc.cached("forward", lambda: keyed, export, lambda p: cc.program_template(p, model),
                                 lambda t: cc.program_copy(t, model))
         # (the module's own buffers by name, as the run reads them; the stand-ins are gone)
@@ -466,10 +466,12 @@ def forward_later(model: nn.Module, example_inputs: tuple, compute_dtype: torch.
 
 
 @contextlib.contextmanager
-def swapped(module: nn.Module, make: Callable[[torch.Tensor], torch.Tensor], training: bool):
+def swapped(module: nn.Module, make: Callable[[torch.Tensor], torch.Tensor], training: bool,
+            keep_requires_grad: bool = False):
     """The module as it was before compiling, for torch.export: each parameter (a DTensor now)
     and buffer replaced by ``make(tensor)`` (a meta or fake tensor of its global shape; tied ones
-    stay one tensor), in ``training`` mode; everything restored after."""
+    stay one tensor; parameters requiring no gradient unless ``keep_requires_grad``), in
+    ``training`` mode; everything restored after."""
     saved, memo = [], {}
     was = module.training
     for m in module.modules():
@@ -478,7 +480,8 @@ def swapped(module: nn.Module, make: Callable[[torch.Tensor], torch.Tensor], tra
                 if t is None:
                     continue
                 if id(t) not in memo:
-                    memo[id(t)] = nn.Parameter(make(t), requires_grad=False) if table is m._parameters else make(t)
+                    memo[id(t)] = nn.Parameter(make(t), requires_grad=keep_requires_grad and t.requires_grad) \
+                        if table is m._parameters else make(t)
                 saved.append((table, name, t))
                 table[name] = memo[id(t)]
     module.train(training)

@@ -351,7 +351,7 @@ def runtime_for(state: CompileState, capture_eval: bool = True):
         check_budget(state, o.memory_budget)
         checks = index_checks(state.gm, state.model)  # (before the parameters become DTensors)
         if o.pipeline is None and capture_eval:
-            # the eval program: captured on the first forward call (capture_forward's docstring),
+            # the eval program: captured on the first forward call (capture.forward_later),
             # or now, while the parameters are still plain tensors (capture_eval="compile"); its
             # passes run on the first forward call either way
             ctx = state.stages[0].ctx
