@@ -422,7 +422,9 @@ def forward_later(model: nn.Module, example_inputs: tuple, compute_dtype: torch.
     those of the compile. The program runs on the real shards and buffers, read by name. A tensor
     the forward makes from data keeps its value (export records it as it is made); a constant that
     were one of the stand-ins would have lost its value: CaptureError, with the fix (a buffer, or
-    ``capture_eval="compile"``, which exports at compile as before)."""
+    ``capture_eval="compile"``, which exports at compile as before). The forward is traced as the
+    module is at that call but keyed as it was at compile: a plain attribute changed in between
+    shows in the eval program (not in the compiled training step) unless the cache held the export."""
     from autopar import capture_cache as cc
 
     wrapper = _WithLoss(model, None, compute_dtype)
