@@ -392,11 +392,14 @@ def _forward_decompositions():
 
 
 def capture_forward(model: nn.Module, example_inputs: tuple, compute_dtype: torch.dtype | None = None,
-                    call: Callable | None = None, dropless: bool = False) -> Program:
+                    call: Callable | None = None, dropless: bool = False, keyed: Callable | None = None,
+                    check: Callable[[Program], None] | None = None) -> Program:
     """Forward-only (eval) program via torch.export; outputs are the model's tensors.
     ``call(model, *inputs)``: what to trace instead of ``model(*inputs)`` (generation's steps).
     An input the traced code updates in place (a KV cache, autopar/generation.py) has the
-    role ``("cache", i)`` and its new value is an output ``("cache", i)``, ahead of the others."""
+    role ``("cache", i)`` and its new value is an output ``("cache", i)``, ahead of the others.
+    ``keyed``: the capture cache's key made beforehand (``forward_later``: the model as compiled);
+    ``check(program)``: raises on a trace not to keep (before the cache or other ranks get it)."""
     from autopar import capture_cache as cc
 
     from autopar.experts import dropless_experts
@@ -405,10 +408,13 @@ def capture_forward(model: nn.Module, example_inputs: tuple, compute_dtype: torc
 
     def export():
         with dropless_experts(model, dropless):
-            return _capture_forward(model, wrapper, example_inputs)
+            program = _capture_forward(model, wrapper, example_inputs)
+        if check is not None:
+            check(program)
+        return program
 
-    return cc.cached("forward", lambda: cc.module_key("forward", wrapper, example_inputs, dropless), export,
-                     lambda p: cc.program_template(p, model), lambda t: cc.program_copy(t, model))
+    return cc.cached("forward", keyed or (lambda: cc.module_key("forward", wrapper, example_inputs, dropless)),
+                     export, lambda p: cc.program_template(p, model), lambda t: cc.program_copy(t, model))
 
 
 def forward_later(model: nn.Module, example_inputs: tuple, compute_dtype: torch.dtype | None, device: torch.device,
@@ -427,25 +433,24 @@ def forward_later(model: nn.Module, example_inputs: tuple, compute_dtype: torch.
     shows in the eval program (not in the compiled training step) unless the cache held the export."""
     from autopar import capture_cache as cc
 
-    wrapper = _WithLoss(model, None, compute_dtype)
-    keyed = cc.module_key("forward", wrapper, example_inputs, dropless) if cc.enabled() else None
-    shapes = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    # (the key needs the model as compiled: the stand-ins' values cannot be fingerprinted)
+    key = cc.module_key("forward", _WithLoss(model, None, compute_dtype), example_inputs, dropless) \
+        if cc.enabled() else None
+    metas = [torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x for x in example_inputs]
     training, grad = model.training, torch.is_grad_enabled()
 
     def capture() -> Program:
         mode = tc.FakeTensorMode()
-        with mode:
-            inputs = tuple(torch.empty(x[0], dtype=x[1], device=device) if isinstance(x, tuple) else x for x in shapes)
 
-        def fake(t: torch.Tensor) -> torch.Tensor:
-            with mode:
-                return torch.empty(t.shape, dtype=t.dtype, device=device)
+        def fake(t: torch.Tensor, keep_strides: bool = False) -> torch.Tensor:
+            with mode:  # (a parameter: contiguous, as DTensor's global view; an input: as given)
+                strides = t.stride() if keep_strides else tc.contiguous_strides(t.shape)
+                return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=device)
 
+        inputs = tuple(fake(x, True) if isinstance(x, torch.Tensor) else x for x in metas)
         real = dict(model.named_buffers(remove_duplicate=False))
 
-        def export():
-            with dropless_experts(model, dropless):
-                program = _capture_forward(model, wrapper, inputs)
+        def check(program: Program) -> None:
             made = sorted(n for n, t in program.buffers.items() if n not in real and isinstance(t, tc.FakeTensor))
             if made:
                 raise CaptureError(f"the model's forward creates tensor constant(s) {made} from data, which the eval "
@@ -453,13 +458,9 @@ def forward_later(model: nn.Module, example_inputs: tuple, compute_dtype: torch.
                                    "parameters, cannot keep", where=type(model).__name__,
                                    fix="register them as buffers of the model, or compile with "
                                    "capture_eval=\"compile\" (the eval program captured at compile)")
-            return program
-
-        from autopar.experts import dropless_experts
 
         with swapped(model, fake, training, keep_requires_grad=True), torch.set_grad_enabled(grad):
-            program = cc.cached("forward", lambda: keyed, export, lambda p: cc.program_template(p, model),
-                                lambda t: cc.program_copy(t, model))
+            program = capture_forward(model, inputs, compute_dtype, dropless=dropless, keyed=lambda: key, check=check)
         # (the module's own buffers by name, as the run reads them; the stand-ins are gone)
         program.buffers = {n: real.get(n, t) for n, t in program.buffers.items()}
         return program
