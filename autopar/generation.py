@@ -46,17 +46,20 @@ def build(pm, path, batch: int, prompt: int, max_len: int, *, skip=(), debug: bo
     ids = torch.zeros((batch, prompt), dtype=torch.long, device="meta")
     pos = torch.zeros((prompt,), dtype=torch.long, device="meta")
     step = path.step
-    with swapped(pm.module, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), False):
-        prefill = capture_forward(pm.module, (ids, pos, *cache), ctx.compute_dtype, call=step)
-        decode = capture_forward(pm.module, (ids[:, :1], pos[:1], *cache), ctx.compute_dtype, call=step)
-    buffers = dict(pm.module.named_buffers())
-    for prog in (prefill, decode):
-        _check_updates(prog, 2 * shape.layers, path)
+    buffers = dict(pm.module.named_buffers(remove_duplicate=False))
+
+    def check(prog: Program) -> None:  # (before the capture cache keeps the trace)
         made = [name for name, t in prog.buffers.items() if name not in buffers and t.is_meta]
         if made:  # a tensor the model's code creates, traced on meta here: its value is lost
             raise CaptureError(f"{path.name}'s step creates tensor constant(s) {made} in forward, which generation "
                                "traces on the meta device (the parameters are sharded by now)", where=WHERE,
                                fix="register them as buffers of the model")
+
+    with swapped(pm.module, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), False):
+        prefill = capture_forward(pm.module, (ids, pos, *cache), ctx.compute_dtype, call=step, check=check)
+        decode = capture_forward(pm.module, (ids[:, :1], pos[:1], *cache), ctx.compute_dtype, call=step, check=check)
+    for prog in (prefill, decode):
+        _check_updates(prog, 2 * shape.layers, path)
     layout = _infer_layout(decode, ctx)
     ctx.cache_layout = dict(layout)
     skip = tuple(skip) + ("recompute",)
