@@ -274,7 +274,7 @@ def _joint_program(gm, example_inputs, model, stage, device) -> Program:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             stack = contextlib.ExitStack()
-            with stack, _meta_autograd(model, device):
+            with stack, _meta_autograd(model, device), tc.lazy_tracers():
                 joint = aot_export_joint_with_descriptors(stack, gm, tuple(example_inputs))
                 graph = joint.graph_module.graph
     except Exception as e:  # noqa: BLE001 - re-raised with context

@@ -2,64 +2,14 @@
 
 Supported: torch 2.11 to 2.13 (``SUPPORTED``). Nothing here is imported from torch when autopar is
 imported: a name is looked up on first use, by ``_lookup`` (the one place that reads torch's
-private namespace), with feature detection. Where a name is missing the table below says what
+private namespace), with feature detection. Where a name is missing, ``PRIVATE`` says what
 autopar does instead; where nothing can stand in, using the feature raises ``TorchVersionError``
 (a PlanError) naming the running torch. tests/test_torch_compat.py hides each name in turn;
 tests/test_layout.py fails on a private torch import (or ``torch._x`` use) anywhere else.
 
-Private names (``PRIVATE``), by where autopar uses them; "-" = present in 2.11, 2.12 and 2.13:
-
-====================================================  ===================  ====================================
-name (torch module)                                    differs              without it
-====================================================  ===================  ====================================
-_dynamo.functional_export._dynamo_graph_capture_...   -                    TorchVersionError (capture)
-_dynamo.functional_export._suggest_or_raise_...       -                    torch's check runs (slower capture)
-_dynamo.functional_export (its compiled-fn globals)    -                    not cleaned (captures kept alive)
-_functorch.aot_autograd.aot_export_joint_with_desc..  -                    TorchVersionError (autograd pass)
-_functorch._aot_autograd.descriptors                   -                    TorchVersionError (autograd pass)
-_subclasses.fake_tensor.FakeTensorMode / FakeTensor    -                    TorchVersionError (inductor, twins);
-                                                                            capture errors lose the user frame
-nn.utils.stateless._reparametrize_module               -                    TorchVersionError (mixed-precision
-                                                                            generation steps)
-library.Library._destroy                               -                    the registration is dropped with
-                                                                            its last reference (torch's finalizer)
-_C._nn.<fn> (SDPA, linear, gelu)                       -                    torch.nn.functional's
-distributed.tensor._sharding_prop._select_min_cost..  -                    TorchVersionError (propagate:
-                                                                            DTensor's greedy choice alone made
-                                                                            plans localize cannot run)
-DTensor._op_dispatcher.sharding_propagator (+ tables)  -                    TorchVersionError (propagate)
-DTensor._op_dispatcher._random_ops / _custom_op_h..    -                    every op dispatched through DTensor
-distributed.tensor._dtensor_spec DTensorSpec, TensorM  -                    TorchVersionError
-distributed.tensor._op_schema.OpSchema                 -                    TorchVersionError (propagate)
-distributed.tensor._utils.compute_local_shape_and_..   -                    TorchVersionError
-distributed.tensor._ops._view_ops._ViewShardingProp.. missing in 2.11      no split fix: torch's own views;
-  (._find_shard_for_split, ._expected_split_factor)                         a view of a dim sharded on two
-                                                                            mesh axes that torch refuses (dp x
-                                                                            cp on 2.11: every such flatten; on
-                                                                            2.13: the fix's case) raises
-                                                                            TorchVersionError
-distributed.tensor._ops._view_ops._split_factor_ma..  missing in 2.11/12   never read: autopar's own predicate
-distributed.tensor.placement_types._StridedShard       -                    a class nothing is an instance of
-utils._python_dispatch.TorchDispatchMode               -                    measuring raises TorchVersionError
-utils._python_dispatch._get_current_dispatch_mode      -                    bucket buffers never reused
-utils._foreach_utils._has_foreach_support (+ device)   -                    per-tensor loops (clip_grad_norm_)
-torch._foreach_norm / torch._foreach_mul_              -                    per-tensor loops
-_C._distributed_c10d._resolve_process_group            -                    TorchVersionError (runtime)
-_C._storage_Use_Count                                  -                    bucket buffers never reused
-_C._dispatch_has_kernel_for_dispatch_key, DispatchKey  -                    TorchVersionError (pm.measure())
-_inductor.compile_fx.compile_fx_inner,                 -                    TorchVersionError (inductor=True)
-  _inductor.decomposition.select_decomp_table, _guards
-_inductor.config (realize thresholds)                  -                    torch 2.13's defaults (cost model)
-_ops.OpOverload                                        -                    TorchVersionError
-_ops.OpOverloadPacket                                  -                    no capture cache (each compile traces)
-fx.graph_module._WrappedCall                           -                    TorchVersionError (twins)
-fx._lazy_graph_module._LazyGraphModule                 -                    GraphModule (code made on each change)
-distributed.device_mesh.DeviceMesh._flatten            -                    a new group over the mesh's ranks
-testing._internal.distributed.fake_pg                  -                    TorchVersionError (fake meshes)
-testing._internal.distributed.fake_pg.FakeStore        -                    a HashStore
-fx._graph_pickler.GraphPickler/Options, c10d store     -                    unshared traces; store: TorchVersionError
-_prims_common.make_contiguous_strides_for              -                    never read: ``contiguous_strides``
-====================================================  ===================  ====================================
+Private names: ``PRIVATE`` below, each with what autopar needs it for and what it does without it;
+docs/architecture.md ("The torch boundary's names") has them as a table with the versions that lack
+some, and the names autopar chose not to read.
 
 Changes to torch's process-wide state (autopar/scoped.py's rules: in force only while autopar's step
 runs, seen only by the thread that runs it), all made here: DTensor's strategy selector
@@ -68,7 +18,10 @@ runs, seen only by the thread that runs it), all made here: DTensor's strategy s
 fix (``fixed_views``), export's constraint check (``static_export``) and compiled-function globals
 (``no_compiled_fn_globals``), nll_loss's AutogradMeta kernel on meta (``dispatcher_kernel``),
 ``nn.Module.register_parameter`` (``register_parameter_hook``); with public API only,
-``nn.Module.__setattr__`` during a capture (``autopar.scoped.buffer_assignments``).
+``nn.Module.__setattr__`` during a capture (``autopar.scoped.buffer_assignments``). One is seen by
+every thread while a compile traces, being a module-level flag torch reads: the lazy GraphModule
+switch (``lazy_tracers``), which changes when another thread's new GraphModules generate their code
+(at their first call), not what they do.
 
 Not counted as private: ``torch.ops.<namespace>.<op>`` (the dispatcher's op registry, e.g.
 ``torch.ops._c10d_functional``, ``aten._to_copy``) and attributes of objects autopar holds
@@ -186,6 +139,8 @@ PRIVATE: dict[str, Private] = {
     "WrappedCall": Private("torch.fx.graph_module", "_WrappedCall", "cloning a GraphModule's class"),
     "LazyGraphModule": Private("torch.fx._lazy_graph_module", "_LazyGraphModule", "generating a program's code once",
                                "GraphModule (its code generated again on each change)"),
+    "lazy_graph_modules": Private("torch.fx._lazy_graph_module", None, "tracers' graphs generating their code when "
+                                  "first run", "their code generated as they are made"),
     "mesh_flatten": Private("torch.distributed.device_mesh", "DeviceMesh._flatten", "a whole-mesh process group",
                             "a new group over the mesh's ranks"),
     **{name: Private(_GP, attr, "sharing a trace between ranks", "each rank traces for itself")
@@ -275,6 +230,22 @@ def graph_module(root, graph) -> torch.fx.GraphModule:
     kind, as dynamo's), not on each ``recompile()``: passes rewrite a program several times, and
     ``autopar plan`` never runs it (0.5 s of a Llama-3-8B plan went there)."""
     return find("LazyGraphModule", torch.fx.GraphModule)(root, graph)
+
+
+def _lazy_tracers():
+    module = find("lazy_graph_modules", None)
+    if module is None or not hasattr(module, "_use_lazy_graph_module_flag"):
+        return None
+    prior, module._use_lazy_graph_module_flag = module._use_lazy_graph_module_flag, True
+    return module, prior
+
+
+# ``with lazy_tracers():`` the GraphModules torch's tracers make (make_fx's, AOTAutograd's) are its lazy
+# kind, as dynamo's are: their code is made when first run or read, and autopar reads only the graphs
+# of these (localize's trace, the joint one: making localize's code alone was 0.5% of the test
+# suite's CPU). Counted: torch's own switch would leave its flag set after concurrent compiles.
+lazy_tracers = SharedPatch(_lazy_tracers, lambda undo: undo and setattr(undo[0], "_use_lazy_graph_module_flag",
+                                                                       undo[1]))
 
 
 def contiguous_strides(shape) -> tuple[int, ...]:

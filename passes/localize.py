@@ -8,7 +8,9 @@ The annotated global graph is executed symbolically (make_fx, fake tensors of LO
 - any other op runs through DTensor on the placements propagate chose, which turns global
   shape arguments (view sizes, expand sizes...) into local ones; its inputs already have the
   placements DTensor asked for, so DTensor inserts nothing (checked: every collective in the
-  result must come from a marker or a rule).
+  result must come from a marker or a rule). Where what DTensor would run is the op itself on
+  the local shards (an op whose arguments hold no sizes; a view given its output's local shape),
+  it runs so directly (``_FAST``; tests/test_localize_fast.py: the same program as DTensor's).
 
 Every per-rank node keeps the stack trace and forward/backward tag of the global node it
 came from (and its name, ``meta["custom"]["autopar_origin"]``); collective nodes get a
@@ -89,7 +91,7 @@ def trace_local(program: Program, ctx) -> Program:
                 else:
                     env[n] = _run_node(n, env, ctx)
 
-    with fx_traceback.preserve_node_meta(), torch.no_grad(), tc.fixed_views():
+    with fx_traceback.preserve_node_meta(), torch.no_grad(), tc.fixed_views(), tc.lazy_tracers():
         gm = make_fx(run, tracing_mode="fake")(*example)
     gm = tc.graph_module(gm, gm.graph)  # (its code generated when it first runs: passes rewrite it)
     _annotate_collectives(gm.graph, origins, ctx)
@@ -209,6 +211,8 @@ def _run_node(n: fx.Node, env, ctx):
         return n.target(*args, **kwargs)  # local shards need no shape changes
     if _FAST and _local_as_is(n, in_specs):
         return _checked(n, n.target(*args, **kwargs), ctx)
+    if _FAST and _shaped_as_is(n, args, in_specs):
+        return _checked(n, _shaped(n, args, kwargs, ctx), ctx)
     def call(contiguous: bool):
         def wrap(a: fx.Node):
             s, v = spec_of(a), a.meta["val"]
@@ -250,7 +254,7 @@ def _run_node(n: fx.Node, env, ctx):
 # local shape is checked against the placements propagate gave it. AUTOPAR_LOCALIZE_FAST=0
 # sends every op through DTensor (its placement check included).
 _FAST = os.environ.get("AUTOPAR_LOCALIZE_FAST", "1") != "0"
-_PLAIN = (Replicate, Shard, Partial)
+_PLAIN = (Replicate, Shard, Partial, tc.StridedShard)  # (a strided shard's local block is a plain shard's)
 _SIZE_FREE: dict = {}
 
 
@@ -278,6 +282,30 @@ def _local_as_is(n: fx.Node, in_specs) -> bool:
     out = spec_of(n)
     outs = out if isinstance(out, (tuple, list)) else [out]
     return all(_plain(s) for s in in_specs) and all(s is None or _plain(s) for s in outs)
+
+
+# Views whose size argument is the output's shape: what DTensor runs for them, once propagate has
+# given the input the placements its view rule takes, is the same view with the output's local
+# shape (its rule computes that shape from the placements). Run so directly: 1.3-1.5 ms an op
+# through DTensor while tracing, about 0.6 ms so (localize 8% faster over the test models).
+_SHAPED = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+           torch.ops.aten.expand.default}
+
+
+def _shaped_as_is(n: fx.Node, args, in_specs) -> bool:
+    out = spec_of(n)
+    return (n.target in _SHAPED and len(args) == 2 and not isinstance(out, (tuple, list)) and out is not None
+            and len(in_specs) == 1 and _plain(in_specs[0]) and _plain(out))
+
+
+def _shaped(n: fx.Node, args, kwargs, ctx):
+    local = list(spec_of(n).local_shape(ctx.axis_sizes))
+    if n.target is torch.ops.aten.expand.default:
+        return n.target(args[0], local, **kwargs)
+    try:
+        return n.target(args[0], local, **kwargs)
+    except (RuntimeError, ValueError):  # a view the local strides do not allow (as on DTensor's path below)
+        return n.target(args[0].contiguous(), local, **kwargs)
 
 
 def _checked(n: fx.Node, out, ctx):
