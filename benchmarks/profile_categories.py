@@ -23,7 +23,7 @@ CATEGORIES = [
     ("propagate", ["propagate_pass"]),
     ("schedule", ["schedule_pass"]),
     ("other passes", ["run_pipeline"]),
-    ("eval export at compile", ["capture_forward ("]),
+    ("eval export", ["capture_forward ("]),  # (at compile before 78e095a; at the first pm(x) since)
     ("training steps", ["train_step", "executor.py"]),
     ("test harness", ["testing.py"]),
     ("planner", ["autopar/planner/"]),

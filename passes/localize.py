@@ -254,7 +254,7 @@ def _run_node(n: fx.Node, env, ctx):
 # local shape is checked against the placements propagate gave it. AUTOPAR_LOCALIZE_FAST=0
 # sends every op through DTensor (its placement check included).
 _FAST = os.environ.get("AUTOPAR_LOCALIZE_FAST", "1") != "0"
-_PLAIN = (Replicate, Shard, Partial, tc.StridedShard)  # (a strided shard's local block is a plain shard's)
+_PLAIN = (Replicate, Shard, Partial)
 _SIZE_FREE: dict = {}
 
 
@@ -272,8 +272,10 @@ def _size_free(op) -> bool:
 
 
 def _plain(spec) -> bool:
-    return all(type(p) in _PLAIN and (type(p) is not Partial or p.reduce_op in ("sum", "avg"))
-               for p in spec.placements)
+    """Shard / Replicate / Partial sums, and strided shards (whose local block is a plain shard's);
+    the strided class looked up here, on first use, as the boundary does its names."""
+    return all((type(p) in _PLAIN or isinstance(p, tc.StridedShard))
+               and (type(p) is not Partial or p.reduce_op in ("sum", "avg")) for p in spec.placements)
 
 
 def _local_as_is(n: fx.Node, in_specs) -> bool:
