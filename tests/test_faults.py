@@ -131,8 +131,14 @@ SPAWNED = ("pp",)
 TIMEOUT = 30.0
 
 
+def _own_plans_selected(session) -> list[str]:
+    """The plans whose own-error tests this session runs (CI's `-m "not slow"` leaves out three)."""
+    return [item.callspec.params["plan"] for item in session.items
+            if item.originalname == "test_the_failing_rank_gets_its_own_exception_and_its_peer_a_rank_failure"]
+
+
 @pytest.fixture(scope="module")
-def own_errors_started():
+def own_errors_started(request):
     """Every OWN_CASES case started concurrently, in threads (autopar/faults.py ``_own_error``): the
     failing rank (rank 1; rank 0, the store's host, for the pipeline) raises an exception object
     of its own in its loss mid-step (torch.OutOfMemoryError under fsdp, an ``InjectedFailure``
@@ -142,11 +148,12 @@ def own_errors_started():
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    ex = ThreadPoolExecutor(len(OWN_CASES))
-    raised = {plan: threading.Event() for plan in OWN_CASES}
-    runs = {plan: ex.submit(run_fault_case, case, plan, timeout=TIMEOUT, limit=LINGER[plan] + 150,
+    plans = _own_plans_selected(request.session) or list(OWN_CASES)
+    ex = ThreadPoolExecutor(len(plans))
+    raised = {plan: threading.Event() for plan in plans}
+    runs = {plan: ex.submit(run_fault_case, OWN_CASES[plan], plan, timeout=TIMEOUT, limit=LINGER[plan] + 150,
                             linger=LINGER[plan], spawn=plan in SPAWNED, raised=raised[plan])
-            for plan, case in OWN_CASES.items()}
+            for plan in plans}
     for event in raised.values():
         event.wait(200)
     yield runs
@@ -156,8 +163,7 @@ def own_errors_started():
 @pytest.fixture(scope="module", autouse=True)
 def _own_errors_first(request):
     """The cases above start with the file's first test, where this session runs their tests."""
-    if any(item.originalname == "test_the_failing_rank_gets_its_own_exception_and_its_peer_a_rank_failure"
-           for item in request.session.items):
+    if _own_plans_selected(request.session):
         request.getfixturevalue("own_errors_started")
 
 
@@ -166,7 +172,14 @@ def own_errors(own_errors_started):
     return {plan: run.result() for plan, run in own_errors_started.items()}
 
 
-@pytest.mark.parametrize("plan", list(OWN_CASES))
+# CI runs the pipeline's case (a spawned store host, the 30 s linger) and fsdp's (torch's own
+# OutOfMemoryError); ddp, megatron and Inductor's run the same code path under `-m slow`
+# (docs/test-suite.md): ten processes at once on two cores were the suite's largest spike of load.
+_OWN_IN_CI = ("pp", "fsdp")
+
+
+@pytest.mark.parametrize("plan", [p if p in _OWN_IN_CI else pytest.param(p, marks=pytest.mark.slow)
+                                  for p in OWN_CASES])
 def test_the_failing_rank_gets_its_own_exception_and_its_peer_a_rank_failure(own_errors, plan):
     """On the failing rank: the very exception object its code raised (type, message, the
     traceback down to the raising function), with autopar's note; train_step called again raises

@@ -29,7 +29,8 @@ CASES = [
     ("gpt", {"dp": 2, "tp": 2}, {"dp": "ddp", "tp": "megatron"}),
     ("hf_llama", {"dp": 2}, {"dp": "ddp"}),
     ("hf_llama", {"tp": 2}, {"tp": "megatron"}),
-    ("hf_llama", {"dp": 2, "tp": 2}, {"dp": "ddp", "tp": "megatron"}),
+    # (16 s on 4 ranks: slow; CI keeps Hugging Face Llama on dp and on tp, and dp x tp on the built-ins)
+    pytest.param("hf_llama", {"dp": 2, "tp": 2}, {"dp": "ddp", "tp": "megatron"}, marks=pytest.mark.slow),
 ]
 
 
@@ -131,6 +132,6 @@ def run_and_check_parity(pools, references, name, axes, plan, evaluate: bool = T
     return out
 
 
-@pytest.mark.parametrize("name,axes,plan", CASES, ids=[f"{c[0]}-{'x'.join(c[1])}" for c in CASES])
+@pytest.mark.parametrize("name,axes,plan", CASES, ids=[f"{c[0]}-{'x'.join(c[1])}" for c in (getattr(c, "values", c) for c in CASES)])
 def test_parity(pools, references, name, axes, plan):
     run_and_check_parity(pools, references, name, axes, plan)

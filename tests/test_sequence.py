@@ -21,12 +21,13 @@ from test_parity import run_and_check_parity
 
 CASES = [
     ("llama", {"tp": 2}, {"tp": "sequence"}),
-    ("llama", {"dp": 2, "tp": 2}, {"dp": "fsdp", "tp": "sequence"}),
+    # (26 s on 4 ranks: slow; CI keeps tp=2 on both models here and zero2 x sequence in a pipeline: test_twins)
+    pytest.param("llama", {"dp": 2, "tp": 2}, {"dp": "fsdp", "tp": "sequence"}, marks=pytest.mark.slow),
     ("hf_llama", {"tp": 2}, {"tp": "sequence"}),
 ]
 
 
-@pytest.mark.parametrize("name,axes,plan", CASES, ids=[f"{c[0]}-{'x'.join(c[1])}" for c in CASES])
+@pytest.mark.parametrize("name,axes,plan", CASES, ids=[f"{c[0]}-{'x'.join(c[1])}" for c in (getattr(c, "values", c) for c in CASES)])
 def test_sequence_parity(pools, references, name, axes, plan):
     out = run_and_check_parity(pools, references, name, axes, plan)  # numbers, memory, bytes
     tp = [r for r in out["records"] if r.axis == "tp"]

@@ -552,6 +552,7 @@ def test_a_cat_of_unequal_parts_before_one_conv_cuts_the_conv(pools):
     assert not [c for c in out["collectives"] if c == "all_gather"], out["collectives"]
 
 
+@pytest.mark.slow  # (26 s in CI on 2026-12-02; CI keeps Falcon-H1's case below: the same Mamba-2 cut, conv parts and roles)
 def test_a_part_cut_again_after_its_depthwise_conv():
     """Mamba-2 (Bamba): in_proj's output is split into [z | xBC | dt], and xBC is convolved per
     channel and split again into [x | B | C]. The cut goes through: five parts, the conv's filters
