@@ -146,6 +146,10 @@ PRIVATE: dict[str, Private] = {
     **{name: Private(_GP, attr, "sharing a trace between ranks", "each rank traces for itself")
        for name, attr in (("GraphPickler", "GraphPickler"), ("GraphPicklerOptions", "Options"))},
     "default_store": Private("torch.distributed.distributed_c10d", "_get_default_store", "failures", "fake only"),
+    **{name: Private("torch.distributed.distributed_c10d", attr, "plan='auto' beside a real process group (the "
+                     "search's forked child forgets its parent's groups)")
+       for name, attr in (("c10d_world", "_world"), ("update_default_pg", "_update_default_pg"),
+                          ("unregister_all_process_groups", "_unregister_all_process_groups"))},
     "fake_pg": Private("torch.testing._internal.distributed.fake_pg", None, "fake process groups"),
     "FakeStore": Private("torch.testing._internal.distributed.fake_pg", "FakeStore", "fake process groups",
                          "a HashStore"),
@@ -558,14 +562,13 @@ _KEPT_GROUPS: list = []  # a forked child's inherited process groups, never dest
 def forget_process_groups() -> None:
     """In a forked child: c10d's registries emptied without shutting the groups down (their
     threads are the parent's; ``autopar.compile(plan="auto")`` searches on fake groups there)."""
-    import torch.distributed.distributed_c10d as c10d
-
-    w = c10d._world
+    w, set_default, unregister_all = [find(n) for n in ("c10d_world", "update_default_pg",
+                                                        "unregister_all_process_groups")]  # (all before any change)
     maps = (w.pg_map, w.pg_names, w.pg_group_ranks, w.pg_backend_config, w.pg_to_tag, w.tags_to_pg,
             w.pg_coalesce_state)
     _KEPT_GROUPS.append((w.default_pg, [dict(m) for m in maps]))
-    c10d._update_default_pg(None)
+    set_default(None)
     for m in maps:
         m.clear()
-    c10d._unregister_all_process_groups()
+    unregister_all()
     w.group_count = 0
