@@ -115,10 +115,11 @@ def test_failures_before_any_collective_leave_the_program_usable(pools):
     assert out[0][1].startswith("RankFailure: rank 1 failed in autopar.compile: CaptureError"), out[0][1]
 
 
-# The failing rank's own exception: each plan's case on its own 2 fresh processes, all five at
-# once. The pipeline's failing process (rank 0, the store's host) lingers 30 s after its error (the
-# issue's figure), the others' 20 s; each peer must be gone before its failing process ends: the
-# suite pays the 30 s once, the five overlapped with each other and with this file's other tests.
+# The failing rank's own exception: each plan's case on its own 2 fresh processes, all the
+# session's cases at once (CI's two: _OWN_IN_CI below; with -m slow, all five). The pipeline's
+# failing process (rank 0, the store's host) lingers 30 s after its error (the issue's figure), the
+# others' 20 s; each peer must be gone before its failing process ends: the suite pays the 30 s
+# once, the cases overlapped with each other and with this file's other tests.
 # (5 s was too short: on a loaded machine a forked peer's exit took 11 s, the clean-clone CI run
 # of 3f293f3 on 2026-11-27. The file alone, one run each: 75 s with 5 s, 85 s with 20 s, 91 s
 # with 30 s.) pp's processes are spawned interpreters, which exit as a script does (atexit handlers,
@@ -186,7 +187,7 @@ def test_the_failing_rank_gets_its_own_exception_and_its_peer_a_rank_failure(own
     RankFailure at once. On the peer: RankFailure naming the failing rank, the step and the call,
     within seconds of the failure (timeout=30 s), and its process exits while the failing one
     lives on; the failing process exits promptly after lingering (30 s under pp, 20 s under the
-    others: see LINGER; the fixture runs all five plans' processes at once)."""
+    others: see LINGER; the fixture runs the session's cases' processes at once)."""
     out = own_errors[plan]
     bad = 0 if OWN_CASES[plan] == "own_zero" else 1
     mine, peer = out["ranks"][bad], out["ranks"][1 - bad]
