@@ -132,6 +132,7 @@ def run_and_check_parity(pools, references, name, axes, plan, evaluate: bool = T
     return out
 
 
-@pytest.mark.parametrize("name,axes,plan", CASES, ids=[f"{c[0]}-{'x'.join(c[1])}" for c in (getattr(c, "values", c) for c in CASES)])
+@pytest.mark.parametrize("name,axes,plan", CASES,
+                         ids=[f"{c[0]}-{'x'.join(c[1])}" for c in (getattr(c, "values", c) for c in CASES)])
 def test_parity(pools, references, name, axes, plan):
     run_and_check_parity(pools, references, name, axes, plan)
