@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 
 import pytest
 import torch
@@ -218,16 +219,19 @@ def test_lowering_fires_and_keeps_parity(name, expected):
             torch.testing.assert_close(g[k], r[k], rtol=1e-4, atol=3e-5, msg=f"grad {k}")
 
 
-# (24 s on 4 ranks: slow. CI keeps the dump's sharded kernel ops below, the lowering's parity on one
-# process, and the kernel ops inside ring attention on cp=2 against one process: tests/test_ring.py)
-@pytest.mark.slow
-def test_lowered_kernels_shard_on_a_mesh(pools, references):
-    """dp=2 x tp=2, fsdp x megatron, kernels on: the attention kernel shards over batch and
+# (dp=2 x tp=2, 24 s on 4 ranks: slow. CI runs tp=2, the heads and the column-parallel linear, which
+# the batch split adds nothing to but a sharded batch; the dump below shows both splits on dp x tp)
+@pytest.mark.parametrize("axes,plan", [
+    pytest.param({"dp": 2, "tp": 2}, {"dp": "fsdp", "tp": "megatron"}, marks=pytest.mark.slow, id="dpxtp"),
+    pytest.param({"tp": 2}, {"tp": "megatron"}, id="tp"),
+])
+def test_lowered_kernels_shard_on_a_mesh(pools, references, axes, plan):
+    """fsdp x megatron (or megatron alone), kernels on: the attention kernel shards over batch and
     heads, linear_act like a column-parallel linear; parity with one eager process."""
     from autopar.testing import parity_job
     from test_parity import assert_parity
 
-    out = pools(4).run(parity_job, "llama", {"dp": 2, "tp": 2}, {"dp": "fsdp", "tp": "megatron"}, kernels="on")
+    out = pools(math.prod(axes.values())).run(parity_job, "llama", axes, plan, kernels="on")
     assert {"attention over batch/heads", "linear + activation (batch or column parallel)",
             "linear + activation backward"} <= set(out["rules"])
     assert_parity(references("llama"), out, "llama")
