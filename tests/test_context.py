@@ -17,7 +17,7 @@ import torch
 import autopar
 from autopar.errors import PlanError
 from autopar.testing import build_model
-from test_parity import run_and_check_parity
+from test_parity import case_ids, run_and_check_parity
 
 CASES = [
     ("llama", {"cp": 2}, {"cp": "ulysses"}),
@@ -26,7 +26,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,axes,plan", CASES, ids=[f"{c[0]}-{'x'.join(c[1])}" for c in CASES])
+@pytest.mark.parametrize("name,axes,plan", CASES, ids=case_ids(CASES))
 def test_ulysses_parity(pools, references, name, axes, plan):
     out = run_and_check_parity(pools, references, name, axes, plan)  # numbers, memory, bytes
     cp = [r for r in out["records"] if r.axis == "cp"]

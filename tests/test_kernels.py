@@ -219,8 +219,8 @@ def test_lowering_fires_and_keeps_parity(name, expected):
             torch.testing.assert_close(g[k], r[k], rtol=1e-4, atol=3e-5, msg=f"grad {k}")
 
 
-# (dp=2 x tp=2, 24 s on 4 ranks: slow. CI runs tp=2, the heads and the column-parallel linear, which
-# the batch split adds nothing to but a sharded batch; the dump below shows both splits on dp x tp)
+# dp=2 x tp=2 (24 s on 4 ranks) is slow; CI runs tp=2, where the kernels' rules split the heads and
+# the linear's columns (dp only adds the batch split, which the dump below shows on dp x tp)
 @pytest.mark.parametrize("axes,plan", [
     pytest.param({"dp": 2, "tp": 2}, {"dp": "fsdp", "tp": "megatron"}, marks=pytest.mark.slow, id="dpxtp"),
     pytest.param({"tp": 2}, {"tp": "megatron"}, id="tp"),

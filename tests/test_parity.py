@@ -34,6 +34,11 @@ CASES = [
 ]
 
 
+def case_ids(cases) -> list[str]:
+    """Each case's id, its model and its axes ("llama-dpxtp"): plain tuples or ``pytest.param``s."""
+    return [f"{c[0]}-{'x'.join(c[1])}" for c in (getattr(c, "values", c) for c in cases)]
+
+
 LR = 1e-2  # the parity jobs' AdamW learning rate (autopar.testing.parity_job)
 GRAD_ATOL = 3e-5
 
@@ -132,7 +137,6 @@ def run_and_check_parity(pools, references, name, axes, plan, evaluate: bool = T
     return out
 
 
-@pytest.mark.parametrize("name,axes,plan", CASES,
-                         ids=[f"{c[0]}-{'x'.join(c[1])}" for c in (getattr(c, "values", c) for c in CASES)])
+@pytest.mark.parametrize("name,axes,plan", CASES, ids=case_ids(CASES))
 def test_parity(pools, references, name, axes, plan):
     run_and_check_parity(pools, references, name, axes, plan)

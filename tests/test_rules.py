@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from autopar.testing import parity_job
-from test_parity import assert_parity
+from test_parity import assert_parity, case_ids
 
 CASES = [
     # vocab-parallel embedding (+ padding row) and LM head, log_softmax and nll_loss over classes
@@ -33,7 +33,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,axes,plan,rules", CASES, ids=[f"{c[0]}-{'x'.join(c[1])}" for c in CASES])
+@pytest.mark.parametrize("name,axes,plan,rules", CASES, ids=case_ids(CASES))
 def test_rule_against_unsharded(pools, references, name, axes, plan, rules):
     world = 1
     for v in axes.values():

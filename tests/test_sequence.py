@@ -17,7 +17,7 @@ import autopar
 from autopar.analysis.cost import predict_memory
 from autopar.errors import PlanError
 from autopar.testing import build_model
-from test_parity import run_and_check_parity
+from test_parity import case_ids, run_and_check_parity
 
 CASES = [
     # (slow: the dp x tp case below checks the same on a 2-D mesh, and Hugging Face Llama's on tp=2 alone)
@@ -27,8 +27,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,axes,plan", CASES,
-                         ids=[f"{c[0]}-{'x'.join(c[1])}" for c in (getattr(c, "values", c) for c in CASES)])
+@pytest.mark.parametrize("name,axes,plan", CASES, ids=case_ids(CASES))
 def test_sequence_parity(pools, references, name, axes, plan):
     out = run_and_check_parity(pools, references, name, axes, plan)  # numbers, memory, bytes
     tp = [r for r in out["records"] if r.axis == "tp"]
