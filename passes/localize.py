@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from autopar import record
 from autopar import torch_compat as tc
 from autopar.analysis.ops import VIEW_OPS, is_view
 from autopar.errors import ShardingError
@@ -92,8 +93,11 @@ def trace_local(program: Program, ctx) -> Program:
                     env[n] = _run_node(n, env, ctx)
 
     with fx_traceback.preserve_node_meta(), torch.no_grad(), tc.fixed_views(), tc.lazy_tracers():
-        gm = make_fx(run, tracing_mode="fake")(*example)
-    gm = tc.graph_module(gm, gm.graph)  # (its code generated when it first runs: passes rewrite it)
+        if record.available():  # (autopar/record.py: make_fx's graph, recorded without its proxies)
+            gm = record.record(run, example)
+        else:
+            gm = make_fx(run, tracing_mode="fake")(*example)
+            gm = tc.graph_module(gm, gm.graph)  # (its code generated when it first runs: passes rewrite it)
     _annotate_collectives(gm.graph, origins, ctx)
     changed = _reshape_views_of_mixed_layouts(gm.graph)
     if drop_unread(gm.graph) or changed:  # (views a local op replaced: ring attention's, sequence parallelism's)

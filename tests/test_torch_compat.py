@@ -28,10 +28,11 @@ from autopar.models.llama import Llama, LlamaConfig, cross_entropy
 @pytest.fixture
 def hide(monkeypatch):
     """``hide(name, ...)``: the boundary cannot find those names; returns the list of lookups of them."""
-    from autopar import capture_cache
+    from autopar import capture_cache, record
     from autopar.passes import localize, propagate
 
     monkeypatch.setattr(capture_cache, "enabled", lambda: False)  # every case traces and propagates anew
+    monkeypatch.setattr(record, "_CLASS", [])  # (the recorder's class looks its names up when made)
     monkeypatch.setattr(propagate, "_SHARED_STRATEGIES", {})
     monkeypatch.setattr(localize, "_SIZE_FREE", {})
     asked: list[str] = []
@@ -202,6 +203,15 @@ def forgetting_process_groups(fake):
     tc.forget_process_groups()
 
 
+def localizes(fake):
+    """The per-rank program (recorded, or traced by make_fx where the recorder cannot run) keeps
+    each op's origin and source line."""
+    pm = compile_llama(fake)
+    ops = [n for n in pm.program.local.graph.nodes if n.op == "call_function"]
+    assert ops and all(n.meta["custom"]["autopar_origin"] for n in ops)
+    assert sum("models/llama.py" in (n.stack_trace or "") for n in ops) > len(ops) // 2
+
+
 def inductor_thresholds(fake):
     from autopar.analysis import inductor_model as IM
 
@@ -234,6 +244,8 @@ CASES = {
     "GraphPickler": sharing_traces, "GraphPicklerOptions": sharing_traces, "default_store": sharing_traces,
     "fake_pg": fake_meshes, "c10d_world": forgetting_process_groups, "update_default_pg": forgetting_process_groups,
     "unregister_all_process_groups": forgetting_process_groups,
+    **dict.fromkeys(("autograd_would_have_decomposed", "fast_detach", "dispatch_mode_key", "get_dispatch_mode",
+                     "copy_meta_fields"), localizes),
     "FakeStore": fake_meshes,
 }
 VERSION = ".".join(torch.__version__.split(".")[:2])

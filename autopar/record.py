@@ -1,0 +1,238 @@
+"""A light recorder of the ATen ops a function runs on fake tensors: localize's trace.
+
+``make_fx(f, tracing_mode="fake")`` builds its graph through proxies: each op pays for a proxy
+object, pytree flattening, a tracker per tensor, constant propagation and a metadata snapshot,
+more than the fake tensor's own dispatch costs (localize's trace of a 4-layer Llama on dp x tp:
+0.6-0.7 s, of which the ops on fake tensors are 0.2 s). What localize traces needs none of it:
+static shapes, no autograd, every input a fake tensor it made. ``record(fn, example)`` runs
+``fn`` on fake tensors of the example's shapes under a dispatch mode that appends each ATen op
+to an FX graph as it runs: the graph make_fx makes (tests/test_record.py compares the two node
+for node, their values' shapes, strides and dtypes and the metadata autopar reads, on the test
+models' plans).
+
+As make_fx does: an op with a tensor subclass argument (a DTensor) is left to the subclass,
+whose ops on its local tensors are recorded then; an op whose CompositeImplicitAutograd kernel
+autograd would have run is decomposed (torch's own test of it); ``lift_fresh`` is recorded as
+``lift_fresh_copy`` of a constant kept on the module (``_tensor_constant0``...); each node is named
+by its op and copies the fields of fx_traceback's current meta make_fx's tracer copies (stack
+trace, ``custom``, ``nn_module_stack``, ``from_node``...; ``original_aten`` the outermost op);
+``val`` is the op's fake output (detached where the op returned its own input: in place). Not as
+make_fx does: a data-dependent op (``.item()``) raises (make_fx burns small constants in), and a
+fake tensor the trace did not see made raises; the graph has no ``tensor_meta`` or ``seq_nr``
+(nothing after localize reads them; Inductor re-traces each program it compiles). A torch without
+the decomposition test traces with make_fx, as ``AUTOPAR_RECORD=make_fx`` does.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+import os
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch import fx
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from autopar import torch_compat as tc
+
+_NOT_DECOMPOSED = {torch.ops.aten.size.default, torch.ops.aten.stride.default,
+                   torch.ops.aten.storage_offset.default}
+# the fields of the replayed node's meta each recorded node gets: torch's tracer's list (make_fx
+# copies those), this copy of torch 2.13's where a torch has none; original_aten is set per op below
+_FIELDS = ("nn_module_stack", "torch_fn", "source_fn_stack", "recompute", "ac_graph_id", "has_backward_hook",
+           "from_node", "quantization_tag", "_numeric_debug_handle", "custom", "partitioner_tag")
+
+
+class RecordError(RuntimeError):
+    """An op the recorder does not record as make_fx would (an internal error of localize)."""
+
+
+_NEEDS = ("autograd_would_have_decomposed", "TorchDispatchMode", "fast_detach", "dispatch_mode_key",
+          "get_dispatch_mode")
+
+
+def available() -> bool:
+    """Whether ``record`` is used: not with ``AUTOPAR_RECORD=make_fx``, nor on a torch without
+    the names it needs, nor inside another proxy trace (make_fx's: the recorder takes its place
+    on the dispatch mode stack); then localize traces with make_fx: the same graph, slower."""
+    return os.environ.get("AUTOPAR_RECORD", "") != "make_fx" and all(tc.has(n) for n in _NEEDS) \
+        and tc.find("get_dispatch_mode")(tc.find("dispatch_mode_key").PROXY) is None
+
+
+def record(fn, example: list[torch.Tensor]) -> fx.GraphModule:
+    """``fn(*fakes)`` recorded as a GraphModule whose placeholders are ``fakes`` (fake tensors of the
+    example's shapes, strides, dtypes and devices, made here) and whose output is what ``fn``
+    returns (a list of tensors and Nones)."""
+    graph = fx.Graph()
+    root = torch.nn.Module()
+    mode = tc.FakeTensorMode()
+    rec = _recorder_class()(graph, root, mode)
+    fakes = []
+    for i, x in enumerate(example):
+        with mode:
+            f = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+        node = graph.placeholder(f"arg{i}_1")  # (make_fx's names)
+        node.meta["val"] = f
+        rec.track(f, node)
+        fakes.append(f)
+    with mode, rec:
+        out = fn(*fakes)
+    graph.output([rec.node_of(o) if isinstance(o, torch.Tensor) else o for o in out])
+    return tc.graph_module(root, graph)
+
+
+_CLASS: list = []
+
+
+def _recorder_class():
+    """The dispatch mode (made on first use: its base class is read through the boundary)."""
+    if _CLASS:
+        return _CLASS[0]
+    would_decompose = tc.find("autograd_would_have_decomposed")
+    detached = tc.find("fast_detach")
+    fake_tensor = tc.FakeTensor
+    fields = tuple(f for f in tc.find("copy_meta_fields", _FIELDS) if f != "original_aten")
+
+    class Recorder(tc.find("TorchDispatchMode")):
+        """Entered where make_fx's proxy mode would be (torch's PROXY slot of the dispatch mode
+        stack, above the fake tensor mode): what torch keeps out of proxy traces
+        (``disable_proxy_modes_tracing``: DTensor running an op on fake tensors of global shapes to
+        learn its output's metadata, the device mesh's own bookkeeping) is kept out of this one."""
+
+        @classmethod
+        def is_infra_mode(cls) -> bool:
+            return True
+
+        def __init__(self, graph: fx.Graph, root: torch.nn.Module, fake_mode):
+            super().__init__()
+            self._mode_key = tc.find("dispatch_mode_key").PROXY
+            self.graph, self.root, self.fake_mode = graph, root, fake_mode
+            # weak, as make_fx's tracker: a factory op's output that Python still holds when it returns
+            # is detached by torch's binding (``make_variable``), an op more in the graph
+            self.nodes = WeakTensorKeyDictionary()
+            self.outer = None  # the op whose dispatch is under way (its decomposition's ops name it)
+            self.constants = 0
+
+        def track(self, t: torch.Tensor, node: fx.Node) -> None:
+            self.nodes[t] = node
+
+        def node_of(self, t: torch.Tensor) -> fx.Node:
+            hit = self.nodes.get(t)
+            if hit is not None:
+                return hit
+            if isinstance(t, fake_tensor):
+                raise RecordError(f"a fake tensor of shape {tuple(t.shape)} and dtype {t.dtype} that the trace "
+                                  "did not see made reached an op (AUTOPAR_RECORD=make_fx traces with make_fx)")
+            # a real tensor (torch.tensor(...)'s, lifted): a constant on the module, as make_fx keeps it
+            name = f"_tensor_constant{self.constants}"
+            self.constants += 1
+            setattr(self.root, name, t)
+            node = self.graph.get_attr(name)
+            node.meta["val"] = self.fake_mode.from_tensor(t)
+            self.track(t, node)
+            return node
+
+        def _arg(self, a):
+            if isinstance(a, torch.Tensor):
+                return self.node_of(a)
+            if isinstance(a, (list, tuple)):
+                return type(a)(self._arg(x) for x in a)
+            if isinstance(a, dict):
+                return {k: self._arg(v) for k, v in a.items()}
+            return a
+
+        def _node(self, target, args, kwargs, name: str, original) -> fx.Node:
+            node = self.graph.create_node("call_function", target, args, kwargs, name=name)
+            if not fx_traceback.has_preserved_node_meta():  # (make_fx copies nothing then)
+                return node
+            current = fx_traceback.get_current_meta()
+            meta = node.meta
+            for k in fields:
+                if k in current:
+                    meta[k] = copy.copy(current[k])
+            meta["original_aten"] = original
+            trace = current.get("stack_trace")
+            if trace:
+                node.stack_trace = trace
+            return node
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if any(t is not fake_tensor and t is not torch.Tensor for t in types):
+                return NotImplemented  # a DTensor: its dispatch runs the op on local tensors, recorded then
+            if func is torch.ops.prim.device.default:
+                return func(*args, **kwargs)
+            outer = self.outer is None
+            if outer:
+                self.outer = func
+            try:
+                return self._dispatch(func, args, kwargs)
+            finally:
+                if outer:
+                    self.outer = None
+
+        def _dispatch(self, func, args, kwargs):
+            if func not in _NOT_DECOMPOSED and would_decompose(func, _flat(args, kwargs)):
+                with self:
+                    r = func.decompose(*args, **kwargs)
+                if r is not NotImplemented:
+                    return r
+            if torch.Tag.data_dependent_output in func.tags:
+                raise RecordError(f"{func} reads a tensor's value while localizing; AUTOPAR_RECORD=make_fx "
+                                  "traces with make_fx")
+            if func is torch.ops.aten.lift_fresh.default:
+                func = torch.ops.aten.lift_fresh_copy.default
+            # the node made before the op runs, as make_fx makes it: an op that raises (a view the
+            # strides refuse, retried by localize on a copy) has used its name
+            node = self._node(func, self._arg(args), self._arg(kwargs), _op_name(func), self.outer)
+            try:
+                out = func(*args, **kwargs)
+            except BaseException:
+                self.graph.erase_node(node)
+                raise
+            if isinstance(out, (list, tuple)):
+                node.meta["val"] = type(out)(self._snapshot(o) for o in out)
+                for i, o in enumerate(out):  # (make_fx's getitem for each tensor, in order)
+                    if isinstance(o, torch.Tensor):
+                        item = self._node(operator.getitem, (node, i), {}, "getitem", self.outer)
+                        item.meta["val"] = node.meta["val"][i]
+                        self.track(o, item)
+            else:
+                node.meta["val"] = self._snapshot(out)
+                if isinstance(out, torch.Tensor):
+                    self.track(out, node)
+            return out
+
+        def _snapshot(self, t):
+            """The value as it is now, as make_fx keeps it: another tensor object of the same fake
+            value (an in-place op's later changes do not show in it, and the op's output is left
+            with no other Python reference: see ``nodes``)."""
+            return detached(self.fake_mode, t) if isinstance(t, fake_tensor) else t
+
+    _CLASS.append(Recorder)
+    return Recorder
+
+
+def _flat(args, kwargs) -> list:
+    out = []
+
+    def walk(a):
+        if isinstance(a, (list, tuple)):
+            for x in a:
+                walk(x)
+        elif isinstance(a, dict):
+            for x in a.values():
+                walk(x)
+        else:
+            out.append(a)
+
+    walk(args)
+    walk(kwargs)
+    return out
+
+
+def _op_name(func) -> str:
+    """make_fx's node name for an op: its packet's name, a magic method's without its underscores."""
+    name = func.overloadpacket.__name__
+    return name[2:-2] if name.startswith("__") and name.endswith("__") else name
