@@ -1,0 +1,86 @@
+"""localize's trace: autopar's recorder (autopar/record.py) against make_fx, in one process.
+
+    python benchmarks/localize_record.py [--rounds 3]
+
+Each case is compiled on a fake mesh up to localize, the two tracers alternating round by round
+(the capture, joint graph and propagation come from the process's capture cache after the first
+compile: the localize pass is what differs). Prints each case's localize seconds per round, the
+medians and their ratio, and whether the two per-rank programs are the same (node for node:
+names, targets, operands, values' shapes, strides and dtypes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from torch import fx
+
+from autopar import record
+from autopar.compiler import build
+from autopar.mesh import fake_mesh
+from autopar.options import CompileOptions
+from autopar.testing import build_model
+
+CASES = [
+    ("hf_llama", {"dp": 2, "tp": 2}, {"dp": "fsdp", "tp": "megatron"}, 3),
+    ("llama", {"dp": 2, "tp": 2}, {"dp": "zero2", "tp": "sequence"}, 1),
+    ("llama", {"dp": 2, "cp": 2}, {"dp": "fsdp", "cp": "context"}, 3),
+    ("llama", {"cp": 2}, {"cp": "ulysses"}, 0),
+    ("moe_dropless", {"dp": 2, "ep": 2}, {"dp": "fsdp", "ep": "expert"}, 3),
+    ("llama_deep", {"dp": 2}, {"dp": "fsdp"}, 1),
+]
+
+
+def _program(gm: fx.GraphModule) -> list:
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def arg(a):
+        return ("node", index[a]) if isinstance(a, fx.Node) else \
+            type(a)(arg(x) for x in a) if isinstance(a, (list, tuple)) else a
+
+    def val(v):
+        return (tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else \
+            [val(x) for x in v] if isinstance(v, (list, tuple)) else None
+
+    return [(n.name, str(n.target), arg(n.args), arg(tuple(n.kwargs.items())), val(n.meta.get("val")))
+            for n in gm.graph.nodes]
+
+
+def localize_once(name, axes, plan, rank, recorded: bool) -> tuple[float, list]:
+    real = record.available
+    record.available = lambda: recorded and real()
+    try:
+        model, batches, loss_fn = build_model(name)
+        with fake_mesh(axes, rank) as mesh:
+            state = build(model, mesh, CompileOptions(plan=plan, example_inputs=batches[0], loss_fn=loss_fn,
+                                                      capture_eval=False), stop_after="localize")
+    finally:
+        record.available = real
+    return state.timings["localize"], [_program(st.program.local) for st in state.stages]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}; recorder available: {record.available()}")
+    for case in CASES:
+        localize_once(*case, True)  # (the capture cache and DTensor's caches warm for both)
+        times: dict[bool, list[float]] = {True: [], False: []}
+        programs = {}
+        for _ in range(args.rounds):
+            for recorded in (False, True):
+                t, programs[recorded] = localize_once(*case, recorded)
+                times[recorded].append(t)
+        mf, rec = statistics.median(times[False]), statistics.median(times[True])
+        name, axes, plan, _ = case
+        label = f"{name} {'x'.join(f'{a}={n}' for a, n in axes.items())} {'+'.join(plan.values())}"
+        print(f"{label:40s} make_fx {' '.join(f'{t:.3f}' for t in times[False])} | recorder "
+              f"{' '.join(f'{t:.3f}' for t in times[True])} | medians {mf:.3f} / {rec:.3f} s = {rec / mf:.2f}x | "
+              f"same program: {programs[True] == programs[False]} ({sum(map(len, programs[True]))} nodes)")
+
+
+if __name__ == "__main__":
+    main()
