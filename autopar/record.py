@@ -73,7 +73,7 @@ def record(fn, example: list[torch.Tensor]) -> fx.GraphModule:
         with mode:
             f = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
         node = graph.placeholder(f"arg{i}_1")  # (make_fx's names)
-        node.meta["val"] = f
+        node.meta["val"] = rec.snapshot(f)
         rec.track(f, node)
         fakes.append(f)
     with mode, rec:
@@ -192,19 +192,19 @@ def _recorder_class():
                 self.graph.erase_node(node)
                 raise
             if isinstance(out, (list, tuple)):
-                node.meta["val"] = type(out)(self._snapshot(o) for o in out)
+                node.meta["val"] = type(out)(self.snapshot(o) for o in out)
                 for i, o in enumerate(out):  # (make_fx's getitem for each tensor, in order)
                     if isinstance(o, torch.Tensor):
                         item = self._node(operator.getitem, (node, i), {}, "getitem", self.outer)
                         item.meta["val"] = node.meta["val"][i]
                         self.track(o, item)
             else:
-                node.meta["val"] = self._snapshot(out)
+                node.meta["val"] = self.snapshot(out)
                 if isinstance(out, torch.Tensor):
                     self.track(out, node)
             return out
 
-        def _snapshot(self, t):
+        def snapshot(self, t):
             """The value as it is now, as make_fx keeps it: another tensor object of the same fake
             value (an in-place op's later changes do not show in it, and the op's output is left
             with no other Python reference: see ``nodes``)."""

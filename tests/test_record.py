@@ -122,6 +122,21 @@ def test_constants_in_place_and_tuples_as_make_fx():
     assert any(n[1] == "get_attr" for n in got)
 
 
+def test_decompositions_as_make_fx():
+    """Under inference mode autograd's keys are skipped, so a CompositeImplicitAutograd op (linear)
+    reaches the recorder whole: decomposed as make_fx decomposes it (t + mm); an in-place op on
+    its result."""
+    def fn(*args):
+        return [torch.nn.functional.silu(torch.nn.functional.linear(args[0], args[1])).unsqueeze_(0)]
+
+    example = [torch.randn(4, 3), torch.randn(5, 3)]
+    with torch.inference_mode():
+        got, want = nodes(record.record(fn, example)), nodes(make_fx(fn, tracing_mode="fake")(*example))
+    assert got == want
+    assert [n[2] for n in got if n[1] == "call_function"] == \
+        ["aten.t.default", "aten.mm.default", "aten.silu.default", "aten.unsqueeze_.default"]
+
+
 def test_value_reads_refused():
     """A value read from a tensor while localizing (make_fx would burn a constant in) is an error."""
     def fn(*args):
