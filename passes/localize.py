@@ -1,6 +1,8 @@
 """localize: trace the per-rank program.
 
-The annotated global graph is executed symbolically (make_fx, fake tensors of LOCAL shapes):
+The annotated global graph is executed symbolically on fake tensors of LOCAL shapes, each ATen op
+recorded (autopar/record.py: the graph make_fx would trace, at about half its cost; make_fx
+itself where the recorder cannot run):
 
 - a ``redistribute`` marker runs ``plan_steps`` with explicit ``_c10d_functional``
   collectives, each followed by its ``wait_tensor``;
@@ -72,7 +74,8 @@ def localize_pass(program: Program, ctx) -> Program:
 
 
 def trace_local(program: Program, ctx) -> Program:
-    """``program.local`` traced: the placed graph run on fake tensors of local shapes (make_fx)."""
+    """``program.local`` traced: the placed graph run on fake tensors of local shapes (recorded, or
+    make_fx's trace)."""
     graph = program.graph
     for n in graph.nodes:
         n.meta["custom"] = {"autopar_origin": n.name}
