@@ -5,8 +5,8 @@ object, pytree flattening, a tracker per tensor, constant propagation and a meta
 more than the fake tensor's own dispatch costs (localize's trace of a 4-layer Llama on dp x tp:
 0.6-0.7 s, of which the ops on fake tensors are 0.2 s). What localize traces needs none of it:
 static shapes, no autograd, every input a fake tensor it made. ``record(fn, example)`` runs
-``fn`` on fake tensors of the example's shapes under a dispatch mode that appends each ATen op
-to an FX graph as it runs: the graph make_fx makes (tests/test_record.py compares the two node
+``fn`` on fake tensors of the example's shapes under a dispatch mode, entered in make_fx's slot of
+the mode stack, that appends each ATen op to an FX graph as it runs: the graph make_fx makes (tests/test_record.py compares the two node
 for node, their values' shapes, strides and dtypes and the metadata autopar reads, on the test
 models' plans).
 
@@ -16,11 +16,12 @@ autograd would have run is decomposed (torch's own test of it); ``lift_fresh`` i
 ``lift_fresh_copy`` of a constant kept on the module (``_tensor_constant0``...); each node is named
 by its op and copies the fields of fx_traceback's current meta make_fx's tracer copies (stack
 trace, ``custom``, ``nn_module_stack``, ``from_node``...; ``original_aten`` the outermost op);
-``val`` is the op's fake output (detached where the op returned its own input: in place). Not as
+``val`` is a detached snapshot of the op's fake output; the table from tensors to nodes is weak. Not as
 make_fx does: a data-dependent op (``.item()``) raises (make_fx burns small constants in), and a
 fake tensor the trace did not see made raises; the graph has no ``tensor_meta`` or ``seq_nr``
 (nothing after localize reads them; Inductor re-traces each program it compiles). A torch without
-the decomposition test traces with make_fx, as ``AUTOPAR_RECORD=make_fx`` does.
+one of the names it reads through the boundary (``_NEEDS``) traces with make_fx, as
+``AUTOPAR_RECORD=make_fx`` does.
 """
 
 from __future__ import annotations
@@ -122,8 +123,9 @@ def _recorder_class():
             if hit is not None:
                 return hit
             if isinstance(t, fake_tensor):
-                raise RecordError(f"a fake tensor of shape {tuple(t.shape)} and dtype {t.dtype} that the trace "
-                                  "did not see made reached an op (AUTOPAR_RECORD=make_fx traces with make_fx)")
+                raise RecordError(f"internal: a fake tensor of shape {tuple(t.shape)} and dtype {t.dtype} that the "
+                                  "trace did not see made reached an op; report it, and meanwhile set "
+                                  "AUTOPAR_RECORD=make_fx (localize then traces with make_fx)")
             # a real tensor (torch.tensor(...)'s, lifted): a constant on the module, as make_fx keeps it
             name = f"_tensor_constant{self.constants}"
             self.constants += 1
@@ -179,8 +181,8 @@ def _recorder_class():
                 if r is not NotImplemented:
                     return r
             if torch.Tag.data_dependent_output in func.tags:
-                raise RecordError(f"{func} reads a tensor's value while localizing; AUTOPAR_RECORD=make_fx "
-                                  "traces with make_fx")
+                raise RecordError(f"internal: {func} reads a tensor's value while localizing; report it, and "
+                                  "meanwhile set AUTOPAR_RECORD=make_fx (localize then traces with make_fx)")
             if func is torch.ops.aten.lift_fresh.default:
                 func = torch.ops.aten.lift_fresh_copy.default
             # the node made before the op runs, as make_fx makes it: an op that raises (a view the
