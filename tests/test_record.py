@@ -5,10 +5,10 @@ order with the same names, targets and operands, each value with the same shape,
 and device, and the metadata autopar reads after localize (stack trace, ``custom``'s origin,
 ``nn_module_stack``, ``partitioner_tag``...). Compiled on fake meshes both ways
 (``record.available`` switched), cases chosen for what they trace: DTensor's dispatch and a
-rule's local implementation with a constant (Hugging Face Llama, Megatron's vocabulary-parallel
-embedding), ring attention (views refused by their strides and retried on a copy: a node made
-and dropped), expert parallelism's custom ops, two pipeline stages, dropout; then functions
-that make a constant, update in place and return tuples, against make_fx directly.
+rule's local implementation (Hugging Face Llama, Megatron's vocabulary-parallel embedding), ring
+attention (views refused by their strides and retried on a copy: a node made and dropped), expert
+parallelism's custom ops, a pipeline stage, dropout; then functions that make a constant, update
+in place, return tuples and decompose an op, against make_fx directly.
 """
 
 from __future__ import annotations
