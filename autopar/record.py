@@ -131,7 +131,10 @@ def _recorder_class():
             self.constants += 1
             setattr(self.root, name, t)
             node = self.graph.get_attr(name)
-            node.meta["val"] = self.fake_mode.from_tensor(t)
+            # a fake of its own: the fake mode's memo of ``t`` is what lifting it returns, and the
+            # lifted copy does not share the constant's storage
+            with self.fake_mode:
+                node.meta["val"] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
             self.track(t, node)
             return node
 

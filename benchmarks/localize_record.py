@@ -5,23 +5,27 @@
 Each case is compiled on a fake mesh up to localize, the two tracers alternating round by round
 (the capture, joint graph and propagation come from the process's capture cache after the first
 compile: the localize pass is what differs). Prints each case's localize seconds per round, the
-medians and their ratio, and whether the two per-rank programs are the same (node for node:
-names, targets, operands, values' shapes, strides and dtypes).
+medians and their ratio, and whether the two per-rank programs are the same (node for node, as
+tests/test_record.py compares them).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 
 import torch
-from torch import fx
 
 from autopar import record
 from autopar.compiler import build
 from autopar.mesh import fake_mesh
 from autopar.options import CompileOptions
 from autopar.testing import build_model
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from test_record import nodes  # noqa: E402  (the test's comparison: names, values, aliasing, metadata)
 
 CASES = [
     ("hf_llama", {"dp": 2, "tp": 2}, {"dp": "fsdp", "tp": "megatron"}, 3),
@@ -31,21 +35,6 @@ CASES = [
     ("moe_dropless", {"dp": 2, "ep": 2}, {"dp": "fsdp", "ep": "expert"}, 3),
     ("llama_deep", {"dp": 2}, {"dp": "fsdp"}, 1),
 ]
-
-
-def _program(gm: fx.GraphModule) -> list:
-    index = {n: i for i, n in enumerate(gm.graph.nodes)}
-
-    def arg(a):
-        return ("node", index[a]) if isinstance(a, fx.Node) else \
-            type(a)(arg(x) for x in a) if isinstance(a, (list, tuple)) else a
-
-    def val(v):
-        return (tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else \
-            [val(x) for x in v] if isinstance(v, (list, tuple)) else None
-
-    return [(n.name, str(n.target), arg(n.args), arg(tuple(n.kwargs.items())), val(n.meta.get("val")))
-            for n in gm.graph.nodes]
 
 
 def localize_once(name, axes, plan, rank, recorded: bool) -> tuple[float, list]:
@@ -58,7 +47,7 @@ def localize_once(name, axes, plan, rank, recorded: bool) -> tuple[float, list]:
                                                       capture_eval=False), stop_after="localize")
     finally:
         record.available = real
-    return state.timings["localize"], [_program(st.program.local) for st in state.stages]
+    return state.timings["localize"], [nodes(st.program.local) for st in state.stages]
 
 
 def main() -> None:

@@ -1,8 +1,9 @@
 """localize's recorder (autopar/record.py) against make_fx, which it replaces.
 
 The per-rank program localize traces must be the one make_fx traced: the same nodes in the same
-order with the same names, targets and operands, each value with the same shape, strides, dtype
-and device, and the metadata autopar reads after localize (stack trace, ``custom``'s origin,
+order with the same names, targets and operands, each value with the same shape, strides, dtype,
+device, storage offset and aliasing (which earlier value's storage it shares: what the liveness
+analysis reads), and the metadata autopar reads after localize (stack trace, ``custom``'s origin,
 ``nn_module_stack``, ``partitioner_tag``...). Compiled on fake meshes both ways
 (``record.available`` switched), cases chosen for what they trace: DTensor's dispatch and a
 rule's local implementation (Hugging Face Llama, Megatron's vocabulary-parallel embedding), ring
@@ -27,24 +28,18 @@ META = ("stack_trace", "custom", "nn_module_stack", "partitioner_tag", "original
         "recompute", "ac_graph_id")
 
 
-def _value(v):
-    if isinstance(v, torch.Tensor):
-        return tuple(v.shape), v.stride(), v.dtype, v.device.type
-    if isinstance(v, (list, tuple)):
-        return [_value(x) for x in v]
-    return v
-
-
 def nodes(gm: fx.GraphModule) -> list:
-    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    """Per node: its name, test_splice's canonical form of a per-rank node (op, target, arguments by
+    position, each value's shape, strides, dtype and storage offset, which earlier node's storage it
+    shares, origin, CommRecord, module path), its values' devices and the other metadata fields
+    autopar reads."""
+    from test_splice import _local_canon
 
-    def arg(a):
-        if isinstance(a, fx.Node):
-            return ("node", index[a])
-        return type(a)(arg(x) for x in a) if isinstance(a, (list, tuple)) else a
+    def devices(v):
+        return [x.device.type for x in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(x, torch.Tensor)]
 
-    return [(n.name, n.op, str(n.target), arg(n.args), arg(tuple(n.kwargs.items())), _value(n.meta.get("val")),
-             tuple(str(n.meta.get(k)) for k in META)) for n in gm.graph.nodes]
+    return [(n.name, canon, devices(n.meta.get("val")), tuple(str(n.meta.get(k)) for k in META))
+            for n, canon in zip(gm.graph.nodes, _local_canon(gm))]
 
 
 def _dropout_model():
@@ -119,7 +114,7 @@ def test_constants_in_place_and_tuples_as_make_fx():
 
     got, want = _both(fn, [torch.randn(4, 3), torch.randn(3)])
     assert got == want
-    assert any(n[1] == "get_attr" for n in got)
+    assert any(n[1][0] == "get_attr" for n in got)
 
 
 def test_decompositions_as_make_fx():
@@ -133,7 +128,7 @@ def test_decompositions_as_make_fx():
     with torch.inference_mode():
         got, want = nodes(record.record(fn, example)), nodes(make_fx(fn, tracing_mode="fake")(*example))
     assert got == want
-    assert [n[2] for n in got if n[1] == "call_function"] == \
+    assert [n[1][1] for n in got if n[1][0] == "call_function"] == \
         ["aten.t.default", "aten.mm.default", "aten.silu.default", "aten.unsqueeze_.default"]
 
 
