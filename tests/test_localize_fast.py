@@ -3,8 +3,10 @@
 localize runs most ops directly on the local shards instead of through DTensor: ops whose
 arguments hold no sizes, and views whose size argument is the output's shape (given the output's
 local shape). ``AUTOPAR_LOCALIZE_FAST=0`` (``localize._FAST``) sends every op through DTensor. The
-per-rank programs of both ways must be the same program: the same ops in the same order on the
-same operands, each value with the same shape, strides and dtype (node names may differ: DTensor's
+per-rank programs of both ways must be the same program, as tests/test_splice.py's ``_local_canon``
+reads one: the same ops in the same order on the same operands, each value with the same shape,
+strides, dtype and storage offset and sharing its storage with the same earlier value (liveness
+reads that), the same origins, CommRecords and module paths (node names may differ: DTensor's
 dispatch makes nodes the trace then drops). Cases chosen for their views: Megatron's head split and
 merge (Shard / Partial), sequence parallelism's (a strided shard: batch x sequence flattened with
 the sequence sharded), ring and Ulysses context parallelism, expert parallelism.
@@ -13,13 +15,13 @@ the sequence sharded), ring and Ulysses context parallelism, expert parallelism.
 from __future__ import annotations
 
 import pytest
-import torch
-from torch import fx
 
 from autopar.compiler import build
 from autopar.options import CompileOptions
 from autopar.passes import localize
 from autopar.testing import build_model
+
+from test_splice import _local_canon  # (the canonical per-rank program test_record compares too)
 
 CASES = [
     ("hf_llama", {"dp": 2, "tp": 2}, {"dp": "fsdp", "tp": "megatron"}, 3),
@@ -37,19 +39,7 @@ def program(name, axes, plan, rank, fake, fast: bool, monkeypatch) -> list:
         state = build(model, mesh, CompileOptions(plan=plan, example_inputs=batches[0], loss_fn=loss_fn,
                                                   capture_eval=False), stop_after="localize")
     (stage,) = state.stages
-    gm = stage.program.local
-    index = {n: i for i, n in enumerate(gm.graph.nodes)}
-
-    def arg(a):
-        return ("node", index[a]) if isinstance(a, fx.Node) else \
-            type(a)(arg(x) for x in a) if isinstance(a, (list, tuple)) else a
-
-    def meta(v):
-        return (tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else \
-            [meta(x) for x in v] if isinstance(v, (list, tuple)) else None
-
-    return [(n.op, str(n.target), arg(n.args), arg(tuple(n.kwargs.items())), meta(n.meta.get("val")))
-            for n in gm.graph.nodes]
+    return _local_canon(stage.program.local)
 
 
 @pytest.mark.parametrize("name,axes,plan,rank", CASES, ids=[f"{c[0]}-{'x'.join(c[2].values())}" for c in CASES])
