@@ -1,12 +1,14 @@
 """localize's trace: autopar's recorder (autopar/record.py) against make_fx, in one process.
 
-    python benchmarks/localize_record.py [--rounds 3]
+    python benchmarks/localize_record.py [--rounds 3] [--table]
 
 Each case is compiled on a fake mesh up to localize, the two tracers alternating round by round
 (the capture, joint graph and propagation come from the process's capture cache after the first
 compile: the localize pass is what differs). Prints each case's localize seconds per round, the
 medians and their ratio, and whether the two per-rank programs are the same (node for node, as
-tests/test_record.py compares them).
+tests/test_record.py compares them). ``--table``: the recorder against itself without its table of
+the functional collectives' outputs (record.py ``_SEEN``: each collective and wait through its
+fake kernel), in place of make_fx.
 """
 
 from __future__ import annotations
@@ -37,9 +39,13 @@ CASES = [
 ]
 
 
-def localize_once(name, axes, plan, rank, recorded: bool) -> tuple[float, list]:
+def localize_once(name, axes, plan, rank, recorded: bool, table: bool = False) -> tuple[float, list]:
     real = record.available
-    record.available = lambda: recorded and real()
+    record.available = lambda: (recorded or table) and real()
+    cls = record._recorder_class()
+    kept = cls._run
+    if table and not recorded:  # (the recorder, every collective through its fake kernel)
+        cls._run = lambda self, func, args, kwargs: func(*args, **kwargs)
     try:
         model, batches, loss_fn = build_model(name)
         with fake_mesh(axes, rank) as mesh:
@@ -47,12 +53,14 @@ def localize_once(name, axes, plan, rank, recorded: bool) -> tuple[float, list]:
                                                       capture_eval=False), stop_after="localize")
     finally:
         record.available = real
+        cls._run = kept
     return state.timings["localize"], [nodes(st.program.local) for st in state.stages]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--table", action="store_true", help="the recorder with and without its table of collectives")
     args = ap.parse_args()
     print(f"torch {torch.__version__}; recorder available: {record.available()}")
     for case in CASES:
@@ -61,12 +69,13 @@ def main() -> None:
         programs = {}
         for _ in range(args.rounds):
             for recorded in (False, True):
-                t, programs[recorded] = localize_once(*case, recorded)
+                t, programs[recorded] = localize_once(*case, recorded, args.table)
                 times[recorded].append(t)
         mf, rec = statistics.median(times[False]), statistics.median(times[True])
         name, axes, plan, _ = case
         label = f"{name} {'x'.join(f'{a}={n}' for a, n in axes.items())} {'+'.join(plan.values())}"
-        print(f"{label:40s} make_fx {' '.join(f'{t:.3f}' for t in times[False])} | recorder "
+        base = "no table" if args.table else "make_fx"
+        print(f"{label:40s} {base} {' '.join(f'{t:.3f}' for t in times[False])} | recorder "
               f"{' '.join(f'{t:.3f}' for t in times[True])} | medians {mf:.3f} / {rec:.3f} s = {rec / mf:.2f}x | "
               f"same program: {programs[True] == programs[False]} ({sum(map(len, programs[True]))} nodes)")
 
