@@ -214,7 +214,7 @@ def _recorder_class():
         def _run(self, func, args, kwargs):
             """``func(*args, **kwargs)`` on the fake tensors; a functional collective or wait
             (``_c10d_functional``) seen before on operands of the same metadata gets fresh outputs
-            of the metadata it gave then (``_outputs``), without its fake kernel."""
+            of the metadata it gave then (``_SEEN``), without its fake kernel."""
             if func.namespace != "_c10d_functional":
                 return func(*args, **kwargs)
             key = _key(func, args, kwargs)

@@ -132,11 +132,12 @@ def test_decompositions_as_make_fx():
         ["aten.t.default", "aten.mm.default", "aten.silu.default", "aten.unsqueeze_.default"]
 
 
-def test_collectives_seen_before_are_made_from_their_metadata():
+def test_collectives_seen_before_are_made_from_their_metadata(monkeypatch):
     """A functional collective or wait seen before on operands of the same metadata gets fresh
     outputs made to the metadata it gave then (record.py ``_SEEN``): the graph and values are
-    make_fx's (fresh storages: liveness reads which values share one), the second all_reduce, its
-    wait and the gather's wait come from the table, and a list output (a coalesced gather) too."""
+    make_fx's (fresh storages: liveness reads which values share one); of the twelve calls, the
+    second all_reduce, the second coalesced gather (a list output) and five of the seven waits are
+    made from the table."""
     import torch.distributed._functional_collectives  # noqa: F401 - the _c10d_functional ops
 
     c = torch.ops._c10d_functional
@@ -150,13 +151,17 @@ def test_collectives_seen_before_are_made_from_their_metadata():
         p2, q2 = c.all_gather_into_tensor_coalesced([x * 3, y], 2, "g0")
         return [a + a2, b, c.wait_tensor(p) + c.wait_tensor(p2), c.wait_tensor(q) * c.wait_tensor(q2)]
 
+    made_here = []
+    real = record._made
+    monkeypatch.setattr(record, "_made", lambda known: made_here.append(known) or real(known))
     record._SEEN.clear()
     got, want = _both(fn, [torch.randn(4, 3), torch.randn(2, 3)])
     assert got == want
     kinds = sorted(k[0].__name__ for k, v in record._SEEN.items() if v is not None)
-    # (four kinds of call kept once each, the waits of (4, 3), (8, 3) and (4, 3) gathered alike)
+    # (an entry per op and operands' metadata: the waits on (4, 3) and on (8, 3) tensors)
     assert kinds == ["all_gather_into_tensor.default", "all_gather_into_tensor_coalesced.default",
                      "all_reduce.default", "wait_tensor.default", "wait_tensor.default"], kinds
+    assert len(made_here) == 7
     # each collective's and wait's outputs new storages, none an earlier value's
     made = [(k, n[1][4]) for k, n in enumerate(got) if "_c10d_functional" in n[1][1]]
     assert len(made) == 12 and all(shares == [k] * len(shares) for k, shares in made)
