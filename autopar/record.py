@@ -223,7 +223,7 @@ def _recorder_class():
                 with self.fake_mode:
                     return _made(known)
             out = func(*args, **kwargs)
-            if key is not None:
+            if key is not None and key not in _SEEN:  # (None kept too: an output not to make afresh)
                 if len(_SEEN) >= _SEEN_MAX:
                     _SEEN.clear()
                 _SEEN[key] = _described(out, _flat(args, kwargs))

@@ -436,12 +436,12 @@ def test_a_candidate_that_fails_leaves_nothing_alive(monkeypatch):
 
 # ------------------------------------------------------------------ every device candidate
 def interpreted(configs) -> list:
-    """One launch configuration per distinct set of block constants (kernels/tune.py ``Launch.kwargs``:
-    under the interpreter a launch takes its blocks alone, so configurations that differ only in
-    warps or stages run the same interpreted code)."""
+    """One launch configuration per distinct set of interpreted launch arguments (kernels/tune.py
+    ``Launch.kwargs(interpreted=True)``: the block constants alone, so configurations that differ
+    only in warps or stages run the same interpreted code)."""
     first: dict = {}
     for c in configs:
-        first.setdefault(c.blocks, c)
+        first.setdefault(tuple(sorted(c.kwargs(True).items())), c)
     return list(first.values())
 
 
