@@ -317,8 +317,9 @@ class _Repeats(torch.nn.Module):
 
 
 def test_blocks_whose_cost_grows_with_their_place_are_refused(monkeypatch):
-    """The search extrapolates one block to the model's depth: the check at depth 3 (in the child
-    beside the other block choices, as on the command line) refuses a model whose blocks differ."""
+    """The search extrapolates one block to the model's depth: the check at depth 3 (in a child of
+    its own beside the first block choice's depths 1 and 2, as on the command line) refuses a model
+    whose blocks differ."""
     from test_tp_derive import LM  # (an embedding, the blocks, an LM head)
 
     monkeypatch.setenv("AUTOPAR_PLAN_FORK", "always")
@@ -335,6 +336,65 @@ def test_blocks_whose_cost_grows_with_their_place_are_refused(monkeypatch):
     same = LM([_Repeats(1) for _ in range(4)])  # the same blocks alike in cost: searched
     res = P.search(P.info_of(same, (tokens, tokens), loss, spec="once"), 2, precision="fp32", confirm_top=0, **SMALL)
     assert res.ranked and res.linear_check == ["identical"]
+
+
+def test_the_early_check_gives_way(monkeypatch):
+    """The first block choice's depth-3 check starts in a child beside its depths 1 and 2. Where
+    that block choice is refused, the child is stopped and the block choice that compiles is
+    checked (with the others); where the child fails, its check is compiled here. Both still
+    refuse blocks that differ (the _Repeats model) and pass alike ones."""
+    import os
+
+    from autopar import forked
+    from test_tp_derive import LM
+
+    search = __import__("autopar.planner.search", fromlist=["search"])
+    monkeypatch.setenv("AUTOPAR_PLAN_FORK", "always")
+    tokens = torch.zeros(4, 8, dtype=torch.long)
+
+    def loss(logits, targets):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+
+    def run(blocks):
+        return P.search(P.info_of(LM(blocks), (tokens, tokens), loss, spec="r"), 2, precision="fp32",
+                        confirm_top=0, **{**SMALL, "recompute": ("none", "full")})
+
+    # (1) the first block choice (recompute=full, first by name) refused at depths 1-2
+    coefficients, asked = search.block_coefficients, []
+
+    def refuse_full(info, tp, ts, rc, *a, **k):
+        asked.append(rc)
+        if rc == "full":
+            raise PlanError("refused here for the test")
+        return coefficients(info, tp, ts, rc, *a, **k)
+
+    monkeypatch.setattr(search, "block_coefficients", refuse_full)
+    kill, killed = forked.Forked.kill, []
+    monkeypatch.setattr(forked.Forked, "kill", lambda self: killed.append(self.pid) or kill(self))
+    before = dict(forked.RESULTS)
+    res = run([_Repeats(1) for _ in range(4)])
+    assert res.linear_check == ["identical"] and {c.recompute for c in res.ranked} == {"none"}
+    assert any("refused here for the test" in why for _, why in res.refused)
+    # the early child stopped (no result taken), the check went with the rest: no failed child
+    assert len(killed) == 1 and forked.RESULTS["failed"] == before.get("failed", 0)
+    with pytest.raises(PlanError, match="its blocks are not identical"):
+        run([_Repeats(i + 1) for i in range(4)])
+    monkeypatch.setattr(search, "block_coefficients", coefficients)
+
+    # (2) the early child fails: its check is compiled here
+    parent, figures = os.getpid(), search.check_figures
+
+    def fail_in_child(*a, **k):
+        if os.getpid() != parent:
+            raise RuntimeError("the child fails for the test")
+        return figures(*a, **k)
+
+    monkeypatch.setattr(search, "check_figures", fail_in_child)
+    before = dict(forked.RESULTS)
+    res = run([_Repeats(1) for _ in range(4)])
+    assert res.linear_check == ["identical"] and forked.RESULTS["failed"] == before.get("failed", 0) + 1
+    with pytest.raises(PlanError, match="its blocks are not identical"):
+        run([_Repeats(i + 1) for i in range(4)])
 
 
 def test_auto_errors():
@@ -376,6 +436,6 @@ def test_cli(capsys, monkeypatch):
     assert out["world"] == 2 and out["candidates"][0]["confirmed"] is not None and out["inductor"] is True
     # 3 block choices (tp=1; tp=2 megatron, sequence: 3 + 2 + 2 compiles) and four confirmations
     # (2 each: the top one and the best of each other data-parallel strategy, all screened within
-    # 10% of the first): the 2 block choices after the first went half to a child, each
-    # confirmation's shallower compile to another
-    assert out["compiles"] == 15 and forks == 5, (out["compiles"], forks)
+    # 10% of the first): the first block choice's depth-3 check to a child from the start, the 2
+    # block choices after the first half to another, each confirmation's shallower compile to another
+    assert out["compiles"] == 15 and forks == 6, (out["compiles"], forks)

@@ -323,13 +323,17 @@ def block_coefficients(info: ModelInfo, tp: int, tp_strategy: str | None, recomp
                         grads_order=figs[0].grads_order)
 
 
-def depth_check(info: ModelInfo, co: Coefficients, tp: int, tp_strategy: str | None, recompute: str, mbs: int,
-                **kw) -> list[str]:
-    """The identical-blocks check of ``co`` (``block_coefficients`` without it; the same block
-    choice and keywords): the model compiled at depth 3, depth 3 - depth 2 against depth 2 -
+def depth_check(co: Coefficients, at3: Figures) -> list[str]:
+    """The identical-blocks check of ``co`` (``block_coefficients`` without it) against ``at3``
+    (``check_figures`` of the same block choice and keywords): depth 3 - depth 2 against depth 2 -
     depth 1. What differs (empty: the blocks are identical)."""
-    at3 = _block_figures(info, 3, tp, tp_strategy, recompute, mbs, **kw)
     return (at3 - co.at2).close(co.block)
+
+
+def check_figures(info: ModelInfo, tp: int, tp_strategy: str | None, recompute: str, mbs: int, **kw) -> Figures:
+    """The identical-blocks check's compile: the model at depth 3 (``block_coefficients``'s block
+    choice and keywords). Needs nothing of depths 1 and 2, so it can run beside them."""
+    return _block_figures(info, 3, tp, tp_strategy, recompute, mbs, **kw)
 
 
 def _block_figures(info: ModelInfo, depth: int, tp: int, tp_strategy: str | None, recompute: str, mbs: int, *,

@@ -8,9 +8,9 @@ import warnings
 from dataclasses import dataclass, field, replace
 
 from autopar.errors import PlanError
-from autopar.forked import can_fork, side_by_side
+from autopar.forked import Forked, can_fork, shared_heap, side_by_side
 from autopar.planner.blocks import (DP_STRATEGIES, RECOMPUTE, SCHEDULES, TP_STRATEGIES, ModelInfo, block_coefficients,
-                                     depth_check, model_info, planning_options)
+                                     check_figures, depth_check, model_info, planning_options)
 from autopar.planner.compose import CP_STRATEGIES, Candidate, candidates, cost
 
 # plan="auto" searches context parallelism by default from this many tokens per sequence on
@@ -107,15 +107,21 @@ def search(spec: str | ModelInfo, world: int, *, device: str = "h100", budget: i
         except PlanError as e:  # the compiler refuses this block choice: its candidates go
             return "refused", str(e).splitlines()[0][:160]
 
-    def check_of(key) -> tuple[str, object]:
-        """The identical-blocks check (depth 3) of a block choice that compiled at depths 1 and 2:
-        ("ok", what differs) or ("refused", why depth 3 does not compile)."""
+    def at3_of(key) -> tuple[str, object]:
+        """The identical-blocks check's compile (depth 3) of a block choice: ("ok", its figures) or
+        ("refused", why depth 3 does not compile)."""
         tp, ts, cp, cs, ep, rc = key
         try:
-            return "ok", depth_check(info, coeffs[key], tp, ts, rc, base_mbs, precision=precision, dev=dev, cp=cp,
-                                     cp_strategy=cs, ep=ep, fused=inductor)
+            return "ok", check_figures(info, tp, ts, rc, base_mbs, precision=precision, dev=dev, cp=cp,
+                                       cp_strategy=cs, ep=ep, fused=inductor)
         except PlanError as e:
             return "refused", str(e).splitlines()[0][:160]
+
+    def check_of(key, at3=None) -> tuple[str, object]:
+        """The identical-blocks check of a block choice that compiled at depths 1 and 2 (``at3``: its
+        depth 3 compiled already): ("ok", what differs) or ("refused", why depth 3 does not compile)."""
+        kind, got = at3 or at3_of(key)
+        return (kind, got) if kind == "refused" else ("ok", depth_check(coeffs[key], got))
 
     def take(key, got) -> None:
         nonlocal cands, refused
@@ -127,22 +133,50 @@ def search(spec: str | ModelInfo, world: int, *, device: str = "h100", budget: i
         coeffs[key] = co
 
     # the first block choice that compiles first, here; then the others, split between this
-    # process and a forked child where it can fork (autopar/forked.py), the child also checking
-    # the first at depth 3 (identical blocks: depth 3 - depth 2 must equal depth 2 - depth 1)
+    # process and a forked child where it can fork (autopar/forked.py). The first one's check at
+    # depth 3 (identical blocks: depth 3 - depth 2 must equal depth 2 - depth 1) needs nothing of
+    # its depths 1 and 2, so it starts in a child of its own beside them (the longest piece of the
+    # block figures, depth 3 traced afresh: run after the other block choices, it had one core wait
+    # for it); were the first block choice refused, that child is stopped and the check of the
+    # one that compiles goes with the others
     rest = list(enumerate(keys))
-    while rest and not coeffs:
-        i, key = rest.pop(0)
-        take(key, figures_of(i, key, progress))
+    early = None
+    if keys and info.layers >= 3 and can_fork():
+        with shared_heap():
+            early = Forked(lambda: at3_of(keys[0]))
+    try:
+        while rest and not coeffs:
+            i, key = rest.pop(0)
+            take(key, figures_of(i, key, progress))
+    except BaseException:
+        if early is not None:
+            early.kill()
+        raise
     first = next(iter(coeffs), None)
     check = first is not None and info.layers >= 3
+    if early is not None and first != keys[0]:
+        early.kill()
+        early = None
+    later = check and early is None  # the check goes with the other block choices
     mine, theirs = (rest[0::2], rest[1::2]) if len(rest) > 1 and can_fork() else (rest, [])
 
     def figures(which, report, checks: bool):
         return lambda: ([figures_of(i, key, report) for i, key in which], check_of(first) if checks else None)
 
-    (got_theirs, verdict), (got_mine, _) = side_by_side(
-        figures(theirs, lambda s: None, check), figures(mine, progress, False),
-        again=figures(theirs, progress, check), fork=bool(theirs) or check)
+    try:
+        (got_theirs, verdict), (got_mine, _) = side_by_side(
+            figures(theirs, lambda s: None, later), figures(mine, progress, False),
+            again=figures(theirs, progress, later), fork=bool(theirs) or later)
+    except BaseException:
+        if early is not None:
+            early.kill()
+        raise
+    if early is not None:
+        try:
+            at3 = early.result()
+        except RuntimeError:  # the child failed: depth 3 here (where an error, if it is one, is raised)
+            at3 = None
+        verdict = check_of(first, at3)
     got = dict(zip([key for _, key in mine + theirs], got_mine + got_theirs))
     for _, key in rest:  # (in the keys' order, as one after the other)
         take(key, got[key])
