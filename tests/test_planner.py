@@ -402,6 +402,16 @@ def test_auto_errors():
         P.search("mypkg.mod:factory", 4)
     with pytest.raises(PlanError, match="cannot search linear: no nn.ModuleList"):
         P.search(P.info_of(torch.nn.Linear(2, 2), (torch.zeros(2, 2),), spec="linear"), 4)
+    # blocks alike but for an attribute that alternates (Gemma 2's sliding window every other layer)
+    from test_tp_derive import LM
+
+    blocks = [_Repeats(1) for _ in range(4)]
+    for i, b in enumerate(blocks):
+        b.window = 8 if i % 2 == 0 else None
+    tokens = torch.zeros(4, 8, dtype=torch.long)
+    with pytest.raises(PlanError, match=r"(?s)block 1 \(_Repeats\) differs from block 0 \(_Repeats\) in window "
+                                        r"\(8 / None\).*every block alike.*alternate an attention window"):
+        P.search(P.info_of(LM(blocks), (tokens, tokens), spec="alternating"), 2, **SMALL)
     with pytest.raises(PlanError, match="no plan"):
         P.search("llama-tiny", 3, batch=4, seq=16, **SMALL)  # 3 ranks: batch 4, 2 layers, 4 heads: nothing divides
     import autopar

@@ -265,8 +265,11 @@ def info_of(model, example_inputs, loss_fn=None, *, spec: str, batch: int | None
     if isinstance(rep, str):
         raise PlanError(f"plan='auto' cannot search {spec}: {rep}", where="plan='auto'",
                         fix="give a fixed plan (autopar plan MODEL --mesh dp=8,tp=8 --plan dp=fsdp,tp=megatron, or "
-                            "autopar.compile(plan={...})): it compiles the whole model; the search needs the model's "
-                            "repeated blocks in one nn.ModuleList or nn.Sequential")
+                            "autopar.compile(plan={...})): it compiles the whole model; the search extrapolates one "
+                            "block to the model's depth, so it needs the model's repeated blocks in one "
+                            "nn.ModuleList or nn.Sequential, every block alike (one class, the same parameters, "
+                            "the same plain attributes but a layer index: blocks that alternate an attention "
+                            "window are not searched)")
     cfg = getattr(model, "config", None) or getattr(model, "cfg", None)
     holders = [h for h in (cfg, *rep.blocks[0].modules()) if h is not None]
 
