@@ -13,6 +13,9 @@ Hugging Face config and the built-in models go the same way and give the same fi
 
 The example inputs go to the meta device with it (planning reads shapes only). The search
 changes the batch: every input's first dimension is taken as the batch (``at(depth, batch=)``).
+A list whose blocks differ only within a repeating unit (``splice.find_period``: Gemma 2's
+alternating attention) is cut by whole units where the caller asks (``repeated(periodic=True)``:
+``autopar plan``'s fixed plans; the search takes one block as its unit and refuses it).
 What this cannot see (a block whose code depends on its index, beyond its attributes) the
 callers' checks catch: the extrapolation compiles a third depth and requires each figure's
 increments to be equal, the search requires depth 3 - depth 2 = depth 2 - depth 1.
@@ -44,27 +47,37 @@ class Repeated:
     # (planner/search.py ``confirm``): cached with the model, so another model never reads them
     splits: dict = field(default_factory=dict, repr=False, compare=False)
 
+    # the blocks repeat in units of this many (``splice.find_period``: 2 where a sliding-window and
+    # a full attention layer alternate); depths and ``layers`` count units
+    period: int = 1
+
     @property
     def layers(self) -> int:
-        return len(self.blocks)
+        return len(self.blocks) // self.period
 
     def at(self, depth: int, batch: int | None = None):
-        """The model with its first ``depth`` blocks, copied on the meta device, and its example
-        inputs on meta (with ``batch`` as their first dimension where given): a ``zoo.Loaded``."""
+        """The model with its first ``depth`` units (blocks, where ``period`` is 1), copied on the
+        meta device, and its example inputs on meta (with ``batch`` as their first dimension where
+        given): a ``zoo.Loaded``."""
         from autopar.models.zoo import Loaded
 
         if not 1 <= depth <= self.layers:
             raise ValueError(f"depth {depth} outside 1..{self.layers}")
-        return Loaded(meta_copy(self.model, self.path, self.blocks, depth), meta_inputs(self.example_inputs, batch),
-                      self.loss_fn, self.name)
+        return Loaded(meta_copy(self.model, self.path, self.blocks, depth * self.period),
+                      meta_inputs(self.example_inputs, batch), self.loss_fn, self.name)
 
 
 def repeated(model: nn.Module, example_inputs, loss_fn=None, *, min_blocks: int = 2,
-             name: str = "") -> Repeated | str:
-    """``model``'s repeated block list as a ``Repeated``, or why it has none (one line)."""
+             name: str = "", periodic: bool = False) -> Repeated | str:
+    """``model``'s repeated block list as a ``Repeated``, or why it has none (one line).
+    ``periodic``: where no list's blocks are all alike, one whose blocks repeat in units of a few
+    (``splice.find_period``, at least ``min_blocks`` units) is taken, with its period."""
     found = splice.find_blocks(model, min_blocks)
     if isinstance(found, str):
-        return found
+        unit = splice.find_period(model, min_blocks) if periodic else None
+        if unit is None:
+            return found
+        return Repeated(model, tuple(example_inputs), loss_fn, unit[0], unit[1], name, period=unit[2])
     return Repeated(model, tuple(example_inputs), loss_fn, found[0], found[1], name)
 
 

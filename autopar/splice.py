@@ -76,15 +76,7 @@ def find_blocks(model: nn.Module, min_blocks: int = KEEP + 1) -> tuple[str, nn.M
     ``layers``, a user's own. A list inside a block of another list of blocks of one class (the
     experts of a decoder layer) is part of that block, not the model's list. Of several (an
     encoder's and a decoder's), the one holding the most parameters."""
-    lists = [(name, m) for name, m in model.named_modules()
-             if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2]
-    inner = set()  # paths of the blocks of lists whose children share a class
-    for name, m in lists:
-        kinds = [type(b) for b in m]
-        for k, b in zip(m._modules, m):
-            if kinds.count(type(b)) > 1:
-                inner.add(f"{name}.{k}" if name else k)
-    outer = [(n, m) for n, m in lists if not any(n.startswith(p + ".") for p in inner)]
+    outer = _outer_lists(model)
     alike = [(n, m) for n, m in outer if all(_alike(m[0], b, 0, i) for i, b in enumerate(m))]
     deep = [(n, m) for n, m in alike if len(m) >= min_blocks]
     if deep:
@@ -98,6 +90,38 @@ def find_blocks(model: nn.Module, min_blocks: int = KEEP + 1) -> tuple[str, nn.M
         return (f"the blocks of its list {n or '(the model)'} are not alike: block {i} ({type(m[i]).__name__}) differs "
                 f"from block 0 ({type(m[0]).__name__}) in {_difference(m[0], m[i], 0, i)}")
     return "no nn.ModuleList or nn.Sequential of blocks (one class, the same parameter shapes)"
+
+
+def _outer_lists(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's lists of two or more modules that are not inside a block of another list of
+    blocks of one class (``find_blocks``)."""
+    lists = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2]
+    inner = set()  # paths of the blocks of lists whose children share a class
+    for name, m in lists:
+        kinds = [type(b) for b in m]
+        for k, b in zip(m._modules, m):
+            if kinds.count(type(b)) > 1:
+                inner.add(f"{name}.{k}" if name else k)
+    return [(n, m) for n, m in lists if not any(n.startswith(p + ".") for p in inner)]
+
+
+def find_period(model: nn.Module, min_units: int) -> tuple[str, nn.Module, int] | None:
+    """A block list whose blocks are not all alike but repeat with a period: (path, the list,
+    the period p), p the smallest with every block alike the one p before it (``_alike``), the
+    list a whole number of at least ``min_units`` such units (Gemma 2 and gpt-oss alternate a
+    sliding-window and a full attention layer: p = 2; Cohere 2 three and one: p = 4). Of
+    several, the one holding the most parameters; None if none."""
+    found = []
+    for n, m in _outer_lists(model):
+        blocks = list(m)
+        for p in range(2, len(blocks) // min_units + 1):
+            if len(blocks) % p == 0 and all(_alike(blocks[j - p], blocks[j], j - p, j) for j in range(p, len(blocks))):
+                found.append((n, m, p))
+                break
+    if not found:
+        return None
+    return max(found, key=lambda f: (sum(x.numel() for x in f[1].parameters()), len(f[1])))
 
 
 def _alike(a: nn.Module, b: nn.Module, i: int = 0, j: int = 0) -> bool:

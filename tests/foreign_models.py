@@ -93,14 +93,16 @@ def torch_encoder():
 
 
 class _Block(nn.Module):
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, gate: float | None = None):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.up = nn.Linear(dim, hidden)
         self.down = nn.Linear(hidden, dim)
+        self.gate = gate  # (a plain attribute that changes the block's ops where set)
 
     def forward(self, x):
-        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+        h = self.down(nn.functional.gelu(self.up(self.norm(x))))
+        return x + (h if self.gate is None else h * torch.sigmoid(h) * self.gate)
 
 
 class Unalike(nn.Module):
@@ -117,6 +119,26 @@ class Unalike(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.head(x)
+
+
+class Alternating(Unalike):
+    """Twelve blocks alike in their parameters whose odd ones gate their output (a plain attribute,
+    as Gemma 2 alternates its attention window): repeated in units of two blocks, not one."""
+
+    def __init__(self, vocab: int = 128, dim: int = 64):
+        super().__init__(vocab, dim)
+        self.blocks = nn.ModuleList(_Block(dim, 4 * dim, None if i % 2 == 0 else 0.5) for i in range(12))
+
+
+def alternating():
+    with torch.device("meta"):
+        model = Alternating()
+    return model, _batch(BATCH, SEQ), _ce
+
+
+def hf_gemma2():
+    """Gemma 2 at 12 layers: sliding-window and full attention alternate (its config's layer_types)."""
+    return hf("Gemma2", num_hidden_layers=2 * LAYERS)
 
 
 def unalike():

@@ -88,6 +88,24 @@ def test_blocks_that_differ_are_no_block_list():
     assert "has 2 (fewer than 4)" in splice.find_blocks(Experts())
 
 
+def test_blocks_that_repeat_every_few_are_units():
+    """Blocks alike only with the one two places before (Gemma 2 alternates a sliding-window and a
+    full attention layer; a torch model gating every other block): no block list, but a list of
+    units of two (``splice.find_period``), which ``autopar plan`` extrapolates unit by unit; the
+    search does not take them (``repeated`` without ``periodic``)."""
+    for name, path in (("hf_gemma2", "model.layers"), ("alternating", "blocks")):
+        loaded = _factory(name)
+        assert "are not alike: block 1" in splice.find_blocks(loaded.model, 6)
+        found = splice.find_period(loaded.model, 6)
+        assert found is not None and (found[0], len(found[1]), found[2]) == (path, 12, 2)
+        assert splice.find_period(loaded.model, 7) is None  # 6 units of 2: too few for 7
+        assert isinstance(repeated(loaded.model, loaded.example_inputs, min_blocks=6), str)
+        rep = repeated(loaded.model, loaded.example_inputs, min_blocks=6, periodic=True)
+        assert (rep.path, rep.period, rep.layers) == (path, 2, 6)
+        assert len(rep.at(3).model.get_submodule(path)) == 6
+    assert splice.find_period(_factory("unalike").model, 2) is None  # wider blocks at the end: no period
+
+
 # Every figure of the plan table (bytes and calls per collective, FLOPs, parameters, memory) equal
 # to the whole compile's, times within 1% (tests/test_extrapolate.py's check, on foreign models).
 # torch's encoder fails the check (its first block compiles to more ops at depth 3 than at 4 and 5:
@@ -102,6 +120,9 @@ def test_blocks_that_differ_are_no_block_list():
     pytest.param("hf_llama70b_shapes", "dp=4,tp=8", "dp=fsdp,tp=megatron", ("--precision", "bf16"),
                  marks=pytest.mark.slow),
     ("torch_encoder", "dp=2", "dp=fsdp", ()),
+    # blocks that repeat every two (extrapolated in units of two blocks, every depth traced)
+    ("alternating", "dp=2", "dp=fsdp", ()),
+    pytest.param("hf_gemma2", "dp=2,tp=2", "dp=fsdp,tp=megatron", (), marks=pytest.mark.slow),
 ])
 def test_a_fixed_plan_extrapolated_equals_the_whole_compile(monkeypatch, name, mesh, plan, extra):
     from test_extrapolate import _close
@@ -111,11 +132,16 @@ def test_a_fixed_plan_extrapolated_equals_the_whole_compile(monkeypatch, name, m
     fast, full = _plan(*argv), _plan(*argv, "--full-depth")
     if name == "torch_encoder":
         assert fast["notes"][0].startswith("blocks not identical at depths (3, 4, 5) (") and "extrapolated" not in fast
+    elif name in ("alternating", "hf_gemma2"):  # 12 blocks, 6 units of 2: compiled at 6, 8, 10 blocks
+        loc = fast["extrapolated"].pop("localized")
+        assert fast["extrapolated"] == {"depths": [3, 4, 5], "layers": 6, "period": 2, "forked": [4],
+                                        "blocks": "blocks" if name == "alternating" else "model.layers"}, fast["notes"]
+        assert all(not any(x == "spliced" for x in lines) for lines in loc.values()), loc
     else:
         # depth 3 before the fork; 4 and 5 splice its per-rank program (autopar/local_splice.py)
         # where they can, else are traced and say why: GPT-2's dropouts refuse it
         loc = fast["extrapolated"].pop("localized")
-        assert fast["extrapolated"] == {"depths": [3, 4, 5], "layers": 6,
+        assert fast["extrapolated"] == {"depths": [3, 4, 5], "layers": 6, "period": 1,
                                         "blocks": "transformer.h" if name == "hf_gpt2" else "model.layers",
                                         "forked": [4]}, fast["notes"]
         if name == "hf_gpt2":

@@ -44,7 +44,7 @@ def test_extrapolated_plan_equals_every_block_compiled(monkeypatch):
             "--batch", "4", "--seq", "32"]
     monkeypatch.setenv("AUTOPAR_PLAN_FORK", "always")
     fast, full = _plan_json(*argv), _plan_json(*argv, "--full-depth")
-    assert fast["extrapolated"] == {"depths": [3, 4, 5], "layers": 8, "blocks": "layers", "forked": [4],
+    assert fast["extrapolated"] == {"depths": [3, 4, 5], "layers": 8, "blocks": "layers", "forked": [4], "period": 1,
                                     "localized": {"3": ["recorded"], "4": ["spliced"], "5": ["spliced"]}}
     assert "extrapolated" not in full
     for key in ("parameters", "comm_bytes", "comm_calls", "flops"):

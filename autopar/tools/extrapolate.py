@@ -33,9 +33,12 @@ Where it applies: any model with a repeated block list (``splice.find_blocks``: 
 blocks, the built-in models included: the shallow depths are that list cut in a copy of the
 model on the meta device (autopar/depth.py), not the model rebuilt from a config. Not under plans
 with a pipeline axis (a pipeline's stage boundaries move with the depth; its capture is spliced
-instead, autopar/splice.py). The per-parameter lists the table's notes give (parameters left to
-``plan['rest']``, or stored whole) are each block's names repeated for every block, where every
-block's are the same. A model without such a list, or whose blocks fail the check, is compiled
+instead, autopar/splice.py). Blocks that are not all alike but repeat every few
+(``splice.find_period``: Gemma 2 and gpt-oss alternate a sliding-window and a full attention
+layer) are extrapolated in units of that many blocks, at 3, 4 and 5 units, each depth traced whole
+(splicing repeats one block: not these), every unit's increments required equal. The
+per-parameter lists the table's notes give (parameters left to ``plan['rest']``, or stored whole)
+are each block's names repeated for every block, where every block's are the same. A model without such a list, or whose blocks fail the check, is compiled
 whole, with the reason as one note. ``autopar plan --full-depth`` compiles every block regardless;
 ``tests/test_extrapolate.py`` and ``tests/test_depth.py`` check the extrapolated table against the
 full compile.
@@ -175,15 +178,22 @@ def analyse_by_depth(args, plan: dict, rank: int, progress, analyse, loaded) -> 
 
     if any(is_pipeline_strategy(v) for v in plan.values()):
         return None
-    rep = repeated(loaded.model, loaded.example_inputs, loaded.loss_fn, min_blocks=DEPTHS[-1] + 1, name=loaded.name)
+    rep = repeated(loaded.model, loaded.example_inputs, loaded.loss_fn, min_blocks=DEPTHS[-1] + 1, name=loaded.name,
+                   periodic=True)
     if isinstance(rep, str):
         args.depth_note = f"compiled every block, not extrapolated in depth: {rep}"
         return None
     layers = rep.layers
+    unit = f" units of {rep.period} blocks" if rep.period > 1 else ""
 
     def at(d: int, report) -> Analysis:
-        return analyse(args, rank, lambda s: report(f"{s} (depth {d} of {layers})"), loaded=rep.at(d))
+        return analyse(args, rank, lambda s: report(f"{s} (depth {d} of {layers}{unit})"), loaded=rep.at(d))
 
+    if rep.period > 1:
+        # blocks that differ within a unit: no splicing (it repeats one block), every depth traced
+        with capture_cache.used(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", ".*LeafSpec", FutureWarning)
+            return _by_depth(args, rank, rep, at, progress)
     with capture_cache.used(), splice.spliced(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*LeafSpec", FutureWarning)  # (torch's, copying a graph's pytree codegen)
         # depth 3 traced once, here, before the fork (capture and joint graph): its compile below
@@ -247,7 +257,7 @@ def _by_depth(args, rank: int, rep, at, progress) -> Analysis | None:
     figs = [first, *figs, deepest]
     if any(f is None for f in figs):
         return None
-    lists = [_all_blocks(f["lists"], rep.path, d, layers) for f, d in zip(figs, DEPTHS)]
+    lists = [_all_blocks(f["lists"], rep.path, d * rep.period, layers * rep.period) for f, d in zip(figs, DEPTHS)]
     if lists[0] is None or any(x != lists[0] for x in lists):
         args.depth_note = ("compiled every block, not extrapolated in depth: the parameters left to plan['rest'] or "
                            "stored whole differ from block to block")
@@ -272,11 +282,12 @@ def _by_depth(args, rank: int, rep, at, progress) -> Analysis | None:
         getattr(placed, kind).update(by_axis)
     seconds = {k: sum(f["seconds"].get(k, 0.0) for f in figs) for k in ("build", "compile", "cost_model", "total")}
     out["seconds"] = seconds
-    out["extrapolated"] = {"depths": list(DEPTHS), "layers": layers, "blocks": rep.path,
+    out["extrapolated"] = {"depths": list(DEPTHS), "layers": layers, "blocks": rep.path, "period": rep.period,
                            "forked": shallow if child is not None else [],
                            "localized": {d: f.get("localized", []) for d, f in zip(DEPTHS, figs)}}
     # the masks pass's and the cut's lines count what the deepest compile holds, not the whole model: say so
-    counted = f" (counted in the depth-{DEPTHS[-1]} compile; the model has {layers} blocks): "
+    counted = (f" (counted in the depth-{DEPTHS[-1]} compile; the model has {layers} blocks): " if rep.period == 1 else
+               f" (counted in the compile of {DEPTHS[-1] * rep.period} blocks; the model has {layers * rep.period}): ")
     notes = [n.replace(MASKS_NOTE, MASKS_NOTE[:-2] + counted, 1).replace(CUT_NOTE, CUT_NOTE[:-2] + counted, 1)
              for n in last.notes]
     return Analysis(last.model, last.axes, last.plan, rank, last.coord, last.options, last.pm, last.memory,

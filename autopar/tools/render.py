@@ -472,12 +472,7 @@ def plan_table(results: list[Analysis]) -> str:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)))
     lines += ["", f"analysis time (rank {a0.rank}): " + ", ".join(
         f"{k} {v:.1f}s" for k, v in a0.seconds.items() if k in ("build", "compile", "cost_model", "total"))
-        + (f"; figures extrapolated from the model compiled with {ex['blocks']} cut to "
-           f"{', '.join(map(str, ex['depths']))} blocks to its {ex['layers']} (every block's increment checked equal; "
-           "--full-depth compiles every block"
-           + (f"; depth(s) {', '.join(map(str, ex['forked']))} compiled in a forked process beside this one, "
-              "the times above their sum" if ex.get("forked") else "") + _localized(ex) + ")"
-           if (ex := sums[0].get("extrapolated")) else "")
+        + (_extrapolated(ex) if (ex := sums[0].get("extrapolated")) else "")
         + (f"; {world} ranks: each stage's ranks run the same program on their own shards (SPMD), stages "
            "exchange activations point to point" if pipes else
            f"; {world} ranks, every rank runs the same program on its own shards (SPMD)")]
@@ -573,6 +568,19 @@ def explain_text(a: Analysis) -> str:
               "collective's real per-rank size; time = roofline per op + alpha-beta per collective, "
               "communication overlapped only where the program's order allows."]
     return "\n".join(lines) + "\n"
+
+
+def _extrapolated(ex: dict) -> str:
+    """The analysis line's account of a plan extrapolated in depth (autopar/tools/extrapolate.py)."""
+    p = ex.get("period", 1)
+    cut = ", ".join(str(d * p) for d in ex["depths"])
+    how = ("every block's increment checked equal" if p == 1 else
+           f"in units of {p} blocks, as its blocks repeat every {p}: every unit's increment checked equal, "
+           "every depth traced (no splicing)")
+    return (f"; figures extrapolated from the model compiled with {ex['blocks']} cut to {cut} blocks to its "
+            f"{ex['layers'] * p} ({how}; --full-depth compiles every block"
+            + (f"; depth(s) {', '.join(str(d * p) for d in ex['forked'])} compiled in a forked process beside this "
+               "one, the times above their sum" if ex.get("forked") else "") + _localized(ex) + ")")
 
 
 def _localized(ex: dict) -> str:
