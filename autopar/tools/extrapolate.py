@@ -38,8 +38,9 @@ instead, autopar/splice.py). Blocks that are not all alike but repeat every few
 layer) are extrapolated in units of that many blocks, at 3, 4 and 5 units, each depth traced whole
 (splicing repeats one block: not these), every unit's increments required equal. The
 per-parameter lists the table's notes give (parameters left to ``plan['rest']``, or stored whole)
-are each block's names repeated for every block, where every block's are the same. A model without such a list, or whose blocks fail the check, is compiled
-whole, with the reason as one note. ``autopar plan --full-depth`` compiles every block regardless;
+are each block's names repeated for every block, where every block's are the same. A model
+without such a list, or whose blocks fail the check, is compiled whole, with the reason as one
+note. ``autopar plan --full-depth`` compiles every block regardless;
 ``tests/test_extrapolate.py`` and ``tests/test_depth.py`` check the extrapolated table against the
 full compile.
 """
