@@ -174,3 +174,17 @@ def test_a_model_without_one_block_list_plans_whole_and_the_search_says_what_to_
     assert main(["-q", _spec("unalike"), "--plan", "auto", "--world", "2"]) == 2
     err = capsys.readouterr().err
     assert "cannot search" in err and "not alike" in err and "give a fixed plan" in err
+
+
+@pytest.mark.slow
+def test_the_search_checks_mixtral_without_recomputation():
+    """The search's identical-blocks check (depths 1-3) takes a block choice without recomputation:
+    under full recomputation Mixtral's peak moves between depths 1 and 2 (by its router's 256 bytes
+    at these shapes) and the search refused it as blocks that differ (2026-12-03)."""
+    from autopar import planner as P
+
+    loaded = _factory("hf_mixtral")
+    info = P.info_of(loaded.model, loaded.example_inputs, loaded.loss_fn, spec="hf_mixtral")
+    res = P.search(info, 8, budget="80GiB", confirm_top=0, mbs_choices=(1,), tp_strategies=("megatron",),
+                   schedules=("1f1b",))
+    assert res.ranked and res.linear_check == ["identical"]

@@ -359,21 +359,21 @@ def test_the_early_check_gives_way(monkeypatch):
         return P.search(P.info_of(LM(blocks), (tokens, tokens), loss, spec="r"), 2, precision="fp32",
                         confirm_top=0, **{**SMALL, "recompute": ("none", "full")})
 
-    # (1) the first block choice (recompute=full, first by name) refused at depths 1-2
-    coefficients, asked = search.block_coefficients, []
+    # (1) the first block choice (recompute=none: the search checks one without recomputation
+    # first) refused at depths 1-2
+    coefficients = search.block_coefficients
 
-    def refuse_full(info, tp, ts, rc, *a, **k):
-        asked.append(rc)
-        if rc == "full":
+    def refuse_none(info, tp, ts, rc, *a, **k):
+        if rc == "none":
             raise PlanError("refused here for the test")
         return coefficients(info, tp, ts, rc, *a, **k)
 
-    monkeypatch.setattr(search, "block_coefficients", refuse_full)
+    monkeypatch.setattr(search, "block_coefficients", refuse_none)
     kill, killed = forked.Forked.kill, []
     monkeypatch.setattr(forked.Forked, "kill", lambda self: killed.append(self.pid) or kill(self))
     before = dict(forked.RESULTS)
     res = run([_Repeats(1) for _ in range(4)])
-    assert res.linear_check == ["identical"] and {c.recompute for c in res.ranked} == {"none"}
+    assert res.linear_check == ["identical"] and {c.recompute for c in res.ranked} == {"full"}
     assert any("refused here for the test" in why for _, why in res.refused)
     # the early child stopped (no result taken), the check went with the rest: no failed child
     assert len(killed) == 1 and forked.RESULTS["failed"] == before.get("failed", 0)
