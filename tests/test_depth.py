@@ -1,10 +1,11 @@
 """Planning a model nobody here wrote (autopar/depth.py, ``splice.find_blocks``): its repeated block
 list found in the module itself and cut in a copy on the meta device, for Hugging Face Llama,
 Qwen2, Mistral, GPT-2 and Mixtral built from their configs (tiny, and Llama-3-70B's full-size
-shapes at 6 blocks), torch's own ``nn.TransformerEncoder``, and a model whose blocks are not all
-alike. ``autopar plan``'s fixed plan extrapolated from depths 3-5 equals the whole compile figure for
-figure; the model without one repeated block list is compiled whole, saying why; the search
-refuses it, saying what to do instead."""
+shapes at 6 blocks), torch's own ``nn.TransformerEncoder``, a model whose blocks are not all
+alike, and two whose blocks repeat every two (Hugging Face Gemma 2, a torch model gating every
+other block: extrapolated in units). ``autopar plan``'s fixed plan extrapolated from depths 3-5
+equals the whole compile figure for figure; the model without one repeated block list is
+compiled whole, saying why; the search refuses it, saying what to do instead."""
 
 from __future__ import annotations
 
@@ -179,8 +180,8 @@ def test_a_model_without_one_block_list_plans_whole_and_the_search_says_what_to_
 @pytest.mark.slow
 def test_the_search_checks_mixtral_without_recomputation():
     """The search's identical-blocks check (depths 1-3) takes a block choice without recomputation:
-    under full recomputation Mixtral's peak moves between depths 1 and 2 (by its router's 256 bytes
-    at these shapes) and the search refused it as blocks that differ (2026-12-03)."""
+    under full recomputation Mixtral's peak moves between depths 1 and 2 (its increments 2,304 then
+    2,048 bytes at these shapes) and the search refused it as blocks that differ (2026-12-03)."""
     from autopar import planner as P
 
     loaded = _factory("hf_mixtral")

@@ -96,8 +96,8 @@ def search(spec: str | ModelInfo, world: int, *, device: str = "h100", budget: i
     # 2 = depth 2 - depth 1): one without recomputation first, whose figures show every block's saved
     # activations. Under full recomputation the peak is a recomputed block's internals over the
     # saved inputs, and at depth 1 that block is also the last: its peak moves between depths 1
-    # and 2 (Mixtral's router, by 256 bytes at tests/foreign_models.py's shapes), which read as
-    # blocks that differ
+    # and 2 (Mixtral's by 256 bytes at tests/foreign_models.py's shapes), which read as blocks
+    # that differ
     keys = sorted({c.block_key for c in cands}, key=lambda k: (k[5] != "none", str(k)))
     coeffs: dict = {}
     linear: list[str] = []
