@@ -404,13 +404,17 @@ def _select_strategy(node: fx.Node, strategy, op_schema=None):
       activation that later needs an all-gather: sequence parallelism is a plan, not an
       accident of greedy choice);
     - reduce a Partial value that has several consumers once, instead of carrying it along
-      each consumer and reducing each result.
+      each consumer and reducing each result;
+    - reduce a Partial value before an op that widens it (a bf16 partial sum added to an fp32
+      residual, as Mamba's blocks add theirs): DTensor would make the other input Partial too
+      (free for it) and the program then reduces the fp32 sum, twice the bytes, later.
     """
     specs = strategy.strategies
     if len(specs) == 1 or op_schema is None:
         return specs[0]
     cur = op_schema.args_spec
     ins = tensor_args(node)
+    widens = _widens_a_partial(node, ins, cur)
     best, best_key = None, None
     for spec in specs:
         base = float(sum(sum(c) for c in spec.redistribute_cost)) if spec.redistribute_cost else 0.0
@@ -425,6 +429,8 @@ def _select_strategy(node: fx.Node, strategy, op_schema=None):
                     penalty += INVENT
                 if isinstance(pc, Partial) and isinstance(pd, Partial) and many_users:
                     penalty += INVENT
+                if widens and isinstance(pc, Replicate) and isinstance(pd, Partial):
+                    penalty += INVENT
         outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
         for o in outs:
             if o is None:
@@ -436,6 +442,20 @@ def _select_strategy(node: fx.Node, strategy, op_schema=None):
         if best_key is None or key < best_key:
             best, best_key = spec, key
     return best
+
+
+def _widens_a_partial(node: fx.Node, ins: list, cur) -> bool:
+    """Whether ``node``'s output is wider (bytes per element) than one of its inputs that is a
+    Partial sum now."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return False
+    size = val.dtype.itemsize
+    for a, c in zip(ins, cur):
+        v = a.meta.get("val") if isinstance(a, fx.Node) else None
+        if isinstance(v, torch.Tensor) and v.dtype.itemsize < size and any(isinstance(p, Partial) for p in c.placements):
+            return True
+    return False
 
 
 def _flat_specs(args) -> list:

@@ -397,6 +397,49 @@ def test_the_early_check_gives_way(monkeypatch):
         run([_Repeats(i + 1) for i in range(4)])
 
 
+def test_depth_one_off_the_line_is_left_out(monkeypatch):
+    """Where depth 1 alone is off the blocks' line (its one block the first and the last: Falcon's
+    forward seconds, benchmarks/results/planner-archs-2026-12-03.md), the search takes every block
+    choice's figures from depths 2 and 3 (depth 4 - depth 3 checked equal to depth 3 - depth 2),
+    says so in a note, and its figures are those of the model without the bump; an SPMD
+    confirmation compiles depths 2 and 3. A bump at depth 3 (off the line both ways) is refused."""
+    from test_tp_derive import LM
+
+    from autopar.planner import blocks
+
+    tokens = torch.zeros(4, 8, dtype=torch.long)
+
+    def loss(logits, targets):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+
+    def run(confirm_top=0):
+        return P.search(P.info_of(LM([_Repeats(1) for _ in range(5)]), (tokens, tokens), loss, spec="r"), 2,
+                        precision="fp32", confirm_top=confirm_top, **{**SMALL, "recompute": ("none", "full")})
+
+    plain = run()
+    assert plain.linear_check == ["identical"] and not any("depths 2 and 3" in n for n in plain.notes)
+    figures = blocks._block_figures
+
+    def bumped_at(at):
+        def bump(info, depth, *a, **k):
+            got = figures(info, depth, *a, **k)
+            return replace(got, fwd_s=got.fwd_s + 1e-3) if depth == at else got
+        return bump
+
+    monkeypatch.setattr(blocks, "_block_figures", bumped_at(1))
+    res = run(confirm_top=1)
+    assert res.linear_check == ["identical from depth 2"], res.linear_check
+    assert any("from depths 2 and 3" in n and "fwd_s" in n for n in res.notes), res.notes
+    screened = {c.label(): c.screened[0] if c.screened else c.step_s for c in res.ranked}
+    assert screened == pytest.approx({c.label(): c.step_s for c in plain.ranked}, rel=1e-6)
+    assert res.ranked[0].confirmed["depths"] == (2, 3)
+    from autopar.planner.report import report
+    assert "checked identical at depths 2-4" in report(res) and "compiled at 2 and 3 blocks" in report(res)
+    monkeypatch.setattr(blocks, "_block_figures", bumped_at(3))
+    with pytest.raises(PlanError, match="then depth 4 - depth 3 against depth 3 - depth 2: fwd_s"):
+        run()
+
+
 def test_auto_errors():
     with pytest.raises(PlanError, match="cannot import 'mypkg.mod'"):
         P.search("mypkg.mod:factory", 4)

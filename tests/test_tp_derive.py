@@ -250,6 +250,43 @@ def gpt2():
     return model, inputs, loss_fn
 
 
+class _WideResidual(nn.Module):
+    """Mamba's ``residual_in_fp32``: the block's bf16 output (a partial sum under megatron, its
+    ``down`` row-parallel) added to the fp32 residual."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.up = nn.Linear(dim, 4 * dim, bias=False)
+        self.down = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x):
+        return x.float() + self.down(torch.relu(self.up(x.to(self.up.weight.dtype))))
+
+
+def test_a_partial_sum_is_reduced_before_it_is_widened():
+    """The bf16 partial sum is all-reduced before the add that widens it to fp32 (bf16 bytes, as
+    Megatron does), in every block: DTensor's own choice made the fp32 residual Partial too (free
+    for the add) and the program then all-reduced the fp32 sum in some blocks and not others
+    (increments of 2,048 and 4,096 bytes alternating: the planner read blocks that differ)."""
+    from autopar.mesh import fake_mesh
+
+    tokens = torch.zeros(4, 8, dtype=torch.long)
+    activation = tokens.numel() * 32 * 2  # bf16 bytes of one [4, 8, 32] activation: 2 ranks' ring all-reduce moves this
+
+    def loss(logits, targets):
+        return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+
+    forward = []
+    for n in (1, 2, 3):
+        with fake_mesh({"tp": 2}, 0) as mesh:
+            pm = autopar.compile(LM([_WideResidual() for _ in range(n)]), mesh, example_inputs=(tokens, tokens),
+                                 loss_fn=loss, plan={"tp": "megatron"}, precision="bf16", capture_eval=False)
+        forward.append([int(r.wire_bytes) for r in pm.collectives()
+                        if r.phase == "forward" and r.kind == "all_reduce" and "inside rule" not in r.reason])
+    assert all(b == activation for got in forward for b in got), forward
+    assert [len(got) for got in forward] == [2, 3, 4], forward  # the embedding's, then one per block
+
+
 def test_explain_names_the_graph_fact_behind_every_placement(capsys):
     import pathlib
 

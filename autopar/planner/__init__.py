@@ -14,8 +14,10 @@ block, not from a compile of the whole model per candidate:
    tensor-parallel collectives as the simulator overlaps them); depth 1 minus one block is the
    rest (embeddings, final norm, head, loss). A third depth checks that the blocks really are
    identical: depth 3 minus depth 2 must equal depth 2 minus depth 1 (``Coefficients.linear``;
-   compiled beside the other block choices), otherwise the search refuses the model rather than
-   extrapolating.
+   compiled beside the other block choices). Where depth 1 alone is off the line (depth 4 -
+   depth 3 equals depth 3 - depth 2: its one block is the first and the last at once), every
+   block choice is taken from depths 2 and 3 (``blocks.from_depth_two``) and a note says so;
+   otherwise the search refuses the model rather than extrapolating.
 2. **Composition, analytic.** A candidate is ``dp x ep x cp x tp x pp`` with a data-parallel strategy
    (ddp, zero1, zero2, fsdp), a pipeline schedule (1f1b, interleaved with 2 virtual stages) and
    a micro-batch count. Its memory is the block figures times the blocks a rank holds and keeps

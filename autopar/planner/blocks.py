@@ -225,6 +225,9 @@ class ModelInfo:
     no_ep: str = ""  # why expert parallelism cannot apply ("" where it can)
     # the model itself, whose block list is cut to the depths the search compiles (autopar/depth.py)
     source: object = field(default=None, repr=False, compare=False)
+    # the first depth on the blocks' line: 2 where the search found depth 1 (its one block the first
+    # and the last) off it; ``confirm`` then compiles an SPMD candidate at depths 2 and 3
+    from_depth: int = 1
 
     def at(self, depth: int, batch: int):
         """The model with ``depth`` blocks and a global batch of ``batch`` (a ``zoo.Loaded``, on meta)."""
@@ -333,10 +336,22 @@ def depth_check(co: Coefficients, at3: Figures) -> list[str]:
     return (at3 - co.at2).close(co.block)
 
 
-def check_figures(info: ModelInfo, tp: int, tp_strategy: str | None, recompute: str, mbs: int, **kw) -> Figures:
+def check_figures(info: ModelInfo, tp: int, tp_strategy: str | None, recompute: str, mbs: int, depth: int = 3,
+                  **kw) -> Figures:
     """The identical-blocks check's compile: the model at depth 3 (``block_coefficients``'s block
-    choice and keywords). Needs nothing of depths 1 and 2, so it can run beside them."""
-    return _block_figures(info, 3, tp, tp_strategy, recompute, mbs, **kw)
+    choice and keywords). Needs nothing of depths 1 and 2, so it can run beside them. (``depth``:
+    ``from_depth_two``'s depths 3 and 4.)"""
+    return _block_figures(info, depth, tp, tp_strategy, recompute, mbs, **kw)
+
+
+def from_depth_two(co: Coefficients, at3: Figures) -> Coefficients:
+    """``co`` (from depths 1 and 2) redone from depths 2 and 3: where depth 1's one block, the
+    first block and the last at once, is not the line through the deeper ones (Falcon's forward
+    seconds: the communication its one block cannot overlap), the figures of depth ``L`` are
+    depth 2's and ``L - 2`` times depth 3 - depth 2."""
+    block = at3 - co.at2
+    return Coefficients(block, co.at2 - block - block, co.linear, co.compile_s, at2=co.at2,
+                        grads_order=co.grads_order)
 
 
 def _block_figures(info: ModelInfo, depth: int, tp: int, tp_strategy: str | None, recompute: str, mbs: int, *,

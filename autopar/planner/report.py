@@ -86,10 +86,14 @@ def report(res: SearchResult, top: int = 8) -> str:
                  f"global batch {info.batch} x seq {info.seq}) on {world or '?'} ranks, device {res.device}, budget "
                  + (f"{_in_unit(res.budget, unit)} {uname} per rank" if res.budget else "none")
                  + ("; per-rank programs costed as compile(inductor=True) runs them" if res.inductor else ""))
-    checked = "checked identical at depths 1-3" if res.linear_check == ["identical"] else "; ".join(res.linear_check)
+    checked = {"identical": "checked identical at depths 1-3",
+               "identical from depth 2": "checked identical at depths 2-4 (depth 1 is off their line: see the notes)"
+               }.get(" ".join(res.linear_check)) or "; ".join(res.linear_check)
     lines.append(f"searched {res.considered} candidates in {res.seconds:.1f} s ({res.compiles} compiles: "
                  f"{res.coefficient_seconds:.1f} s for one block's figures per tp/recompute choice; the blocks of "
-                 f"{info.depth_field or 'the model'} {checked}); confirmed (listed first) = compiled at 1 and 2 blocks per stage, "
+                 f"{info.depth_field or 'the model'} {checked}); confirmed (listed first) = compiled at "
+                 + ("2 and 3 blocks (a pipeline: 1 and 2 per stage), " if info.from_depth == 2 else
+                    "1 and 2 blocks per stage, ") +
                  "extrapolated in depth (a pipeline: each stage to its blocks in the whole model's split); "
                  "screened = the analytic composition only")
     lines.append("")

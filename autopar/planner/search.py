@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from autopar.errors import PlanError
 from autopar.forked import Forked, can_fork, shared_heap, side_by_side
 from autopar.planner.blocks import (DP_STRATEGIES, RECOMPUTE, SCHEDULES, TP_STRATEGIES, ModelInfo, block_coefficients,
-                                     check_figures, depth_check, model_info, planning_options)
+                                     check_figures, depth_check, from_depth_two, model_info, planning_options)
 from autopar.planner.compose import CP_STRATEGIES, Candidate, candidates, cost
 
 # plan="auto" searches context parallelism by default from this many tokens per sequence on
@@ -113,21 +113,22 @@ def search(spec: str | ModelInfo, world: int, *, device: str = "h100", budget: i
         except PlanError as e:  # the compiler refuses this block choice: its candidates go
             return "refused", str(e).splitlines()[0][:160]
 
-    def at3_of(key) -> tuple[str, object]:
+    def at3_of(key, depth: int = 3) -> tuple[str, object]:
         """The identical-blocks check's compile (depth 3) of a block choice: ("ok", its figures) or
         ("refused", why depth 3 does not compile)."""
         tp, ts, cp, cs, ep, rc = key
         try:
-            return "ok", check_figures(info, tp, ts, rc, base_mbs, precision=precision, dev=dev, cp=cp,
+            return "ok", check_figures(info, tp, ts, rc, base_mbs, depth, precision=precision, dev=dev, cp=cp,
                                        cp_strategy=cs, ep=ep, fused=inductor)
         except PlanError as e:
             return "refused", str(e).splitlines()[0][:160]
 
-    def check_of(key, at3=None) -> tuple[str, object]:
+    def check_of(key, at3=None) -> tuple[str, object, object]:
         """The identical-blocks check of a block choice that compiled at depths 1 and 2 (``at3``: its
-        depth 3 compiled already): ("ok", what differs) or ("refused", why depth 3 does not compile)."""
+        depth 3 compiled already): ("ok", what differs, depth 3's figures) or ("refused", why depth
+        3 does not compile, None)."""
         kind, got = at3 or at3_of(key)
-        return (kind, got) if kind == "refused" else ("ok", depth_check(coeffs[key], got))
+        return (kind, got, None) if kind == "refused" else ("ok", depth_check(coeffs[key], got), got)
 
     def take(key, got) -> None:
         nonlocal cands, refused
@@ -190,15 +191,47 @@ def search(spec: str | ModelInfo, world: int, *, device: str = "h100", budget: i
         take(first, verdict)
         coeffs.pop(first)
         first = next(iter(coeffs), None)
-        verdict = check_of(first) if first is not None else ("ok", [])
+        verdict = check_of(first) if first is not None else ("ok", [], None)
+    edge = []  # what depth 1 alone differs in, where the search's figures are taken from depths 2 and 3
+    if check and verdict[1] and info.layers >= 4:
+        # depth 1's one block is the first block and the last at once: where it alone is off the
+        # line (depth 4 - depth 3 equals depth 3 - depth 2), every block choice is taken from
+        # depths 2 and 3 instead (each one's depth 3 compiled now) and the search says so
+        kind, at4 = at3_of(first, 4)
+        beyond = (at4 - verdict[2]).close(verdict[2] - coeffs[first].at2) if kind == "ok" else None
+        if beyond == []:
+            edge = verdict[1]
+            progress(f"depth 1 is not on the blocks' line ({'; '.join(edge)}): each block choice from depths 2 and 3")
+            others = [k for k in coeffs if k != first]
+            mine3, theirs3 = (others[0::2], others[1::2]) if len(others) > 1 and can_fork() else (others, [])
+            got3, here3 = side_by_side(lambda: [at3_of(k) for k in theirs3], lambda: [at3_of(k) for k in mine3],
+                                       fork=bool(theirs3))
+            threes = {first: ("ok", verdict[2]), **dict(zip(theirs3 + mine3, got3 + here3))}
+            for key in list(coeffs):
+                kind, got = threes[key]
+                if kind == "refused":
+                    take(key, (kind, got))
+                    coeffs.pop(key)
+                else:
+                    coeffs[key] = from_depth_two(coeffs[key], got)
+            notes.append(f"one block's figures from depths 2 and 3: at depth 1, where the one block is the first "
+                         f"and the last, {'; '.join(edge)} (depth 3 - depth 2 against depth 2 - depth 1) differ, "
+                         f"and depth 4 - depth 3 equals depth 3 - depth 2")
+            verdict = ("ok", [], verdict[2])
+            info.from_depth = 2
+        elif beyond:
+            verdict = ("ok", verdict[1] + ["then depth 4 - depth 3 against depth 3 - depth 2: " + "; ".join(beyond)],
+                       verdict[2])
     if check and verdict[1]:
         raise PlanError(f"{spec}: its blocks are not identical (depth 3 - depth 2 differs from depth 2 - depth 1: "
-                        + "; ".join(verdict[1]) + ")", where="plan='auto'",
+                        + "; ".join(verdict[1]) + ")",
+                        where="plan='auto'",
                         fix="give a fixed plan (the search extrapolates one block to the model's depth; a fixed "
                             "plan compiles every block)")
     if coeffs:
         coeffs[first].linear = verdict[1] if check else []
-        linear = ["identical"] if check else [f"not checked (the model has {info.layers} blocks, the check compiles 3)"]
+        linear = (["identical from depth 2"] if edge else ["identical"]) if check else \
+            [f"not checked (the model has {info.layers} blocks, the check compiles 3)"]
     tcoef = time.perf_counter() - tc
     if not cands:
         why = "; ".join(f"{a}: {b}" for a, b in refused[-3:])
@@ -409,20 +442,23 @@ def confirm(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: st
            c.cp, c.cp_strategy, c.ep, c.tp, c.tp_strategy, c.recompute, precision, dev.name)
     known = splits.get(key)
 
-    def theirs():
-        return at(unit), (whole_split(c, info, dev, precision=precision) if c.pp > 1 and known is None else None)
+    # SPMD: at depths 1 and 2, or 2 and 3 where depth 1 is off the blocks' line (``search``)
+    da, db = (2, 3) if c.pp == 1 and info.from_depth == 2 and info.layers >= 3 else (unit, 2 * unit)
 
-    if 2 * unit > info.layers:  # one block per (virtual) stage is the whole model: compiled as it is
+    def theirs():
+        return at(da), (whole_split(c, info, dev, precision=precision) if c.pp > 1 and known is None else None)
+
+    if db > info.layers:  # one block per (virtual) stage is the whole model: compiled as it is
         got = at(info.layers)
         return {"compile_s": got["compile_s"], "depths": (info.layers,), "step_s": got["step_s"], "peak": got["peak"],
                 "bubble": got["bubble"], "bytes": {ax: int(v) for ax, v in got["bytes"].items()},
                 **({"grouped": got["grouped"], "split": got["split"]} if c.pp > 1 else {})}
-    (a, split), b = side_by_side(theirs, lambda: at(2 * unit))
-    out = {"compile_s": a["compile_s"] + b["compile_s"], "depths": (unit, 2 * unit)}
+    (a, split), b = side_by_side(theirs, lambda: at(db))
+    out = {"compile_s": a["compile_s"] + b["compile_s"], "depths": (da, db)}
     if c.pp == 1:  # SPMD: each figure along its line, the peak point by point
-        k = info.layers / unit - 1
+        k = (info.layers - da) / (db - da)
         out.update(step_s=a["step_s"] + k * (b["step_s"] - a["step_s"]), bubble=b["bubble"],
-                   peak=_spmd_peak(a["programs"], b["programs"], unit, info.layers),
+                   peak=_spmd_peak(a["programs"], b["programs"], (da, db), info.layers),
                    bytes={ax: int(a["bytes"].get(ax, 0) + k * (b["bytes"].get(ax, 0) - a["bytes"].get(ax, 0)))
                           for ax in set(a["bytes"]) | set(b["bytes"])})
         return out
@@ -448,18 +484,20 @@ def confirm(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: st
     return out
 
 
-def _spmd_peak(a: dict, b: dict, unit: int, layers: int) -> int:
-    """An SPMD candidate's step peak at ``layers`` blocks from its programs at ``unit`` and
-    ``2 * unit``: persistent state and accumulators along their lines, each program's peak by
+def _spmd_peak(a: dict, b: dict, depths: tuple[int, int], layers: int) -> int:
+    """An SPMD candidate's step peak at ``layers`` blocks from its programs at ``depths`` (one
+    and two blocks, or two and three): persistent state and accumulators along their lines, each program's peak by
     ``liveness.peak_in_depth`` (not the peak's own line: Llama-3-8B bf16 fsdp x megatron at 64
     ranks gave 3.8 GiB that way against 6.1 GiB compiled at 32 blocks), composed as
     ``cost.predict_memory`` composes them."""
     from autopar.analysis.liveness import peak_in_depth
 
-    def line(x, y):
-        return x + (layers - unit) / unit * (y - x)
+    da, db = depths
 
-    progs = {k: sum(peak_in_depth([a[k], b[k]], (unit, 2 * unit), layers)["at_peak"].values())
+    def line(x, y):
+        return x + (layers - da) / (db - da) * (y - x)
+
+    progs = {k: sum(peak_in_depth([a[k], b[k]], depths, layers)["at_peak"].values())
              for k in ("joint", "sync") if k in a}
     acc = line(a["accumulators"], b["accumulators"])
     return int(line(a["persistent"], b["persistent"]) + max(progs["joint"] + acc, progs.get("sync", 0)))
