@@ -228,9 +228,12 @@ class ModelInfo:
     # the first depth on the blocks' line: 2 where the search found depth 1 (its one block the first
     # and the last) off it; ``confirm`` then compiles an SPMD candidate at depths 2 and 3
     from_depth: int = 1
+    # the list's blocks repeat in units of this many (``splice.find_period``: Gemma 2's alternating
+    # attention windows); ``layers`` and every depth the search compiles count units
+    period: int = 1
 
     def at(self, depth: int, batch: int):
-        """The model with ``depth`` blocks and a global batch of ``batch`` (a ``zoo.Loaded``, on meta)."""
+        """The model with ``depth`` blocks (units) and a global batch of ``batch`` (a ``zoo.Loaded``, on meta)."""
         return self.source.at(depth, batch)
 
 
@@ -264,15 +267,18 @@ def info_of(model, example_inputs, loss_fn=None, *, spec: str, batch: int | None
 
     if batch is not None:
         example_inputs = meta_inputs(example_inputs, batch)
-    rep = repeated(model, example_inputs, loss_fn, min_blocks=2, name=spec)
+    rep = repeated(model, example_inputs, loss_fn, min_blocks=2, name=spec, periodic=True)
+    if not isinstance(rep, str) and rep.period > 1 and rep.layers < 3:
+        rep = (f"the blocks of its list {rep.path} repeat in units of {rep.period}, and {rep.layers} units are too few "
+               "for the search's check (it compiles 1, 2 and 3)")
     if isinstance(rep, str):
         raise PlanError(f"plan='auto' cannot search {spec}: {rep}", where="plan='auto'",
                         fix="give a fixed plan (autopar plan MODEL --mesh dp=8,tp=8 --plan dp=fsdp,tp=megatron, or "
                             "autopar.compile(plan={...})): it compiles the whole model; the search extrapolates one "
                             "block to the model's depth, so it needs the model's repeated blocks in one "
                             "nn.ModuleList or nn.Sequential, every block alike (one class, the same parameters, "
-                            "the same plain attributes but a layer index: blocks that alternate an attention "
-                            "window are not searched)")
+                            "the same plain attributes but a layer index) or alike the one a few places before "
+                            "(alternating attention windows), at least 3 of those units")
     cfg = getattr(model, "config", None) or getattr(model, "cfg", None)
     holders = [h for h in (cfg, *rep.blocks[0].modules()) if h is not None]
 
@@ -301,7 +307,7 @@ def info_of(model, example_inputs, loss_fn=None, *, spec: str, batch: int | None
                      first(_VOCAB) or max((m.num_embeddings for m in tables), default=0),
                      tokens.shape[0], tokens.shape[1] if tokens.ndim > 1 else 1, embed / max(1, embed + other),
                      sum(p.numel() for p in model.parameters()), dict(overrides or {}), experts,
-                     no_ep if experts else "the model has no experts", rep)
+                     no_ep if experts else "the model has no experts", rep, period=rep.period)
 
 
 def planning_options(loaded, **choice) -> CompileOptions:

@@ -339,7 +339,8 @@ def candidates(info: ModelInfo, world: int, dev, *, mesh: dict | None = None, mb
                         (info.vocab % tp, f"vocabulary {info.vocab} not divisible by tp={tp} (embedding and LM head)"),
                         (info.heads % tp or info.kv_heads % tp,
                          f"{info.heads} heads / {info.kv_heads} KV heads not divisible by tp={tp}"),
-                        (info.layers % pp, f"{info.layers} layers not divisible by pp={pp}"),
+                        (info.layers % pp, f"{info.layers} {'units of blocks' if info.period > 1 else 'layers'} "
+                                           f"not divisible by pp={pp}"),
                         (info.batch % (dp * ep), f"global batch {info.batch} not divisible by dp x ep={dp * ep}"),
                         (ep > 1 and info.experts % ep, f"{info.experts} experts not divisible by ep={ep}"),
                     ) if bad), None)
@@ -381,6 +382,6 @@ def candidates(info: ModelInfo, world: int, dev, *, mesh: dict | None = None, mb
 def model_flops_per_step(info: ModelInfo, recompute: bool = False) -> float:
     """Narayanan et al. (SC'21) eq. 3: 96 B s l h^2 (1 + s/6h + V/16lh), with recomputation
     (one extra forward: 4 passes); 72 ... without (3 passes)."""
-    B, s, l, h, V = info.batch, info.seq, info.layers, info.hidden, info.vocab
+    B, s, l, h, V = info.batch, info.seq, info.layers * info.period, info.hidden, info.vocab
     k = 96 if recompute else 72
     return k * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))

@@ -17,6 +17,12 @@ def _unit(res: SearchResult) -> tuple[str, int]:
     return ("MiB", 2**20) if sizes and max(sizes) < 2**30 else ("GiB", 2**30)
 
 
+def _layers(info: ModelInfo) -> str:
+    if info.period > 1:
+        return f"{info.layers * info.period} layers in {info.layers} units of {info.period}"
+    return f"{info.layers} layers"
+
+
 def _params(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
@@ -82,13 +88,15 @@ def report(res: SearchResult, top: int = 8) -> str:
         c0 = res.ranked[0]
         world = c0.world
     uname, unit = _unit(res)
-    lines.append(f"autopar plan --plan auto: {info.spec} ({_params(info.params)} parameters, {info.layers} layers, "
+    lines.append(f"autopar plan --plan auto: {info.spec} ({_params(info.params)} parameters, {_layers(info)}, "
                  f"global batch {info.batch} x seq {info.seq}) on {world or '?'} ranks, device {res.device}, budget "
                  + (f"{_in_unit(res.budget, unit)} {uname} per rank" if res.budget else "none")
                  + ("; per-rank programs costed as compile(inductor=True) runs them" if res.inductor else ""))
     checked = {"identical": "checked identical at depths 1-3",
                "identical from depth 2": "checked identical at depths 2-4 (depth 1 is off their line: see the notes)"
                }.get(" ".join(res.linear_check)) or "; ".join(res.linear_check)
+    if info.period > 1:
+        checked += f" (every depth in units of {info.period} blocks)"
     lines.append(f"searched {res.considered} candidates in {res.seconds:.1f} s ({res.compiles} compiles: "
                  f"{res.coefficient_seconds:.1f} s for one block's figures per tp/recompute choice; the blocks of "
                  f"{info.depth_field or 'the model'} {checked}); confirmed (listed first) = compiled at "

@@ -86,6 +86,17 @@ def search(spec: str | ModelInfo, world: int, *, device: str = "h100", budget: i
     cands, refused = candidates(info, world, dev, mesh=mesh, mbs_choices=mbs_choices, dp_strategies=dp_strategies,
                                 tp_strategies=tp_strategies, recompute=recompute, schedules=schedules,
                                 cp_strategies=cp_strategies, expert=expert)
+    if info.period > 1:
+        # the search's unit is ``period`` blocks (alternating attention windows): a pipeline's stages
+        # would have to start at units, which its split and its per-stage lines do not know
+        unit = f"the blocks repeat in units of {info.period}: pipeline stages are not searched for such a list"
+        if fixed.get("pp", 1) > 1:
+            raise PlanError(f"--mesh fixes pp={fixed['pp']}, but {unit}", where="--mesh",
+                            fix="leave pp out of --mesh, or give a fixed pipeline plan")
+        refused += [(c.label(), unit) for c in cands if c.pp > 1]
+        cands = [c for c in cands if c.pp == 1]
+        notes.append(f"pipeline parallelism not searched: {unit.split(': ')[0]} (each depth the search compiles "
+                     f"counts units of {info.period} blocks)")
     if not cands:
         why = "; ".join(f"{a}: {b}" for a, b in refused[:6]) or "no factorization"
         raise PlanError(f"no plan for {spec} on {world} ranks", where="plan='auto'", fix=f"refused: {why}")
