@@ -497,10 +497,10 @@ def confirm(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: st
 
 def _spmd_peak(a: dict, b: dict, depths: tuple[int, int], layers: int) -> int:
     """An SPMD candidate's step peak at ``layers`` blocks from its programs at ``depths`` (one
-    and two blocks, or two and three): persistent state and accumulators along their lines, each program's peak by
-    ``liveness.peak_in_depth`` (not the peak's own line: Llama-3-8B bf16 fsdp x megatron at 64
-    ranks gave 3.8 GiB that way against 6.1 GiB compiled at 32 blocks), composed as
-    ``cost.predict_memory`` composes them."""
+    and two blocks, or two and three): persistent state and accumulators along their lines, each
+    program's peak by ``liveness.peak_in_depth`` (not the peak's own line: Llama-3-8B bf16 fsdp x
+    megatron at 64 ranks gave 3.8 GiB that way against 6.1 GiB compiled at 32 blocks), composed
+    as ``cost.predict_memory`` composes them."""
     from autopar.analysis.liveness import peak_in_depth
 
     da, db = depths
