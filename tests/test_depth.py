@@ -180,27 +180,27 @@ def test_a_model_without_one_block_list_plans_whole_and_the_search_says_what_to_
 def test_the_search_takes_blocks_that_repeat_every_few_in_units():
     """``alternating``'s 12 blocks gate every other output (as Gemma 2 alternates its attention
     window): the search's unit is two blocks, its depths 1-3 are 2, 4 and 6 blocks, pipelines are
-    not searched (said in a note and in each refused candidate), and the confirmations (at 1 and
-    2 units) agree with the whole model compiled, 12 blocks: the peak exactly, the step time
-    within 2% (ddp's is 0.8% low, as it is on 12 blocks all alike; fsdp's peak is not carried
-    exactly on either model, so it is left out here)."""
+    not searched (said in a note and in each refused candidate), and the zero1 confirmation (at 1
+    and 2 units) equals the whole model compiled, 12 blocks. (Not ddp's or fsdp's: at these tiny
+    shapes ddp's step time comes out 0.8% low and fsdp's peak from 1 and 2 blocks 21% high on 12
+    blocks all alike too; fsdp's is exact from 2 and 3 blocks, and at Llama-3-8B's from 1 and 2.)"""
     from autopar import planner as P
     from autopar.analysis import cost as C
 
     loaded = _factory("alternating")
     info = P.info_of(loaded.model, loaded.example_inputs, loaded.loss_fn, spec="alternating")
     assert (info.period, info.layers) == (2, 6)
-    res = P.search(info, 2, precision="fp32", confirm_top=2, mbs_choices=(1,), recompute=("none",),
-                   tp_strategies=("megatron",), schedules=("1f1b",), dp_strategies=("ddp", "zero1"))
+    res = P.search(info, 2, precision="fp32", confirm_top=1, mbs_choices=(1,), recompute=("none",),
+                   tp_strategies=("megatron",), schedules=("1f1b",), dp_strategies=("zero1",))
     assert res.ranked and res.linear_check == ["identical"] and all(c.pp == 1 for c in res.ranked)
     assert any(n.startswith("pipeline parallelism not searched: the blocks repeat in units of 2") for n in res.notes)
     assert any(c.startswith("dp=1") and "units of 2" in why for c, why in res.refused), res.refused
     confirmed = [c for c in res.ranked if c.confirmed]
-    assert {c.dp_strategy for c in confirmed} == {"ddp", "zero1"}
+    assert [c.dp_strategy for c in confirmed] == ["zero1"]
     for c in confirmed:
         whole = P.compiled(c, info, C.get_device("h100"), info.layers, precision="fp32")
         assert c.confirmed["depths"] == (1, 2)
-        assert c.step_s == pytest.approx(whole["step_s"], rel=2e-2) and c.peak == pytest.approx(whole["peak"], rel=1e-3)
+        assert c.step_s == pytest.approx(whole["step_s"], rel=1e-6) and c.peak == whole["peak"]
     assert "12 layers in 6 units of 2" in P.report(res)
 
 
