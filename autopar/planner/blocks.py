@@ -352,9 +352,9 @@ def check_figures(info: ModelInfo, tp: int, tp_strategy: str | None, recompute: 
 
 def from_depth_two(co: Coefficients, at3: Figures) -> Coefficients:
     """``co`` (from depths 1 and 2) redone from depths 2 and 3: where depth 1's one block, the
-    first block and the last at once, is not the line through the deeper ones (Falcon's forward
-    seconds: the communication its one block cannot overlap), the figures of depth ``L`` are
-    depth 2's and ``L - 2`` times depth 3 - depth 2."""
+    first block and the last at once, is not the line through the deeper ones (Falcon's
+    simulated forward seconds: 216, then 200 and 200 µs a block at the architecture sweep's
+    shapes), the figures of depth ``L`` are depth 2's and ``L - 2`` times depth 3 - depth 2."""
     block = at3 - co.at2
     return Coefficients(block, co.at2 - block - block, co.linear, co.compile_s, at2=co.at2,
                         grads_order=co.grads_order)
