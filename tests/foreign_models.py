@@ -64,6 +64,25 @@ def hf_mixtral():
     return hf("Mixtral")
 
 
+def hf_falcon():
+    """Falcon: the search's depth 1 is off its blocks' line (forward seconds): figures from depths 2
+    and 3. (Its config through ``hf_archs.hf_config``, which leaves ``head_dim``, a property of
+    Falcon's config, to the model.)"""
+    from transformers import AutoModelForCausalLM
+
+    from autopar.models.hf_archs import hf_config
+
+    model_type, extra = ARCHS["Falcon"]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(model_type, extra, num_hidden_layers=LAYERS))
+    return model, _batch(BATCH, SEQ), _ce
+
+
+def hf_mamba():
+    """Mamba: its bf16 blocks add to an fp32 residual (``residual_in_fp32``)."""
+    return hf("Mamba")
+
+
 def hf_llama70b_shapes():
     """Llama-3-70B's shapes (hidden 8192, ffn 28672, 64 / 8 heads, vocab 128256) at 6 blocks, 4096 tokens."""
     return hf("Llama", batch=8, seq=4096, vocab_size=128256, hidden_size=8192, intermediate_size=28672,
