@@ -15,7 +15,7 @@ The example inputs go to the meta device with it (planning reads shapes only). T
 changes the batch: every input's first dimension is taken as the batch (``at(depth, batch=)``).
 A list whose blocks differ only within a repeating unit (``splice.find_period``: Gemma 2's
 alternating attention) is cut by whole units where the caller asks (``repeated(periodic=True)``:
-``autopar plan``'s fixed plans; the search takes one block as its unit and refuses it).
+``autopar plan``'s fixed plans, and the search, whose depths then count units).
 What this cannot see (a block whose code depends on its index, beyond its attributes) the
 callers' checks catch: the extrapolation compiles a third depth and requires each figure's
 increments to be equal, the search requires depth 3 - depth 2 = depth 2 - depth 1.

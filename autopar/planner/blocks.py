@@ -345,8 +345,8 @@ def depth_check(co: Coefficients, at3: Figures) -> list[str]:
 def check_figures(info: ModelInfo, tp: int, tp_strategy: str | None, recompute: str, mbs: int, depth: int = 3,
                   **kw) -> Figures:
     """The identical-blocks check's compile: the model at depth 3 (``block_coefficients``'s block
-    choice and keywords). Needs nothing of depths 1 and 2, so it can run beside them. (``depth``:
-    ``from_depth_two``'s depths 3 and 4.)"""
+    choice and keywords). Needs nothing of depths 1 and 2, so it can run beside them. (``depth``
+    4: the search's test of whether depth 1 alone is off the blocks' line, ``from_depth_two``.)"""
     return _block_figures(info, depth, tp, tp_strategy, recompute, mbs, **kw)
 
 

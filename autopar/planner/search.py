@@ -176,7 +176,7 @@ def search(spec: str | ModelInfo, world: int, *, device: str = "h100", budget: i
         early.kill()
         early = None
     later = check and early is None  # the check goes with the other block choices
-    mine, theirs = (rest[0::2], rest[1::2]) if len(rest) > 1 and can_fork() else (rest, [])
+    mine, theirs = _halves(rest)
 
     def figures(which, report, checks: bool):
         return lambda: ([figures_of(i, key, report) for i, key in which], check_of(first) if checks else None)
@@ -214,7 +214,7 @@ def search(spec: str | ModelInfo, world: int, *, device: str = "h100", budget: i
             edge = verdict[1]
             progress(f"depth 1 is not on the blocks' line ({'; '.join(edge)}): each block choice from depths 2 and 3")
             others = [k for k in coeffs if k != first]
-            mine3, theirs3 = (others[0::2], others[1::2]) if len(others) > 1 and can_fork() else (others, [])
+            mine3, theirs3 = _halves(others)
             got3, here3 = side_by_side(lambda: [at3_of(k) for k in theirs3], lambda: [at3_of(k) for k in mine3],
                                        fork=bool(theirs3))
             threes = {first: ("ok", verdict[2]), **dict(zip(theirs3 + mine3, got3 + here3))}
@@ -318,6 +318,12 @@ def search(spec: str | ModelInfo, world: int, *, device: str = "h100", budget: i
     over.sort(key=lambda c: c.peak)
     return SearchResult(done + fits, over, refused, len(cands), n_compiles, time.perf_counter() - t0, tcoef, linear,
                         info, limit, device, precision, notes, inductor)
+
+
+def _halves(items: list) -> tuple[list, list]:
+    """``items`` split between this process and a forked child (every other one), where it can fork
+    and there are two or more; else all here."""
+    return (items[0::2], items[1::2]) if len(items) > 1 and can_fork() else (items, [])
 
 
 _PLAN_FIELDS = ("dp", "tp", "pp", "tp_strategy", "schedule", "virtual", "recompute", "mbs", "microbatches", "cp",
