@@ -103,6 +103,115 @@ class Forked:
         os.waitpid(self.pid, 0)
 
 
+def _send(f, obj) -> None:
+    data = pickle.dumps(obj)
+    f.write(len(data).to_bytes(8, "little") + data)
+    f.flush()
+
+
+def _receive(f):
+    """The next object ``_send`` wrote, or EOFError where the other end has closed or died."""
+    head = f.read(8)
+    if len(head) < 8:
+        raise EOFError
+    data = f.read(int.from_bytes(head, "little"))
+    if len(data) < int.from_bytes(head, "little"):
+        raise EOFError
+    return pickle.loads(data)
+
+
+class Helper:
+    """One forked copy of this process, started on first use, that serves ``serve(request)`` for
+    one request after another until ``close()``: the planner's confirmations, each one's shallower
+    compile there while the deeper one runs here. A child per call (``Forked``) starts from this
+    process's state, but what it traces (the capture cache's captures and joint graphs, DTensor's
+    answers) dies with it, and the next child traces it again; a helper keeps them. A request
+    and its answer travel pickled through a pipe; ``serve`` is a closure the fork copied, so only
+    the request's data travels. A helper that fails is closed and its request done here (``again``);
+    the next ``side_by_side`` starts another. With no fork (``can_fork``), everything runs here."""
+
+    def __init__(self, serve: Callable[[object], object]):
+        self.serve = serve
+        self.pid: int | None = None
+
+    def _start(self) -> None:
+        import torch
+
+        req_r, req_w = os.pipe()
+        res_r, res_w = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        with shared_heap():  # (the child stays inside it: this process's objects frozen there)
+            pid = os.fork()
+            if pid == 0:  # the child: serve until the parent closes its end (or exits, or dies)
+                try:
+                    os.close(req_w)
+                    os.close(res_r)
+                    torch.set_num_threads(1)
+                    with os.fdopen(req_r, "rb") as requests, os.fdopen(res_w, "wb") as answers:
+                        while True:
+                            try:
+                                request = _receive(requests)
+                            except EOFError:
+                                break
+                            try:
+                                answer = ("ok", self.serve(request))
+                            except BaseException as e:  # noqa: BLE001 - sent to the parent, which does it itself
+                                answer = ("error", f"{type(e).__name__}: {e}")
+                            _send(answers, answer)
+                finally:
+                    os._exit(0)
+        os.close(req_r)
+        os.close(res_w)
+        self.pid, self.requests, self.answers = pid, os.fdopen(req_w, "wb"), os.fdopen(res_r, "rb")
+
+    def side_by_side(self, request, mine: Callable[[], object], again: Callable[[], object]) -> tuple[object, object]:
+        """``(serve(request), mine())``: ``serve`` in the helper while ``mine`` runs here; ``again()``
+        here after ``mine`` where there is no helper or it failed (the helper is then closed)."""
+        if self.pid is None and can_fork():
+            self._start()
+        sent = False
+        if self.pid is not None:
+            try:
+                _send(self.requests, request)
+                sent = True
+            except OSError:
+                self.close()
+        try:
+            here = mine()
+        except BaseException:
+            self.close()
+            raise
+        if sent:
+            try:
+                kind, value = _receive(self.answers)
+            except (EOFError, OSError, pickle.UnpicklingError):
+                kind, value = "error", "the helper process died"
+            RESULTS["ok" if kind == "ok" else "failed"] += 1
+            if kind == "ok":
+                return value, here
+            self.close()
+        return again(), here
+
+    def close(self) -> None:
+        """Stop the helper (its requests' pipe closed, then killed: it may be mid-request)."""
+        if self.pid is None:
+            return
+        for f in (self.requests, self.answers):
+            with contextlib.suppress(OSError):
+                f.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+        self.pid = None
+
+    def __enter__(self) -> Helper:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def side_by_side(theirs: Callable[[], object], mine: Callable[[], object], again: Callable[[], object] | None = None,
                  fork: bool = True) -> tuple[object, object]:
     """``(theirs(), mine())``: ``theirs`` in a forked child while ``mine`` runs here, where this

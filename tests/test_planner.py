@@ -234,6 +234,49 @@ def test_confirm_extrapolates_exactly_for_identical_blocks(monkeypatch):
     assert full["bytes"]["dp"] == pytest.approx(4 * info.params, rel=1e-3)
 
 
+def test_a_helper_keeps_what_it_made_between_requests(monkeypatch):
+    """forked.Helper (the confirmations' shallower compiles, ``search.confirmations``): one child
+    serves every request, so what it made for one request the next one finds (a child per request
+    starts from this process's state each time); a request that fails is done here and the next
+    starts a fresh helper; ``mine`` raising stops the helper; without a fork all runs here."""
+    import os
+
+    from autopar import forked
+
+    made: list = []
+
+    def serve(x):
+        if x == "fail":
+            raise RuntimeError("fails for the test")
+        made.append(x)
+        return os.getpid(), list(made)
+
+    def gone(pid):
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        return True
+
+    monkeypatch.setenv("AUTOPAR_PLAN_FORK", "always")
+    with forked.Helper(serve) as h:
+        (p1, m1), here = h.side_by_side(1, lambda: "here", lambda: "again")
+        (p2, m2), _ = h.side_by_side(2, lambda: "here", lambda: "again")
+        assert p1 == p2 == h.pid != os.getpid() and (m1, m2, here, made) == ([1], [1, 2], "here", [])
+        first = h.pid
+        assert h.side_by_side("fail", lambda: 0, lambda: "done here") == ("done here", 0) and h.pid is None
+        assert gone(first)
+        (p3, m3), _ = h.side_by_side(3, lambda: 0, lambda: "again")
+        assert p3 not in (first, os.getpid()) and m3 == [3]
+        with pytest.raises(ZeroDivisionError):
+            h.side_by_side(4, lambda: 1 / 0, lambda: "again")
+        assert h.pid is None and gone(p3)
+        (p5, _), _ = h.side_by_side(5, lambda: 0, lambda: "again")
+        last = h.pid
+    assert h.pid is None and gone(last)
+    monkeypatch.setenv("AUTOPAR_PLAN_FORK", "0")
+    with forked.Helper(serve) as h:
+        assert h.side_by_side(6, lambda: "here", lambda: "again") == ("again", "here") and h.pid is None
+
+
 def test_candidates_respect_layers_heads_batch_and_nodes():
     info = P.model_info("llama-tiny", 4, 16, None)  # 2 layers, 4 heads / 2 KV, batch 4
     dev = C.get_device("h100")

@@ -8,7 +8,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 
 from autopar.errors import PlanError
-from autopar.forked import Forked, can_fork, shared_heap, side_by_side
+from autopar.forked import Forked, Helper, can_fork, shared_heap, side_by_side
 from autopar.planner.blocks import (DP_STRATEGIES, RECOMPUTE, SCHEDULES, TP_STRATEGIES, ModelInfo, block_coefficients,
                                      check_figures, depth_check, from_depth_two, model_info, planning_options)
 from autopar.planner.compose import CP_STRATEGIES, Candidate, candidates, cost
@@ -276,43 +276,47 @@ def search(spec: str | ModelInfo, world: int, *, device: str = "h100", budget: i
     skipped: list[Candidate] = []
     # ... and, the screen erring low, any candidate screened faster than the best confirmed one
     # (a confirmation can move a plan behind others the screen ranked below it)
-    while fits and tries < 3 * want and (len(done) < want or fits[0].step_s < min(d.step_s for d in done)):
-        c = fits.pop(0)
-        # screen against screen: a candidate screened 10% slower than the best confirmed one was
-        # screened stays screened. (Not against the confirmed time: the screen errs either way,
-        # by up to 20% and by different amounts between data-parallel strategies, whose extra ops
-        # one block does not show; a screen against another candidate's
-        # compiled time mixes two errors. docs/planner.md: 70B's zero2 was left unconfirmed so.)
-        best = min((d.screened[0] for d in done), default=math.inf)
-        if c.step_s > 1.1 * best and len(done) >= min(want, confirm_top):
-            skipped.append(c)
-            want -= 1
-            continue
-        same = next((d for d in done if same_programs(c, d)), None)
-        if same is not None:  # its compile would repeat one already made: take its figures
-            got = {**same.confirmed, "same_as": same.label()}
-        else:
-            tries += 1
-            progress(f"confirming {c.label()} ({len(done) + 1}/{max(want, len(done) + 1)})")
-            try:
-                got = confirm(c, info, dev, precision=precision, optimizer=optimizer, fused=inductor)
-            except Exception as e:  # noqa: BLE001 - the compiler refused this candidate: say why, go on
-                c.rejected = f"compile failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    # each confirmation's shallower compile in one forked helper for them all (autopar/forked.py):
+    # what it traces for one (captures, joint graphs, DTensor's answers) the next one finds there
+    with confirmations(info, dev, precision=precision, optimizer=optimizer, fused=inductor) as helper:
+        while fits and tries < 3 * want and (len(done) < want or fits[0].step_s < min(d.step_s for d in done)):
+            c = fits.pop(0)
+            # screen against screen: a candidate screened 10% slower than the best confirmed one was
+            # screened stays screened. (Not against the confirmed time: the screen errs either way,
+            # by up to 20% and by different amounts between data-parallel strategies, whose extra ops
+            # one block does not show; a screen against another candidate's
+            # compiled time mixes two errors. docs/planner.md: 70B's zero2 was left unconfirmed so.)
+            best = min((d.screened[0] for d in done), default=math.inf)
+            if c.step_s > 1.1 * best and len(done) >= min(want, confirm_top):
+                skipped.append(c)
+                want -= 1
+                continue
+            same = next((d for d in done if same_programs(c, d)), None)
+            if same is not None:  # its compile would repeat one already made: take its figures
+                got = {**same.confirmed, "same_as": same.label()}
+            else:
+                tries += 1
+                progress(f"confirming {c.label()} ({len(done) + 1}/{max(want, len(done) + 1)})")
+                try:
+                    got = confirm(c, info, dev, precision=precision, optimizer=optimizer, fused=inductor,
+                                  helper=helper)
+                except Exception as e:  # noqa: BLE001 - the compiler refused this candidate: say why, go on
+                    c.rejected = f"compile failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                    over.append(c)
+                    continue
+                n_compiles += len(got["depths"]) + bool(got.get("whole"))
+            c.screened, c.confirmed = (c.step_s, c.peak), got
+            c.step_s, c.peak, c.bubble = got["step_s"], got["peak"], got["bubble"] or c.bubble
+            if got.get("split"):
+                c.split = tuple(got["split"])
+            elif got.get("balance"):
+                c.balance = got["balance"]
+            if limit is not None and c.peak > limit:
+                c.rejected = (f"compiled peak {_size(c.peak)} > budget {_size(limit)} (screened at "
+                              f"{_size(c.screened[1])})")
                 over.append(c)
                 continue
-            n_compiles += len(got["depths"]) + bool(got.get("whole"))
-        c.screened, c.confirmed = (c.step_s, c.peak), got
-        c.step_s, c.peak, c.bubble = got["step_s"], got["peak"], got["bubble"] or c.bubble
-        if got.get("split"):
-            c.split = tuple(got["split"])
-        elif got.get("balance"):
-            c.balance = got["balance"]
-        if limit is not None and c.peak > limit:
-            c.rejected = (f"compiled peak {_size(c.peak)} > budget {_size(limit)} (screened at "
-                          f"{_size(c.screened[1])})")
-            over.append(c)
-            continue
-        done.append(c)
+            done.append(c)
     done.sort(key=lambda c: (c.step_s, c.peak))
     fits = sorted(skipped + fits, key=lambda c: (c.step_s, c.peak))
     over.sort(key=lambda c: c.peak)
@@ -431,8 +435,20 @@ def whole_split(c: Candidate, info: ModelInfo, dev, *, precision: str) -> tuple[
 _SPLITS: dict = {}  # whole_split's answers for a model without a source (else its ``Repeated.splits``)
 
 
+def confirmations(info: ModelInfo, dev, *, precision: str, optimizer: str = "adamw", fused: bool = False) -> Helper:
+    """A forked helper (autopar/forked.py) for ``confirm``'s shallower compiles, for one search:
+    a request (candidate, depth, whether to split the whole model too) answered as ``confirm``
+    would answer it here, the helper keeping its traces from one request to the next."""
+    def serve(request):
+        c, depth, split = request
+        return (compiled(c, info, dev, depth, precision=precision, optimizer=optimizer, fused=fused),
+                whole_split(c, info, dev, precision=precision) if split else None)
+
+    return Helper(serve)
+
+
 def confirm(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: str = "adamw",
-            fused: bool = False) -> dict:
+            fused: bool = False, helper: Helper | None = None) -> dict:
     """The compiled figures of ``c`` at the model's depth, from compiles at one and two blocks per
     (virtual) stage: the whole pipeline, accumulation, ZeRO/FSDP and overlap passes as they are,
     only the depth extrapolated (exact when the blocks are identical). SPMD: each figure along
@@ -470,7 +486,10 @@ def confirm(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: st
         return {"compile_s": got["compile_s"], "depths": (info.layers,), "step_s": got["step_s"], "peak": got["peak"],
                 "bubble": got["bubble"], "bytes": {ax: int(v) for ax, v in got["bytes"].items()},
                 **({"grouped": got["grouped"], "split": got["split"]} if c.pp > 1 else {})}
-    (a, split), b = side_by_side(theirs, lambda: at(db))
+    if helper is not None:  # (``confirmations``: its shallower compile where the last one's traces are)
+        (a, split), b = helper.side_by_side((c, da, c.pp > 1 and known is None), lambda: at(db), theirs)
+    else:
+        (a, split), b = side_by_side(theirs, lambda: at(db))
     out = {"compile_s": a["compile_s"] + b["compile_s"], "depths": (da, db)}
     if c.pp == 1:  # SPMD: each figure along its line, the peak point by point
         k = (info.layers - da) / (db - da)
