@@ -229,7 +229,8 @@ def _decide(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResult:
 def _cache_key(n: fx.Node, read_as):
     """What DTensor's choice for ``n`` depends on: the op, every argument (a tensor by its
     placements, shape, stride, dtype and whether it has other users, which _select_strategy
-    weighs), nothing else (the mesh's axis sizes: the caller's). Returns (key, shareable): key
+    weighs), whether the program returns ``n`` (which it weighs too), nothing else (the mesh's
+    axis sizes: the caller's). Returns (key, shareable): key
     None if an argument is not hashable; not shareable beyond this graph if an argument is a
     node that is not a plain tensor (named by the node: a name means nothing in another graph)."""
     local = []
@@ -245,7 +246,8 @@ def _cache_key(n: fx.Node, read_as):
             return tuple(key(i) for i in x)
         return x
 
-    k = (n.target, key(tuple(n.args)), tuple((name, key(v)) for name, v in n.kwargs.items()))
+    k = (n.target, key(tuple(n.args)), tuple((name, key(v)) for name, v in n.kwargs.items()),
+         any(u.op == "output" for u in n.users))  # (whether the program returns it: ``_widens_a_partial``)
     try:
         hash(k)
     except TypeError:
@@ -405,9 +407,12 @@ def _select_strategy(node: fx.Node, strategy, op_schema=None):
       accident of greedy choice);
     - reduce a Partial value that has several consumers once, instead of carrying it along
       each consumer and reducing each result;
-    - reduce a Partial value before an op that widens it (a bf16 partial sum added to an fp32
-      residual, as Mamba's blocks add theirs): DTensor would make the other input Partial too
-      (free for it) and the program then reduces the fp32 sum, twice the bytes, later.
+    - reduce a Partial value before an op that widens it, in the dtype it was computed in, as
+      Megatron does: a bf16 partial sum added to an fp32 residual (Mamba's blocks add theirs so),
+      where DTensor would make the other input Partial too (free for it), or cast to fp32 (Gemma
+      2's norm after each branch, and the backward of every norm that casts its output down),
+      where DTensor would keep the cast Partial; either way the program then reduced the fp32
+      value, twice the bytes, later.
     """
     specs = strategy.strategies
     if len(specs) == 1 or op_schema is None:
@@ -429,7 +434,7 @@ def _select_strategy(node: fx.Node, strategy, op_schema=None):
                     penalty += INVENT
                 if isinstance(pc, Partial) and isinstance(pd, Partial) and many_users:
                     penalty += INVENT
-                if widens and isinstance(pc, Replicate) and isinstance(pd, Partial):
+                if widens and isinstance(pd, Partial):  # (a Replicate made Partial, or a Partial kept)
                     penalty += INVENT
         outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
         for o in outs:
@@ -446,9 +451,11 @@ def _select_strategy(node: fx.Node, strategy, op_schema=None):
 
 def _widens_a_partial(node: fx.Node, ins: list, cur) -> bool:
     """Whether ``node``'s output is wider (bytes per element) than one of its inputs that is a
-    Partial sum now."""
+    Partial sum now; not where the program returns it (a gradient cast to its parameter's dtype:
+    where and in which dtype gradients are reduced is the data-parallel passes' choice, by
+    ``reduce_dtype``)."""
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
+    if not isinstance(val, torch.Tensor) or any(u.op == "output" for u in node.users):
         return False
     size = val.dtype.itemsize
     for a, c in zip(ins, cur):

@@ -263,11 +263,23 @@ class _WideResidual(nn.Module):
         return x.float() + self.down(torch.relu(self.up(x.to(self.up.weight.dtype))))
 
 
-def test_a_partial_sum_is_reduced_before_it_is_widened():
-    """The bf16 partial sum is all-reduced before the add that widens it to fp32 (bf16 bytes, as
-    Megatron does), in every block: DTensor's own choice made the fp32 residual Partial too (free
-    for the add) and the program then all-reduced the fp32 sum in some blocks and not others
-    (increments of 2,048 and 4,096 bytes alternating: the planner read blocks that differ)."""
+class _WideBranch(_WideResidual):
+    """Gemma 2's norm after each branch: the row-parallel output (a partial sum) cast to fp32
+    before anything else reads it."""
+
+    def forward(self, x):
+        return x.float() + self.down(torch.relu(self.up(x.to(self.up.weight.dtype)))).float()
+
+
+@pytest.mark.parametrize("block", [_WideResidual, _WideBranch])
+def test_a_partial_sum_is_reduced_before_it_is_widened(block):
+    """The bf16 partial sum is all-reduced before the op that widens it to fp32 (bf16 bytes, as
+    Megatron does), in every block. For the add of Mamba's fp32 residual (``_WideResidual``),
+    DTensor's own choice made the fp32 residual Partial too (free for the add) and the program
+    then all-reduced the fp32 sum in some blocks and not others (increments of 2,048 and 4,096
+    bytes alternating: the planner read blocks that differ); for a cast (``_WideBranch``) it kept
+    the cast Partial and all-reduced 4,096 bytes in every block (Gemma 2 twice the bytes of
+    Llama per block: 16,384 against 8,192 in each direction on its tiny config)."""
     from autopar.mesh import fake_mesh
 
     tokens = torch.zeros(4, 8, dtype=torch.long)
@@ -279,7 +291,7 @@ def test_a_partial_sum_is_reduced_before_it_is_widened():
     forward = []
     for n in (1, 2, 3):
         with fake_mesh({"tp": 2}, 0) as mesh:
-            pm = autopar.compile(LM([_WideResidual() for _ in range(n)]), mesh, example_inputs=(tokens, tokens),
+            pm = autopar.compile(LM([block() for _ in range(n)]), mesh, example_inputs=(tokens, tokens),
                                  loss_fn=loss, plan={"tp": "megatron"}, precision="bf16", capture_eval=False)
         forward.append([int(r.wire_bytes) for r in pm.collectives()
                         if r.phase == "forward" and r.kind == "all_reduce" and "inside rule" not in r.reason])
