@@ -10,8 +10,9 @@ half of the blocks (nor, on a GPU, use the flash kernel, which takes no mask).
 This pass looks at the torch-level graph's structure, not at who built the mask: for every
 ``scaled_dot_product_attention`` whose ``attn_mask`` is computed from no placeholder (no input,
 parameter or buffer of the model: only factories such as ``arange`` and constants the trace
-made), it evaluates that subgraph on the CPU (twice, under two seeds, so a random mask is never
-taken for a constant) and, where the value is exactly the causal mask SDPA's ``is_causal=True``
+made), it evaluates that subgraph on the CPU (again under another seed where the first evaluation ran
+an op that draws random numbers, seen by ATen's ``nondeterministic_seeded`` tag, so a random
+mask is never taken for a constant) and, where the value is exactly the causal mask SDPA's ``is_causal=True``
 means (bool: ``True`` on and below the diagonal; additive: 0 there and ``-inf`` or the dtype's
 lowest value above), for every batch row and head, rewrites the call to ``attn_mask=None, is_causal=True``.
 The mask's nodes that nothing else reads leave the graph (with any constant nothing read).
@@ -298,27 +299,52 @@ def _signature(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple:
     return tuple(repr(x) for x in out)
 
 
+def _watched(fn):
+    """``(fn(), whether it ran an ATen op that draws random numbers)``: ops tagged
+    ``nondeterministic_seeded``, seen by a dispatch mode; True where this torch has no dispatch
+    modes to watch with (the mask is then evaluated twice, with two seeds, as before)."""
+    try:
+        class Watch(tc.TorchDispatchMode):
+            drew = False
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+                    self.drew = True
+                return func(*args, **(kwargs or {}))
+
+        watch = Watch()
+    except Exception:  # noqa: BLE001 - TorchVersionError: no watching
+        return fn(), True
+    with watch:
+        out = fn()
+    return out, watch.drew
+
+
 def _evaluated(gm: fx.GraphModule, nodes: list[fx.Node], lq: int, lk: int) -> tuple[bool, str]:
     size = _bytes(nodes)
     rows = None
     try:
         values = []
-        for _ in range(2):
+        seeded = True  # (a second evaluation, with another seed, only where the first drew random numbers)
+        while len(values) < (2 if seeded else 1):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(len(values))
                 if size <= EVAL_BYTES:
-                    values.append(_evaluate(gm, nodes))
+                    got, drew = _watched(lambda: _evaluate(gm, nodes))
+                    values.append(got)
+                    seeded = seeded and drew
                     continue
-                one = _one_row(gm, nodes)
+                one, drew = _watched(lambda: _one_row(gm, nodes))
                 if one is None:
                     return False, (f"is computed from no input but was not checked for causality ({size / 2**20:.0f} "
                                    f"MiB to evaluate, more than {EVAL_BYTES >> 20}, and its batch rows not provably "
                                    "alike)")
                 values.append(one[0])
+                seeded = seeded and drew
                 rows = one[1]
     except Exception as e:  # noqa: BLE001 - an op the CPU cannot run: the mask stays
         return False, f"could not be evaluated on the CPU ({type(e).__name__}: {e})"
-    a, b = values
+    a, b = values if len(values) == 2 else values * 2
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
             and a.shape == b.shape and torch.equal(a, b)):
         return False, "differs between two evaluations (random)"

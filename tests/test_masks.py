@@ -71,7 +71,11 @@ MASKS = {
 
 
 @pytest.mark.parametrize("name", list(MASKS))
-def test_a_constant_causal_mask_becomes_is_causal_and_nothing_else_does(name):
+def test_a_constant_causal_mask_becomes_is_causal_and_nothing_else_does(name, monkeypatch):
+    """(A mask is evaluated a second time, with another seed, only where the first evaluation
+    drew random numbers.)"""
+    from autopar.passes import masks
+
     make, rewritten, says = MASKS[name]
     torch.manual_seed(0)
     model = _Attn(make)
@@ -80,8 +84,12 @@ def test_a_constant_causal_mask_becomes_is_causal_and_nothing_else_does(name):
     y = torch.randint(0, 64, (2, 12))
     before = capture_graph(model, (x, y), _ce)
     after = capture_graph(model, (x, y), _ce)
+    evaluate, evaluations = masks._evaluate, []
+    monkeypatch.setattr(masks, "_evaluate", lambda *a, **k: evaluations.append(1) or evaluate(*a, **k))
     lines = causal_masks(after, model)
     assert len(lines) == 1 and says in lines[0], lines
+    if name not in ("written after", "padding"):  # (evaluated: those two were refused before)
+        assert len(evaluations) == (2 if name == "random" else 1), evaluations
     sdpa = _sdpa_nodes(after)
     assert len(sdpa) == 1
     assert (sdpa[0].kwargs.get("is_causal") is True and sdpa[0].kwargs.get("attn_mask") is None) == rewritten
