@@ -156,9 +156,11 @@ class Helper:
                                 break
                             try:
                                 answer = ("ok", self.serve(request))
+                                data = pickle.dumps(answer)
                             except BaseException as e:  # noqa: BLE001 - sent to the parent, which does it itself
-                                answer = ("error", f"{type(e).__name__}: {e}")
-                            _send(answers, answer)
+                                data = pickle.dumps(("error", f"{type(e).__name__}: {e}"))
+                            answers.write(len(data).to_bytes(8, "little") + data)
+                            answers.flush()
                 finally:
                     os._exit(0)
         os.close(req_r)
@@ -175,7 +177,7 @@ class Helper:
             try:
                 _send(self.requests, request)
                 sent = True
-            except OSError:
+            except Exception:  # noqa: BLE001 - the helper is gone, or the request does not pickle: done here
                 self.close()
         try:
             here = mine()
@@ -185,7 +187,7 @@ class Helper:
         if sent:
             try:
                 kind, value = _receive(self.answers)
-            except (EOFError, OSError, pickle.UnpicklingError):
+            except Exception:  # noqa: BLE001 - EOFError: it died; or an answer this process cannot read
                 kind, value = "error", "the helper process died"
             RESULTS["ok" if kind == "ok" else "failed"] += 1
             if kind == "ok":

@@ -237,8 +237,9 @@ def test_confirm_extrapolates_exactly_for_identical_blocks(monkeypatch):
 def test_a_helper_keeps_what_it_made_between_requests(monkeypatch):
     """forked.Helper (the confirmations' shallower compiles, ``search.confirmations``): one child
     serves every request, so what it made for one request the next one finds (a child per request
-    starts from this process's state each time); a request that fails is done here and the next
-    starts a fresh helper; ``mine`` raising stops the helper; without a fork all runs here."""
+    starts from this process's state each time); a request that fails, or whose request or answer
+    does not pickle, is done here and the next starts a fresh helper; ``mine`` raising stops the
+    helper; without a fork all runs here."""
     import os
 
     from autopar import forked
@@ -248,6 +249,8 @@ def test_a_helper_keeps_what_it_made_between_requests(monkeypatch):
     def serve(x):
         if x == "fail":
             raise RuntimeError("fails for the test")
+        if x == "unpicklable":
+            return lambda: x
         made.append(x)
         return os.getpid(), list(made)
 
@@ -270,6 +273,11 @@ def test_a_helper_keeps_what_it_made_between_requests(monkeypatch):
             h.side_by_side(4, lambda: 1 / 0, lambda: "again")
         assert h.pid is None and gone(p3)
         (p5, _), _ = h.side_by_side(5, lambda: 0, lambda: "again")
+        assert h.side_by_side("unpicklable", lambda: 0, lambda: "done here") == ("done here", 0) and h.pid is None
+        assert gone(p5)
+        # a request that does not pickle: done here
+        assert h.side_by_side(lambda: 0, lambda: 1, lambda: "again") == ("again", 1) and h.pid is None
+        (p6, _), _ = h.side_by_side(6, lambda: 0, lambda: "again")
         last = h.pid
     assert h.pid is None and gone(last)
     monkeypatch.setenv("AUTOPAR_PLAN_FORK", "0")
