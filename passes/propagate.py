@@ -427,6 +427,7 @@ def _select_strategy(node: fx.Node, strategy, op_schema=None):
         desired = spec.input_specs if spec.input_specs is not None else [spec.output_spec] * len(cur)
         for i, (c, d) in enumerate(zip(cur, desired)):
             many_users = i < len(ins) and len(ins[i].users) > 1
+            narrow = widens and i < len(ins) and _narrower(ins[i], node)
             for pc, pd in zip(c.placements, d.placements):
                 if pc != pd:
                     moves = True
@@ -434,7 +435,8 @@ def _select_strategy(node: fx.Node, strategy, op_schema=None):
                     penalty += INVENT
                 if isinstance(pc, Partial) and isinstance(pd, Partial) and many_users:
                     penalty += INVENT
-                if widens and isinstance(pd, Partial):  # (a Replicate made Partial, or a Partial kept)
+                # (a Replicate made Partial beside it, or the narrower Partial kept Partial)
+                if widens and isinstance(pd, Partial) and (isinstance(pc, Replicate) or narrow):
                     penalty += INVENT
         outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
         for o in outs:
@@ -449,20 +451,20 @@ def _select_strategy(node: fx.Node, strategy, op_schema=None):
     return best
 
 
+def _narrower(a, node: fx.Node) -> bool:
+    """Whether tensor ``a`` has fewer bytes per element than ``node``'s output."""
+    v, out = a.meta.get("val") if isinstance(a, fx.Node) else None, node.meta.get("val")
+    return isinstance(v, torch.Tensor) and isinstance(out, torch.Tensor) and v.dtype.itemsize < out.dtype.itemsize
+
+
 def _widens_a_partial(node: fx.Node, ins: list, cur) -> bool:
     """Whether ``node``'s output is wider (bytes per element) than one of its inputs that is a
     Partial sum now; not where the program returns it (a gradient cast to its parameter's dtype:
     where and in which dtype gradients are reduced is the data-parallel passes' choice, by
     ``reduce_dtype``)."""
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor) or any(u.op == "output" for u in node.users):
+    if any(u.op == "output" for u in node.users):
         return False
-    size = val.dtype.itemsize
-    for a, c in zip(ins, cur):
-        v = a.meta.get("val") if isinstance(a, fx.Node) else None
-        if isinstance(v, torch.Tensor) and v.dtype.itemsize < size and any(isinstance(p, Partial) for p in c.placements):
-            return True
-    return False
+    return any(_narrower(a, node) and any(isinstance(p, Partial) for p in c.placements) for a, c in zip(ins, cur))
 
 
 def _flat_specs(args) -> list:
