@@ -84,6 +84,10 @@ PAIRS = {
          ["llama3-70b", "--batch", "128", "--seq", "4096", "--plan", "auto", "--world", "1024", "--budget", "80GiB",
           "--device", "h100", *BF16],
          [f"{HERE}:hf_llama70b", "--plan", "auto", "--world", "1024", "--budget", "80GiB", "--device", "h100", *BF16]),
+        ("70B --plan auto, 1,024 ranks, against the same transformers class built in",
+         ["hf-llama3-70b", "--batch", "128", "--seq", "4096", "--plan", "auto", "--world", "1024", "--budget", "80GiB",
+          "--device", "h100", *BF16],
+         [f"{HERE}:hf_llama70b", "--plan", "auto", "--world", "1024", "--budget", "80GiB", "--device", "h100", *BF16]),
     ],
 }
 
