@@ -103,8 +103,8 @@ class Forked:
         os.waitpid(self.pid, 0)
 
 
-def _send(f, obj) -> None:
-    data = pickle.dumps(obj)
+def _send(f, data: bytes) -> None:
+    """``data`` (pickled) as one message: its length, then itself."""
     f.write(len(data).to_bytes(8, "little") + data)
     f.flush()
 
@@ -159,8 +159,7 @@ class Helper:
                                 data = pickle.dumps(answer)
                             except BaseException as e:  # noqa: BLE001 - sent to the parent, which does it itself
                                 data = pickle.dumps(("error", f"{type(e).__name__}: {e}"))
-                            answers.write(len(data).to_bytes(8, "little") + data)
-                            answers.flush()
+                            _send(answers, data)
                 finally:
                     os._exit(0)
         os.close(req_r)
@@ -175,7 +174,7 @@ class Helper:
         sent = False
         if self.pid is not None:
             try:
-                _send(self.requests, request)
+                _send(self.requests, pickle.dumps(request))
                 sent = True
             except Exception:  # noqa: BLE001 - the helper is gone, or the request does not pickle: done here
                 self.close()

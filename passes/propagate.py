@@ -246,8 +246,7 @@ def _cache_key(n: fx.Node, read_as):
             return tuple(key(i) for i in x)
         return x
 
-    k = (n.target, key(tuple(n.args)), tuple((name, key(v)) for name, v in n.kwargs.items()),
-         any(u.op == "output" for u in n.users))  # (whether the program returns it: ``_widens_a_partial``)
+    k = (n.target, key(tuple(n.args)), tuple((name, key(v)) for name, v in n.kwargs.items()), _returned(n))
     try:
         hash(k)
     except TypeError:
@@ -451,6 +450,11 @@ def _select_strategy(node: fx.Node, strategy, op_schema=None):
     return best
 
 
+def _returned(node: fx.Node) -> bool:
+    """Whether the program returns ``node`` (``_widens_a_partial`` leaves such values alone)."""
+    return any(u.op == "output" for u in node.users)
+
+
 def _narrower(a, node: fx.Node) -> bool:
     """Whether tensor ``a`` has fewer bytes per element than ``node``'s output."""
     v, out = a.meta.get("val") if isinstance(a, fx.Node) else None, node.meta.get("val")
@@ -462,7 +466,7 @@ def _widens_a_partial(node: fx.Node, ins: list, cur) -> bool:
     Partial sum now; not where the program returns it (a gradient cast to its parameter's dtype:
     where and in which dtype gradients are reduced is the data-parallel passes' choice, by
     ``reduce_dtype``)."""
-    if any(u.op == "output" for u in node.users):
+    if _returned(node):
         return False
     return any(_narrower(a, node) and any(isinstance(p, Partial) for p in c.placements) for a, c in zip(ins, cur))
 

@@ -439,12 +439,16 @@ def confirmations(info: ModelInfo, dev, *, precision: str, optimizer: str = "ada
     """A forked helper (autopar/forked.py) for ``confirm``'s shallower compiles, for one search:
     a request (candidate, depth, whether to split the whole model too) answered as ``confirm``
     would answer it here, the helper keeping its traces from one request to the next."""
-    def serve(request):
-        c, depth, split = request
-        return (compiled(c, info, dev, depth, precision=precision, optimizer=optimizer, fused=fused),
-                whole_split(c, info, dev, precision=precision) if split else None)
+    return Helper(lambda request: _shallower(*request, info, dev, precision=precision, optimizer=optimizer,
+                                             fused=fused))
 
-    return Helper(serve)
+
+def _shallower(c: Candidate, depth: int, split: bool, info: ModelInfo, dev, *, precision: str, optimizer: str,
+               fused: bool) -> tuple:
+    """``confirm``'s shallower compile, and the whole model's split where ``split`` (its first for
+    this grouping): (figures, split or None)."""
+    return (compiled(c, info, dev, depth, precision=precision, optimizer=optimizer, fused=fused),
+            whole_split(c, info, dev, precision=precision) if split else None)
 
 
 def confirm(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: str = "adamw",
@@ -478,8 +482,10 @@ def confirm(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: st
     # SPMD: at depths 1 and 2, or 2 and 3 where depth 1 is off the blocks' line (``search``)
     da, db = (2, 3) if c.pp == 1 and info.from_depth == 2 and info.layers >= 3 else (unit, 2 * unit)
 
+    wants_split = c.pp > 1 and known is None  # (the whole model's grouping wanted too)
+
     def theirs():
-        return at(da), (whole_split(c, info, dev, precision=precision) if c.pp > 1 and known is None else None)
+        return _shallower(c, da, wants_split, info, dev, precision=precision, optimizer=optimizer, fused=fused)
 
     if db > info.layers:  # one block per (virtual) stage is the whole model: compiled as it is
         got = at(info.layers)
@@ -487,7 +493,7 @@ def confirm(c: Candidate, info: ModelInfo, dev, *, precision: str, optimizer: st
                 "bubble": got["bubble"], "bytes": {ax: int(v) for ax, v in got["bytes"].items()},
                 **({"grouped": got["grouped"], "split": got["split"]} if c.pp > 1 else {})}
     if helper is not None:  # (``confirmations``: its shallower compile where the last one's traces are)
-        (a, split), b = helper.side_by_side((c, da, c.pp > 1 and known is None), lambda: at(db), theirs)
+        (a, split), b = helper.side_by_side((c, da, wants_split), lambda: at(db), theirs)
     else:
         (a, split), b = side_by_side(theirs, lambda: at(db))
     out = {"compile_s": a["compile_s"] + b["compile_s"], "depths": (da, db)}
