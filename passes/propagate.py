@@ -29,7 +29,9 @@ from autopar.analysis.ops import VIEW_OPS
 from autopar.derived_rules import DERIVED, derive, record
 from autopar.errors import ShardingError, TorchVersionError
 from autopar.experts import check_expert_parallel
-from autopar.layout import SequenceDims, check_context_parallel, heads_to_sequence
+from autopar.layout import SequenceDims, check_context_parallel, heads_to_sequence, sequence_axes
+from autopar.passes.partials import (narrower, partial_through_a_copy, reduced_before_expand, reduced_elsewhere,
+                                     returned, widens_a_partial)
 from autopar.ir import Program, ShardSpec, drop_unread, fmt_placements, info, source_line, spec_of, tensor_args
 from autopar.rules import ATTENTION_OPS, RULES, RuleResult, pointwise_rule
 from autopar.scoped import setting
@@ -44,6 +46,10 @@ def propagate_pass(program: Program, ctx) -> Program:
     # line above took out of cat (a DynamicCache's ``torch.tensor([])``: a lift_fresh_copy nothing
     # reads any more): dropped after the rewrite, so that propagate leaves no node unread
     drop_unread(graph)
+    for n in graph.nodes:  # (a graph propagated before: an op's wants say it was decided in this run)
+        rec = n.meta.get("autopar")
+        if rec is not None:
+            rec.wants = None
     out = next(n for n in graph.nodes if n.op == "output")
     # what the program's outputs must be (gradients: their parameter's placements) is known
     # up front, so rules can produce a value directly in the layout its consumer wants
@@ -228,9 +234,9 @@ def _decide(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResult:
 
 def _cache_key(n: fx.Node, read_as):
     """What DTensor's choice for ``n`` depends on: the op, every argument (a tensor by its
-    placements, shape, stride, dtype and whether it has other users, which _select_strategy
-    weighs), whether the program returns ``n`` (which it weighs too), nothing else (the mesh's
-    axis sizes: the caller's). Returns (key, shareable): key
+    placements, shape, stride, dtype, whether it has other users and on which axes one of them
+    reduces it, which _select_strategy weighs), whether the program returns ``n`` (which it weighs
+    too), nothing else (the mesh's axis sizes: the caller's). Returns (key, shareable): key
     None if an argument is not hashable; not shareable beyond this graph if an argument is a
     node that is not a plain tensor (named by the node: a name means nothing in another graph)."""
     local = []
@@ -241,12 +247,13 @@ def _cache_key(n: fx.Node, read_as):
             if not isinstance(v, torch.Tensor) or s is None:
                 local.append(x)
                 return ("node", x.name)  # not a plain tensor: never shared
-            return (tuple(s.placements), tuple(v.shape), tuple(v.stride()), v.dtype, len(x.users) > 1)
+            return (tuple(s.placements), tuple(v.shape), tuple(v.stride()), v.dtype, len(x.users) > 1,
+                    reduced_elsewhere(x, n, s))
         if isinstance(x, (list, tuple)):
             return tuple(key(i) for i in x)
         return x
 
-    k = (n.target, key(tuple(n.args)), tuple((name, key(v)) for name, v in n.kwargs.items()), _returned(n))
+    k = (n.target, key(tuple(n.args)), tuple((name, key(v)) for name, v in n.kwargs.items()), returned(n))
     try:
         hash(k)
     except TypeError:
@@ -255,8 +262,9 @@ def _cache_key(n: fx.Node, read_as):
 
 
 # DTensor's answers shared by every compile in the process (the tests' pools compile the same
-# blocks under the same plans many times; so does a planner): keyed by the mesh's axis sizes
-# and _cache_key's key, which is everything the answer depends on; bounded, emptied when full
+# blocks under the same plans many times; so does a planner): keyed by the mesh's axis sizes, its
+# sequence-parallel axes (``partials.partial_through_a_copy`` reads them) and _cache_key's key, which is
+# everything else the answer depends on; bounded, emptied when full
 _SHARED_STRATEGIES: dict = {}
 _SHARED_MAX = 200_000
 
@@ -267,7 +275,7 @@ def _dtensor_rule(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResult:
     k, shareable = _cache_key(n, read_as) if cache is not None else (None, False)
     if k is not None and k in cache:
         return cache[k]
-    gk = (tuple(ctx.axis_sizes), k) if k is not None and shareable else None
+    gk = (tuple(ctx.axis_sizes), tuple(sequence_axes(ctx)), k) if k is not None and shareable else None
     res = _SHARED_STRATEGIES.get(gk) if gk is not None else None
     if res is None:
         res = _dtensor_rule_uncached(n, in_specs, ctx, read_as)
@@ -290,6 +298,9 @@ def _dtensor_rule_uncached(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResul
         # every rank holds the whole value: any op runs as is (also ops DTensor lacks)
         return RuleResult([s.placements for s in in_specs], _replicated_outputs(n, ctx), None,
                           "replicated")
+    kept = reduced_before_expand(n, in_specs) or partial_through_a_copy(n, in_specs, ctx)
+    if kept is not None:
+        return kept
     if not known and torch.Tag.pointwise in getattr(op, "tags", ()):  # elementwise: shards line up
         return pointwise_rule(n, in_specs, ctx)
     if not known:  # nobody wrote a rule: derived by running the op (autopar/derived_rules.py)
@@ -405,34 +416,47 @@ def _select_strategy(node: fx.Node, strategy, op_schema=None):
       activation that later needs an all-gather: sequence parallelism is a plan, not an
       accident of greedy choice);
     - reduce a Partial value that has several consumers once, instead of carrying it along
-      each consumer and reducing each result;
+      each consumer and reducing each result; but where a consumer decided before reads it
+      reduced, another that combines it with a partial sum kept Partial keeps it Partial too
+      (the same as reading the reduced value made Partial again, which is free; the result is
+      Partial either way): OLMo 2's backward, where the residual's gradient feeds the next
+      norm's backward (reduced) and the sum with the MLP's two input gradients, which then
+      needed a reduction of their own;
     - reduce a Partial value before an op that widens it, in the dtype it was computed in, as
       Megatron does: a bf16 partial sum added to an fp32 residual (Mamba's blocks add theirs so),
       where DTensor would make the other input Partial too (free for it), or cast to fp32 (Gemma
       2's norm after each branch, and the backward of every norm that casts its output down),
       where DTensor would keep the cast Partial; either way the program then reduced the fp32
-      value, twice the bytes, later.
+      value, twice the bytes, later; and before an op that broadcasts it to more elements (the
+      backward of a norm over a width tensor parallelism shards, OLMo 2's q/k norms: the
+      per-token sum of the statistics' gradient, expanded to the width, where DTensor kept it
+      Partial, then gathered the sharded operand it meets and reduced the whole-width product).
     """
     specs = strategy.strategies
     if len(specs) == 1 or op_schema is None:
         return specs[0]
     cur = op_schema.args_spec
     ins = tensor_args(node)
-    widens = _widens_a_partial(node, ins, cur)
+    widens = widens_a_partial(node, ins, cur)
     best, best_key = None, None
     for spec in specs:
         base = float(sum(sum(c) for c in spec.redistribute_cost)) if spec.redistribute_cost else 0.0
         penalty, moves = 0.0, False
         desired = spec.input_specs if spec.input_specs is not None else [spec.output_spec] * len(cur)
+        kept = [{i for i, (c, d) in enumerate(zip(cur, desired))
+                 if isinstance(c.placements[a], Partial) and isinstance(d.placements[a], Partial)}
+                for a in range(len(cur[0].placements))] if cur else []
         for i, (c, d) in enumerate(zip(cur, desired)):
             many_users = i < len(ins) and len(ins[i].users) > 1
-            narrow = widens and i < len(ins) and _narrower(ins[i], node)
-            for pc, pd in zip(c.placements, d.placements):
+            reduced = reduced_elsewhere(ins[i], node, c) if many_users else ()
+            narrow = widens and i < len(ins) and narrower(ins[i], node)
+            for a, (pc, pd) in enumerate(zip(c.placements, d.placements)):
                 if pc != pd:
                     moves = True
                 if isinstance(pc, Partial) and isinstance(pd, Shard):
                     penalty += INVENT
-                if isinstance(pc, Partial) and isinstance(pd, Partial) and many_users:
+                if isinstance(pc, Partial) and isinstance(pd, Partial) and many_users \
+                        and not (a in reduced and kept[a] - {i}):
                     penalty += INVENT
                 # (a Replicate made Partial beside it, or the narrower Partial kept Partial)
                 if widens and isinstance(pd, Partial) and (isinstance(pc, Replicate) or narrow):
@@ -448,27 +472,6 @@ def _select_strategy(node: fx.Node, strategy, op_schema=None):
         if best_key is None or key < best_key:
             best, best_key = spec, key
     return best
-
-
-def _returned(node: fx.Node) -> bool:
-    """Whether the program returns ``node`` (``_widens_a_partial`` leaves such values alone)."""
-    return any(u.op == "output" for u in node.users)
-
-
-def _narrower(a, node: fx.Node) -> bool:
-    """Whether tensor ``a`` has fewer bytes per element than ``node``'s output."""
-    v, out = a.meta.get("val") if isinstance(a, fx.Node) else None, node.meta.get("val")
-    return isinstance(v, torch.Tensor) and isinstance(out, torch.Tensor) and v.dtype.itemsize < out.dtype.itemsize
-
-
-def _widens_a_partial(node: fx.Node, ins: list, cur) -> bool:
-    """Whether ``node``'s output is wider (bytes per element) than one of its inputs that is a
-    Partial sum now; not where the program returns it (a gradient cast to its parameter's dtype:
-    where and in which dtype gradients are reduced is the data-parallel passes' choice, by
-    ``reduce_dtype``)."""
-    if _returned(node):
-        return False
-    return any(_narrower(a, node) and any(isinstance(p, Partial) for p in c.placements) for a, c in zip(ins, cur))
 
 
 def _flat_specs(args) -> list:

@@ -95,6 +95,12 @@ CASES = [  # (architecture, plan, config overrides, rules that must have decided
     # Moshi: [gate | up] fused, viewed [.., 2, ffn] and picked by h[..., 0, :] (strided by the two
     # parts); the token table's vocabulary + 1 rows split by its columns
     ("moshi", "megatron", ONE_LAYER, set()),
+    # a norm over the width megatron shards (OLMo 2's q / k norms): the gradient of its statistic
+    # reduced before its expand to the width; attention and MLP side by side, each through a
+    # dropout's clone (GPT-J): the two partial sums kept Partial through the clones, reduced once
+    # (passes/partials.py); 2 blocks each (a confirmation: benchmarks/hf_breadth.py runs all)
+    pytest.param("OLMo2", "megatron", {}, set(), marks=pytest.mark.slow),
+    pytest.param("GPT-J", "megatron", {}, set(), marks=pytest.mark.slow),
 ]
 
 

@@ -208,8 +208,9 @@ def _hf_layers(arch):
 MEGATRON = {("forward", "all_reduce"): 2, ("backward", "all_reduce"): 2}
 SEQUENCE = {(p, k): 2 for p in ("forward", "backward") for k in ("all_gather", "reduce_scatter")}
 COUNTS = [("Llama", "megatron", MEGATRON), ("GPT-2", "megatron", MEGATRON),
-          # one norm feeds both branches: their input gradients are summed before one all-reduce
-          ("GPT-J", "megatron", {("forward", "all_reduce"): 2, ("backward", "all_reduce"): 1}),
+          # one norm feeds both branches: their input gradients are summed before one all-reduce, and
+          # their outputs too (each through a dropout, a clone at p = 0: a clone of a partial sum is one)
+          ("GPT-J", "megatron", {("forward", "all_reduce"): 1, ("backward", "all_reduce"): 1}),
           ("Llama", "sequence", SEQUENCE), ("GPT-2", "sequence", SEQUENCE),
           # stacked experts through transformers' grouped_mm_fallback (followed by running it); Mamba's
           # scan reading x_proj's output once per token (reduced once, where it is split)
@@ -297,6 +298,105 @@ def test_a_partial_sum_is_reduced_before_it_is_widened(block):
                         if r.phase == "forward" and r.kind == "all_reduce" and "inside rule" not in r.reason])
     assert all(b == activation for got in forward for b in got), forward
     assert [len(got) for got in forward] == [2, 3, 4], forward  # the embedding's, then one per block
+
+
+class _NormOverWidth(nn.Module):
+    """OLMo 2's q / k norms: an RMS norm over the whole width of a column-parallel projection,
+    which megatron shards (the statistic is a per-token sum over the ranks' parts)."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.up = nn.Linear(dim, 4 * dim, bias=False)
+        self.weight = nn.Parameter(torch.ones(4 * dim))
+        self.down = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x):
+        h = self.up(x)
+        h = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+        return x + self.down(torch.relu(h))
+
+
+class _Rms(nn.Module):
+    """Hugging Face's RMS norm: computed in fp32, the weighted result cast back."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        h = x.float()
+        return (self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))).to(x.dtype)
+
+
+class _PostNorms(nn.Module):
+    """OLMo 2's block: no norm before the branches, one after each (on its row-parallel output);
+    the MLP's input read by two column-parallel projections."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.o = nn.Linear(dim, dim, bias=False)
+        self.gate, self.up = nn.Linear(dim, 4 * dim, bias=False), nn.Linear(dim, 4 * dim, bias=False)
+        self.down = nn.Linear(4 * dim, dim, bias=False)
+        self.a_norm, self.m_norm = _Rms(dim), _Rms(dim)
+
+    def forward(self, x):
+        h = x + self.a_norm(self.o(torch.tanh(self.q(x)) * self.k(x) + self.v(x)))
+        return h + self.m_norm(self.down(torch.relu(self.gate(h)) * self.up(h)))
+
+
+@pytest.mark.parametrize("block,per_block", [
+    # forward and backward alike: the statistic's per-token sum (64 bytes) and the block's output
+    (_NormOverWidth, {"forward": [64, 2048], "backward": [64, 2048]}),
+    # one all-reduce per branch each way
+    (_PostNorms, {"forward": [2048, 2048], "backward": [2048, 2048]})], ids=["norm-over-width", "post-norms"])
+def test_a_partial_sum_is_reduced_where_it_is_smallest_and_once(block, per_block):
+    """The tp all-reduces a block adds (bf16 bytes; the compile of 2 blocks less that of 1), none
+    an all-gather. Before: the norm's backward kept the statistic's gradient Partial through its
+    expand to the width, then gathered both sharded operands it met and all-reduced the
+    whole-width product (2 all-gathers of 4,096 bytes and all-reduces of 2,048 and 8,192 per block
+    for the 64 and 2,048 here); with a norm after each branch, the residual's gradient, reduced for
+    the previous block's norm backward, made its sum with the MLP's two input gradients reduce
+    those apart (4 all-reduces per block in the backward). GPT-J's side-by-side branches, each
+    through a dropout's clone, are test_megatrons_communication_per_block's."""
+    import collections
+
+    from autopar.mesh import fake_mesh
+
+    tokens = torch.zeros(4, 8, dtype=torch.long)
+
+    def loss(logits, targets):
+        return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+
+    sent = []
+    for n in (1, 2):
+        with fake_mesh({"tp": 2}, 0) as mesh:
+            pm = autopar.compile(LM([block() for _ in range(n)]), mesh, example_inputs=(tokens, tokens),
+                                 loss_fn=loss, plan={"tp": "megatron"}, precision="bf16", capture_eval=False)
+        sent.append({phase: collections.Counter((r.kind, int(r.wire_bytes)) for r in pm.collectives()
+                                                if r.phase == phase and "inside rule" not in r.reason)
+                     for phase in ("forward", "backward")})
+    got = {phase: sent[1][phase] - sent[0][phase] for phase in per_block}
+    want = {phase: collections.Counter(("all_reduce", b) for b in sizes) for phase, sizes in per_block.items()}
+    assert got == want, got
+    assert not any(kind == "all_gather" for s in sent for c in s.values() for kind, _ in c), sent
+
+
+def test_a_copy_of_a_partial_sum_is_not_carried_on_a_sequence_parallel_axis():
+    """A partial sum on a sequence-parallel axis is reduce-scattered into the sequence layout where
+    it is met (autopar/layout.py), a clone of it too: the built-in MoE's backward, with the clone
+    carried Partial, reduce-scattered its dispatch buffers (156,672 bytes where the forward
+    reduce-scatters 12,288; the megatron plan keeps the copy Partial and gains, this one lost)."""
+    from autopar.mesh import fake_mesh
+    from autopar.testing import build_model
+
+    model, batches, loss_fn = build_model("moe")
+    with fake_mesh({"tp": 2}, 0) as mesh:
+        pm = autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn, plan={"tp": "sequence"},
+                             precision="bf16", capture_eval=False)
+    scattered = {p: sum(int(r.wire_bytes) for r in pm.collectives()
+                        if r.kind == "reduce_scatter" and r.phase == p) for p in ("forward", "backward")}
+    assert 0 < scattered["backward"] <= scattered["forward"], scattered
 
 
 def test_explain_names_the_graph_fact_behind_every_placement(capsys):
