@@ -262,9 +262,9 @@ def _cache_key(n: fx.Node, read_as):
 
 
 # DTensor's answers shared by every compile in the process (the tests' pools compile the same
-# blocks under the same plans many times; so does a planner): keyed by the mesh's axis sizes, its
-# sequence-parallel axes (``partials.partial_through_a_copy`` reads them) and _cache_key's key, which is
-# everything else the answer depends on; bounded, emptied when full
+# blocks under the same plans many times; so does a planner): keyed by the mesh's axis sizes,
+# its sequence-parallel axes (``partials.partial_through_a_copy`` reads them) and _cache_key's
+# key, which is everything else the answer depends on; bounded, emptied when full
 _SHARED_STRATEGIES: dict = {}
 _SHARED_MAX = 200_000
 
@@ -416,12 +416,13 @@ def _select_strategy(node: fx.Node, strategy, op_schema=None):
       activation that later needs an all-gather: sequence parallelism is a plan, not an
       accident of greedy choice);
     - reduce a Partial value that has several consumers once, instead of carrying it along
-      each consumer and reducing each result; but where a consumer decided before reads it
-      reduced, another that combines it with a partial sum kept Partial keeps it Partial too
-      (the same as reading the reduced value made Partial again, which is free; the result is
-      Partial either way): OLMo 2's backward, where the residual's gradient feeds the next
-      norm's backward (reduced) and the sum with the MLP's two input gradients, which then
-      needed a reduction of their own;
+      each consumer and reducing each result; but in the backward, where a consumer decided
+      before reads it reduced, another that combines it with a partial sum kept Partial keeps it
+      Partial too (the same as reading the reduced value made Partial again, which is free; the
+      result is Partial either way): OLMo 2's backward, where the residual's gradient feeds the
+      previous block's norm backward (reduced) and the sum with the MLP's two input gradients,
+      which then needed a reduction of their own (``partials.reduced_elsewhere``: why not in
+      the forward);
     - reduce a Partial value before an op that widens it, in the dtype it was computed in, as
       Megatron does: a bf16 partial sum added to an fp32 residual (Mamba's blocks add theirs so),
       where DTensor would make the other input Partial too (free for it), or cast to fp32 (Gemma
