@@ -41,11 +41,15 @@ def tp_bytes(arch: str, layers: int, strategy: str = "megatron") -> dict:
     with fake_mesh({"tp": 2}, 0) as mesh:
         pm = autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn, plan={"tp": strategy},
                              precision="bf16", capture_eval=False)
-    out = {"forward": 0, "backward": 0}
-    for r in pm.collectives():
-        if r.axis == "tp":
-            out[r.phase] = out.get(r.phase, 0) + int(r.wire_bytes)
-    return out
+    return {phase: int(sum(v for k, v in by.items() if k.endswith("@tp"))) for phase, by in _sent(pm).items()}
+
+
+def _sent(pm) -> dict:
+    """Per phase, the program's collectives' bytes per step by "kind@axis" (autopar.ir.bytes_by_collective)."""
+    from autopar.ir import bytes_by_collective
+
+    records = pm.collectives()
+    return {phase: bytes_by_collective([r for r in records if r.phase == phase]) for phase in ("forward", "backward")}
 
 
 def row(arch: str, strategy: str = "megatron") -> dict:
@@ -74,11 +78,7 @@ def plan_bytes(name: str, plan: dict, axes: dict, precision: str, reduce_dtype) 
                                  precision=precision, reduce_dtype=reduce_dtype, capture_eval=False)
     except Exception as e:  # noqa: BLE001 - reported in the row
         return f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
-    tot: dict = {}
-    for r in pm.collectives():
-        k = f"{r.kind}@{r.axis}@{r.phase}"
-        tot[k] = tot.get(k, 0) + int(r.wire_bytes)
-    return sorted(tot.items())
+    return sorted((f"{k}@{phase}", int(v)) for phase, by in _sent(pm).items() for k, v in by.items())
 
 
 def _selector_at(rev: str):
@@ -110,27 +110,26 @@ def main() -> None:
     sides = {"now": now}
     if args.against:
         sides = {args.against: _selector_at(args.against), **sides}
+    def each_side(out: dict, measure) -> dict:
+        """``out`` with ``measure()`` under each side's propagation, by side name"""
+        for side, (selector, rule) in sides.items():
+            propagate._select_strategy, propagate._dtensor_rule_uncached = selector, rule
+            propagate._SHARED_STRATEGIES.clear()  # (DTensor's answers of the other side)
+            out[side] = measure()
+        propagate._select_strategy, propagate._dtensor_rule_uncached = now
+        return out
+
     if args.builtin:
         for name in args.names or ("llama", "llama_tied", "gpt", "moe", "hf_llama"):
             for plan, axes in BUILTIN_PLANS:
                 for precision, rd in (("fp32", None), ("bf16", None), ("bf16", "fp32")):
-                    out = {"model": name, "plan": plan, "precision": precision, "reduce_dtype": rd}
-                    for side, (selector, rule) in sides.items():
-                        propagate._select_strategy, propagate._dtensor_rule_uncached = selector, rule
-                        propagate._SHARED_STRATEGIES.clear()
-                        out[side] = plan_bytes(name, plan, axes, precision, rd)
-                    propagate._select_strategy, propagate._dtensor_rule_uncached = now
+                    out = each_side({"model": name, "plan": plan, "precision": precision, "reduce_dtype": rd},
+                                    lambda: plan_bytes(name, plan, axes, precision, rd))
                     out["equal"] = len({json.dumps(out[side]) for side in sides}) == 1
                     print(json.dumps(out), flush=True)
         return
     for arch in args.names or list(ARCHS):
-        out = {"arch": arch}
-        for side, (selector, rule) in sides.items():
-            propagate._select_strategy, propagate._dtensor_rule_uncached = selector, rule
-            propagate._SHARED_STRATEGIES.clear()  # (DTensor's answers of the other side)
-            out[side] = row(arch, args.strategy)
-        propagate._select_strategy, propagate._dtensor_rule_uncached = now
-        print(json.dumps(out), flush=True)
+        print(json.dumps(each_side({"arch": arch}, lambda: row(arch, args.strategy))), flush=True)
 
 
 if __name__ == "__main__":

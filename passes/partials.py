@@ -37,7 +37,9 @@ def reduced_before_expand(n: fx.Node, in_specs) -> RuleResult | None:
     return RuleResult([reduced], reduced, None, "dtensor")
 
 
-COPIES = (torch.ops.aten.clone.default, torch.ops.aten.alias.default)
+# (clone alone: DTensor registers it as pointwise, whose single-dim strategy has no Partial; alias and
+# detach go through its one-to-one passthrough, which keeps a Partial already)
+COPIES = (torch.ops.aten.clone.default,)
 
 
 def partial_through_a_copy(n: fx.Node, in_specs, ctx) -> RuleResult | None:

@@ -439,17 +439,22 @@ def _select_strategy(node: fx.Node, strategy, op_schema=None):
     cur = op_schema.args_spec
     ins = tensor_args(node)
     widens = widens_a_partial(node, ins, cur)
+    many = [i < len(ins) and len(ins[i].users) > 1 for i in range(len(cur))]
+    # (per input: the axes on which a reader decided before reduces it; the same for every strategy)
+    reduced = [reduced_elsewhere(ins[i], node, c) if m else () for i, (c, m) in enumerate(zip(cur, many))]
     best, best_key = None, None
     for spec in specs:
         base = float(sum(sum(c) for c in spec.redistribute_cost)) if spec.redistribute_cost else 0.0
         penalty, moves = 0.0, False
         desired = spec.input_specs if spec.input_specs is not None else [spec.output_spec] * len(cur)
-        kept = [{i for i, (c, d) in enumerate(zip(cur, desired))
-                 if isinstance(c.placements[a], Partial) and isinstance(d.placements[a], Partial)}
-                for a in range(len(cur[0].placements))] if cur else []
+
+        def kept_by_another(i: int, a: int) -> bool:
+            """whether this strategy keeps an input other than ``i`` Partial on axis ``a``"""
+            return any(j != i and isinstance(c.placements[a], Partial) and isinstance(d.placements[a], Partial)
+                       for j, (c, d) in enumerate(zip(cur, desired)))
+
         for i, (c, d) in enumerate(zip(cur, desired)):
-            many_users = i < len(ins) and len(ins[i].users) > 1
-            reduced = reduced_elsewhere(ins[i], node, c) if many_users else ()
+            many_users = many[i]
             narrow = widens and i < len(ins) and narrower(ins[i], node)
             for a, (pc, pd) in enumerate(zip(c.placements, d.placements)):
                 if pc != pd:
@@ -457,7 +462,7 @@ def _select_strategy(node: fx.Node, strategy, op_schema=None):
                 if isinstance(pc, Partial) and isinstance(pd, Shard):
                     penalty += INVENT
                 if isinstance(pc, Partial) and isinstance(pd, Partial) and many_users \
-                        and not (a in reduced and kept[a] - {i}):
+                        and not (a in reduced[i] and kept_by_another(i, a)):
                     penalty += INVENT
                 # (a Replicate made Partial beside it, or the narrower Partial kept Partial)
                 if widens and isinstance(pd, Partial) and (isinstance(pc, Replicate) or narrow):
