@@ -40,6 +40,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from autopar import disk_cache as disk
 from autopar import torch_compat as tc
 from autopar import trace_share as share
 
@@ -169,7 +170,11 @@ class _Fingerprint:
             out = (type(obj).__name__, tuple(sorted(((repr(self.value(k, depth + 1)), self.value(v, depth + 1))
                                                      for k, v in obj.items()), key=lambda kv: kv[0])))
         elif hasattr(obj, "__dict__"):
-            out = ("object", self.ident(type(obj)), self.value(vars(obj), depth + 1))
+            attrs = vars(obj)
+            own = _own_hash(obj, attrs)
+            if own:
+                attrs = {k: v for k, v in attrs.items() if k not in own}
+            out = ("object", self.ident(type(obj)), self.value(attrs, depth + 1))
         else:
             raise _Unkeyable(type(obj).__qualname__)
         self.memo[id(obj)] = out
@@ -184,6 +189,21 @@ class _Fingerprint:
                           k in m._non_persistent_buffers_set) for k, b in m._buffers.items())
             out.append((name, self.ident(type(m)), attrs, params, bufs))
         return tuple(out)
+
+
+def _own_hash(obj, attrs: dict) -> set[str]:
+    """The attributes of ``obj`` that hold its own hash (Hugging Face's GenerationConfig keeps one
+    to tell whether it was changed): the rest of the object decides them, and a hash of strings
+    differs from process to process, so they are left out of the key. Only where ``obj`` hashes
+    by content: an identity hash stays in (and keys nothing across processes)."""
+    big = [k for k, v in attrs.items() if type(v) is int and abs(v) >= 1 << 32]
+    if not big or type(obj).__hash__ in (None, object.__hash__):
+        return set()
+    try:
+        h = hash(obj)
+    except Exception:  # noqa: BLE001 - unhashable after all: nothing left out
+        return set()
+    return {k for k in big if attrs[k] == h}
 
 
 def _filled(cell) -> bool:
@@ -310,7 +330,10 @@ def graph_key(gm: fx.GraphModule, model: nn.Module, inputs, *extra):
                 if not isinstance(t, torch.Tensor):
                     return None
                 attrs.append((n.target, names.get(id(t)), fp.tensor(t, values=id(t) not in names)))
-        key = ("joint", str(gm.graph), tuple(attrs), _inputs(fp, inputs), tuple(fp.value(x) for x in extra),
+        # (a Python function the graph calls: its code decides the joint graph, the text names it only)
+        called = tuple(fp.value(n.target) for n in gm.graph.nodes
+                       if n.op == "call_function" and isinstance(n.target, types.FunctionType))
+        key = ("joint", str(gm.graph), tuple(attrs), called, _inputs(fp, inputs), tuple(fp.value(x) for x in extra),
                _globals())
     except Exception:  # noqa: BLE001 - as module_key
         return None
@@ -326,6 +349,12 @@ def cached(kind: str, keyed: Callable[[], Any], build: Callable[[], Any], templa
         return build()
     key, refs = keyed
     e = _lookup(kind, key)
+    on_disk = disk.key_of(key, refs) if e is None and disk.directory() is not None else None
+    if on_disk is not None:  # (another process's trace: autopar/disk_cache.py)
+        got = disk.load(kind, on_disk)
+        if got is not None:
+            e = _Entry(got, refs)
+            _store(kind, key, e)
     # between ranks (autopar/trace_share.py): the leader says which trace this is and shares its
     # copy; another rank without one waits for it instead of tracing
     peers = share.active() if kind in share.KINDS else None
@@ -350,6 +379,7 @@ def cached(kind: str, keyed: Callable[[], Any], build: Callable[[], Any], templa
     kept = template(out)
     if kept is not None:
         _store(kind, key, _Entry(kept, refs))
+        disk.save(kind, on_disk, kept)
     if announced is not None:
         share.publish(peers, announced, kept)
     return out

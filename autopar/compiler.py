@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from autopar import trace_share
+from autopar import disk_cache, trace_share
 from autopar.capture import capture_forward, forward_later
 from autopar.experts import expert_plan
 from autopar.errors import PlanError
@@ -164,7 +164,7 @@ def build(model: nn.Module, mesh: DeviceMesh, options: CompileOptions | None = N
     given = replace(options or CompileOptions(), **changes)
     opts, micro = validate(model, mesh, given)
     state = CompileState(model, mesh, opts, tuple(given.example_inputs), micro)
-    with paused_collector():  # (autopar/scoped.py: a trace's objects live to its end)
+    with paused_collector(), disk_cache.noting(state.from_disk):  # (scoped.py: a trace's objects live to its end)
         state = run_pipeline(state, skip=opts.skip, debug=given.debug, stop_after=stop_after)
     state.timings["total"] = time.perf_counter() - t0
     return state

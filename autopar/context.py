@@ -23,7 +23,7 @@ class Context:
                  "timings", "compute_dtype", "reduce_dtype", "recompute", "accumulate", "loss_scale", "progress",
                  "bucket_mb", "prefetch", "reshard_after_forward", "kept_gathered", "sync_grads", "output_roles",
                  "strategy_cache", "_groups", "boundary", "lowered", "kernel_choices", "derived_rules", "masks", "cuts",
-                 "value_checks", "cache_layout")
+                 "value_checks", "cache_layout", "from_disk")
 
     def __init__(self, mesh: DeviceMesh, plan: Plan, placed: Placed, *, compute_dtype: torch.dtype | None,
                  reduce_dtype: torch.dtype | None, recompute: str, accumulate: int, loss_scale: str | float | None,
@@ -77,6 +77,7 @@ class Context:
         # generation's programs (autopar/generation.py): the KV cache inputs' placements, by
         # input index (role ("cache", i)); a cache input or output not listed is replicated
         self.cache_layout: dict[int, tuple[Placement, ...]] = {}
+        self.from_disk: list[str] = []  # the compile's traces read from disk, by kind (autopar/disk_cache.py)
 
     # placements the program's boundary must have
     def input_placements(self, shape: tuple[int, ...]) -> tuple[Placement, ...]:
@@ -186,6 +187,7 @@ def make_context(mesh: DeviceMesh, parsed: Plan, params: dict, options, accumula
         ctx.masks = state.masks
         ctx.value_checks = state.value_checks
         ctx.cuts = describe_cuts(state.cuts) + state.cut_notes
+        ctx.from_disk = state.from_disk
     return ctx
 
 
@@ -213,6 +215,7 @@ def compile_notes(ctxs: list) -> list[str]:
     and so the same in every stage (the first context's); the kernels chosen; and every context's
     derived op rules (propagate runs per stage), once each."""
     from autopar import value_checks
+    from autopar.disk_cache import note as disk_note
     from autopar.kernels.choice import summary
     from autopar.parts import NOTE as CUT_NOTE
 
@@ -222,4 +225,5 @@ def compile_notes(ctxs: list) -> list[str]:
     lines += [value_checks.NOTE + m for m in (first.value_checks if first else [])]
     lines += [f"kernels='auto': {line}" for line in summary(first.kernel_choices if first else [])]
     lines += [f"no rule, derived: {line}" for line in dict.fromkeys(d for c in ctxs for d in c.derived_rules)]
+    lines += [line for line in [disk_note(first.from_disk if first else [])] if line]
     return lines

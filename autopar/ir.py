@@ -274,6 +274,7 @@ class CompileState:
     cut_notes: list = field(default_factory=list)  # split: cuts tried and given up, one line each
     timings: dict[str, float] = field(default_factory=dict)
     done: list[str] = field(default_factory=list)
+    from_disk: list = field(default_factory=list)  # the traces read from autopar/disk_cache.py, by kind
 
 
 def tensor_args(node: fx.Node) -> list[fx.Node]:

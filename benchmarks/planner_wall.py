@@ -7,7 +7,9 @@ configs, as a user's ``mypkg.models:llama70b`` would (this file is their module:
 ``autopar plan benchmarks/planner_wall.py:hf_llama70b ...``). Each round runs, one after the
 other (the machine's speed drifts with the hour: compare within a round), ``autopar plan --help``
 (Python, torch and autopar starting: the yardstick), then each command of a pair: the built-in
-and the factory. Prints each wall time and its ratio to the round's ``--help``.
+and the factory, each cold (an empty trace cache: the first plan of a model) and warm (the cache
+an earlier run of the same command filled, autopar/disk_cache.py: a user's next plan of it).
+Prints each wall time and its ratio to the round's ``--help``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -92,11 +95,22 @@ PAIRS = {
 }
 
 
-def _wall(argv: list[str]) -> float:
+def _wall(argv: list[str], cache: str | None = None) -> float:
+    """Seconds of ``autopar plan ARGV -q``; ``cache``: its trace cache directory (autopar/disk_cache.py)."""
     exe = os.path.join(os.path.dirname(sys.executable), "autopar")
+    env = dict(os.environ, **({"AUTOPAR_CACHE_DIR": cache} if cache else {}))
     t0 = time.perf_counter()
-    subprocess.run([exe, "plan", *argv, "-q"], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([exe, "plan", *argv, "-q"], check=True, stdout=subprocess.DEVNULL, env=env)
     return time.perf_counter() - t0
+
+
+def _side(argv: list[str], warm_dir: str, help_s: float) -> tuple[str, float, float]:
+    """One command cold (a new, empty trace cache) and warm (``warm_dir``, filled by an earlier run
+    of the same command: what a user's second plan of the model reads)."""
+    with tempfile.TemporaryDirectory() as empty:
+        cold = _wall(argv, empty)
+    warm = _wall(argv, warm_dir)
+    return f"cold {cold:.1f} s ({cold / help_s:.1f}x --help), warm {warm:.1f} s ({warm / help_s:.1f}x)", cold, warm
 
 
 def main() -> None:
@@ -104,16 +118,20 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--only", choices=list(PAIRS), default=None)
     args = p.parse_args()
-    for kind, pairs in PAIRS.items():
-        if args.only and kind != args.only:
-            continue
-        for what, builtin, factory in pairs:
-            for r in range(args.rounds):
-                help_s = _wall(["--help"])
-                b = _wall(builtin)
-                f = _wall(factory)
-                print(f"{what} (round {r + 1}): --help {help_s:.1f} s; built-in {b:.1f} s ({b / help_s:.1f}x --help); "
-                      f"factory {f:.1f} s ({f / help_s:.1f}x --help, {f / b:.2f}x the built-in)", flush=True)
+    with tempfile.TemporaryDirectory() as root:
+        for kind, pairs in PAIRS.items():
+            if args.only and kind != args.only:
+                continue
+            for i, (what, builtin, factory) in enumerate(pairs):
+                dirs = [os.path.join(root, f"{kind}{i}-{side}") for side in ("builtin", "factory")]
+                for argv, d in zip((builtin, factory), dirs):
+                    _wall(argv, d)  # (untimed: the warm side's cache)
+                for r in range(args.rounds):
+                    help_s = _wall(["--help"])
+                    b, b_cold, b_warm = _side(builtin, dirs[0], help_s)
+                    f, f_cold, f_warm = _side(factory, dirs[1], help_s)
+                    print(f"{what} (round {r + 1}): --help {help_s:.1f} s; built-in {b}; factory {f} "
+                          f"(cold {f_cold / b_cold:.2f}x, warm {f_warm / b_warm:.2f}x the built-in)", flush=True)
 
 
 if __name__ == "__main__":

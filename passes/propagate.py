@@ -23,8 +23,8 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
+from autopar import disk_cache, trace_share
 from autopar import torch_compat as tc
-from autopar import trace_share
 from autopar.analysis.ops import VIEW_OPS
 from autopar.derived_rules import DERIVED, derive, record
 from autopar.errors import ShardingError, TorchVersionError
@@ -63,8 +63,13 @@ def propagate_pass(program: Program, ctx) -> Program:
     check_expert_parallel(program, ctx)  # expert weights sharded over ep are computed by the expert op
     # the ranks of a real process group ask DTensor the same questions: one asks, the others take
     # its answers from the store (autopar/trace_share.py; none that carries code)
+    # and another process's answers, kept on disk (autopar/disk_cache.py), under the prefix of
+    # ``_dtensor_rule``'s keys: the mesh's axis sizes and sequence-parallel axes
+    prefix = (tuple(ctx.axis_sizes), tuple(sequence_axes(ctx)))
     with trace_share.memo("strategies", lambda: ("strategies", tuple(ctx.axis_sizes), str(graph)),
-                          _SHARED_STRATEGIES, lambda res: res.impl is None):
+                          _SHARED_STRATEGIES, lambda res: res.impl is None), \
+            disk_cache.memo("strategies", prefix, _SHARED_STRATEGIES, lambda k: k[:2] == prefix,
+                            lambda res: res.impl is None):
         _propagate_nodes(program, ctx, seq)
     return program
 

@@ -16,6 +16,13 @@ import pytest
 import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# the traces a compile writes to disk (autopar/disk_cache.py): one directory for the session,
+# shared by the xdist workers and their processes (which inherit it), never the user's own cache
+if "AUTOPAR_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["AUTOPAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-tests-cache-")
+    os.environ["AUTOPAR_TESTS_MADE_CACHE"] = os.environ["AUTOPAR_CACHE_DIR"]
 warnings.filterwarnings("ignore")
 
 
@@ -37,8 +44,12 @@ def pytest_collection_finish(session):
 
 def pytest_unconfigure(config):
     import gc
+    import shutil
 
-    gc.unfreeze()  # (frozen objects are never freed: nanobind would report Triton's as leaked at exit)
+    gc.unfreeze()
+    made = os.environ.get("AUTOPAR_TESTS_MADE_CACHE")
+    if made and not hasattr(config, "workerinput"):  # (the controller made it: the workers share it)
+        shutil.rmtree(made, ignore_errors=True)  # (frozen objects are never freed: nanobind would report Triton's as leaked at exit)
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ def _compile_job(name: str, share: bool, batch: int | None = None, fail_on: int 
     from autopar.testing import build_model
 
     os.environ["AUTOPAR_SHARE_TRACES"] = "1" if share else "0"
+    os.environ["AUTOPAR_DISK_CACHE"] = "0"  # (each job's traces made here or shared, not read from disk)
     cc.clear()
     propagate._SHARED_STRATEGIES.clear()  # (DTensor's answers from earlier jobs in this process)
     asked = []  # the questions this rank put to DTensor itself
@@ -58,6 +59,7 @@ def _compile_job(name: str, share: bool, batch: int | None = None, fail_on: int 
     got = [None, None]
     dist.all_gather_object(got, out)
     os.environ.pop("AUTOPAR_SHARE_TRACES")
+    os.environ.pop("AUTOPAR_DISK_CACHE")
     ts.MAX_SENT = sent
     return got
 

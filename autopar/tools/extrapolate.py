@@ -299,7 +299,7 @@ def _by_depth(args, rank: int, rep, at, progress) -> Analysis | None:
 def plan_analysis(args, plan: dict, rank: int, progress, analyse) -> Analysis:
     """What ``autopar plan`` reports for ``rank``: extrapolated in depth where that applies, else
     every block compiled (with the reason as a note)."""
-    from autopar import splice
+    from autopar import disk_cache, splice
     from autopar.models import zoo
 
     args.depth_note = None
@@ -309,7 +309,9 @@ def plan_analysis(args, plan: dict, rank: int, progress, analyse) -> Analysis:
     loaded = zoo.load(args.model, meta=not args.real, batch=args.batch, seq=args.seq,
                       overrides=zoo.parse_overrides(args.set))
     built = time.perf_counter() - t0
-    a = analyse_by_depth(args, plan, rank, progress, analyse, loaded)
+    read: list[str] = []
+    with disk_cache.noting(read):  # (the shared depth's reads: its own notes are not the report's)
+        a = analyse_by_depth(args, plan, rank, progress, analyse, loaded)
     if a is None:
         # where every block is compiled (a pipeline) a model's capture is spliced from three of its
         # blocks (autopar/splice.py, which checks them), unless its blocks failed the depth check
@@ -322,6 +324,8 @@ def plan_analysis(args, plan: dict, rank: int, progress, analyse) -> Analysis:
         if splice.STATS.get("spliced", 0) > before.get("spliced", 0):
             a.notes.append("the model's capture was spliced from its first three blocks, the third repeated (blocks "
                            "checked alike; --full-depth traces every block)")
+    if disk_cache.note(read) and disk_cache.note(read) not in a.notes:
+        a.notes.append(disk_cache.note(read))
     a.seconds["build"] = a.seconds.get("build", 0.0) + built
     a.seconds["total"] = a.seconds.get("total", 0.0) + built
     return a

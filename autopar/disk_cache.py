@@ -1,0 +1,369 @@
+"""The capture cache's entries kept on disk, for the next process that compiles the same model.
+
+``autopar/capture_cache.py`` keeps a compile's three traces (dynamo's capture, the AOTAutograd
+joint graph, the forward-only export) for later compiles in the same process. A user who plans a
+model, changes the mesh and plans it again, or restarts a training script, pays them again in a
+new process: for Llama-3-8B's three planning blocks on this 2-core machine about 2.4 of the 7-8
+seconds of ``autopar plan``. This module writes each entry to a file and reads it back in
+another process, as torch's own FX graph and AOTAutograd caches do for their artifacts; and
+propagate's memo of DTensor's answers per mesh shape (keyed by everything an answer depends on).
+
+What makes a hit mean the same trace (a wrong hit would be a wrong program):
+
+- The in-process key (every module's class, every non-tensor attribute by value, parameters'
+  and buffers' shapes / dtypes / strides, buffers' values, the loss function, the inputs, the
+  global switches a trace reads) with each object it compares by identity NAMED instead: a class
+  by its module, qualified name and the content of the file that defines it; a function also by
+  its code (bytecode, constants, names, defaults). A class made inside a function
+  (``<locals>`` in its name: its body may close over anything) or an object compared by identity
+  (a module held outside the module tree) has no name that holds across processes: no file.
+- torch's version, Python's, and the content of autopar's own source (a change anywhere in
+  autopar is another key: the passes before the cache decide what is traced).
+- Every file the trace ran code from (the graph's stack traces: transformers' masking and
+  attention helpers, the user's loss module; the Python functions the graph calls), stored with
+  the entry by content digest and compared when it is read: a file edited since is a miss, and
+  the trace is made again.
+- No operator of a namespace torch or autopar does not define (a user's custom op: its fake
+  kernel and backward live in a file no key names): such a graph is not written.
+
+Not covered (as in the in-process cache): a global the model's code reads that was changed at
+run time rather than in a file (a registry filled by the user's script, an environment variable
+read at import). ``AUTOPAR_DISK_CACHE=0`` switches the disk off (``AUTOPAR_CAPTURE_CACHE=0``
+switches off both); ``AUTOPAR_CACHE_DIR`` says where (default ``~/.cache/autopar``, as for
+kernels/choice.py's measured kernels; the traces in its ``traces-1``), kept under
+``AUTOPAR_CACHE_MAX_MB`` (1024), the least recently read files deleted first. Entries are
+pickles, read only from that directory (as torch's caches are): it must be the user's own. A
+compile that read any says so (``compile_notes``; ``autopar plan``'s notes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import hashlib
+import os
+import pickle
+import re
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import torch
+
+from autopar import torch_compat as tc
+
+FORMAT = 1
+STATS: dict[str, int] = {}  # "KIND read" / "KIND written" / "KIND stale" (a file changed) / "KIND unnamed"
+_FILES: dict[str, tuple[int, int, str]] = {}  # path -> (mtime_ns, size, content digest)
+_MAX_ENTRY = 512 << 20  # an entry larger than this is not written
+_READ_MEMOS: set[str] = set()  # the memo files this process has read
+_NOTED: contextvars.ContextVar[tuple] = contextvars.ContextVar("autopar_disk_reads", default=())
+WHAT = {"capture": "dynamo's capture", "joint": "the joint graph", "forward": "the forward program",
+        "strategies": "DTensor's strategies"}
+
+
+def directory() -> Path | None:
+    if os.environ.get("AUTOPAR_DISK_CACHE", "1").lower() in ("0", "false", "off", "no"):
+        return None
+    # (where kernels/choice.py keeps its measured kernel choices too)
+    root = os.environ.get("AUTOPAR_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "autopar")
+    return Path(root) / f"traces-{FORMAT}"
+
+
+def _count(what: str) -> None:
+    STATS[what] = STATS.get(what, 0) + 1
+
+
+def file_digest(path: str | None) -> str | None:
+    """The content digest of ``path`` (None: no such file), computed again only when its size or
+    modification time changed."""
+    if not path:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    got = _FILES.get(path)
+    if got is not None and got[:2] == (st.st_mtime_ns, st.st_size):
+        return got[2]
+    try:
+        with open(path, "rb") as f:
+            d = hashlib.blake2b(f.read(), digest_size=16).hexdigest()
+    except OSError:
+        return None
+    _FILES[path] = (st.st_mtime_ns, st.st_size, d)
+    return d
+
+
+@functools.lru_cache(maxsize=1)
+def _own_source() -> str:
+    """A digest of every autopar source file (its packages where they live: an editable install
+    keeps ``autopar.passes`` and ``autopar.kernels`` beside ``autopar``)."""
+    import importlib.util
+
+    roots = {Path(__file__).parent.resolve()}
+    for sub in ("passes", "kernels"):
+        spec = importlib.util.find_spec(f"autopar.{sub}")
+        where = (spec.submodule_search_locations or ()) if spec is not None else ()
+        roots.update(Path(p).resolve() for p in where)
+    files = {p.resolve() for r in roots for p in r.rglob("*.py")}
+    h = hashlib.blake2b(digest_size=16)
+    for p in sorted(files):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def _versions() -> tuple:
+    return (FORMAT, torch.__version__, sys.version_info[:2], _own_source())
+
+
+def _code(code: types.CodeType) -> str:
+    h = hashlib.blake2b(digest_size=16)
+
+    def walk(c):
+        h.update(c.co_code)
+        h.update(repr((c.co_names, c.co_varnames, c.co_freevars, c.co_cellvars)).encode())
+        for k in c.co_consts:
+            if isinstance(k, types.CodeType):
+                walk(k)
+            else:
+                h.update(repr(k).encode())
+
+    walk(code)
+    return h.hexdigest()
+
+
+def _module_file(name: str | None) -> str | None:
+    mod = sys.modules.get(name or "")
+    return getattr(mod, "__file__", None)
+
+
+def _name(obj) -> tuple | None:
+    """What names ``obj`` (which the in-process key compares by identity) in another process,
+    or None where nothing does."""
+    qual = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
+    if isinstance(obj, type):
+        if not qual or "<locals>" in qual:
+            return None
+        f = _module_file(obj.__module__)
+        if obj.__module__ != "builtins" and file_digest(f) is None:
+            return None
+        return ("class", obj.__module__, qual, file_digest(f))
+    if isinstance(obj, types.FunctionType):
+        return ("function", obj.__module__, qual, _code(obj.__code__), file_digest(obj.__code__.co_filename),
+                _plain(obj.__defaults__), _plain(obj.__kwdefaults__))
+    if isinstance(obj, types.BuiltinFunctionType):
+        return ("builtin", getattr(obj, "__module__", None), qual)
+    if isinstance(obj, types.ModuleType):
+        return ("module", obj.__name__, file_digest(getattr(obj, "__file__", None)))
+    if isinstance(obj, (tc.OpOverload, tc.OpOverloadPacket)):
+        return ("op", str(obj))
+    return None
+
+
+def _plain(x) -> str:
+    text = repr(x)
+    if re.search(r" at 0x[0-9a-f]+", text):  # an object's default: only its identity prints
+        raise _Unnamed
+    return text
+
+
+class _Unnamed(Exception):
+    pass
+
+
+def key_of(key, refs) -> str | None:
+    """The in-process key as a file name another process computes alike; None where something in
+    it is compared by identity and has no name that holds across processes."""
+    try:
+        names = {id(r): _name(r) for r in refs}
+    except _Unnamed:
+        return None
+    order: dict[int, int] = {}
+
+    def walk(x):
+        if isinstance(x, tuple) and len(x) == 3 and x[0] == "id" and isinstance(x[2], int):
+            named = names.get(x[2])
+            if named is None:
+                raise _Unnamed
+            return ("id", named, order.setdefault(x[2], len(order)))
+        if isinstance(x, tuple) and len(x) == 2 and x[0] == "cycle":
+            raise _Unnamed  # (an object's identity)
+        if isinstance(x, (tuple, list)):
+            return tuple(walk(y) for y in x)
+        return x
+
+    try:
+        text = repr((walk(key), _versions()))
+    except _Unnamed:
+        return None
+    if re.search(r" at 0x[0-9a-f]+", text):
+        return None
+    return hashlib.blake2b(text.encode(), digest_size=20).hexdigest()
+
+
+_TRACE_FILE = re.compile(r'File "([^"]+)", line \d+')
+
+
+# the operator namespaces whose ops torch or autopar define (their code is in the key: torch's
+# version, autopar's source); an op of any other namespace (a user's custom op, whose fake kernel
+# and backward live in a file no key names) keeps its graph off the disk
+_OWN_OPS = frozenset({"aten", "prims", "prim", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional",
+                      "_dtensor", "higher_order", "rngprims", "debugprims", "quantized", "_quantized", "mkldnn", "mkl",
+                      "onednn", "inductor", "profiler", "export", "_native", "autopar", "demo_unruled"})
+
+
+def _foreign_op(template) -> str | None:
+    for n in getattr(getattr(template, "graph", None), "nodes", ()):
+        if n.op == "call_function" and isinstance(n.target, (tc.OpOverload, tc.OpOverloadPacket)):
+            ns = str(n.target).split(".")[0]
+            if ns not in _OWN_OPS:
+                return str(n.target)
+    return None
+
+
+def _files_of(template) -> dict[str, str]:
+    """The files the trace ran code from (its nodes' stack traces, and the Python functions the
+    graph calls), by content digest."""
+    graph = getattr(template, "graph", None)
+    files: set[str] = set()
+    for n in getattr(graph, "nodes", ()):
+        st = n.meta.get("stack_trace")
+        if st:
+            files.update(_TRACE_FILE.findall(st))
+        if n.op == "call_function" and isinstance(n.target, types.FunctionType):
+            files.add(n.target.__code__.co_filename)
+    out = {}
+    for f in sorted(files):
+        d = file_digest(f)
+        if d is not None:
+            out[f] = d
+    return out
+
+
+def _path(kind: str, name: str) -> Path | None:
+    d = directory()
+    return None if d is None else d / kind / f"{name}.bin"
+
+
+def load(kind: str, name: str | None):
+    """The template kept under ``name``, or None: none, unreadable, or made from a file that
+    has changed since (each counted in ``STATS``)."""
+    path = _path(kind, name) if name else None
+    if path is None:
+        return None
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        entry = pickle.loads(data)
+        if entry.get("format") != FORMAT:
+            return None
+        if any(file_digest(f) != d for f, d in entry["files"].items()):
+            _count(f"{kind} stale")
+            return None
+        from autopar import trace_share
+
+        template = trace_share.decode(entry["payload"])
+    except Exception:  # noqa: BLE001 - a file another torch or a crash left: trace afresh
+        _count(f"{kind} unreadable")
+        return None
+    try:
+        os.utime(path)  # (read: the last to be deleted)
+    except OSError:
+        pass
+    _count(f"{kind} read")
+    for noted in _NOTED.get():
+        if kind not in noted:
+            noted.append(kind)
+    return template
+
+
+@contextlib.contextmanager
+def noting(kinds: list):
+    """Inside: each kind read from disk is added to ``kinds`` (once; and to the lists of the
+    ``noting`` around this one): a compile's record of them."""
+    token = _NOTED.set(_NOTED.get() + (kinds,))
+    try:
+        yield kinds
+    finally:
+        _NOTED.reset(token)
+
+
+def note(kinds) -> str | None:
+    """The line a report gives to what was read from disk, or None."""
+    if not kinds:
+        return None
+    return (f"read from autopar's trace cache ({directory()}), made by an earlier process from the same model, "
+            f"code and torch: {', '.join(WHAT.get(k, k) for k in kinds)} (AUTOPAR_DISK_CACHE=0 traces afresh)")
+
+
+def save(kind: str, name: str | None, template) -> None:
+    """Write ``template`` under ``name`` (atomically: a reader sees the whole file or none)."""
+    path = _path(kind, name) if name else None
+    if path is None:
+        return
+    from autopar import trace_share
+
+    if _foreign_op(template) is not None:
+        _count(f"{kind} custom op")
+        return
+    payload = trace_share.encode(template)
+    if payload is None or len(payload) > _MAX_ENTRY:
+        return
+    data = pickle.dumps({"format": FORMAT, "files": _files_of(template), "payload": payload, "made": time.time()},
+                        protocol=pickle.HIGHEST_PROTOCOL)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:  # (a read-only or full disk: the compile goes on; nothing is kept)
+        return
+    _count(f"{kind} written")
+    _prune(path.parent.parent)
+
+
+def _prune(root: Path) -> None:
+    limit = int(float(os.environ.get("AUTOPAR_CACHE_MAX_MB", "1024")) * (1 << 20))
+    try:
+        files = [(p.stat(), p) for p in root.glob("*/*.bin")]
+    except OSError:
+        return
+    total = sum(s.st_size for s, _ in files)
+    for s, p in sorted(files, key=lambda sp: sp[0].st_mtime):
+        if total <= limit:
+            break
+        try:
+            p.unlink()
+            total -= s.st_size
+        except OSError:
+            pass
+
+
+@contextlib.contextmanager
+def memo(kind: str, key, table: dict, mine, shareable=lambda value: True):
+    """Around work that fills ``table``, a memo keyed by everything its answers depend on (DTensor's
+    strategies: propagate's ``_SHARED_STRATEGIES``): the entries earlier processes wrote under
+    ``key`` are added first (once per process), and where the work added entries, every entry
+    ``mine(table_key)`` says is under ``key`` is written back (those ``shareable`` says pickle)."""
+    name = key_of(("memo", kind, key), ()) if directory() is not None else None
+    if name is None:
+        yield
+        return
+    if name not in _READ_MEMOS:
+        _READ_MEMOS.add(name)
+        got = load(kind, name)
+        if isinstance(got, dict):
+            for k, v in got.items():
+                table.setdefault(k, v)
+    before = len(table)
+    yield
+    if len(table) != before:
+        save(kind, name, {k: v for k, v in table.items() if mine(k) and shareable(v)})

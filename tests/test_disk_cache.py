@@ -1,0 +1,165 @@
+"""The capture cache's entries on disk (autopar/disk_cache.py): another process (another hash
+seed) reads the traces and compiles the same program, and says so in its report; a file the
+trace ran code from, edited since, is traced again with the new code; what has no name that holds
+across processes (a class made in a function, an object compared by identity) has no key on disk."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from torch import nn
+
+from autopar import capture_cache as cc
+from autopar import disk_cache as disk
+from autopar.capture import capture_graph
+
+_JOB = r'''
+import hashlib, json
+import autopar
+from autopar import disk_cache
+from autopar.mesh import fake_mesh
+from autopar.testing import build_model
+
+model, batches, loss_fn = build_model("hf_llama")
+with fake_mesh({"dp": 2, "tp": 2}, 0) as mesh:
+    pm = autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn,
+                         plan={"dp": "fsdp", "tp": "megatron"})
+    text = "\n".join(f"{n.name} {n.op} {n.target} {n.args} {n.meta.get('val')}" for n in pm.program.local.graph.nodes)
+    print(json.dumps({"stats": disk_cache.STATS, "program": hashlib.sha1(text.encode()).hexdigest(),
+                      "report": pm.report()}))
+'''
+
+
+def _job(tmp_path, seed: int) -> dict:
+    env = {**os.environ, "AUTOPAR_CACHE_DIR": str(tmp_path), "PYTHONHASHSEED": str(seed)}
+    env.pop("AUTOPAR_DISK_CACHE", None)
+    out = subprocess.run([sys.executable, "-c", _JOB], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_another_process_reads_the_traces_and_compiles_the_same_program(tmp_path):
+    # (two hash seeds: a value a process derives from a string's hash, as Hugging Face's
+    # GenerationConfig keeps its own, must not make the key differ)
+    first = _job(tmp_path, 1)
+    assert first["stats"] == {"capture written": 1, "joint written": 1, "strategies written": 1}, first["stats"]
+    assert "trace cache" not in first["report"]
+    second = _job(tmp_path, 2)
+    assert second["stats"] == {"capture read": 1, "joint read": 1, "strategies read": 1}, second["stats"]
+    assert second["program"] == first["program"]
+    assert (f"read from autopar's trace cache ({tmp_path / 'traces-1'}), made by an earlier process from the same "
+            "model, code and torch: dynamo's capture, the joint graph, DTensor's strategies") in second["report"]
+
+
+def _fresh(monkeypatch, tmp_path, on: bool = True):
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("AUTOPAR_DISK_CACHE", "1" if on else "0")
+    cc.clear()  # (as a new process: nothing in memory)
+    disk.STATS.clear()
+
+
+def _helper():
+    return sys.modules["autopar_disk_cache_helper"]
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _helper().scale(self.lin(x))  # (code in another file, reached through a global)
+
+
+def _loss(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def _constants(gm) -> set:
+    return {a for n in gm.graph.nodes for a in n.args if isinstance(a, float)}
+
+
+def test_a_file_the_trace_ran_edited_since_is_traced_again(tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    src.mkdir()
+    helper = src / "autopar_disk_cache_helper.py"
+    helper.write_text("def scale(x):\n    return x * 2.0\n")
+    monkeypatch.syspath_prepend(str(src))
+    monkeypatch.setitem(sys.modules, "autopar_disk_cache_helper", importlib.import_module("autopar_disk_cache_helper"))
+    inputs = (torch.randn(2, 8), torch.randn(2, 8))
+
+    _fresh(monkeypatch, tmp_path, on=False)
+    capture_graph(_Scaled(), inputs, _loss)
+    assert not (tmp_path / "cache").exists()  # (switched off: nothing written)
+
+    _fresh(monkeypatch, tmp_path)
+    assert 2.0 in _constants(capture_graph(_Scaled(), inputs, _loss))
+    assert disk.STATS == {"capture written": 1}
+    _fresh(monkeypatch, tmp_path)
+    assert 2.0 in _constants(capture_graph(_Scaled(), inputs, _loss))
+    assert disk.STATS == {"capture read": 1}
+
+    helper.write_text("def scale(x):\n    return x * 3.25\n")
+    importlib.reload(sys.modules["autopar_disk_cache_helper"])
+    _fresh(monkeypatch, tmp_path)
+    got = _constants(capture_graph(_Scaled(), inputs, _loss))
+    assert 3.25 in got and 2.0 not in got
+    assert disk.STATS == {"capture stale": 1, "capture written": 1}
+
+
+def test_what_has_no_name_across_processes_has_no_key_on_disk():
+    from autopar.capture import _WithLoss
+
+    def make(k: float):
+        class Local(nn.Module):  # (its body could close over anything: ``k`` here; no attribute holds it)
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(8, 8)
+
+            def forward(self, x):
+                return self.lin(x) * k
+
+        return Local()
+
+    inputs = (torch.randn(2, 8), torch.randn(2, 8))
+
+    def key(model):
+        return disk.key_of(*cc.module_key("capture", _WithLoss(model, _loss, None), inputs, False))
+
+    assert key(_Scaled()) is not None and key(_Scaled()) == key(_Scaled())
+    assert key(make(2.0)) is None
+    held = _Scaled()
+    held.__dict__["other"] = nn.Linear(2, 2)  # (a module held as a plain attribute: compared by identity)
+    assert key(held) is None
+
+
+@torch.library.custom_op("autopar_test_disk::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class _Custom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _twice(self.lin(x))
+
+
+def test_a_graph_with_a_users_custom_op_is_not_written(tmp_path, monkeypatch):
+    # (its fake kernel and backward live in a file no key names: a change there would go unseen)
+    _fresh(monkeypatch, tmp_path)
+    capture_graph(_Custom(), (torch.randn(2, 8), torch.randn(2, 8)), _loss)
+    assert disk.STATS == {"capture custom op": 1}
+    assert not list((tmp_path / "cache").glob("traces-*/capture/*"))
