@@ -24,7 +24,8 @@ What makes a hit mean the same trace (a wrong hit would be a wrong program):
   the entry by content digest and compared when it is read: a file edited since is a miss, and
   the trace is made again.
 - No operator of a namespace torch or autopar does not define (a user's custom op: its fake
-  kernel and backward live in a file no key names): such a graph is not written.
+  kernel, backward and any sharding rule live in a file no key names): such a graph, and
+  DTensor's answer for such an op, is not written.
 
 Not covered (as in the in-process cache): a global the model's code reads that was changed at
 run time rather than in a file (a registry filled by the user's script, an environment variable
@@ -217,12 +218,17 @@ _OWN_OPS = frozenset({"aten", "prims", "prim", "_c10d_functional", "_c10d_functi
                       "onednn", "inductor", "profiler", "export", "_native", "autopar", "demo_unruled"})
 
 
+def own_op(target) -> bool:
+    """Whether ``target`` is not an operator, or one of a namespace torch or autopar defines."""
+    if not isinstance(target, (tc.OpOverload, tc.OpOverloadPacket)):
+        return True
+    return str(target).split(".")[0] in _OWN_OPS
+
+
 def _foreign_op(template) -> str | None:
     for n in getattr(getattr(template, "graph", None), "nodes", ()):
-        if n.op == "call_function" and isinstance(n.target, (tc.OpOverload, tc.OpOverloadPacket)):
-            ns = str(n.target).split(".")[0]
-            if ns not in _OWN_OPS:
-                return str(n.target)
+        if n.op == "call_function" and not own_op(n.target):
+            return str(n.target)
     return None
 
 

@@ -64,12 +64,13 @@ def propagate_pass(program: Program, ctx) -> Program:
     # the ranks of a real process group ask DTensor the same questions: one asks, the others take
     # its answers from the store (autopar/trace_share.py; none that carries code)
     # and another process's answers, kept on disk (autopar/disk_cache.py), under the prefix of
-    # ``_dtensor_rule``'s keys: the mesh's axis sizes and sequence-parallel axes
+    # ``_dtensor_rule``'s keys (the mesh's axis sizes and sequence-parallel axes); not those for a
+    # user's custom op (its sharding strategy is registered in a file no key names)
     prefix = (tuple(ctx.axis_sizes), tuple(sequence_axes(ctx)))
     with trace_share.memo("strategies", lambda: ("strategies", tuple(ctx.axis_sizes), str(graph)),
                           _SHARED_STRATEGIES, lambda res: res.impl is None), \
-            disk_cache.memo("strategies", prefix, _SHARED_STRATEGIES, lambda k: k[:2] == prefix,
-                            lambda res: res.impl is None):
+            disk_cache.memo("strategies", prefix, _SHARED_STRATEGIES,
+                            lambda k: k[:2] == prefix and disk_cache.own_op(k[2][0]), lambda res: res.impl is None):
         _propagate_nodes(program, ctx, seq)
     return program
 

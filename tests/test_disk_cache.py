@@ -19,37 +19,51 @@ from autopar import disk_cache as disk
 from autopar.capture import capture_graph
 
 _JOB = r'''
-import hashlib, json
-import autopar
+import json
 from autopar import disk_cache
-from autopar.mesh import fake_mesh
 from autopar.testing import build_model
+import test_disk_cache as t
 
 model, batches, loss_fn = build_model("hf_llama")
-with fake_mesh({"dp": 2, "tp": 2}, 0) as mesh:
-    pm = autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn,
-                         plan={"dp": "fsdp", "tp": "megatron"})
-    text = "\n".join(f"{n.name} {n.op} {n.target} {n.args} {n.meta.get('val')}" for n in pm.program.local.graph.nodes)
-    print(json.dumps({"stats": disk_cache.STATS, "program": hashlib.sha1(text.encode()).hexdigest(),
-                      "report": pm.report()}))
+print(json.dumps({"stats": disk_cache.STATS, **t.compiled(model, batches, loss_fn)}))
 '''
 
 
-def _job(tmp_path, seed: int) -> dict:
-    env = {**os.environ, "AUTOPAR_CACHE_DIR": str(tmp_path), "PYTHONHASHSEED": str(seed)}
-    env.pop("AUTOPAR_DISK_CACHE", None)
+def compiled(model, batches, loss_fn) -> dict:
+    """The model compiled on a fake dp=2 x tp=2 mesh: its per-rank program's digest and its report."""
+    import hashlib
+
+    import autopar
+    from autopar.mesh import fake_mesh
+
+    with fake_mesh({"dp": 2, "tp": 2}, 0) as mesh:
+        pm = autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn,
+                             plan={"dp": "fsdp", "tp": "megatron"})
+        text = "\n".join(f"{n.name} {n.op} {n.target} {n.args} {n.meta.get('val')}"
+                         for n in pm.program.local.graph.nodes)
+        return {"program": hashlib.sha1(text.encode()).hexdigest(), "report": pm.report()}
+
+
+def test_another_process_reads_the_traces_and_compiles_the_same_program(tmp_path, monkeypatch):
+    from autopar.passes import propagate
+    from autopar.testing import build_model
+
+    # this process traces (nothing in memory, an empty directory) and writes ...
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("AUTOPAR_DISK_CACHE", raising=False)
+    monkeypatch.setattr(propagate, "_SHARED_STRATEGIES", {})
+    monkeypatch.setattr(disk, "_READ_MEMOS", set())
+    cc.clear()
+    disk.STATS.clear()
+    first = compiled(*build_model("hf_llama"))
+    assert disk.STATS == {"capture written": 1, "joint written": 1, "strategies written": 1}, disk.STATS
+    assert "trace cache" not in first["report"]
+    # ... and another, with another hash seed (a value a process derives from a string's hash, as
+    # Hugging Face's GenerationConfig keeps its own, must not make the key differ), reads
+    env = {**os.environ, "PYTHONHASHSEED": "7", "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__)] + sys.path)}
     out = subprocess.run([sys.executable, "-c", _JOB], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def test_another_process_reads_the_traces_and_compiles_the_same_program(tmp_path):
-    # (two hash seeds: a value a process derives from a string's hash, as Hugging Face's
-    # GenerationConfig keeps its own, must not make the key differ)
-    first = _job(tmp_path, 1)
-    assert first["stats"] == {"capture written": 1, "joint written": 1, "strategies written": 1}, first["stats"]
-    assert "trace cache" not in first["report"]
-    second = _job(tmp_path, 2)
+    second = json.loads(out.stdout.strip().splitlines()[-1])
     assert second["stats"] == {"capture read": 1, "joint read": 1, "strategies read": 1}, second["stats"]
     assert second["program"] == first["program"]
     assert (f"read from autopar's trace cache ({tmp_path / 'traces-1'}), made by an earlier process from the same "
@@ -148,6 +162,9 @@ def _(x):
     return torch.empty_like(x)
 
 
+_twice.register_autograd(lambda ctx, grad: grad * 2)
+
+
 class _Custom(nn.Module):
     def __init__(self):
         super().__init__()
@@ -163,3 +180,20 @@ def test_a_graph_with_a_users_custom_op_is_not_written(tmp_path, monkeypatch):
     capture_graph(_Custom(), (torch.randn(2, 8), torch.randn(2, 8)), _loss)
     assert disk.STATS == {"capture custom op": 1}
     assert not list((tmp_path / "cache").glob("traces-*/capture/*"))
+    # nor DTensor's answer for it (a rule the user registers for it lives in such a file too)
+    import pickle
+
+    import autopar
+    from autopar import trace_share
+    from autopar.mesh import fake_mesh
+    from autopar.passes import propagate
+
+    monkeypatch.setattr(propagate, "_SHARED_STRATEGIES", {})
+    monkeypatch.setattr(disk, "_READ_MEMOS", set())
+    with fake_mesh({"dp": 2, "tp": 2}, 0) as mesh:
+        autopar.compile(_Custom(), mesh, example_inputs=(torch.randn(4, 8), torch.randn(4, 8)), loss_fn=_loss,
+                        plan={"dp": "ddp", "tp": "megatron"})
+    asked = {str(k[2][0]) for k in propagate._SHARED_STRATEGIES}
+    files = (tmp_path / "cache").glob("traces-*/strategies/*")
+    kept = {str(k[2][0]) for f in files for k in trace_share.decode(pickle.loads(f.read_bytes())["payload"])}
+    assert "autopar_test_disk.twice.default" in asked and kept and "autopar_test_disk.twice.default" not in kept
