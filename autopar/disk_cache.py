@@ -6,7 +6,8 @@ model, changes the mesh and plans it again, or restarts a training script, pays 
 new process: for Llama-3-8B's three planning blocks on this 2-core machine about 2.4 of the 7-8
 seconds of ``autopar plan``. This module writes each entry to a file and reads it back in
 another process, as torch's own FX graph and AOTAutograd caches do for their artifacts; and
-propagate's memo of DTensor's answers per mesh shape (keyed by everything an answer depends on).
+propagate's memo of DTensor's answers (keyed by everything an answer depends on), one file per
+graph and mesh shape holding the answers its propagation used.
 
 What makes a hit mean the same trace (a wrong hit would be a wrong program):
 
@@ -60,7 +61,7 @@ FORMAT = 1
 STATS: dict[str, int] = {}  # "KIND read" / "KIND written" / "KIND stale" (a file changed) / "KIND unnamed"
 _FILES: dict[str, tuple[int, int, str]] = {}  # path -> (mtime_ns, size, content digest)
 _MAX_ENTRY = 512 << 20  # an entry larger than this is not written
-_READ_MEMOS: set[str] = set()  # the memo files this process has read
+_READ_MEMOS: dict[str, dict] = {}  # the memo files this process has read or written: their entries
 _NOTED: contextvars.ContextVar[tuple] = contextvars.ContextVar("autopar_disk_reads", default=())
 WHAT = {"capture": "dynamo's capture", "joint": "the joint graph", "forward": "the forward program",
         "strategies": "DTensor's strategies"}
@@ -354,22 +355,26 @@ def _prune(root: Path) -> None:
 
 
 @contextlib.contextmanager
-def memo(kind: str, key, table: dict, mine, shareable=lambda value: True):
-    """Around work that fills ``table``, a memo keyed by everything its answers depend on (DTensor's
-    strategies: propagate's ``_SHARED_STRATEGIES``): the entries earlier processes wrote under
-    ``key`` are added first (once per process), and where the work added entries, every entry
-    ``mine(table_key)`` says is under ``key`` is written back (those ``shareable`` says pickle)."""
+def memo(kind: str, key, table: dict, keep=lambda table_key, value: True):
+    """Around work that reads and fills ``table``, a memo keyed by everything its answers depend on
+    (DTensor's strategies: propagate's ``_SHARED_STRATEGIES``), for one piece of work (``key``:
+    the mesh's shape and the graph). Before it, the entries an earlier process wrote under ``key``
+    are added to ``table``; the work adds each table key it reads or writes to the set this
+    yields; after it, where it used one the file lacks, the file is written again with the entries
+    it had and those used (those ``keep`` allows: pickled, and named by nothing a key misses)."""
+    used: set = set()
     name = key_of(("memo", kind, key), ()) if directory() is not None else None
     if name is None:
-        yield
+        yield used
         return
-    if name not in _READ_MEMOS:
-        _READ_MEMOS.add(name)
+    had = _READ_MEMOS.get(name)
+    if had is None:
         got = load(kind, name)
-        if isinstance(got, dict):
-            for k, v in got.items():
-                table.setdefault(k, v)
-    before = len(table)
-    yield
-    if len(table) != before:
-        save(kind, name, {k: v for k, v in table.items() if mine(k) and shareable(v)})
+        had = _READ_MEMOS[name] = got if isinstance(got, dict) else {}
+        for k, v in had.items():
+            table.setdefault(k, v)
+    yield used
+    new = {k: table[k] for k in used if k not in had and k in table and keep(k, table[k])}
+    if new:
+        had.update(new)
+        save(kind, name, had)

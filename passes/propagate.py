@@ -63,16 +63,19 @@ def propagate_pass(program: Program, ctx) -> Program:
     check_expert_parallel(program, ctx)  # expert weights sharded over ep are computed by the expert op
     # the ranks of a real process group ask DTensor the same questions: one asks, the others take
     # its answers from the store (autopar/trace_share.py; none that carries code)
-    # and another process's answers, kept on disk (autopar/disk_cache.py), under the prefix of
-    # ``_dtensor_rule``'s keys (the mesh's axis sizes and sequence-parallel axes); not those for a
-    # user's custom op (its sharding strategy is registered in a file no key names)
-    prefix = (tuple(ctx.axis_sizes), tuple(sequence_axes(ctx)))
+    # and another process's answers for this graph on a mesh of this shape, kept on disk
+    # (autopar/disk_cache.py); not those for a user's custom op (a sharding rule for it is
+    # registered in a file no key names)
     with trace_share.memo("strategies", lambda: ("strategies", tuple(ctx.axis_sizes), str(graph)),
                           _SHARED_STRATEGIES, lambda res: res.impl is None), \
-            disk_cache.memo("strategies", prefix, _SHARED_STRATEGIES,
-                            lambda k: k[:2] == prefix and disk_cache.own_op(k[2][0]), lambda res: res.impl is None):
+            disk_cache.memo("strategies", (tuple(ctx.axis_sizes), tuple(sequence_axes(ctx)), str(graph)),
+                            _SHARED_STRATEGIES, _kept_on_disk) as used, setting(_USED, used):
         _propagate_nodes(program, ctx, seq)
     return program
+
+
+def _kept_on_disk(key, res: RuleResult) -> bool:
+    return res.impl is None and disk_cache.own_op(key[2][0])
 
 
 def _propagate_nodes(program: Program, ctx, seq: SequenceDims) -> None:
@@ -272,6 +275,8 @@ def _cache_key(n: fx.Node, read_as):
 # its sequence-parallel axes (``partials.partial_through_a_copy`` reads them) and _cache_key's
 # key, which is everything else the answer depends on; bounded, emptied when full
 _SHARED_STRATEGIES: dict = {}
+# the keys of it this propagate read or wrote (autopar/disk_cache.py writes those to disk)
+_USED: contextvars.ContextVar[set | None] = contextvars.ContextVar("autopar_strategies_used", default=None)
 _SHARED_MAX = 200_000
 
 
@@ -283,6 +288,9 @@ def _dtensor_rule(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResult:
         return cache[k]
     gk = (tuple(ctx.axis_sizes), tuple(sequence_axes(ctx)), k) if k is not None and shareable else None
     res = _SHARED_STRATEGIES.get(gk) if gk is not None else None
+    used = _USED.get() if gk is not None else None
+    if used is not None:
+        used.add(gk)
     if res is None:
         res = _dtensor_rule_uncached(n, in_specs, ctx, read_as)
         if gk is not None:

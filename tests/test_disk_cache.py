@@ -52,7 +52,7 @@ def test_another_process_reads_the_traces_and_compiles_the_same_program(tmp_path
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("AUTOPAR_DISK_CACHE", raising=False)
     monkeypatch.setattr(propagate, "_SHARED_STRATEGIES", {})
-    monkeypatch.setattr(disk, "_READ_MEMOS", set())
+    monkeypatch.setattr(disk, "_READ_MEMOS", {})
     cc.clear()
     disk.STATS.clear()
     first = compiled(*build_model("hf_llama"))
@@ -189,7 +189,7 @@ def test_a_graph_with_a_users_custom_op_is_not_written(tmp_path, monkeypatch):
     from autopar.passes import propagate
 
     monkeypatch.setattr(propagate, "_SHARED_STRATEGIES", {})
-    monkeypatch.setattr(disk, "_READ_MEMOS", set())
+    monkeypatch.setattr(disk, "_READ_MEMOS", {})
     with fake_mesh({"dp": 2, "tp": 2}, 0) as mesh:
         autopar.compile(_Custom(), mesh, example_inputs=(torch.randn(4, 8), torch.randn(4, 8)), loss_fn=_loss,
                         plan={"dp": "ddp", "tp": "megatron"})
