@@ -434,8 +434,9 @@ def forward_later(model: nn.Module, example_inputs: tuple, compute_dtype: torch.
     from autopar import capture_cache as cc
 
     # (the key needs the model as compiled: the stand-ins' values cannot be fingerprinted)
-    key = cc.module_key("forward", _WithLoss(model, None, compute_dtype), example_inputs, dropless) \
-        if cc.enabled() else None
+    # (and the device it traces on: a planning compile's stand-ins are on meta)
+    key = cc.module_key("forward", _WithLoss(model, None, compute_dtype), example_inputs, dropless,
+                        ("later", str(device))) if cc.enabled() else None
     metas = [torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x for x in example_inputs]
     training, grad = model.training, torch.is_grad_enabled()
 

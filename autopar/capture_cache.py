@@ -164,11 +164,11 @@ class _Fingerprint:
         self.memo[id(obj)] = ("cycle", id(obj))
         if isinstance(obj, (list, tuple)):
             out = (type(obj).__name__, tuple(self.value(x, depth + 1) for x in obj))
-        elif isinstance(obj, (set, frozenset)):
-            out = (type(obj).__name__, tuple(sorted(repr(self.value(x, depth + 1)) for x in obj)))
+        elif isinstance(obj, (set, frozenset)):  # (ordered by their text; kept as values: disk_cache names them)
+            out = (type(obj).__name__, tuple(sorted((self.value(x, depth + 1) for x in obj), key=repr)))
         elif isinstance(obj, dict):
-            out = (type(obj).__name__, tuple(sorted(((repr(self.value(k, depth + 1)), self.value(v, depth + 1))
-                                                     for k, v in obj.items()), key=lambda kv: kv[0])))
+            out = (type(obj).__name__, tuple(sorted(((self.value(k, depth + 1), self.value(v, depth + 1))
+                                                     for k, v in obj.items()), key=lambda kv: repr(kv[0]))))
         elif hasattr(obj, "__dict__"):
             attrs = vars(obj)
             own = _own_hash(obj, attrs)
@@ -215,8 +215,9 @@ def _filled(cell) -> bool:
 
 
 def _globals() -> tuple:
-    return (str(torch.get_default_dtype()), torch.is_grad_enabled(), torch.are_deterministic_algorithms_enabled(),
-            torch.is_autocast_enabled("cpu"))
+    autocast = tuple((d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))) for d in ("cpu", "cuda"))
+    return (str(torch.get_default_dtype()), str(torch.get_default_device()), torch.is_grad_enabled(),
+            torch.are_deterministic_algorithms_enabled(), autocast)
 
 
 def _inputs(fp: _Fingerprint, inputs) -> tuple:
@@ -330,9 +331,11 @@ def graph_key(gm: fx.GraphModule, model: nn.Module, inputs, *extra):
                 if not isinstance(t, torch.Tensor):
                     return None
                 attrs.append((n.target, names.get(id(t)), fp.tensor(t, values=id(t) not in names)))
-        # (a Python function the graph calls: its code decides the joint graph, the text names it only)
-        called = tuple(fp.value(n.target) for n in gm.graph.nodes
-                       if n.op == "call_function" and isinstance(n.target, types.FunctionType))
+        # (a Python function the graph calls, or an operator of a user's (also as a higher-order op's
+        # argument): its code decides the joint graph, the text names it only)
+        called = tuple(fp.value(t) for n in gm.graph.nodes if n.op == "call_function"
+                       for t in (n.target, *n.args, *n.kwargs.values())
+                       if isinstance(t, types.FunctionType) or not disk.own_op(t))
         key = ("joint", str(gm.graph), tuple(attrs), called, _inputs(fp, inputs), tuple(fp.value(x) for x in extra),
                _globals())
     except Exception:  # noqa: BLE001 - as module_key

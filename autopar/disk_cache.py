@@ -25,12 +25,21 @@ What makes a hit mean the same trace (a wrong hit would be a wrong program):
   the entry by content digest and compared when it is read: a file edited since is a miss, and
   the trace is made again.
 - No operator of a namespace torch or autopar does not define (a user's custom op: its fake
-  kernel, backward and any sharding rule live in a file no key names): such a graph, and
-  DTensor's answer for such an op, is not written.
+  kernel, backward, decomposition and any sharding rule live in a file no key names): a graph
+  that calls one (or hands one to a higher-order op), a joint graph traced from such a graph,
+  and DTensor's answer for such an op are not written.
+- No file modified after this process started (a class's, a traced file, autopar's own): the
+  process runs the code it loaded, which such a file may no longer say; an entry that names one
+  is not read either.
+- The global switches a trace reads (default dtype and device, grad mode, deterministic
+  algorithms, autocast on CPU and CUDA with its dtype), as in the in-process key; DTensor's
+  answers also by the mesh's device type and devices per host.
 
-Not covered (as in the in-process cache): a global the model's code reads that was changed at
-run time rather than in a file (a registry filled by the user's script, an environment variable
-read at import). ``AUTOPAR_DISK_CACHE=0`` switches the disk off (``AUTOPAR_CAPTURE_CACHE=0``
+Not covered: what the model's code reads that is neither in a file nor in the key: an
+environment variable, a global or registry the user's script sets at run time (transformers'
+attention registry), torch's dynamo / functorch config changed by the script. Within one process
+these are the same for every compile; across processes they may not be: a model that depends on
+one should run with the disk off. ``AUTOPAR_DISK_CACHE=0`` switches the disk off (``AUTOPAR_CAPTURE_CACHE=0``
 switches off both); ``AUTOPAR_CACHE_DIR`` says where (default ``~/.cache/autopar``, as for
 kernels/choice.py's measured kernels; the traces in its ``traces-1``), kept under
 ``AUTOPAR_CACHE_MAX_MB`` (1024), the least recently read files deleted first. Entries are
@@ -70,6 +79,8 @@ WHAT = {"capture": "dynamo's capture", "joint": "the joint graph", "forward": "t
 def directory() -> Path | None:
     if os.environ.get("AUTOPAR_DISK_CACHE", "1").lower() in ("0", "false", "off", "no"):
         return None
+    if _STARTED_AT[0] == float("inf"):
+        _STARTED_AT[0] = _started()
     # (where kernels/choice.py keeps its measured kernel choices too)
     root = os.environ.get("AUTOPAR_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "autopar")
     return Path(root) / f"traces-{FORMAT}"
@@ -79,14 +90,34 @@ def _count(what: str) -> None:
     STATS[what] = STATS.get(what, 0) + 1
 
 
+@functools.lru_cache(maxsize=1)
+def _started() -> float:
+    """When this process started (Linux: /proc; elsewhere, when the cache was first used: a file
+    edited between the start and then would be missed there)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        # (btime is whole seconds, rounded down: this is at or before the true start, so a file
+        # edited after the start is never taken for one edited before it)
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
 def file_digest(path: str | None) -> str | None:
-    """The content digest of ``path`` (None: no such file), computed again only when its size or
-    modification time changed."""
+    """The content digest of ``path``, computed again only when its size or modification time
+    changed; None where there is no such file, or it was modified after this process started
+    (the code this process runs may be the file as it was before: neither side of a disk entry
+    can vouch for it)."""
     if not path:
         return None
     try:
         st = os.stat(path)
     except OSError:
+        return None
+    if st.st_mtime > _STARTED_AT[0]:
         return None
     got = _FILES.get(path)
     if got is not None and got[:2] == (st.st_mtime_ns, st.st_size):
@@ -101,7 +132,7 @@ def file_digest(path: str | None) -> str | None:
 
 
 @functools.lru_cache(maxsize=1)
-def _own_source() -> str:
+def _own_source() -> str:  # (raises _Unnamed, each time, where a file changed since the start)
     """A digest of every autopar source file (its packages where they live: an editable install
     keeps ``autopar.passes`` and ``autopar.kernels`` beside ``autopar``)."""
     import importlib.util
@@ -114,9 +145,15 @@ def _own_source() -> str:
     files = {p.resolve() for r in roots for p in r.rglob("*.py")}
     h = hashlib.blake2b(digest_size=16)
     for p in sorted(files):
+        d = file_digest(str(p))
+        if d is None:  # (edited since this process started: its code may be the file as it was)
+            raise _Unnamed
         h.update(p.name.encode())
-        h.update(p.read_bytes())
+        h.update(d.encode())
     return h.hexdigest()
+
+
+_STARTED_AT = [float("inf")]  # set by ``directory()``'s first caller: _started()
 
 
 def _versions() -> tuple:
@@ -156,14 +193,17 @@ def _name(obj) -> tuple | None:
             return None
         return ("class", obj.__module__, qual, file_digest(f))
     if isinstance(obj, types.FunctionType):
-        return ("function", obj.__module__, qual, _code(obj.__code__), file_digest(obj.__code__.co_filename),
-                _plain(obj.__defaults__), _plain(obj.__kwdefaults__))
+        f = file_digest(obj.__code__.co_filename)
+        if f is None:
+            return None
+        return ("function", obj.__module__, qual, _code(obj.__code__), f, _plain(obj.__defaults__),
+                _plain(obj.__kwdefaults__))
     if isinstance(obj, types.BuiltinFunctionType):
         return ("builtin", getattr(obj, "__module__", None), qual)
     if isinstance(obj, types.ModuleType):
         return ("module", obj.__name__, file_digest(getattr(obj, "__file__", None)))
     if isinstance(obj, (tc.OpOverload, tc.OpOverloadPacket)):
-        return ("op", str(obj))
+        return ("op", str(obj)) if own_op(obj) else None  # (a user's op: its code is in no key)
     return None
 
 
@@ -183,7 +223,7 @@ def key_of(key, refs) -> str | None:
     it is compared by identity and has no name that holds across processes."""
     try:
         names = {id(r): _name(r) for r in refs}
-    except _Unnamed:
+    except Exception:  # noqa: BLE001 - _Unnamed, or a default whose repr raises: no name, no file
         return None
     order: dict[int, int] = {}
 
@@ -201,7 +241,7 @@ def key_of(key, refs) -> str | None:
 
     try:
         text = repr((walk(key), _versions()))
-    except _Unnamed:
+    except Exception:  # noqa: BLE001 - as above
         return None
     if re.search(r" at 0x[0-9a-f]+", text):
         return None
@@ -226,16 +266,21 @@ def own_op(target) -> bool:
     return str(target).split(".")[0] in _OWN_OPS
 
 
-def _foreign_op(template) -> str | None:
-    for n in getattr(getattr(template, "graph", None), "nodes", ()):
-        if n.op == "call_function" and not own_op(n.target):
-            return str(n.target)
+def foreign_op(graph) -> str | None:
+    """An operator ``graph`` calls (or hands to a higher-order op) that torch and autopar do not
+    define, or None."""
+    for n in getattr(graph, "nodes", ()):
+        if n.op != "call_function":
+            continue
+        for t in (n.target, *n.args, *n.kwargs.values()):
+            if not own_op(t):
+                return str(t)
     return None
 
 
-def _files_of(template) -> dict[str, str]:
+def _files_of(template) -> dict[str, str] | None:
     """The files the trace ran code from (its nodes' stack traces, and the Python functions the
-    graph calls), by content digest."""
+    graph calls), by content digest; None where one was modified after this process started."""
     graph = getattr(template, "graph", None)
     files: set[str] = set()
     for n in getattr(graph, "nodes", ()):
@@ -249,6 +294,8 @@ def _files_of(template) -> dict[str, str]:
         d = file_digest(f)
         if d is not None:
             out[f] = d
+        elif os.path.isfile(f):  # (not "<string>" or a frozen module: a file changed since the start)
+            return None
     return out
 
 
@@ -271,7 +318,7 @@ def load(kind: str, name: str | None):
         entry = pickle.loads(data)
         if entry.get("format") != FORMAT:
             return None
-        if any(file_digest(f) != d for f, d in entry["files"].items()):
+        if any(file_digest(f) != d for f, d in entry["files"].items()):  # (None: changed since this process began)
             _count(f"{kind} stale")
             return None
         from autopar import trace_share
@@ -317,14 +364,19 @@ def save(kind: str, name: str | None, template) -> None:
         return
     from autopar import trace_share
 
-    if _foreign_op(template) is not None:
+    if foreign_op(getattr(template, "graph", None)) is not None:
         _count(f"{kind} custom op")
+        return
+    files = _files_of(template)
+    if files is None:
+        _count(f"{kind} edited")
         return
     payload = trace_share.encode(template)
     if payload is None or len(payload) > _MAX_ENTRY:
         return
-    data = pickle.dumps({"format": FORMAT, "files": _files_of(template), "payload": payload, "made": time.time()},
+    data = pickle.dumps({"format": FORMAT, "files": files, "payload": payload, "made": time.time()},
                         protocol=pickle.HIGHEST_PROTOCOL)
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
@@ -332,6 +384,9 @@ def save(kind: str, name: str | None, template) -> None:
             f.write(data)
         os.replace(tmp, path)
     except OSError:  # (a read-only or full disk: the compile goes on; nothing is kept)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         return
     _count(f"{kind} written")
     _prune(path.parent.parent)
@@ -352,6 +407,11 @@ def _prune(root: Path) -> None:
             total -= s.st_size
         except OSError:
             pass
+
+
+def forget_memos() -> None:
+    """The memo files this process read count as unread (their entries left the memo)."""
+    _READ_MEMOS.clear()
 
 
 @contextlib.contextmanager

@@ -68,14 +68,14 @@ def propagate_pass(program: Program, ctx) -> Program:
     # registered in a file no key names)
     with trace_share.memo("strategies", lambda: ("strategies", tuple(ctx.axis_sizes), str(graph)),
                           _SHARED_STRATEGIES, lambda res: res.impl is None), \
-            disk_cache.memo("strategies", (tuple(ctx.axis_sizes), tuple(sequence_axes(ctx)), str(graph)),
+            disk_cache.memo("strategies", (_memo_prefix(ctx), str(graph)),
                             _SHARED_STRATEGIES, _kept_on_disk) as used, setting(_USED, used):
         _propagate_nodes(program, ctx, seq)
     return program
 
 
 def _kept_on_disk(key, res: RuleResult) -> bool:
-    return res.impl is None and disk_cache.own_op(key[2][0])
+    return res.impl is None and disk_cache.own_op(key[1][0])
 
 
 def _propagate_nodes(program: Program, ctx, seq: SequenceDims) -> None:
@@ -271,13 +271,23 @@ def _cache_key(n: fx.Node, read_as):
 
 
 # DTensor's answers shared by every compile in the process (the tests' pools compile the same
-# blocks under the same plans many times; so does a planner): keyed by the mesh's axis sizes,
-# its sequence-parallel axes (``partials.partial_through_a_copy`` reads them) and _cache_key's
-# key, which is everything else the answer depends on; bounded, emptied when full
+# blocks under the same plans many times; so does a planner): keyed by ``_memo_prefix`` (the
+# mesh) and _cache_key's key, which is everything else the answer depends on; bounded, emptied
+# when full
 _SHARED_STRATEGIES: dict = {}
 # the keys of it this propagate read or wrote (autopar/disk_cache.py writes those to disk)
 _USED: contextvars.ContextVar[set | None] = contextvars.ContextVar("autopar_strategies_used", default=None)
 _SHARED_MAX = 200_000
+
+
+def _memo_prefix(ctx) -> tuple:
+    """What a DTensor answer depends on beyond ``_cache_key``: the mesh's axis sizes, its
+    sequence-parallel axes (``partials.partial_through_a_copy`` reads them), and its device type
+    with the devices per host (DTensor's redistribution costs read the host's topology)."""
+    kind = ctx.mesh.device_type
+    module = getattr(torch, kind, None)
+    per_host = module.device_count() if kind not in ("cpu", "meta") and hasattr(module, "device_count") else 1
+    return (tuple(ctx.axis_sizes), tuple(sequence_axes(ctx)), kind, per_host)
 
 
 def _dtensor_rule(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResult:
@@ -286,7 +296,7 @@ def _dtensor_rule(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResult:
     k, shareable = _cache_key(n, read_as) if cache is not None else (None, False)
     if k is not None and k in cache:
         return cache[k]
-    gk = (tuple(ctx.axis_sizes), tuple(sequence_axes(ctx)), k) if k is not None and shareable else None
+    gk = (_memo_prefix(ctx), k) if k is not None and shareable else None
     res = _SHARED_STRATEGIES.get(gk) if gk is not None else None
     used = _USED.get() if gk is not None else None
     if used is not None:
@@ -296,6 +306,7 @@ def _dtensor_rule(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResult:
         if gk is not None:
             if len(_SHARED_STRATEGIES) >= _SHARED_MAX:
                 _SHARED_STRATEGIES.clear()
+                disk_cache.forget_memos()  # (what it read from disk is gone too: read again when asked)
             _SHARED_STRATEGIES[gk] = res
     if k is not None:
         cache[k] = res

@@ -98,13 +98,29 @@ def _constants(gm) -> set:
     return {a for n in gm.graph.nodes for a in n.args if isinstance(a, float)}
 
 
-def test_a_file_the_trace_ran_edited_since_is_traced_again(tmp_path, monkeypatch):
+def _written(path, text: str, before_start: float | None) -> None:
+    """``text`` into ``path``, dated ``before_start`` seconds before this process began (a file as
+    another process would have found it) or now (None: an edit while this process runs)."""
+    path.write_text(text)
+    if before_start is not None:
+        disk.directory()  # (this process's start, read once)
+        t = disk._STARTED_AT[0] - before_start
+        os.utime(path, (t, t))
+
+
+def _helper_module(tmp_path, monkeypatch):
     src = tmp_path / "src"
     src.mkdir()
     helper = src / "autopar_disk_cache_helper.py"
-    helper.write_text("def scale(x):\n    return x * 2.0\n")
+    _written(helper, "def scale(x):\n    return x * 2.0\n", before_start=60)
     monkeypatch.syspath_prepend(str(src))
+    sys.modules.pop("autopar_disk_cache_helper", None)  # (an earlier test's, from its own directory)
     monkeypatch.setitem(sys.modules, "autopar_disk_cache_helper", importlib.import_module("autopar_disk_cache_helper"))
+    return helper
+
+
+def test_a_file_the_trace_ran_edited_since_is_traced_again(tmp_path, monkeypatch):
+    helper = _helper_module(tmp_path, monkeypatch)
     inputs = (torch.randn(2, 8), torch.randn(2, 8))
 
     _fresh(monkeypatch, tmp_path, on=False)
@@ -118,12 +134,27 @@ def test_a_file_the_trace_ran_edited_since_is_traced_again(tmp_path, monkeypatch
     assert 2.0 in _constants(capture_graph(_Scaled(), inputs, _loss))
     assert disk.STATS == {"capture read": 1}
 
-    helper.write_text("def scale(x):\n    return x * 3.25\n")
+    # edited between two processes (here: dated before this one, and loaded again)
+    _written(helper, "def scale(x):\n    return x * 3.25\n", before_start=30)
     importlib.reload(sys.modules["autopar_disk_cache_helper"])
     _fresh(monkeypatch, tmp_path)
     got = _constants(capture_graph(_Scaled(), inputs, _loss))
     assert 3.25 in got and 2.0 not in got
     assert disk.STATS == {"capture stale": 1, "capture written": 1}
+
+
+def test_a_file_edited_while_the_process_runs_is_neither_read_nor_written(tmp_path, monkeypatch):
+    # the process runs the code it loaded, which the file no longer says: an entry made from the
+    # file (by another process) is not this process's trace, nor is this process's trace the file's
+    helper = _helper_module(tmp_path, monkeypatch)
+    inputs = (torch.randn(2, 8), torch.randn(2, 8))
+    _fresh(monkeypatch, tmp_path)
+    capture_graph(_Scaled(), inputs, _loss)
+    assert disk.STATS == {"capture written": 1}
+    _written(helper, "def scale(x):\n    return x * 4.5\n", before_start=None)  # (not loaded again)
+    _fresh(monkeypatch, tmp_path)
+    assert 2.0 in _constants(capture_graph(_Scaled(), inputs, _loss))
+    assert disk.STATS == {"capture stale": 1, "capture edited": 1}
 
 
 def test_what_has_no_name_across_processes_has_no_key_on_disk():
@@ -193,7 +224,59 @@ def test_a_graph_with_a_users_custom_op_is_not_written(tmp_path, monkeypatch):
     with fake_mesh({"dp": 2, "tp": 2}, 0) as mesh:
         autopar.compile(_Custom(), mesh, example_inputs=(torch.randn(4, 8), torch.randn(4, 8)), loss_fn=_loss,
                         plan={"dp": "ddp", "tp": "megatron"})
-    asked = {str(k[2][0]) for k in propagate._SHARED_STRATEGIES}
+    asked = {str(k[1][0]) for k in propagate._SHARED_STRATEGIES}
     files = (tmp_path / "cache").glob("traces-*/strategies/*")
-    kept = {str(k[2][0]) for f in files for k in trace_share.decode(pickle.loads(f.read_bytes())["payload"])}
+    kept = {str(k[1][0]) for f in files for k in trace_share.decode(pickle.loads(f.read_bytes())["payload"])}
     assert "autopar_test_disk.twice.default" in asked and kept and "autopar_test_disk.twice.default" not in kept
+
+
+_LIB = torch.library.Library("autopar_test_disk2", "DEF")
+_LIB.define("scale(Tensor x) -> Tensor")
+_LIB.impl("scale", lambda x: x * 3.0, "CompositeImplicitAutograd")  # (decomposed into aten by AOTAutograd)
+
+
+class _Composite(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.ops.autopar_test_disk2.scale(self.lin(x))
+
+
+def test_a_joint_graph_made_from_a_users_op_is_not_written(tmp_path, monkeypatch):
+    # (its graph is all aten, but the op's Python code, in a file no key names, made it)
+    from autopar.capture import joint_program
+
+    _fresh(monkeypatch, tmp_path)
+    model, inputs = _Composite(), (torch.randn(2, 8), torch.randn(2, 8))
+    joint_program(capture_graph(model, inputs, _loss), inputs, model)
+    assert disk.STATS == {"capture custom op": 1}, disk.STATS
+    assert not list((tmp_path / "cache").glob("traces-*/*/*"))
+
+
+class _NoRepr:
+    def __repr__(self):
+        raise RuntimeError("no repr")
+
+
+def _loss_with_default(out, y, weight=_NoRepr()):
+    return _loss(out, y)
+
+
+def test_what_the_trace_reads_besides_the_model_is_in_the_key():
+    from autopar.capture import _WithLoss
+
+    inputs = (torch.randn(2, 8), torch.randn(2, 8))
+
+    def key(loss=_loss):
+        got = cc.module_key("capture", _WithLoss(_Scaled(), loss, None), inputs, False)
+        return disk.key_of(*got)
+
+    plain = key()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = key()
+    with torch.autocast("cpu", dtype=torch.float16):
+        fp16 = key()
+    assert len({plain, bf16, fp16}) == 3 and None not in {plain, bf16, fp16}
+    assert key(_loss_with_default) is None  # (a default that cannot be written: no key, no error)
