@@ -27,7 +27,8 @@ What makes a hit mean the same trace (a wrong hit would be a wrong program):
 - No operator of a namespace torch or autopar does not define (a user's custom op: its fake
   kernel, backward, decomposition and any sharding rule live in a file no key names): a graph
   that calls one (or hands one to a higher-order op), a joint graph traced from such a graph,
-  and DTensor's answer for such an op are not written.
+  and DTensor's answer for such an op are not written; nor is an answer autopar derived by
+  running an op (passes/propagate.py ``_kept_on_disk``: its limits can be set at run time).
 - No file modified after this process started (a class's, a traced file, autopar's own): the
   process runs the code it loaded, which such a file may no longer say; an entry that names one
   is not read either.
@@ -77,7 +78,8 @@ WHAT = {"capture": "dynamo's capture", "joint": "the joint graph", "forward": "t
 
 
 def directory() -> Path | None:
-    if os.environ.get("AUTOPAR_DISK_CACHE", "1").lower() in ("0", "false", "off", "no"):
+    off = ("0", "false", "off", "no")
+    if os.environ.get("AUTOPAR_DISK_CACHE", "1").lower() in off or os.environ.get("AUTOPAR_CAPTURE_CACHE") in off:
         return None
     if _STARTED_AT[0] == float("inf"):
         _STARTED_AT[0] = _started()

@@ -75,7 +75,11 @@ def propagate_pass(program: Program, ctx) -> Program:
 
 
 def _kept_on_disk(key, res: RuleResult) -> bool:
-    return res.impl is None and disk_cache.own_op(key[1][0])
+    """Which answers another process may read: not one that carries code, not one for a user's
+    op (a sharding rule for it lives in a file no key names), not a derived rule (it depends on
+    autopar/derived_rules.py's limits, which a caller may set at run time: the test that lowers
+    them read the default's answer from disk)."""
+    return res.impl is None and disk_cache.own_op(key[1][0]) and not res.name.startswith(DERIVED)
 
 
 def _propagate_nodes(program: Program, ctx, seq: SequenceDims) -> None:

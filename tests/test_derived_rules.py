@@ -52,6 +52,7 @@ def test_what_cannot_be_checked_is_replicated_with_the_reason(monkeypatch):
     monkeypatch.setattr(derived_rules, "MAX_ELEMENTS", 16)
     monkeypatch.setattr(derived_rules, "_CACHE", {})
     monkeypatch.setattr(propagate, "_SHARED_STRATEGIES", {})
+    monkeypatch.setenv("AUTOPAR_DISK_CACHE", "0")  # (DTensor asked anew: no answers from disk)
     model, batches, loss_fn = unruled.build()
     with fake_mesh({"dp": 2}, 0) as mesh:
         pm = autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn, plan={"dp": "ddp"},
@@ -72,6 +73,7 @@ def test_inputs_past_the_limit_are_checked_scaled_down(monkeypatch):
     monkeypatch.setattr(derived_rules, "_SMALL", 2)
     monkeypatch.setattr(derived_rules, "_CACHE", {})
     monkeypatch.setattr(propagate, "_SHARED_STRATEGIES", {})  # DTensor's answers shared by the process's compiles
+    monkeypatch.setenv("AUTOPAR_DISK_CACHE", "0")  # (DTensor asked anew: no answers from disk)
     model, batches, loss_fn = unruled.build()
     with fake_mesh({"dp": 2}, 0) as mesh:
         pm = autopar.compile(model, mesh, example_inputs=batches[0], loss_fn=loss_fn, plan={"dp": "ddp"},

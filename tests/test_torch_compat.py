@@ -34,6 +34,7 @@ def hide(monkeypatch):
     monkeypatch.setattr(capture_cache, "enabled", lambda: False)  # every case traces and propagates anew
     monkeypatch.setattr(record, "_CLASS", [])  # (the recorder's class looks its names up when made)
     monkeypatch.setattr(propagate, "_SHARED_STRATEGIES", {})
+    monkeypatch.setenv("AUTOPAR_DISK_CACHE", "0")  # (DTensor asked anew: no answers from disk)
     monkeypatch.setattr(localize, "_SIZE_FREE", {})
     asked: list[str] = []
 
@@ -350,6 +351,7 @@ def test_propagation_gives_dtensor_the_output_meta_of_the_trace(which, fake, mon
         else:
             (model, inputs, loss_fn), plan = getattr(foreign_models, which)(), {"dp": "zero2", "tp": "megatron"}
         monkeypatch.setattr(propagate, "_SHARED_STRATEGIES", {})
+        monkeypatch.setenv("AUTOPAR_DISK_CACHE", "0")  # (DTensor asked anew: no answers from disk)
         monkeypatch.setattr(propagate, "_known_output_meta", known)
         with fake(dp=2, tp=2) as mesh:
             pm = autopar.compile(model, mesh, example_inputs=inputs, loss_fn=loss_fn, plan=plan, capture_eval=False,
