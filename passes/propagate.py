@@ -64,8 +64,7 @@ def propagate_pass(program: Program, ctx) -> Program:
     # the ranks of a real process group ask DTensor the same questions: one asks, the others take
     # its answers from the store (autopar/trace_share.py; none that carries code)
     # and another process's answers for this graph on a mesh of this shape, kept on disk
-    # (autopar/disk_cache.py); not those for a user's custom op (a sharding rule for it is
-    # registered in a file no key names)
+    # (autopar/disk_cache.py; those ``_kept_on_disk`` allows)
     with trace_share.memo("strategies", lambda: ("strategies", tuple(ctx.axis_sizes), str(graph)),
                           _SHARED_STRATEGIES, lambda res: res.impl is None), \
             disk_cache.memo("strategies", (_memo_prefix(ctx), str(graph)),
