@@ -68,7 +68,8 @@ import torch
 from autopar import torch_compat as tc
 
 FORMAT = 1
-STATS: dict[str, int] = {}  # "KIND read" / "KIND written" / "KIND stale" (a file changed) / "KIND unnamed"
+# "KIND read" / "written" / "stale" (a file changed) / "unreadable" / "custom op" / "edited" (since the start)
+STATS: dict[str, int] = {}
 _FILES: dict[str, tuple[int, int, str]] = {}  # path -> (mtime_ns, size, content digest)
 _MAX_ENTRY = 512 << 20  # an entry larger than this is not written
 _READ_MEMOS: dict[str, dict] = {}  # the memo files this process has read or written: their entries
@@ -81,8 +82,6 @@ def directory() -> Path | None:
     off = ("0", "false", "off", "no")
     if os.environ.get("AUTOPAR_DISK_CACHE", "1").lower() in off or os.environ.get("AUTOPAR_CAPTURE_CACHE") in off:
         return None
-    if _STARTED_AT[0] == float("inf"):
-        _STARTED_AT[0] = _started()
     # (where kernels/choice.py keeps its measured kernel choices too)
     root = os.environ.get("AUTOPAR_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "autopar")
     return Path(root) / f"traces-{FORMAT}"
@@ -119,7 +118,7 @@ def file_digest(path: str | None) -> str | None:
         st = os.stat(path)
     except OSError:
         return None
-    if st.st_mtime > _STARTED_AT[0]:
+    if st.st_mtime > _started():
         return None
     got = _FILES.get(path)
     if got is not None and got[:2] == (st.st_mtime_ns, st.st_size):
@@ -155,9 +154,6 @@ def _own_source() -> str:  # (raises _Unnamed, each time, where a file changed s
     return h.hexdigest()
 
 
-_STARTED_AT = [float("inf")]  # set by ``directory()``'s first caller: _started()
-
-
 def _versions() -> tuple:
     return (FORMAT, torch.__version__, sys.version_info[:2], _own_source())
 
@@ -190,10 +186,10 @@ def _name(obj) -> tuple | None:
     if isinstance(obj, type):
         if not qual or "<locals>" in qual:
             return None
-        f = _module_file(obj.__module__)
-        if obj.__module__ != "builtins" and file_digest(f) is None:
+        d = None if obj.__module__ == "builtins" else file_digest(_module_file(obj.__module__))
+        if d is None and obj.__module__ != "builtins":
             return None
-        return ("class", obj.__module__, qual, file_digest(f))
+        return ("class", obj.__module__, qual, d)
     if isinstance(obj, types.FunctionType):
         f = file_digest(obj.__code__.co_filename)
         if f is None:
@@ -203,7 +199,9 @@ def _name(obj) -> tuple | None:
     if isinstance(obj, types.BuiltinFunctionType):
         return ("builtin", getattr(obj, "__module__", None), qual)
     if isinstance(obj, types.ModuleType):
-        return ("module", obj.__name__, file_digest(getattr(obj, "__file__", None)))
+        f = getattr(obj, "__file__", None)
+        d = file_digest(f)
+        return None if f and d is None else ("module", obj.__name__, d)  # (None: edited since the start)
     if isinstance(obj, (tc.OpOverload, tc.OpOverloadPacket)):
         return ("op", str(obj)) if own_op(obj) else None  # (a user's op: its code is in no key)
     return None
@@ -227,25 +225,19 @@ def key_of(key, refs) -> str | None:
         names = {id(r): _name(r) for r in refs}
     except Exception:  # noqa: BLE001 - _Unnamed, or a default whose repr raises: no name, no file
         return None
-    order: dict[int, int] = {}
+    from autopar.trace_share import renamed
 
-    def walk(x):
-        if isinstance(x, tuple) and len(x) == 3 and x[0] == "id" and isinstance(x[2], int):
-            named = names.get(x[2])
-            if named is None:
-                raise _Unnamed
-            return ("id", named, order.setdefault(x[2], len(order)))
-        if isinstance(x, tuple) and len(x) == 2 and x[0] == "cycle":
-            raise _Unnamed  # (an object's identity)
-        if isinstance(x, (tuple, list)):
-            return tuple(walk(y) for y in x)
-        return x
+    def name_of(i, qual):
+        if names.get(i) is None:
+            raise _Unnamed
+        return names[i]
 
     try:
-        text = repr((walk(key), _versions()))
+        text = repr((renamed(key, name_of), _versions()))
     except Exception:  # noqa: BLE001 - as above
         return None
-    if re.search(r" at 0x[0-9a-f]+", text):
+    # (an identity left in the text: a cycle's marker, an object's default repr)
+    if re.search(r" at 0x[0-9a-f]+|\('cycle', \d+\)", text):
         return None
     return hashlib.blake2b(text.encode(), digest_size=20).hexdigest()
 
@@ -255,7 +247,8 @@ _TRACE_FILE = re.compile(r'File "([^"]+)", line \d+')
 
 # the operator namespaces whose ops torch or autopar define (their code is in the key: torch's
 # version, autopar's source); an op of any other namespace (a user's custom op, whose fake kernel
-# and backward live in a file no key names) keeps its graph off the disk
+# and backward live in a file no key names) keeps its graph off the disk. A namespace a later
+# torch adds, or autopar's next one, counts as a user's until listed: no disk, never a wrong hit
 _OWN_OPS = frozenset({"aten", "prims", "prim", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional",
                       "_dtensor", "higher_order", "rngprims", "debugprims", "quantized", "_quantized", "mkldnn", "mkl",
                       "onednn", "inductor", "profiler", "export", "_native", "autopar", "demo_unruled"})

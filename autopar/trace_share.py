@@ -155,36 +155,31 @@ def later(fn):
 
 # ---- digests: the cache key, readable in another process ---------------------------------------
 
-def digest(key) -> str:
-    """The cache key as text another process computes alike: an object compared by identity in
-    this process (``("id", qualname, id)``) is named by its module and name, and by the order it
-    first appears in the key (two objects of one name stay apart)."""
+def renamed(key, name_of) -> tuple:
+    """``key`` as another process computes it alike: each object the fingerprint compared by
+    identity (``("id", qualname, id)``) becomes ``("id", name_of(id, qualname), n)``, n the order
+    it first appears in the key (two objects of one name stay apart). ``name_of`` may raise: the
+    key then has no such form (autopar/disk_cache.py's names)."""
     seen: dict[int, int] = {}
 
     def walk(x):
         if isinstance(x, tuple) and len(x) == 3 and x[0] == "id" and isinstance(x[2], int):
-            return ("id", x[1], seen.setdefault(x[2], len(seen)))
-        if isinstance(x, (tuple, list)):
-            return tuple(walk(y) for y in x)
-        return x
-
-    return hashlib.blake2b(repr(walk(key)).encode(), digest_size=20).hexdigest()
-
-
-def _named(key, refs) -> tuple:
-    """``key`` with each object compared by identity also named by its module and qualified name
-    (the refs the fingerprint kept), so a digest tells two functions of one name in two modules apart."""
-    names = {id(r): f"{getattr(r, '__module__', '')}.{getattr(r, '__qualname__', type(r).__qualname__)}"
-             for r in refs}
-
-    def walk(x):
-        if isinstance(x, tuple) and len(x) == 3 and x[0] == "id" and isinstance(x[2], int) and x[2] in names:
-            return ("id", names[x[2]], x[2])
+            return ("id", name_of(x[2], x[1]), seen.setdefault(x[2], len(seen)))
         if isinstance(x, (tuple, list)):
             return tuple(walk(y) for y in x)
         return x
 
     return walk(key)
+
+
+def digest(key, refs=()) -> str:
+    """The cache key as text the other ranks compute alike: each object compared by identity
+    named by its module and qualified name (the refs the fingerprint kept: two functions of one
+    name in two modules stay apart) and by its order in the key."""
+    names = {id(r): f"{getattr(r, '__module__', '')}.{getattr(r, '__qualname__', type(r).__qualname__)}"
+             for r in refs}
+    text = repr(renamed(key, lambda i, qual: names.get(i, qual)))
+    return hashlib.blake2b(text.encode(), digest_size=20).hexdigest()
 
 
 # ---- the copy on the wire ------------------------------------------------------------------------
@@ -289,7 +284,7 @@ def slot(peers: _Peers, kind: str) -> str:
 
 def announce(peers: _Peers, slot: str, key, refs) -> str:
     """The leader, at a trace (traced or from its cache): says which trace this is."""
-    d = digest(_named(key, refs))
+    d = digest(key, refs)
     with contextlib.suppress(Exception):  # (the store is gone: the others wait, time out, trace for themselves)
         peers.store.set(slot, d)
     return f"{slot}|{d}"
@@ -329,7 +324,7 @@ def follow(peers: _Peers, slot: str, key, refs):
     nothing within the compile's timeout."""
     from autopar.runtime.failure import compile_failed
 
-    d = digest(_named(key, refs))
+    d = digest(key, refs)
     store = peers.store
     copy_key = f"copy/{d}"
     t0 = time.monotonic()

@@ -14,6 +14,7 @@ Otherwise it is an error naming the op and the user's source line.
 
 from __future__ import annotations
 
+import functools
 import math
 import contextlib
 import contextvars
@@ -288,9 +289,13 @@ def _memo_prefix(ctx) -> tuple:
     sequence-parallel axes (``partials.partial_through_a_copy`` reads them), and its device type
     with the devices per host (DTensor's redistribution costs read the host's topology)."""
     kind = ctx.mesh.device_type
+    return (tuple(ctx.axis_sizes), tuple(sequence_axes(ctx)), kind, _devices_per_host(kind))
+
+
+@functools.cache
+def _devices_per_host(kind: str) -> int:
     module = getattr(torch, kind, None)
-    per_host = module.device_count() if kind not in ("cpu", "meta") and hasattr(module, "device_count") else 1
-    return (tuple(ctx.axis_sizes), tuple(sequence_axes(ctx)), kind, per_host)
+    return module.device_count() if kind not in ("cpu", "meta") and hasattr(module, "device_count") else 1
 
 
 def _dtensor_rule(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResult:

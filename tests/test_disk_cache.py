@@ -103,8 +103,7 @@ def _written(path, text: str, before_start: float | None) -> None:
     another process would have found it) or now (None: an edit while this process runs)."""
     path.write_text(text)
     if before_start is not None:
-        disk.directory()  # (this process's start, read once)
-        t = disk._STARTED_AT[0] - before_start
+        t = disk._started() - before_start
         os.utime(path, (t, t))
 
 
@@ -196,19 +195,36 @@ def _(x):
 _twice.register_autograd(lambda ctx, grad: grad * 2)
 
 
-class _Custom(nn.Module):
+_LIB = torch.library.Library("autopar_test_disk2", "DEF")
+_LIB.define("scale(Tensor x) -> Tensor")
+_LIB.impl("scale", lambda x: x * 3.0, "CompositeImplicitAutograd")  # (decomposed into aten by AOTAutograd)
+
+
+class _Applies(nn.Module):
+    """A linear layer, then the class's ``op`` (not an attribute of the module: the key would hold it)."""
+
+    op = None
+
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(8, 8)
 
     def forward(self, x):
-        return _twice(self.lin(x))
+        return type(self).op(self.lin(x))
+
+
+class _Twice(_Applies):
+    op = staticmethod(_twice)
+
+
+class _Composite(_Applies):
+    op = staticmethod(torch.ops.autopar_test_disk2.scale)
 
 
 def test_a_graph_with_a_users_custom_op_is_not_written(tmp_path, monkeypatch):
     # (its fake kernel and backward live in a file no key names: a change there would go unseen)
     _fresh(monkeypatch, tmp_path)
-    capture_graph(_Custom(), (torch.randn(2, 8), torch.randn(2, 8)), _loss)
+    capture_graph(_Twice(), (torch.randn(2, 8), torch.randn(2, 8)), _loss)
     assert disk.STATS == {"capture custom op": 1}
     assert not list((tmp_path / "cache").glob("traces-*/capture/*"))
     # nor DTensor's answer for it (a rule the user registers for it lives in such a file too)
@@ -222,26 +238,12 @@ def test_a_graph_with_a_users_custom_op_is_not_written(tmp_path, monkeypatch):
     monkeypatch.setattr(propagate, "_SHARED_STRATEGIES", {})
     monkeypatch.setattr(disk, "_READ_MEMOS", {})
     with fake_mesh({"dp": 2, "tp": 2}, 0) as mesh:
-        autopar.compile(_Custom(), mesh, example_inputs=(torch.randn(4, 8), torch.randn(4, 8)), loss_fn=_loss,
+        autopar.compile(_Twice(), mesh, example_inputs=(torch.randn(4, 8), torch.randn(4, 8)), loss_fn=_loss,
                         plan={"dp": "ddp", "tp": "megatron"})
     asked = {str(k[1][0]) for k in propagate._SHARED_STRATEGIES}
     files = (tmp_path / "cache").glob("traces-*/strategies/*")
     kept = {str(k[1][0]) for f in files for k in trace_share.decode(pickle.loads(f.read_bytes())["payload"])}
     assert "autopar_test_disk.twice.default" in asked and kept and "autopar_test_disk.twice.default" not in kept
-
-
-_LIB = torch.library.Library("autopar_test_disk2", "DEF")
-_LIB.define("scale(Tensor x) -> Tensor")
-_LIB.impl("scale", lambda x: x * 3.0, "CompositeImplicitAutograd")  # (decomposed into aten by AOTAutograd)
-
-
-class _Composite(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return torch.ops.autopar_test_disk2.scale(self.lin(x))
 
 
 def test_a_joint_graph_made_from_a_users_op_is_not_written(tmp_path, monkeypatch):

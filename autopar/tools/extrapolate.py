@@ -324,8 +324,9 @@ def plan_analysis(args, plan: dict, rank: int, progress, analyse) -> Analysis:
         if splice.STATS.get("spliced", 0) > before.get("spliced", 0):
             a.notes.append("the model's capture was spliced from its first three blocks, the third repeated (blocks "
                            "checked alike; --full-depth traces every block)")
-    if disk_cache.note(read) and disk_cache.note(read) not in a.notes:
-        a.notes.append(disk_cache.note(read))
+    said = disk_cache.note(read)
+    if said and said not in a.notes:
+        a.notes.append(said)
     a.seconds["build"] = a.seconds.get("build", 0.0) + built
     a.seconds["total"] = a.seconds.get("total", 0.0) + built
     return a
