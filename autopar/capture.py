@@ -124,6 +124,7 @@ class _WithLoss(nn.Module):
         self.loss_fn = loss_fn
         self.compute_dtype = compute_dtype
         self.call = call  # ``call(model, *inputs)`` instead of ``model(*inputs)`` (generation's steps)
+        self.cast_outside = False  # the parameters are of the compute dtype already (autopar/cast_outside.py)
         if call is not None and compute_dtype is not None:
             tc.reparametrize_module  # noqa: B018 - looked up before dynamo traces ``_model`` (or raises)
 
@@ -131,13 +132,16 @@ class _WithLoss(nn.Module):
         run = self.model if self.call is None else functools.partial(self.call, self.model)
         if self.compute_dtype is None:
             return _unwrap_output(run(*inputs))
-        cast = {n: (p.to(self.compute_dtype) if p.is_floating_point() else p)
-                for n, p in self.model.named_parameters()}
-        if self.call is None:
-            out = _unwrap_output(torch.func.functional_call(self.model, cast, inputs))
-        else:  # functional_call calls only ``forward``: its context, around ``call``
-            with tc.reparametrize_module(self.model, cast):
-                out = _unwrap_output(run(*inputs))
+        if self.cast_outside:  # the capture's stand-ins: of the compute dtype already
+            out = _unwrap_output(run(*inputs))
+        else:
+            cast = {n: (p.to(self.compute_dtype) if p.is_floating_point() else p)
+                    for n, p in self.model.named_parameters()}
+            if self.call is None:
+                out = _unwrap_output(torch.func.functional_call(self.model, cast, inputs))
+            else:  # functional_call calls only ``forward``: its context, around ``call``
+                with tc.reparametrize_module(self.model, cast):
+                    out = _unwrap_output(run(*inputs))
         if self.loss_fn is not None and isinstance(out, torch.Tensor) and out.is_floating_point():
             out = out.float()
         return out
@@ -188,7 +192,7 @@ def capture_graph(model: nn.Module, example_inputs: tuple, loss_fn: Callable | N
     stay as written, also on meta (the lower pass rewrites them; ``_meta_autograd`` fixes the rest).
     ``dropless``: Hugging Face experts modules traced as autopar::moe_experts (autopar/experts.py)."""
     from autopar import capture_cache as cc
-    from autopar import splice, value_checks
+    from autopar import cast_outside, splice, value_checks
     from autopar.experts import dropless_experts
     from autopar.scoped import buffer_assignments
 
@@ -206,9 +210,16 @@ def capture_graph(model: nn.Module, example_inputs: tuple, loss_fn: Callable | N
 
     def trace():
         with (warnings.catch_warnings(), tc.no_compiled_fn_globals(), dropless_experts(model, dropless),
-              _static_capture(), tc.scalar_outputs(), buffer_assignments()):
+              _static_capture(), tc.scalar_outputs(), buffer_assignments(),
+              cast_outside.stand_ins(model, compute_dtype) if compute_dtype else contextlib.nullcontext() as pairs):
             warnings.simplefilter("ignore")
-            gm = dynamo_capture(wrapper)(*example_inputs)
+            wrapper.cast_outside = pairs is not None
+            try:
+                gm = dynamo_capture(wrapper)(*example_inputs)
+            finally:
+                wrapper.cast_outside = False
+        if pairs is not None:
+            cast_outside.insert_casts(gm, model, pairs, compute_dtype, (__file__, "_model"))
         value_checks.to_device(gm)  # asserts on a tensor's value: checked on the device (autopar/value_checks.py)
         reads = value_checks.host_reads(gm)
         if reads:
