@@ -240,6 +240,37 @@ def test_exports_constraint_check_is_skipped_for_autopars_static_captures_only(m
     assert calls == []
 
 
+def test_dynamo_names_no_function_for_its_debug_log_in_autopars_captures_while_that_log_is_off(monkeypatch):
+    """autopar's captures skip the function names of dynamo's debug-log headers (each traced file
+    tokenized once for them); with that log on (TORCH_LOGS=trace_call) they are named; dynamo's
+    own lookup again afterwards."""
+    import logging
+
+    from torch._dynamo import symbolic_convert
+
+    from autopar import capture, capture_cache
+
+    calls = []
+    monkeypatch.setattr(symbolic_convert, "get_funcname", lambda filename, lineno: calls.append(lineno))
+    monkeypatch.setattr(capture_cache, "enabled", lambda: False)
+    lookup = symbolic_convert.get_funcname
+
+    def traced():
+        capture.capture_graph(torch.nn.Linear(4, 4), (torch.randn(2, 4), torch.randn(2, 4)),
+                              lambda y, t: ((y - t) ** 2).sum())
+
+    traced()
+    assert calls == [] and symbolic_convert.get_funcname is lookup
+    log = logging.getLogger("torch._dynamo.output_graph.__trace_call")
+    level = log.level
+    log.setLevel(logging.DEBUG)
+    try:
+        traced()
+    finally:
+        log.setLevel(level)
+    assert calls and symbolic_convert.get_funcname is lookup
+
+
 class _ReassignsItsBuffer(torch.nn.Module):
     """A position table made as ``nn.Buffer`` and assigned again in forward, as CTRL does
     (``self.pos_encoding = self.pos_encoding.to(device=..., dtype=...)``): dynamo could not trace

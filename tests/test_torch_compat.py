@@ -223,6 +223,7 @@ def inductor_thresholds(fake):
 # name -> what reads it
 CASES = {
     "dynamo_graph_capture_for_export": compiles, "constraint_check": compiles, "functional_export": compiles,
+    "get_funcname": compiles,
     "assert_async": compiles, "dynamo_config": compiles,  # (a model without value asserts: captured as before)
     "aot_export_joint_with_descriptors": compiles, "aot_descriptors": compiles,
     "FakeTensorMode": compiles_with_inductor,
