@@ -473,66 +473,53 @@ def fixed_views():
 _STATIC_CAPTURE: contextvars.ContextVar[bool] = contextvars.ContextVar("autopar_static_capture", default=False)
 
 
-def _apply_no_guards():
+def _apply_static_capture() -> list:  # ``static_export``'s two patches; what ``setattr`` puts back
+    undo = []
     module = find("functional_export", None)
     orig = getattr(module, "_suggest_or_raise_constraint_violation", None) if has("constraint_check") else None
-    if orig is None:
-        return None
-    sig = inspect.signature(orig)
+    if orig is not None:
+        sig = inspect.signature(orig)
 
-    @functools.wraps(orig)
-    def check(*args, **kwargs):
-        if _STATIC_CAPTURE.get():
-            try:
-                static = sig.bind(*args, **kwargs).arguments.get("dynamic_shapes") is None
-            except TypeError:  # (another torch's signature: check, as torch would)
-                static = False
-            if static:
-                return None
-        return orig(*args, **kwargs)
+        @functools.wraps(orig)
+        def check(*args, **kwargs):
+            if _STATIC_CAPTURE.get():
+                try:
+                    static = sig.bind(*args, **kwargs).arguments.get("dynamic_shapes") is None
+                except TypeError:  # (another torch's signature: check, as torch would)
+                    static = False
+                if static:
+                    return None
+            return orig(*args, **kwargs)
 
-    module._suggest_or_raise_constraint_violation = check
-    return module, orig
+        module._suggest_or_raise_constraint_violation = check
+        undo.append((module, "_suggest_or_raise_constraint_violation", orig))
+    names = find("get_funcname", None)
+    if names is not None:
+        logs = [logging.getLogger(f"torch._dynamo.{m}.__trace_call") for m in ("output_graph", "symbolic_convert")]
 
+        @functools.wraps(names)
+        def get_funcname(*args, **kwargs):
+            quiet = _STATIC_CAPTURE.get() and not any(log.isEnabledFor(logging.DEBUG) for log in logs)
+            return None if quiet else names(*args, **kwargs)
 
-# After its trace, an export capture builds the frame's guards (the checks a compiled frame runs
-# before each call) only to find violated constraints on dynamic dimensions. autopar's captures
-# have none (every shape static; autopar never runs dynamo's compiled frame), and building them
-# was 0.15 s of each capture of a 3-5 block Llama-3-8B (35-40% of dynamo's time, mostly
-# unparsing the shape guards' source). Skipped for autopar's own captures only.
-_NO_EXPORT_GUARDS = SharedPatch(_apply_no_guards, lambda undo: undo and setattr(
-    undo[0], "_suggest_or_raise_constraint_violation", undo[1]))
-
-
-def _apply_no_funcnames():
-    orig = find("get_funcname", None)
-    if orig is None:
-        return None
-    module = _lookup(PRIVATE["get_funcname"].module, None)
-    logs = [logging.getLogger(f"torch._dynamo.{m}.__trace_call") for m in ("output_graph", "symbolic_convert")]
-
-    @functools.wraps(orig)
-    def get_funcname(*args, **kwargs):
-        if _STATIC_CAPTURE.get() and not any(log.isEnabledFor(logging.DEBUG) for log in logs):
-            return None
-        return orig(*args, **kwargs)
-
-    module.get_funcname = get_funcname
-    return module, orig
+        sc = _lookup(PRIVATE["get_funcname"].module, None)
+        sc.get_funcname = get_funcname
+        undo.append((sc, "get_funcname", names))
+    return undo
 
 
-# For every node it creates, dynamo writes a debug-log header (kept only if that log is on) naming
-# the function around the traced line; to find it, it tokenizes each source file it traces once
-# per process: 0.11 s of the first capture of a Hugging Face Llama (0.99 -> 0.88 s), nothing
-# after. autopar's own captures skip it while that log is off (TORCH_LOGS=trace_call keeps it).
-_NO_FUNCNAMES = SharedPatch(_apply_no_funcnames, lambda undo: undo and setattr(undo[0], "get_funcname", undo[1]))
+# For autopar's own captures only. An export builds guards after its trace only to find violated
+# constraints on dynamic dimensions; autopar's have none (0.15 s of each 3-5 block Llama-3-8B
+# capture). dynamo names the function around each traced line in a debug-log header, tokenizing
+# each traced file once per process (0.11 s of a HF Llama's first capture): skipped while it is off.
+_STATIC_PATCHES = SharedPatch(_apply_static_capture, lambda undo: [setattr(*u) for u in undo or ()])
 
 
 def static_export():
     """Inside the block, this thread's export captures skip the dynamic-shape constraint check
     when they have no dynamic shapes, and the function names of dynamo's debug-log headers
     while that log is off."""
-    return setting(_STATIC_CAPTURE, True, _NO_EXPORT_GUARDS, _NO_FUNCNAMES)
+    return setting(_STATIC_CAPTURE, True, _STATIC_PATCHES)
 
 
 def scalar_outputs():
