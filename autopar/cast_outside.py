@@ -18,8 +18,10 @@ would have recorded. ``tests/test_cast_outside.py`` checks that the graph is the
 for node, and the joint graph after AOTAutograd too.
 
 Only where every parameter is a plain ``nn.Parameter`` on the meta device or the CPU (where an
-uninitialised tensor costs address space, not memory); elsewhere (a model on an accelerator, whose
-stand-ins would be real allocations, or a tensor subclass) the casts stay in the traced code.
+uninitialised tensor costs address space, not memory, unless deterministic mode fills it);
+elsewhere (a model on an accelerator, whose stand-ins would be real allocations, CPU parameters
+under ``torch.use_deterministic_algorithms`` with ``fill_uninitialized_memory``, or a tensor
+subclass) the casts stay in the traced code.
 """
 
 from __future__ import annotations
@@ -39,7 +41,10 @@ def stand_ins(model: nn.Module, dtype: torch.dtype):
     ``[(original, stand_in)]`` (floating-point ones only), with the stand-ins in the model for the
     block; None (the model untouched) where this does not apply."""
     params = list(model.named_parameters())
-    if not all(type(p) is nn.Parameter and p.device.type in _DEVICES for _, p in params):
+    # (deterministic mode fills an uninitialised CPU tensor: the stand-ins would cost the memory)
+    filled = torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory
+    if not all(type(p) is nn.Parameter and p.device.type in _DEVICES and not (filled and p.device.type == "cpu")
+               for _, p in params):
         yield None
         return
     pairs = [(p, nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=p.requires_grad))

@@ -142,6 +142,14 @@ def test_where_stand_ins_do_not_apply_the_casts_are_traced():
     model[0].weight = Tagged(model[0].weight.detach())
     with cast_outside.stand_ins(model, torch.bfloat16) as pairs:
         assert pairs is None and type(model[0].weight) is Tagged
+    on_cpu, on_meta = nn.Linear(8, 8), nn.Linear(8, 8, device="meta")
+    torch.use_deterministic_algorithms(True)  # (fills uninitialised CPU memory: stand-ins would cost it)
+    try:
+        with cast_outside.stand_ins(on_cpu, torch.bfloat16) as cpu, \
+                cast_outside.stand_ins(on_meta, torch.bfloat16) as meta:
+            assert cpu is None and meta is not None
+    finally:
+        torch.use_deterministic_algorithms(False)
     inputs = (torch.randn(2, 8), torch.randn(2, 8))
     gm = capture_graph(model, inputs, nn.functional.mse_loss, torch.bfloat16)
     casts = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "to"]
