@@ -83,6 +83,34 @@ def _odd():
     return model, (tokens, torch.zeros_like(tokens)), foreign_models._ce
 
 
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _Wrapped(nn.Module):
+    """Blocks under activation checkpointing (dynamo's higher-order op lifts their weights) and a
+    weight-normed head (its parameters are the parametrization's ``original0`` / ``original1``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(2))
+        self.head = nn.utils.parametrizations.weight_norm(nn.Linear(16, 8))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False)
+        return self.head(x)
+
+
+def _wrapped():
+    return _Wrapped(), (torch.randn(4, 16), torch.randn(4, 8)), nn.functional.mse_loss
+
+
 def _zoo(spec):
     def make():
         loaded = zoo.load(spec, meta=True, batch=2, seq=16)
@@ -100,7 +128,8 @@ def _hf(name):
     (_hf("Mixtral"), torch.float16),
     (_zoo("moe-tiny"), torch.bfloat16),
     (_odd, torch.bfloat16),
-], ids=["hf-llama", "hf-gpt2", "hf-mixtral-fp16", "moe-tiny", "odd"])
+    (_wrapped, torch.bfloat16),  # (on the CPU)
+], ids=["hf-llama", "hf-gpt2", "hf-mixtral-fp16", "moe-tiny", "odd", "checkpointed-weight-normed"])
 def test_the_capture_and_joint_graph_are_the_traced_casts(make, dtype):
     model, inputs, loss = make()
     before = {n: (p, p.dtype) for n, p in model.named_parameters()}
@@ -112,8 +141,10 @@ def test_the_capture_and_joint_graph_are_the_traced_casts(make, dtype):
     assert _canon(new_gm.graph) == _canon(old_gm.graph)
     assert _canon(new.graph) == _canon(old.graph)
     assert (new.inputs, new.outputs) == (old.inputs, old.outputs)
-    # every get_attr reads the user's own fp32 tensor, as the traced casts' graph does
-    reads = [getattr(new_gm, n.target) for n in new_gm.graph.nodes if n.op == "get_attr"]
+    # every tensor a get_attr reads is the user's own fp32 one, as in the traced casts' graph
+    # (other reads: a higher-order op's body)
+    reads = [v for n in new_gm.graph.nodes if n.op == "get_attr"
+             if isinstance(v := getattr(new_gm, n.target), torch.Tensor)]
     assert all(any(r is p for p, _ in before.values()) or any(r is b for b in model.buffers()) for r in reads)
     assert {n: (p, p.dtype) for n, p in model.named_parameters()} == before
 
