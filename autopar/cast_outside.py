@@ -32,6 +32,8 @@ import re
 import torch
 from torch import fx, nn
 
+from autopar.modpath import get_attr
+
 _DEVICES = ("meta", "cpu")
 
 
@@ -75,14 +77,14 @@ def insert_casts(gm: fx.GraphModule, model: nn.Module, pairs: list, dtype: torch
     reads: dict[int, list[fx.Node]] = {}
     for n in graph.nodes:
         if n.op == "get_attr":
-            reads.setdefault(id(_attr(gm, n.target)), []).append(n)
+            reads.setdefault(id(get_attr(gm, n.target)), []).append(n)
     stand_in = {id(p): s for p, s in pairs}
     named = list(model.named_parameters()) + list(model.named_buffers())
     moved = [n for _, t in named for n in reads.get(id(stand_in.get(id(t), t)), ())]
-    anchor = next(n for n in graph.nodes if n.op != "placeholder" and n not in set(moved))
+    kept = set(moved)
+    anchor = next(n for n in graph.nodes if n.op != "placeholder" and n not in kept)
     trace = next((f for f in (_cut(n.meta.get("stack_trace"), *wrapper) for n in moved) if f), None)
     mode = next((v.fake_mode for n in graph.nodes if hasattr(v := n.meta.get("example_value"), "fake_mode")), None)
-    prefix = _prefix(gm, named, reads, stand_in)
     rank: dict[int, int] = {}
     for fqn, t in named:
         s = stand_in.get(id(t))
@@ -96,7 +98,7 @@ def insert_casts(gm: fx.GraphModule, model: nn.Module, pairs: list, dtype: torch
                 _merge(gm, n, nodes[0])
             made = [nodes[0]]
         else:
-            target = nodes[0].target if nodes else _free(gm, prefix + re.sub(r"\W", "_", fqn))
+            target = nodes[0].target if nodes else _free(gm, re.sub(r"\W", "_", fqn))  # (an unused one's)
             _set_attr(gm, target, t)
             with graph.inserting_before(anchor):
                 read = graph.get_attr(target)
@@ -120,16 +122,6 @@ def insert_casts(gm: fx.GraphModule, model: nn.Module, pairs: list, dtype: torch
         table.update(items)
     graph.lint()
     gm.recompile()
-
-
-def _prefix(gm: fx.GraphModule, named: list, reads: dict, stand_in: dict) -> str:
-    """What dynamo put before a tensor's mangled name in its attribute's (``L__self___model_``)."""
-    for fqn, t in named:
-        for n in reads.get(id(stand_in.get(id(t), t)), ()):
-            tail = re.sub(r"\W", "_", fqn)
-            if n.target.endswith(tail):
-                return n.target[:-len(tail)]
-    return "L__self___model_"
 
 
 def _free(gm: fx.GraphModule, name: str) -> str:
@@ -164,19 +156,9 @@ def _cut(stack_trace: str | None, file: str, function: str) -> str | None:
     return None
 
 
-def _attr(gm: fx.GraphModule, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-    return obj
-
-
 def _owner(gm: fx.GraphModule, target: str):
-    *path, name = target.split(".")
-    obj = gm
-    for part in path:
-        obj = getattr(obj, part)
-    return obj, name
+    path, _, name = target.rpartition(".")
+    return gm.get_submodule(path), name
 
 
 def _set_attr(gm: fx.GraphModule, target: str, value: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ from autopar.capture import capture_graph, joint_program
 from autopar.errors import CaptureError
 from autopar.ir import source_line
 from autopar.models import zoo
-from autopar.modpath import stack_path
+from autopar.modpath import get_attr, stack_path
 
 import foreign_models
 
@@ -27,17 +27,21 @@ def _fresh(monkeypatch):
     capture_cache.clear()
 
 
-def _canon(graph: fx.Graph) -> list:
+def _canon(graph: fx.Graph, model: nn.Module) -> list:
+    """Each node as (op, target, arguments, value, module paths, phase, user line): a get_attr by
+    the model's tensor it reads (its attribute's name is dynamo's, or autopar's for an unused one)."""
+    names = {id(t): n for n, t in list(model.named_parameters()) + list(model.named_buffers())}
     index, out = {}, []
     for k, n in enumerate(graph.nodes):
         index[n] = k
+        target = names.get(id(get_attr(graph.owning_module, n.target)), n.target) if n.op == "get_attr" else n.target
         args = fx.node.map_arg((n.args, n.kwargs), lambda a: ("node", index[a]))
         v = n.meta.get("example_value", n.meta.get("val"))
         value = (tuple(v.shape), v.dtype, v.requires_grad) if isinstance(v, torch.Tensor) else None
         # a cast's line: in autopar/capture.py either way (moved); a read of a buffer had
         # functional_call's, which names no line of the model
         line = source_line(n) if n.op != "get_attr" else ""
-        out.append((n.op, str(n.target), str(args), value, stack_path(n.meta.get("nn_module_stack")),
+        out.append((n.op, str(target), str(args), value, stack_path(n.meta.get("nn_module_stack")),
                     stack_path(n.meta.get("fwd_nn_module_stack")), str(n.meta.get("partitioner_tag")),
                     line.split(":")[0] if line.startswith("autopar/") else line))
     return out
@@ -138,8 +142,8 @@ def test_the_capture_and_joint_graph_are_the_traced_casts(make, dtype):
         assert pairs is not None  # (the stand-ins apply: meta parameters)
     new_gm = capture_graph(model, inputs, loss, dtype)
     new = joint_program(new_gm, inputs, model)
-    assert _canon(new_gm.graph) == _canon(old_gm.graph)
-    assert _canon(new.graph) == _canon(old.graph)
+    assert _canon(new_gm.graph, model) == _canon(old_gm.graph, model)
+    assert _canon(new.graph, model) == _canon(old.graph, model)
     assert (new.inputs, new.outputs) == (old.inputs, old.outputs)
     # every tensor a get_attr reads is the user's own fp32 one, as in the traced casts' graph
     # (other reads: a higher-order op's body)
