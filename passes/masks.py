@@ -170,18 +170,20 @@ ROW_OPS = {"to", "bool", "float", "int", "long", "half", "bfloat16", "double", "
 
 
 def _one_row(gm: fx.GraphModule, nodes: list[fx.Node]):
-    """A mask too large to evaluate whole whose every batch row is provably the same computation:
-    its large values (over ``EVAL_BYTES`` / 8) are pointwise ops, casts and expands of the batch
-    rows (Hugging Face's ``[batch, 1, seq, seq]`` mask from per-row position ids), and the small
-    values they read (evaluated whole) have identical rows. Then row 0 computed is every row:
-    ``(mask's row 0, rows)``; None where that does not hold."""
+    """A mask whose every batch row is provably the same computation: its large values (each at
+    least one of the mask's rows in bytes) are pointwise ops, casts and expands of the batch rows
+    (Hugging Face's ``[batch, 1, seq, seq]`` mask from per-row position ids), and the small values
+    they read (evaluated whole) have identical rows. Then row 0 computed is every row:
+    ``(mask's row 0, rows)``; None where that does not hold. (Tried first for every mask: Llama-3-8B's
+    ``[8, 1, 2048, 2048]`` takes 0.01 s so, 0.1-0.2 s whole; over ``EVAL_BYTES`` the only way.)"""
     from autopar.analysis.tp_graph import op_name, pointwise
 
     out = _val(nodes[-1])
     if not isinstance(out, torch.Tensor) or out.ndim < 3 or out.shape[0] < 2:
         return None
     count = int(out.shape[0])
-    big = {n for n in nodes if isinstance(_val(n), torch.Tensor) and _bytes([n]) > EVAL_BYTES // 8}
+    row = _bytes([nodes[-1]]) // count
+    big = {n for n in nodes if isinstance(_val(n), torch.Tensor) and _bytes([n]) >= max(row, 1)}
     if nodes[-1] not in big:
         return None
     for n in big:
@@ -329,12 +331,12 @@ def _evaluated(gm: fx.GraphModule, nodes: list[fx.Node], lq: int, lk: int) -> tu
         while len(values) < (2 if seeded else 1):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(len(values))
-                if size <= EVAL_BYTES:
+                one, drew = _watched(lambda: _one_row(gm, nodes))
+                if one is None and size <= EVAL_BYTES:  # (rows not provably alike: every row evaluated)
                     got, drew = _watched(lambda: _evaluate(gm, nodes))
                     values.append(got)
                     seeded = seeded and drew
                     continue
-                one, drew = _watched(lambda: _one_row(gm, nodes))
                 if one is None:
                     return False, (f"is computed from no input but was not checked for causality ({size / 2**20:.0f} "
                                    f"MiB to evaluate, more than {EVAL_BYTES >> 20}, and its batch rows not provably "
@@ -351,8 +353,9 @@ def _evaluated(gm: fx.GraphModule, nodes: list[fx.Node], lq: int, lk: int) -> tu
     if not is_causal_mask(a, lq, lk):
         return False, "is not the causal mask"
     shape = list(a.shape) if rows is None else [rows, *a.shape[1:]]
-    how = "" if rows is None else (f"; {size / 2**20:.0f} MiB whole, so one batch row evaluated: the rows are the "
-                                   "same ops on identical values")
+    whole = f"{size / 2**20:.0f} MiB" if size >= 1 << 20 else f"{size / 2**10:.0f} KiB"
+    how = "" if rows is None else (f"; {whole} whole, so one batch row evaluated: the rows are the same ops on "
+                                   "identical values")
     return True, f"is computed from no input and is the causal mask ({shape} {str(a.dtype)[6:]}{how})"
 
 
