@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import contextlib
 import contextvars
 import operator
@@ -34,7 +35,7 @@ from autopar.layout import SequenceDims, check_context_parallel, heads_to_sequen
 from autopar.passes.partials import (narrower, partial_through_a_copy, reduced_before_expand, reduced_elsewhere,
                                      returned, widens_a_partial)
 from autopar.ir import Program, ShardSpec, drop_unread, fmt_placements, info, source_line, spec_of, tensor_args
-from autopar.rules import ATTENTION_OPS, RULES, RuleResult, pointwise_rule
+from autopar.rules import ATTENTION_OPS, RULES, RuleResult, kept_layout, pointwise_rule
 from autopar.scoped import setting
 
 
@@ -298,8 +299,20 @@ def _devices_per_host(kind: str) -> int:
     return module.device_count() if kind not in ("cpu", "meta") and hasattr(module, "device_count") else 1
 
 
+_CHECK_KEPT = os.environ.get("AUTOPAR_CHECK_KEPT_LAYOUT", "0") == "1"
+
+
 def _dtensor_rule(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResult:
     read_as = read_as or {}
+    kept = kept_layout(n, in_specs, ctx) if tc.dtensor_knows(n.target) else None
+    if kept is not None and not _CHECK_KEPT:
+        return kept
+    if kept is not None:  # (the check: DTensor's own answer must be the same)
+        asked = _dtensor_rule_uncached(n, in_specs, ctx, read_as)
+        if (asked.inputs, asked.outputs) != (kept.inputs, kept.outputs):
+            raise AssertionError(f"the kept layout for {n.format_node()} ({kept.inputs} -> {kept.outputs}) is not "
+                                 f"DTensor's ({asked.inputs} -> {asked.outputs})")
+        return kept
     cache = ctx.strategy_cache
     k, shareable = _cache_key(n, read_as) if cache is not None else (None, False)
     if k is not None and k in cache:

@@ -41,3 +41,34 @@ def test_rule_against_unsharded(pools, references, name, axes, plan, rules):
     out = pools(world).run(parity_job, name, axes, plan)
     assert rules <= set(out["rules"]), f"rules that did not fire: {rules - set(out['rules'])}"
     assert_parity(references(name), out, name)
+
+
+@pytest.mark.parametrize("model,mesh,plan", [
+    ("llama-tiny", "dp=2,tp=2", "dp=fsdp,tp=megatron"),
+    ("llama-tiny", "dp=2,tp=2", "dp=zero2,tp=sequence"),
+    ("llama-tiny", "dp=2,cp=2", "dp=fsdp,cp=context"),
+    ("moe-tiny-dropless", "dp=2,ep=2", "dp=fsdp,ep=expert"),
+    ("tests/foreign_models.py:hf_gpt2", "dp=2,tp=2", "dp=ddp,tp=megatron"),
+    ("tests/foreign_models.py:hf_mixtral", "tp=2,dp=2", "dp=fsdp,tp=megatron"),
+])
+def test_kept_layout_is_the_choice_dtensor_makes(monkeypatch, model, mesh, plan):
+    """propagate answers an elementwise op whose inputs share the output's shape and one layout
+    without asking DTensor (autopar/rules.py ``kept_layout``): with the check on, DTensor is asked
+    too, for every such op of these compiles, and must choose the same (passes/propagate.py raises
+    where it does not); the shortcut must have fired."""
+    from autopar import rules
+    from autopar.passes import propagate
+    from autopar.tools import cli
+
+    hits = []
+
+    def counted(n, in_specs, ctx):
+        res = rules.kept_layout(n, in_specs, ctx)
+        hits.append(res is not None)
+        return res
+
+    monkeypatch.setattr(propagate, "_CHECK_KEPT", True)
+    monkeypatch.setattr(propagate, "kept_layout", counted)
+    monkeypatch.setenv("AUTOPAR_DISK_CACHE", "0")
+    assert cli.main(["plan", model, "--mesh", mesh, "--plan", plan, "-q", "--full-depth"]) == 0
+    assert sum(hits) > 0, hits
