@@ -352,10 +352,99 @@ def note(kinds) -> str | None:
             f"code and torch: {', '.join(WHAT.get(k, k) for k in kinds)} (AUTOPAR_DISK_CACHE=0 traces afresh)")
 
 
+# write-behind (``write_behind``): this process's saves, queued for ``finish_behind``; its pid
+_BEHIND: list = []
+_BEHIND_PID: int | None = None
+_LOCK = ".writing"  # a writer behind holds a shared lock on it (``wait_for_writers``)
+
+
+def write_behind() -> None:
+    """From here on this process's saves are queued, and ``finish_behind`` writes them after the
+    command's output, in a detached child: the console's ``plan`` / ``dump`` / ``explain``, which
+    leave as soon as their output is out (the pickling, 0.15-0.2 s of a Llama-3-8B plan, is then
+    off the command's time). A forked child of this process writes its own saves at once."""
+    global _BEHIND_PID
+    _BEHIND.clear()
+    _BEHIND_PID = os.getpid()
+
+
+def finish_behind() -> None:
+    """Write what ``write_behind`` queued (a memo saved twice: its last state, once): in a forked
+    child that leaves this process's output streams and session (a pipe's reader sees the end when
+    this process leaves; the child holds ``_LOCK`` shared until it is done), or here where this
+    process cannot fork (another thread runs: autopar/forked.py ``can_fork``)."""
+    global _BEHIND_PID
+    queue = {(kind, name): template for kind, name, template in _BEHIND}
+    _BEHIND.clear()
+    _BEHIND_PID = None
+    root = directory()
+    if not queue or root is None:
+        return
+    from autopar.forked import can_fork
+
+    _started()  # (computed here, for the child: its own start is later)
+    lock = None
+    if can_fork():
+        try:
+            import fcntl
+
+            root.mkdir(parents=True, exist_ok=True)
+            lock = os.open(root / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(lock, fcntl.LOCK_SH)  # (taken before the fork: held until the child is done)
+            pid = os.fork()
+        except (OSError, ImportError):
+            pid = -1
+        if pid > 0:
+            os.close(lock)
+            return
+        if pid == 0:
+            try:
+                os.setsid()
+                null = os.open(os.devnull, os.O_RDWR)
+                for fd in (0, 1, 2):
+                    os.dup2(null, fd)
+                for (kind, name), template in queue.items():
+                    save(kind, name, template)
+            finally:
+                os._exit(0)
+    if lock is not None:
+        os.close(lock)
+    for (kind, name), template in queue.items():
+        save(kind, name, template)
+
+
+def wait_for_writers(cache_dir: str | None = None, timeout: float = 60.0) -> bool:
+    """Wait until no writer behind (``finish_behind``) is writing into the cache (``cache_dir``: an
+    ``AUTOPAR_CACHE_DIR``; default this process's): a benchmark's next run, a test that reads what
+    a command wrote. False if one still is after ``timeout`` seconds."""
+    root = directory() if cache_dir is None else Path(cache_dir) / f"traces-{FORMAT}"
+    if root is None or not (root / _LOCK).exists():
+        return True
+    import fcntl
+
+    fd = os.open(root / _LOCK, os.O_RDWR)
+    try:
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() > end:
+                    return False
+                time.sleep(0.02)
+    finally:
+        os.close(fd)
+
+
 def save(kind: str, name: str | None, template) -> None:
-    """Write ``template`` under ``name`` (atomically: a reader sees the whole file or none)."""
+    """Write ``template`` under ``name`` (atomically: a reader sees the whole file or none), or
+    queue it (``write_behind``)."""
     path = _path(kind, name) if name else None
     if path is None:
+        return
+    if _BEHIND_PID == os.getpid():
+        _BEHIND.append((kind, name, template))
         return
     from autopar import trace_share
 

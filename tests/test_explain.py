@@ -326,15 +326,26 @@ def test_an_oversubscribed_cpu_runs_collectives_on_the_compute_stream(fake):
 def test_console_commands_leave_at_once_with_everything_written(tmp_path):
     """As the console script, ``plan`` / ``dump`` leave by os._exit with the cyclic collector off
     (autopar/tools/cli.py): what they print and write must all be there, exit codes kept, and a
-    reader that goes away early (``| head``) must not turn into a traceback."""
+    reader that goes away early (``| head``) must not turn into a traceback. The trace cache is
+    written behind the command, by a detached child (autopar/disk_cache.py ``write_behind``): done
+    when ``wait_for_writers`` returns, and read by the next run."""
+    import os
     import subprocess
     import sys
 
+    from autopar import disk_cache
+
     cmd = [sys.executable, "-m", "autopar.tools.cli"]
+    env = dict(os.environ, AUTOPAR_CACHE_DIR=str(tmp_path / "cache"))
     out = subprocess.run(cmd + ["plan", "llama-tiny", "--mesh", "dp=2", "--plan", "dp=fsdp", "--json", "-q",
-                                "-o", str(tmp_path / "plan.json")], capture_output=True, text=True, timeout=300)
+                                "-o", str(tmp_path / "plan.json")], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads((tmp_path / "plan.json").read_text())[0]["parameters"] > 0
+    assert disk_cache.wait_for_writers(str(tmp_path / "cache"))
+    assert list((tmp_path / "cache").glob("traces-*/strategies/*.bin"))
+    again = subprocess.run(cmd + ["plan", "llama-tiny", "--mesh", "dp=2", "--plan", "dp=fsdp", "-q"],
+                           capture_output=True, text=True, timeout=300, env=env)
+    assert again.returncode == 0 and "read from autopar's trace cache" in again.stdout, again.stdout[-2000:]
     out = subprocess.run(cmd + ["plan", "llama-tiny", "--mesh", "dp=two", "-q"], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 2 and "needs a positive integer size" in out.stderr

@@ -56,23 +56,37 @@ def main(argv=None) -> int:
         # took 0.4 s of those imports' 1.7 s
         gc.disable()
     sys.argv = [f"autopar {cmd}"] + rest
+    quick = console and cmd in _QUICK_EXIT
+    entry = getattr(importlib.import_module(module), fn)
+    if quick:  # the trace cache written after the output, behind the command (autopar/disk_cache.py)
+        from autopar import disk_cache
+
+        disk_cache.write_behind()
     try:
-        rc = getattr(importlib.import_module(module), fn)(rest)
+        rc = entry(rest)
     except SystemExit as e:  # argparse --help / usage errors
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    finally:
+        if quick:
+            _flush()
+            disk_cache.finish_behind()
     rc = rc if isinstance(rc, int) else 0
-    if console and cmd in _QUICK_EXIT:
+    if quick:
         # the analysis commands leave at once: tearing down the interpreter (freeing every traced
         # graph and fake tensor, torch's exit handlers) took 0.6-0.7 s of a 6.7 s `autopar plan`
         # of Llama-3-8B. What they print is flushed; a file written with -o is closed already;
-        # they start nothing that outlives them (a forked child is waited for, or killed).
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except OSError:  # `autopar dump ... | head`: the reader has gone
-                pass
+        # a forked child of theirs is waited for, or killed; only the trace cache's writer (above)
+        # outlives them, detached from their output.
         os._exit(rc)
     return rc
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:  # `autopar dump ... | head`: the reader has gone
+            pass
 
 
 if __name__ == "__main__":
