@@ -103,6 +103,63 @@ class Forked:
         os.waitpid(self.pid, 0)
 
 
+class Parted(BaseException):
+    """Raised in this process by ``Continued.split``: the work it was doing goes on in the child.
+    (Not an Exception: no handler for errors may take it for one.)"""
+
+
+class Continued(Forked):
+    """A fork in the middle of some work: ``split()`` forks once; the child returns from it and
+    goes on with the work (``in_child``), then calls ``send(fn)``, which sends ``fn()``'s value (or
+    its error) and leaves; this process raises ``Parted`` from ``split()``, leaving the work, and
+    ``result()`` later waits for what the child sent. ``autopar plan``'s depth 3 is forked so
+    after its localize pass: the child finishes it, this process goes on to depth 5."""
+
+    def __init__(self):  # (nothing forked yet)
+        self.pid = None
+        self.pipe = None
+        self._w: int | None = None
+
+    @property
+    def in_child(self) -> bool:
+        return self._w is not None
+
+    def split(self, *_) -> None:
+        import torch
+
+        if self.pid is not None or self.in_child:
+            return  # (once)
+        from autopar import torch_compat
+
+        torch_compat.preload()  # (as shared_heap: imported once, here; the objects frozen for the fork)
+        r, w = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        gc.freeze()
+        pid = os.fork()
+        if pid == 0:  # the child: the caller's work goes on here (its objects stay frozen)
+            os.close(r)
+            self._w = w
+            torch.set_num_threads(1)
+            return
+        gc.unfreeze()
+        os.close(w)
+        self.pid, self.pipe = pid, os.fdopen(r, "rb")
+        raise Parted()
+
+    def send(self, fn: Callable[[], object]) -> None:
+        """In the child: ``fn()``'s value sent to the parent, then the child leaves (never returns)."""
+        try:
+            try:
+                payload = pickle.dumps(("ok", fn()))
+            except BaseException as e:  # noqa: BLE001 - sent to the parent, which does the work itself
+                payload = pickle.dumps(("error", f"{type(e).__name__}: {e}"))
+            with os.fdopen(self._w, "wb") as f:
+                f.write(payload)
+        finally:
+            os._exit(0)
+
+
 def _send(f, data: bytes) -> None:
     """``data`` (pickled) as one message: its length, then itself."""
     f.write(len(data).to_bytes(8, "little") + data)

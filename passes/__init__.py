@@ -28,6 +28,8 @@ guarantees (passes/checks.py ``verify``: the cheap checks on every compile, all 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -113,6 +115,22 @@ def check_names(names, what: str) -> None:
         raise PlanError(f"unknown pass(es) {unknown}", where=what, fix=f"passes are {NAMES}")
 
 
+# (pass name, fn): ``fn(state)`` runs after that pass of every pipeline run inside ``after``
+AFTER: contextvars.ContextVar[tuple[str, Callable] | None] = contextvars.ContextVar("autopar_after_pass", default=None)
+
+
+@contextlib.contextmanager
+def after(name: str, fn: Callable[[CompileState], None]):
+    """Inside: ``fn(state)`` after the pass ``name`` of each pipeline run, once its guarantees are
+    verified (it may raise, ending the compile there)."""
+    check_names([name], "after")
+    token = AFTER.set((name, fn))
+    try:
+        yield
+    finally:
+        AFTER.reset(token)
+
+
 def run_pipeline(state: CompileState, *, skip=(), debug: bool = False, stop_after: str | None = None) -> CompileState:
     """Run PASSES in order on ``state``; see the module docstring."""
     check_names(skip, "skip_passes")
@@ -141,6 +159,9 @@ def run_pipeline(state: CompileState, *, skip=(), debug: bool = False, stop_afte
         verify(state, p.name, p.guarantees, debug)
         state.timings["verify"] = state.timings.get("verify", 0.0) + time.perf_counter() - t1
         held = p.guarantees
+        hook = AFTER.get()
+        if hook is not None and hook[0] == p.name:
+            hook[1](state)  # (autopar/tools/extrapolate.py: a fork here, the compile finished in the child)
         if p.name == stop_after:
             break
     materialize(state)

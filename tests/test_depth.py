@@ -136,15 +136,17 @@ def test_a_fixed_plan_extrapolated_equals_the_whole_compile(monkeypatch, name, m
     elif name in ("alternating", "hf_gemma2"):  # 12 blocks, 6 units of 2: compiled at 6, 8, 10 blocks
         loc = fast["extrapolated"].pop("localized")
         assert fast["extrapolated"] == {"depths": [3, 4, 5], "layers": 6, "period": 2, "forked": [4],
+                                        "forked_after": "localize",
                                         "blocks": "blocks" if name == "alternating" else "model.layers"}, fast["notes"]
         assert all(not any(x == "spliced" for x in lines) for lines in loc.values()), loc
     else:
-        # depth 3 before the fork; 4 and 5 splice its per-rank program (autopar/local_splice.py)
+        # depth 3 up to its localize before the fork (the child finishes it, then compiles 4); 4
+        # and 5 splice its per-rank program (autopar/local_splice.py)
         # where they can, else are traced and say why: GPT-2's dropouts refuse it
         loc = fast["extrapolated"].pop("localized")
         assert fast["extrapolated"] == {"depths": [3, 4, 5], "layers": 6, "period": 1,
                                         "blocks": "transformer.h" if name == "hf_gpt2" else "model.layers",
-                                        "forked": [4]}, fast["notes"]
+                                        "forked": [4], "forked_after": "localize"}, fast["notes"]
         if name == "hf_gpt2":
             why = "a dropout (its mask is keyed by its node's name)"
             assert loc == {"3": [f"depth 3 not recorded: {why}"],

@@ -45,6 +45,7 @@ def test_extrapolated_plan_equals_every_block_compiled(monkeypatch):
     monkeypatch.setenv("AUTOPAR_PLAN_FORK", "always")
     fast, full = _plan_json(*argv), _plan_json(*argv, "--full-depth")
     assert fast["extrapolated"] == {"depths": [3, 4, 5], "layers": 8, "blocks": "layers", "forked": [4], "period": 1,
+                                    "forked_after": "localize",
                                     "localized": {"3": ["recorded"], "4": ["spliced"], "5": ["spliced"]}}
     assert "extrapolated" not in full
     for key in ("parameters", "comm_bytes", "comm_calls", "flops"):
@@ -89,3 +90,34 @@ def test_the_peak_moves_to_the_point_that_grows_fastest():
     assert got["at_peak"] == {"activations": 100 + 130 * 32, "param_copies": 8, "grads_in_flight": 0}
     assert got["max_by"]["grads_in_flight"] == 2000 + 13 * 32
     # a single line through the peaks would have said 2004 + 13 * 32 = 2420 bytes, not 4268
+
+
+def test_a_forked_depth_that_fails_is_compiled_here(monkeypatch, capsys):
+    """Depth 3 is forked after its localize (autopar/forked.py ``Continued``): the child finishes it
+    and compiles depth 4. A child that fails sends its error; this process then compiles depths 3
+    and 4 itself, says so, and reports the same figures as with no fork at all."""
+    import os
+
+    from autopar.tools import extrapolate as ex
+
+    argv = ["llama-tiny", "--mesh", "dp=2,tp=2", "--plan", "dp=fsdp,tp=megatron", "--set", "n_layers=6",
+            "--batch", "4", "--seq", "32"]
+    monkeypatch.setenv("AUTOPAR_PLAN_FORK", "0")
+    alone = _plan_json(*argv)
+    here, figures = os.getpid(), ex._figures
+
+    def failing_in_the_child(a):
+        if os.getpid() != here:
+            raise RuntimeError("a failure in the child")
+        return figures(a)
+
+    monkeypatch.setattr(ex, "_figures", failing_in_the_child)
+    monkeypatch.setenv("AUTOPAR_PLAN_FORK", "always")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert plan_main(["--json", *argv]) == 0
+    got = json.loads(out.getvalue())[0]
+    assert "depths [3, 4] in a forked process failed (RuntimeError: a failure in the child)" in capsys.readouterr().err
+    assert got["extrapolated"]["forked"] == [] and "forked_after" not in got["extrapolated"]
+    for key in ("parameters", "comm_bytes", "comm_calls", "flops", "memory"):
+        assert got[key] == alone[key], key

@@ -48,10 +48,11 @@ full compile.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import warnings
 
-from autopar.forked import Forked, can_fork, shared_heap
+from autopar.forked import Continued, Forked, Parted, can_fork, shared_heap
 from autopar.parts import NOTE as CUT_NOTE
 from autopar.context import MASKS_NOTE
 from autopar.tools.render import Analysis, summary
@@ -210,9 +211,13 @@ def analyse_by_depth(args, plan: dict, rank: int, progress, analyse, loaded) -> 
             return _by_depth(args, rank, rep, at, progress)
 
 
+def _raise(e: BaseException):
+    raise e
+
+
 def _by_depth(args, rank: int, rep, at, progress) -> Analysis | None:
     """``analyse_by_depth`` from the fork on."""
-    from autopar import local_splice
+    from autopar import local_splice, passes
 
     layers = rep.layers
 
@@ -225,14 +230,27 @@ def _by_depth(args, rank: int, rep, at, progress) -> Analysis | None:
             f["localized"] = local_splice.log()[seen:]
         return a, f
 
-    # the shallowest depth first, here, before the fork: the deeper ones' per-rank programs are
-    # spliced from its (autopar/local_splice.py), and both processes after the fork find dynamo,
-    # DTensor's strategies and the model code warm; then the middle depths in one forked child
-    # (started first), the deepest here: two processes for the 2 cores
-    _, first = figures_at(DEPTHS[0], progress)
+    # the shallowest depth first, here: the deeper ones' per-rank programs are spliced from its
+    # (autopar/local_splice.py records it at its localize), and after the fork both processes find
+    # dynamo, DTensor's strategies and the model code warm. The fork comes as soon as depth 3's
+    # per-rank program is recorded: the child finishes depth 3 (its last passes and cost model)
+    # and compiles the middle depths, this process goes on to the deepest; two processes for the
+    # 2 cores. (Where the compile never reaches localize there, the fork comes after it.)
     shallow = list(DEPTHS[1:-1])
-    child = None
-    if can_fork():
+    child, first = None, None
+    cont = Continued() if can_fork() else None
+    try:
+        with passes.after("localize", cont.split) if cont is not None else contextlib.nullcontext():
+            _, first = figures_at(DEPTHS[0], lambda s: None if cont is not None and cont.in_child else progress(s))
+    except Parted:
+        child = cont  # (depth 3's figures come from it, first)
+    except BaseException as e:
+        if cont is not None and cont.in_child:
+            cont.send(functools.partial(_raise, e))  # (leaves)
+        raise
+    if cont is not None and cont.in_child:  # the child: depth 3 done, then the middle depths (it leaves)
+        cont.send(lambda: [first, *(figures_at(d, lambda s: None)[1] for d in shallow)])
+    if child is None and can_fork():
         with shared_heap():
             child = Forked(lambda: [figures_at(d, lambda s: None)[1] for d in shallow])
     try:
@@ -249,9 +267,14 @@ def _by_depth(args, rank: int, rep, at, progress) -> Analysis | None:
     if child is not None:
         try:
             figs = child.result()
+            if child is cont:
+                first, figs = figs[0], figs[1:]
         except RuntimeError as e:  # those depths again, here (where an error, if it is one, is raised)
-            progress(f"depths {shallow} in a forked process failed ({str(e).splitlines()[0][:120]}): compiling "
+            again = ([DEPTHS[0]] if child is cont else []) + shallow
+            progress(f"depths {again} in a forked process failed ({str(e).splitlines()[0][:120]}): compiling "
                      "them here")
+            if child is cont:
+                _, first = figures_at(DEPTHS[0], progress)
             child = None
     if figs is None:
         figs = [figures_at(d, progress)[1] for d in shallow]
@@ -285,6 +308,7 @@ def _by_depth(args, rank: int, rep, at, progress) -> Analysis | None:
     out["seconds"] = seconds
     out["extrapolated"] = {"depths": list(DEPTHS), "layers": layers, "blocks": rep.path, "period": rep.period,
                            "forked": shallow if child is not None else [],
+                           **({"forked_after": "localize"} if child is not None and child is cont else {}),
                            "localized": {d: f.get("localized", []) for d, f in zip(DEPTHS, figs)}}
     # the masks pass's and the cut's lines count what the deepest compile holds, not the whole model: say so
     counted = (f" (counted in the depth-{DEPTHS[-1]} compile; the model has {layers} blocks): " if rep.period == 1 else

@@ -579,8 +579,9 @@ def _extrapolated(ex: dict) -> str:
            "every depth traced (no splicing)")
     return (f"; figures extrapolated from the model compiled with {ex['blocks']} cut to {cut} blocks to its "
             f"{ex['layers'] * p} ({how}; --full-depth compiles every block"
-            + (f"; depth(s) {', '.join(str(d * p) for d in ex['forked'])} compiled in a forked process beside this "
-               "one, the times above their sum" if ex.get("forked") else "") + _localized(ex) + ")")
+            + (f"; {'depth ' + str(ex['depths'][0] * p) + ' after its ' + ex['forked_after'] + ' pass and ' if ex.get('forked_after') else ''}depth(s) "
+               f"{', '.join(str(d * p) for d in ex['forked'])} compiled in a forked process beside this one, the "
+               "times above their sum" if ex.get("forked") else "") + _localized(ex) + ")")
 
 
 def _localized(ex: dict) -> str:
