@@ -48,17 +48,29 @@ def shared_heap():
     each child, and this process's objects frozen out of the cyclic collector's reach while the
     children start. A fork shares the parent's pages until someone writes to them, and a full
     collection in a child would write to every object (copying every page)."""
-    import torch.fx.experimental.proxy_tensor  # noqa: F401
-
-    from autopar import torch_compat
-
-    torch_compat.preload()  # dynamo and AOTAutograd
-
+    _preload()
     gc.freeze()
     try:
         yield
     finally:
         gc.unfreeze()
+
+
+def _preload() -> None:
+    """The modules every compile imports on first use (dynamo, AOTAutograd), imported before a fork."""
+    import torch.fx.experimental.proxy_tensor  # noqa: F401
+
+    from autopar import torch_compat
+
+    torch_compat.preload()
+
+
+def _payload(fn: Callable[[], object]) -> bytes:
+    """What a child sends back: ``fn()``'s value, or its error (the parent then does the work)."""
+    try:
+        return pickle.dumps(("ok", fn()))
+    except BaseException as e:  # noqa: BLE001 - sent to the parent, which does the work itself
+        return pickle.dumps(("error", f"{type(e).__name__}: {e}"))
 
 
 class Forked:
@@ -76,10 +88,7 @@ class Forked:
             try:
                 os.close(r)
                 torch.set_num_threads(1)
-                try:
-                    payload = pickle.dumps(("ok", fn()))
-                except BaseException as e:  # noqa: BLE001 - sent to the parent, which does the work itself
-                    payload = pickle.dumps(("error", f"{type(e).__name__}: {e}"))
+                payload = _payload(fn)
                 with os.fdopen(w, "wb") as f:
                     f.write(payload)
             finally:
@@ -129,9 +138,7 @@ class Continued(Forked):
 
         if self.pid is not None or self.in_child:
             return  # (once)
-        from autopar import torch_compat
-
-        torch_compat.preload()  # (as shared_heap: imported once, here; the objects frozen for the fork)
+        _preload()  # (as shared_heap: imported once, here; the objects frozen for the fork)
         r, w = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -148,16 +155,20 @@ class Continued(Forked):
         raise Parted()
 
     def send(self, fn: Callable[[], object]) -> None:
-        """In the child: ``fn()``'s value sent to the parent, then the child leaves (never returns)."""
+        """In the child: ``fn()``'s value (or its error) sent to the parent, then the child leaves
+        (never returns)."""
         try:
-            try:
-                payload = pickle.dumps(("ok", fn()))
-            except BaseException as e:  # noqa: BLE001 - sent to the parent, which does the work itself
-                payload = pickle.dumps(("error", f"{type(e).__name__}: {e}"))
+            payload = _payload(fn)
             with os.fdopen(self._w, "wb") as f:
                 f.write(payload)
         finally:
             os._exit(0)
+
+    def fail(self, error: BaseException) -> None:
+        """In the child: ``error`` sent to the parent (which does the work itself), then the child leaves."""
+        def raising():
+            raise error
+        self.send(raising)
 
 
 def _send(f, data: bytes) -> None:

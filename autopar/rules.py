@@ -468,10 +468,11 @@ def kept_layout(n: fx.Node, in_specs, ctx) -> RuleResult | None:
     by its ranks), found without asking DTensor: that layout kept, in and out. DTensor's strategies
     for such an op include it at zero redistribution cost, ``_select_strategy`` adds no penalty to
     it (no Partial, no Shard invented) and prefers it to any other zero-cost one (which would move
-    an input): so it is the answer DTensor's expansion, 4-10 ms an op on a 2-D mesh, ends in (a
-    third of Llama-3-8B's DTensor queries; ``AUTOPAR_CHECK_KEPT_LAYOUT=1`` asks DTensor too and
-    compares, as tests/test_propagate.py does; passes/propagate.py asks this first for an op DTensor
-    knows). None where that does not hold."""
+    an input): so it is the answer DTensor's expansion, 4-10 ms an op on a 2-D mesh, ends in (40 of
+    the 177 DTensor queries of Hugging Face Llama-3-8B on dp=8 x tp=8; ``AUTOPAR_CHECK_KEPT_LAYOUT=1``
+    asks DTensor too and compares, as tests/test_rules.py does; passes/propagate.py asks this first
+    for an op DTensor knows). ``_to_copy`` (a cast) is elementwise but not tagged pointwise. None
+    where that does not hold."""
     op = n.target
     if not (op is _TO_COPY or torch.Tag.pointwise in getattr(op, "tags", ())) or \
             torch.Tag.nondeterministic_seeded in op.tags or op._schema.is_mutable or not in_specs:

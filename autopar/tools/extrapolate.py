@@ -20,13 +20,15 @@ the same way, and the largest taken (``autopar.analysis.liveness.peak_in_depth``
 Any figure that fails its check, or that a depth adds or drops (a collective kind that appears
 only from some depth on), makes ``plan`` compile every block instead, and say why.
 
-Depth 3 is compiled first, whole, in this process; the deeper depths' per-rank programs are spliced
-from its (autopar/local_splice.py, checked node for node, else traced and said why). Then depths 4
-and 5 are compiled side by side where the process can fork (autopar/forked.py: the command line;
-``AUTOPAR_PLAN_FORK=0`` switches it off): depth 4 in a forked copy of this process, which sends
-back only the figures the extrapolation reads (``_figures``), depth 5 here (its program is what
-``plan`` shows). Two processes for a 2-core machine, both starting warm (dynamo, DTensor's strategy
-choices, the model code: depth 3 paid them). If the child fails, its depth is compiled here instead.
+Depth 3 is compiled first, in this process; the deeper depths' per-rank programs are spliced
+from its (autopar/local_splice.py, checked node for node, else traced and said why). Where the
+process can fork (autopar/forked.py: the command line; ``AUTOPAR_PLAN_FORK=0`` switches it off) it
+forks as soon as depth 3's localize pass has recorded that program (``forked.Continued``,
+``passes.after``): the child finishes depth 3 and compiles depth 4, sending back only the figures
+the extrapolation reads (``_figures``); this process compiles depth 5 (its program is what
+``plan`` shows). Two processes for a 2-core machine, both warm (dynamo, DTensor's strategy
+choices, the model code: depth 3 paid them). If the child fails, depths 3 and 4 are compiled here
+instead, and the progress says so.
 
 Where it applies: any model with a repeated block list (``splice.find_blocks``: Hugging Face's
 ``model.layers``, GPT-2's ``transformer.h``, a factory's own ``nn.ModuleList``) of more than 5
@@ -48,11 +50,10 @@ full compile.
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 import warnings
 
-from autopar.forked import Continued, Forked, Parted, can_fork, shared_heap
+from autopar.forked import Continued, Parted, can_fork
 from autopar.parts import NOTE as CUT_NOTE
 from autopar.context import MASKS_NOTE
 from autopar.tools.render import Analysis, summary
@@ -211,10 +212,6 @@ def analyse_by_depth(args, plan: dict, rank: int, progress, analyse, loaded) -> 
             return _by_depth(args, rank, rep, at, progress)
 
 
-def _raise(e: BaseException):
-    raise e
-
-
 def _by_depth(args, rank: int, rep, at, progress) -> Analysis | None:
     """``analyse_by_depth`` from the fork on."""
     from autopar import local_splice, passes
@@ -235,7 +232,7 @@ def _by_depth(args, rank: int, rep, at, progress) -> Analysis | None:
     # dynamo, DTensor's strategies and the model code warm. The fork comes as soon as depth 3's
     # per-rank program is recorded: the child finishes depth 3 (its last passes and cost model)
     # and compiles the middle depths, this process goes on to the deepest; two processes for the
-    # 2 cores. (Where the compile never reaches localize there, the fork comes after it.)
+    # 2 cores. Where this process cannot fork, every depth is compiled here, one after the other.
     shallow = list(DEPTHS[1:-1])
     child, first = None, None
     cont = Continued() if can_fork() else None
@@ -246,13 +243,10 @@ def _by_depth(args, rank: int, rep, at, progress) -> Analysis | None:
         child = cont  # (depth 3's figures come from it, first)
     except BaseException as e:
         if cont is not None and cont.in_child:
-            cont.send(functools.partial(_raise, e))  # (leaves)
+            cont.fail(e)  # (leaves)
         raise
     if cont is not None and cont.in_child:  # the child: depth 3 done, then the middle depths (it leaves)
         cont.send(lambda: [first, *(figures_at(d, lambda s: None)[1] for d in shallow)])
-    if child is None and can_fork():
-        with shared_heap():
-            child = Forked(lambda: [figures_at(d, lambda s: None)[1] for d in shallow])
     try:
         last, deepest = figures_at(DEPTHS[-1], progress)
     except BaseException:
@@ -266,15 +260,11 @@ def _by_depth(args, rank: int, rep, at, progress) -> Analysis | None:
     figs = None
     if child is not None:
         try:
-            figs = child.result()
-            if child is cont:
-                first, figs = figs[0], figs[1:]
+            first, *figs = child.result()
         except RuntimeError as e:  # those depths again, here (where an error, if it is one, is raised)
-            again = ([DEPTHS[0]] if child is cont else []) + shallow
-            progress(f"depths {again} in a forked process failed ({str(e).splitlines()[0][:120]}): compiling "
-                     "them here")
-            if child is cont:
-                _, first = figures_at(DEPTHS[0], progress)
+            progress(f"depths {[DEPTHS[0], *shallow]} in a forked process failed ({str(e).splitlines()[0][:120]}): "
+                     "compiling them here")
+            _, first = figures_at(DEPTHS[0], progress)
             child = None
     if figs is None:
         figs = [figures_at(d, progress)[1] for d in shallow]
@@ -308,7 +298,7 @@ def _by_depth(args, rank: int, rep, at, progress) -> Analysis | None:
     out["seconds"] = seconds
     out["extrapolated"] = {"depths": list(DEPTHS), "layers": layers, "blocks": rep.path, "period": rep.period,
                            "forked": shallow if child is not None else [],
-                           **({"forked_after": "localize"} if child is not None and child is cont else {}),
+                           **({"forked_after": "localize"} if child is not None else {}),
                            "localized": {d: f.get("localized", []) for d, f in zip(DEPTHS, figs)}}
     # the masks pass's and the cut's lines count what the deepest compile holds, not the whole model: say so
     counted = (f" (counted in the depth-{DEPTHS[-1]} compile; the model has {layers} blocks): " if rep.period == 1 else
