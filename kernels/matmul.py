@@ -10,7 +10,8 @@ tiles fetched through TMA descriptors (kernels/tma.py); a call's launch is remem
 (``tune.Plans``).
 
 The backward of ``linear_act`` uses the same kernel: ``dz = dy * act'(z)`` (an elementwise
-kernel), ``dx = dz @ w``, ``dw = dz.T @ x`` (stride swaps again), ``db = dz.sum(0)``.
+kernel), ``dx = dz @ w``, ``dw = dz.T @ x`` (stride swaps again), ``db = dz.sum(0)``. Those two
+products have no epilogue, and for them cuBLAS (``CUBLAS``) is one more candidate the tuner times.
 """
 
 from __future__ import annotations
@@ -216,6 +217,12 @@ CANDIDATES = [L(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64), L(8, 4, BLOCK_M=128
               L(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, EPI_SPLIT=1, PERSISTENT=1, TMA=1),
               L(8, 4, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, PERSISTENT=1, TMA=1)]
 INTERPRETED_TILES = L(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32)
+# cuBLAS (torch.mm), offered beside the tiles only where the call is a plain product (no bias, no
+# activation, no pre-activation to keep): the backward's dx = dz @ w and dw = dz.T @ x, where a Triton
+# kernel has nothing to fuse and Triton's tiles measured 0.57-0.64x of cuBLAS's on 4096^3 with the
+# transposed operands (benchmarks/results/gpu-2026-11-28.md). The tuner times it with the rest and
+# keeps it only where it is faster; the forward's fused epilogue stays Triton's.
+CUBLAS = L(1, 1, CUBLAS=1)
 
 
 def _fit(c: tune.Launch, m: int, n: int, k: int) -> tune.Launch:
@@ -247,6 +254,8 @@ def matmul(a, b, bias=None, act: str = "none", store_z: bool = False):
     sig = None if tune.forced("matmul") is not None else \
         (a.shape, b.shape, a.stride(), b.stride(), a.dtype, a.device, bias is not None, act, store_z, aligned)
     plan = _PLANS.get(sig) if sig is not None else None
+    if plan is CUBLAS:
+        return torch.mm(a, b, out=c)
     if plan is not None:  # the same shapes, strides and flags as an earlier call: the launch it computed
         kernel, grid, scalars, kw = plan
         if kw["TMA"]:
@@ -273,16 +282,23 @@ def matmul(a, b, bias=None, act: str = "none", store_z: bool = False):
                   EVEN_MN=m % cfg["BLOCK_M"] == 0 and n % cfg["BLOCK_N"] == 0, GROUP_M=8)
         return kernel, grid, scalars, kw
 
+    plain = bias is None and act == "none" and not store_z
+
     def run(cfg: tune.Launch):
+        if cfg == CUBLAS:
+            torch.mm(a, b, out=c)
+            return
         kernel, grid, scalars_, kw = launch(cfg)
         kernel[grid](*_operands(kw, a, b), bias_arg, c, z, *scalars_, **kw)
 
     key = (str(a.dtype), tune.bucket(m), n, k, _layout(a), _layout(b), act, store_z, bias is not None, tma)
-    offered = [cfg for cfg in CANDIDATES if tma or not dict(cfg.blocks).get("TMA")]
+    offered = [cfg for cfg in CANDIDATES if tma or not dict(cfg.blocks).get("TMA")] + [CUBLAS] * plain
     cfg = tune.choose("matmul", key, offered, run, INTERPRETED_TILES if INTERPRETED else None)
+    if cfg == CUBLAS and not plain:  # (forced on a call with an epilogue: the tiles)
+        cfg = INTERPRETED_TILES if INTERPRETED else CANDIDATES[0]
     run(cfg)
     if sig is not None:
-        _PLANS.put(sig, launch(cfg))
+        _PLANS.put(sig, CUBLAS if cfg == CUBLAS else launch(cfg))
     return (c, z) if store_z else c
 
 

@@ -536,13 +536,44 @@ def test_every_device_matmul_candidate_computes_the_same():
     not, forward and both backward products."""
     from autopar.kernels import matmul, tune
 
-    for c in interpreted(matmul.CANDIDATES):
+    for c in interpreted(matmul.CANDIDATES) + [matmul.CUBLAS]:
         for rows, k, n in (((2, 128), 128, 512), ((3, 67), 72, 300)):
             with tune.force("matmul", c):
                 r = run_linear_act_case("gelu", torch.float32, rows=rows, k=k, n=n)
             close(r["y"], r["ref"], torch.float32, f"{c} y")
             for name, a, ref in zip(("dx", "dw", "db"), r["grads"], r["ref_grads"]):
                 close(a, ref, torch.float32, f"{c} {name}")
+
+
+def test_cublas_is_offered_for_plain_products_only_and_remembered(monkeypatch):
+    """cuBLAS (matmul.CUBLAS) is a candidate where the call has no epilogue (the backward's dx and dw)
+    and never where it has one (bias, activation, a kept pre-activation: the forward's fusion stays
+    Triton's); a call with the same signature as a chosen cuBLAS one goes straight to it."""
+    from autopar.kernels import matmul, tune
+    from autopar.kernels.interpreter import interpreted
+
+    offered, picks = [], []
+
+    def choose(name, key, candidates, run, interpreted_tiles):
+        offered.append(matmul.CUBLAS in candidates)
+        pick = matmul.CUBLAS if matmul.CUBLAS in candidates else interpreted_tiles
+        picks.append(pick)
+        return pick
+
+    monkeypatch.setattr(tune, "choose", choose)
+    monkeypatch.setattr(matmul, "_PLANS", tune.Plans())
+    mm = interpreted(matmul)
+    monkeypatch.setattr(mm, "_PLANS", matmul._PLANS)
+    a, w, bias = torch.randn(48, 40), torch.randn(24, 40), torch.randn(24)
+    close(mm.matmul(a, w.T), a @ w.T, torch.float32, "plain")
+    close(mm.matmul(a.clone(), w.T), a @ w.T, torch.float32, "plain, same signature")
+    y, z = mm.matmul(a, w.T, bias, "gelu", store_z=True)
+    close(y, torch.nn.functional.gelu(a @ w.T + bias), torch.float32, "gelu epilogue")
+    close(mm.matmul(a, w.T, bias), a @ w.T + bias, torch.float32, "bias")
+    assert offered == [True, False, False], offered  # the second plain call: the remembered plan, no choice
+    with tune.force("matmul", matmul.CUBLAS):  # forced on a call with an epilogue: the tiles, still right
+        y2, _ = mm.matmul(a, w.T, bias, "silu", store_z=True)
+    close(y2, torch.nn.functional.silu(a @ w.T + bias), torch.float32, "forced cuBLAS, silu epilogue")
 
 
 def test_no_gradient_made_for_the_side_outputs_and_none_accepted_through_them():
