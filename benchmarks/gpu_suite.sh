@@ -28,8 +28,10 @@ fi
 "$py" -c "import torch, pytest, transformers; print(f'gpu_suite: torch {torch.__version__}, pytest {pytest.__version__}, transformers {transformers.__version__}')"
 [ $# -eq 0 ] && set -- -n 14 --dist loadfile -m "not slow"
 start=$(date +%s)
-timeout -k 10 "$cap" "$py" -m pytest -p no:cacheprovider -o addopts="-v --durations=15" -rfE \
-  --junitxml="$out/junit.xml" "$@" >"$out/suite.log" 2>&1
+# benchmarks/failures_log.py: each failure's traceback into failures.txt as it happens (a run cut at
+# the cap still says why; pytest itself prints them only at the end)
+AUTOPAR_FAILURES_LOG="$out/failures.txt" timeout -k 10 "$cap" "$py" -m pytest -p no:cacheprovider \
+  -p benchmarks.failures_log -o addopts="-v --durations=15" -rfE --junitxml="$out/junit.xml" "$@" >"$out/suite.log" 2>&1
 rc=$?
 echo "gpu_suite: rc $rc after $(( $(date +%s) - start )) s (124: cut at ${cap} s)"
 grep -E "(FAILED|ERROR) " "$out/suite.log" | head -n 60; grep -c "PASSED" "$out/suite.log"

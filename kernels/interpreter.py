@@ -171,13 +171,32 @@ class _LeavesLanguageAsFound(InterpretedFunction):
     loads and stores are checked against its tensors' bounds (``_Bounds``)."""
 
     def run(self, *args, **kwargs):
+        import triton.runtime.interpreter as ti
+
         with _LAUNCH:
             saved = [(obj, dict(vars(obj))) for obj in _language_objects()]
+            patch_tensor = getattr(ti, "_patch_lang_tensor", None)
+            if patch_tensor is not None:
+                ti._patch_lang_tensor = _squeezed_index(patch_tensor)
             try:
                 with _Bounds(self.fn.__name__, _ranges(list(enumerate(args)) + list(kwargs.items()))):
                     return super().run(*args, **kwargs)
             finally:
+                if patch_tensor is not None:
+                    ti._patch_lang_tensor = patch_tensor
                 _restore(saved)
+
+
+def _squeezed_index(patch_tensor):
+    """Triton's per-launch patch of ``tl.tensor`` with its interpreter's ``__index__`` made as Triton
+    3.9's: a scalar argument is a one-element array there, and Triton 3.6 converted it with
+    ``int(array)``, which numpy 2.4 refuses ("only 0-dimensional arrays can be converted to Python
+    scalars"): every kernel with a runtime loop bound (``range(0, K, BLOCK_K)``) failed on the GPU
+    machine's Triton 3.6 (2026-12-04). Set through Triton's own scope, so its restore undoes it."""
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+    return patched
 
 
 def _rebind(fn: types.FunctionType, namespace: dict) -> types.FunctionType:

@@ -160,3 +160,30 @@ def test_one_rank_over_budget_every_rank_raises(pools):
     assert msgs is not None
     assert msgs[0].startswith("predicted step peak") and "exceeds memory_budget" in msgs[0]
     assert msgs[1].startswith("rank 0: predicted step peak") and "exceeds memory_budget" in msgs[1], msgs[1]
+
+
+def test_the_runtime_meter_counts_grouped_query_attention_as_the_cost_model(monkeypatch):
+    """The runtime's FLOP meter (ProgramMeter) counts SDPA with grouped K / V heads through
+    analysis.ops.op_flops, heads matched to the query's, as the cost model does. torch 2.11's SDPA
+    formula asserts equal heads: the meter called it raw and every training step of a GQA model
+    raised there (found on torch 2.11, 2026-12-04). Here 2.11's assertion is put back in front of
+    torch's formula."""
+    import torch.nn.functional as F
+    from torch.utils import flop_counter
+
+    from autopar.runtime.memory import ProgramMeter
+
+    formula = flop_counter.sdpa_flop_count
+
+    def as_in_2_11(q, k, v):
+        assert q[1] == k[1] == v[1], "sdpa_flop_count: query/key/value shapes are incompatible"
+        return formula(q, k, v)
+
+    monkeypatch.setattr(flop_counter, "sdpa_flop_count", as_in_2_11)
+    q, k = torch.randn(2, 8, 32, 16), torch.randn(2, 2, 32, 16)
+    with ProgramMeter([], []) as meter:
+        F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True)
+    wide = torch.randn(2, 8, 32, 16)
+    with ProgramMeter([], []) as whole:
+        F.scaled_dot_product_attention(q, wide, wide, is_causal=True)
+    assert meter.flops == whole.flops > 0

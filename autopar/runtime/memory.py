@@ -44,7 +44,7 @@ from torch import fx
 
 from autopar import torch_compat as tc
 from autopar.analysis.liveness import CATEGORIES
-from autopar.analysis.ops import flop_formula
+from autopar.analysis.ops import flop_formula, op_flops
 from autopar.runtime.executor import call
 from autopar.runtime.measure import AllocatorPeak, optimizer_state_bytes, tensor_bytes  # noqa: F401 (re-exported)
 
@@ -93,9 +93,9 @@ class ProgramMeter(tc.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        count = flop_formula(func)
-        if count is not None:
-            self.flops += count(*args, **kwargs, out_val=out)
+        if flop_formula(func) is not None:  # (op_flops: grouped K / V heads matched as the cost model does;
+            # torch 2.11's SDPA formulas assert equal heads)
+            self.flops += op_flops(func, args, kwargs, out)
         ins = [t for t in _leaves((args, kwargs)) if _counted(t)]
         keys = [_key(t) for t in ins]
         tracked = tuple(self.sid.get(k) for k in keys)

@@ -82,7 +82,7 @@ def _gather(pm, rows: torch.Tensor, what: str) -> torch.Tensor:
     dev = pm.ctx.device if pm.ctx.device.type != "meta" else torch.device("cpu")
     t = rows.to(dev)
     out = t.new_empty(world * t.numel())
-    work = dist.all_gather_single(out, t, async_op=True)
+    work = dist.all_gather_into_tensor(out, t, async_op=True)  # (all_gather_single: torch 2.12 and later only)
     failure.wait(work, what, pm.timeout, guard=pm.guard)
     return out.view(world, -1).cpu()
 
