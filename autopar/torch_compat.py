@@ -52,13 +52,13 @@ def torch_version() -> str:
     return torch.__version__
 
 
-def unavailable(what: str, needed_for: str) -> TorchVersionError:
-    """The error for a missing private torch name that nothing stands in for."""
+def unavailable(what: str, needed_for: str, since: str | None = None) -> TorchVersionError:
+    """The error for a missing private torch name nothing stands in for (``since``: the first torch with it)."""
     lo, hi = SUPPORTED
     return TorchVersionError(
         f"{needed_for} needs torch's {what}, which torch {torch_version()} does not have",
         where="autopar/torch_compat.py",
-        fix=f"use a torch from {lo} to {hi} (autopar's supported range)")
+        fix=f"use torch {since} to {hi}" if since else f"use a torch from {lo} to {hi} (autopar's supported range)")
 
 
 @dataclass(frozen=True)

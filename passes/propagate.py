@@ -554,12 +554,36 @@ def _check_view_keeps_shards(n: fx.Node, have: ShardSpec, want, ctx) -> None:
             _view_error(n, have, ctx, None, axis=a)
 
 
+def _flattened_behind(shape, out_shape, dim: int) -> bool:
+    """Whether a view of ``shape`` as ``out_shape`` merges input dim ``dim`` into one output dim
+    behind an input dim of size > 1 ([b, s, d] -> [b * s, d] for dim 1): the rank's rows of the
+    merged dim are then strided, which torch 2.12's DTensor expresses (_StridedShard) and 2.11's
+    refuses."""
+    if math.prod(shape) != math.prod(out_shape) or 0 in shape:
+        return False
+    i = o = 0
+    while i < len(shape) and o < len(out_shape):
+        i0, a, b = i, shape[i], out_shape[o]
+        i, o = i + 1, o + 1
+        while a != b:
+            if a < b:
+                a, i = a * shape[i], i + 1
+            else:
+                b, o = b * out_shape[o], o + 1
+        if i0 <= dim < i:
+            return math.prod(shape[i0:dim]) > 1
+    return False
+
+
 def _view_error(n: fx.Node, have: ShardSpec, ctx, cause, axis: int | None = None):
-    if cause is not None and sum(isinstance(p, (Shard, tc.StridedShard)) for p in have.placements) > 1 \
-            and not tc.views_fixed():
-        # torch 2.11's view propagation refuses a view of a dim sharded on several mesh axes (dp x cp)
+    if cause is not None and not tc.views_fixed() and (
+            sum(isinstance(p, (Shard, tc.StridedShard)) for p in have.placements) > 1
+            or any(isinstance(p, Shard) and _flattened_behind(tuple(have.shape), tuple(n.meta["val"].shape), p.dim)
+                   for p in have.placements)):
+        # torch 2.11's view propagation refuses a view of a dim sharded on several mesh axes (dp x cp),
+        # and a flatten of a sharded dim behind another (the sequence dim of [b, s, d] -> [b * s, d] under cp)
         what = f"reshaping {have} -> {list(n.meta['val'].shape)} at {source_line(n) or n.name}"
-        raise tc.unavailable("DTensor view propagation (_ViewShardingPropagator)", what) from cause
+        raise tc.unavailable("DTensor view propagation (_ViewShardingPropagator)", what, since="2.12") from cause
     if axis is None:
         axis = next((a for a, p in enumerate(have.placements) if isinstance(p, Shard)), 0)
     p = have.placements[axis]

@@ -105,3 +105,22 @@ def pytest_runtest_protocol(item, nextitem):
     if _TIMELINE:
         with open(_TIMELINE, "a") as f:
             f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}\t{t0:.3f}\t{time.time():.3f}\t{item.nodeid}\n")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """On a torch without DTensor's view fix (2.11), a test that fails with autopar's clean refusal of a
+    view torch cannot shard there (``TorchVersionError``: context parallelism's flatten of the sharded
+    sequence dim, a dim sharded on two mesh axes) is reported as an expected failure, with that reason;
+    any other failure stays a failure. On 2.12 and 2.13 this never applies."""
+    outcome = yield
+    report = outcome.get_result()
+    if not (report.failed and call.excinfo is not None):
+        return
+    from autopar import torch_compat as tc
+
+    text = str(call.excinfo.value)
+    if not tc.views_fixed() and "needs torch's DTensor view propagation" in text and "use torch 2.12" in text:
+        report.outcome = "skipped"
+        report.wasxfail = (f"torch {torch.__version__} cannot shard this view (DTensor's view propagation "
+                           "before 2.12): autopar refuses it with a TorchVersionError")
