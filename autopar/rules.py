@@ -537,3 +537,41 @@ def moe_rule(node, in_specs, ctx):
                           f"expert parallel ({ctx.axis_names[ep[0]]}=expert)")
     return RuleResult([tuple(i) for i in ins], outputs, None, "experts over tokens")
 
+
+
+_INDEX_PUT = aten.index_put.default
+
+
+def sound_indexing(n: fx.Node, res: RuleResult) -> RuleResult:
+    """DTensor's layout for an ``index_put``, kept where it is sound, else replicated on the mesh axes
+    where it is not. The positions in ``indices`` are global: a dim they index must be whole in
+    ``self``, the index result's dims whole in ``values``, and the indices themselves whole. torch
+    2.11's DTensor sharded ``self`` and ``values`` on dim 0 with replicated indices (DeepSeek-V3's
+    expert dispatch under fsdp: a shape error in the step, found 2026-12-04; 2.13 gathers them). The
+    functional op only: an in-place one writes into its ``self`` as it is laid out. Any other op:
+    ``res`` as it is."""
+    if n.target is not _INDEX_PUT or len(res.inputs) < 3 or res.inputs[0] is None or res.inputs[-1] is None:
+        return res
+    indices = n.args[1]
+    indexed = [d for d, ix in enumerate(indices) if ix is not None]
+    self_val, values = n.args[0].meta["val"], n.args[2].meta["val"]
+    width = max(ix.meta["val"].ndim for ix in indices if ix is not None)  # the broadcast indices' dims
+    adjacent = indexed == list(range(indexed[0], indexed[-1] + 1))
+    first = indexed[0] if adjacent else 0  # where the index result's dims sit in the result (torch's rule)
+    shift = self_val.ndim - len(indexed) + width - values.ndim  # values broadcast to the result, right-aligned
+    ins = [list(p) if p is not None else None for p in res.inputs]
+    outs = list(res.outputs)
+    changed = False
+    for a in range(len(outs)):
+        sp, vp = ins[0][a], ins[-1][a]
+        if (isinstance(sp, Shard) and sp.dim in indexed) or \
+                (isinstance(vp, Shard) and first <= vp.dim + shift < first + width) or \
+                any(p is not None and not isinstance(p[a], Replicate) for p in ins[1:-1]):
+            for p in ins:
+                if p is not None:
+                    p[a] = Replicate()
+            outs[a] = Replicate()
+            changed = True
+    if not changed:
+        return res
+    return RuleResult([tuple(p) if p is not None else None for p in ins], tuple(outs), res.impl, res.name)

@@ -35,7 +35,7 @@ from autopar.layout import SequenceDims, check_context_parallel, heads_to_sequen
 from autopar.passes.partials import (narrower, partial_through_a_copy, reduced_before_expand, reduced_elsewhere,
                                      returned, widens_a_partial)
 from autopar.ir import Program, ShardSpec, drop_unread, fmt_placements, info, source_line, spec_of, tensor_args
-from autopar.rules import ATTENTION_OPS, RULES, RuleResult, kept_layout, pointwise_rule
+from autopar.rules import ATTENTION_OPS, RULES, RuleResult, kept_layout, pointwise_rule, sound_indexing
 from autopar.scoped import setting
 
 
@@ -394,7 +394,7 @@ def _dtensor_rule_uncached(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResul
         outputs = tuple(o.placements if o is not None else None for o in outs)
     else:
         outputs = outs.placements
-    return RuleResult(wanted, outputs, None, "dtensor")
+    return sound_indexing(n, RuleResult(wanted, outputs, None, "dtensor"))
 
 
 # DTensor computes an op's output shape, stride and dtype by running it on fake tensors of a new

@@ -72,3 +72,46 @@ def test_kept_layout_is_the_choice_dtensor_makes(monkeypatch, model, mesh, plan)
     monkeypatch.setenv("AUTOPAR_DISK_CACHE", "0")
     assert cli.main(["plan", model, "--mesh", mesh, "--plan", plan, "-q", "--full-depth"]) == 0
     assert sum(hits) > 0, hits
+
+
+def test_an_index_put_is_never_sharded_on_what_its_global_indices_address():
+    """rules.sound_indexing (applied to DTensor's answer for every index_put): the indices hold global
+    positions, so a layout that shards an indexed dim of ``self``, the index result's dims of ``values``
+    or the indices is replicated on that mesh axis; a shard of a dim nothing indexes stays. torch
+    2.11's DTensor chose the first (DeepSeek-V3 under fsdp failed in its step)."""
+    import torch
+    from torch import fx
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    from autopar.ir import RuleResult
+    from autopar.rules import sound_indexing
+
+    g = fx.Graph()
+    vals = {"self": torch.empty(128, 64), "idx": torch.empty(96, dtype=torch.long), "values": torch.empty(96, 64)}
+    nodes = {}
+    for name, v in vals.items():
+        nodes[name] = g.placeholder(name)
+        nodes[name].meta["val"] = v
+    n = g.call_function(torch.ops.aten.index_put.default, (nodes["self"], [nodes["idx"]], nodes["values"], True))
+    R, S0, S1 = Replicate(), Shard(0), Shard(1)
+    bad = RuleResult([(S0, R), (R, R), (S0, R)], (S0, R), None, "dtensor")  # 2.11's choice, axis 0
+    assert sound_indexing(n, bad) == RuleResult([(R, R), (R, R), (R, R)], (R, R), None, "dtensor")
+    trailing = RuleResult([(R, S1), (R, R), (R, S1)], (R, S1), None, "dtensor")  # columns: nothing indexes them
+    assert sound_indexing(n, trailing) is trailing
+    split_indices = RuleResult([(R, R), (S0, R), (R, R)], (R, R), None, "dtensor")
+    assert sound_indexing(n, split_indices).inputs[1] == (R, R)
+    other = g.call_function(torch.ops.aten.add.Tensor, (nodes["self"], nodes["self"]))
+    assert sound_indexing(other, bad) is bad
+    # a cache written at positions of dim 2 ([None, None, pos]), heads sharded on dim 1: sound, kept
+    cache = g.placeholder("cache")
+    cache.meta["val"] = torch.empty(2, 8, 32, 16)
+    pos = g.placeholder("pos")
+    pos.meta["val"] = torch.empty(4, dtype=torch.long)
+    new = g.placeholder("new")
+    new.meta["val"] = torch.empty(2, 8, 4, 16)
+    write = g.call_function(torch.ops.aten.index_put.default, (cache, [None, None, pos], new))
+    heads = RuleResult([(S1, R), (R, R), (S1, R)], (S1, R), None, "dtensor")
+    assert sound_indexing(write, heads) is heads
+    S2 = Shard(2)
+    positions = RuleResult([(S2, R), (R, R), (S2, R)], (S2, R), None, "dtensor")
+    assert sound_indexing(write, positions).outputs == (R, R)
