@@ -554,6 +554,8 @@ def sound_indexing(n: fx.Node, res: RuleResult) -> RuleResult:
         return res
     indices = n.args[1]
     indexed = [d for d, ix in enumerate(indices) if ix is not None]
+    if not indexed:
+        return res
     self_val, values = n.args[0].meta["val"], n.args[2].meta["val"]
     width = max(ix.meta["val"].ndim for ix in indices if ix is not None)  # the broadcast indices' dims
     adjacent = indexed == list(range(indexed[0], indexed[-1] + 1))
