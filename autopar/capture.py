@@ -194,8 +194,10 @@ def capture_graph(model: nn.Module, example_inputs: tuple, loss_fn: Callable | N
     from autopar import capture_cache as cc
     from autopar import cast_outside, splice, value_checks
     from autopar.experts import dropless_experts
+    from autopar.forked import settle_autograd
     from autopar.scoped import buffer_assignments
 
+    settle_autograd()  # (before any fake tensor mode: the forked children's backward, autopar/forked.py)
     if splice.active():  # planning a deep model: capture three blocks, repeat the third (autopar/splice.py)
         found = splice.block_list(model)
         if found is not None:

@@ -65,6 +65,31 @@ def _preload() -> None:
     torch_compat.preload()
 
 
+def settle_autograd() -> None:
+    """Once, before this process's first trace: one backward of a CPU scalar, so that autograd's
+    engine decides its device threads with no fake device counted. The engine starts them at the
+    process's first backward, one per device its device guards count, and once they exist a forked
+    child can run no backward ("Unable to handle autograd's threading in combination with
+    fork-based multiprocessing"). Fake tensor mode on a CUDA build of torch with no GPU (PyPI's
+    Linux wheel on a CPU machine) puts a stand-in CUDA guard in place that counts devices (eight
+    threads on torch 2.11; none on 2.13's CPU build): where AOTAutograd's fake joint trace was the
+    first backward, every child that traced a joint failed and was redone here (a period-2 model's
+    depths 3-4, the search's confirmations). With a real GPU the threads start either way (its count
+    is real): such children still fail and are redone here, and the progress line says so."""
+    global _SETTLED
+    if _SETTLED:
+        return
+    _SETTLED = True
+    import torch
+
+    with torch.enable_grad():
+        x = torch.zeros((), requires_grad=True)
+        torch.autograd.grad(x * 1.0, x)
+
+
+_SETTLED = False
+
+
 def _payload(fn: Callable[[], object]) -> bytes:
     """What a child sends back: ``fn()``'s value, or its error (the parent then does the work)."""
     try:

@@ -121,3 +121,28 @@ def test_a_forked_depth_that_fails_is_compiled_here(monkeypatch, capsys):
     assert got["extrapolated"]["forked"] == [] and "forked_after" not in got["extrapolated"]
     for key in ("parameters", "comm_bytes", "comm_calls", "flops", "memory"):
         assert got[key] == alone[key], key
+
+
+def test_a_forked_child_traces_a_joint_graph_after_this_process_traced_one(tmp_path):
+    """Autograd's engine starts its device threads at a process's first backward, and a forked
+    child of a process with those threads can run no backward. On a CUDA build of torch with no GPU
+    (PyPI's Linux wheel; torch 2.11 here) fake tensor mode puts a stand-in CUDA guard in place that
+    counts devices: where AOTAutograd's fake joint trace was the first backward, every forked child
+    that traced a joint graph failed and was redone in the parent (a period-2 model's depths, the
+    search's confirmations). ``forked.settle_autograd`` runs a CPU backward first. In a fresh
+    process, as the command line: a plan, then a forked child that traces another model's joint
+    graph. (On 2.13's CPU build no device is counted and this cannot fail; on 2.11's it failed.)"""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from autopar import forked\n"
+        "from autopar.tools.explain import plan_main\n"
+        "argv = ['-q', 'llama-tiny', '--mesh', 'dp=2', '--plan', 'dp=fsdp', '--full-depth', '--set']\n"
+        "assert plan_main([*argv, 'n_layers=2']) == 0\n"
+        "print('CHILD', forked.Forked(lambda: plan_main([*argv, 'n_layers=3'])).result())\n")
+    env = dict(os.environ, AUTOPAR_CACHE_DIR=str(tmp_path), AUTOPAR_PLAN_FORK="always")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "CHILD 0" in run.stdout, run.stderr[-2000:]
