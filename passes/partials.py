@@ -7,7 +7,8 @@ showed why).
   wider residual, a broadcast to more elements) should have it reduced first, at its own size;
 - ``reduced_elsewhere``: the axes on which another reader decided before reads a Partial value
   all-reduced (it is reduced there in any case), in the backward;
-- ``reduced_before_expand``: a Partial expanded to more elements is reduced first;
+- ``reduced_first``: a Partial expanded to more elements is reduced first (``reduced_before_expand``),
+  and so is one a seeded random op reads (``reduced_before_random``);
 - ``partial_through_a_copy``: a clone of a Partial sum is a Partial sum (off sequence-parallel axes);
 - ``returned``: the program returns the value (a gradient: the data-parallel passes' choice).
 """
@@ -21,6 +22,30 @@ from torch.distributed.tensor.placement_types import Partial, Replicate
 from autopar.ir import phase_of, tensor_args
 from autopar.layout import sequence_axes
 from autopar.rules import RuleResult
+
+
+def reduced_first(n: fx.Node, in_specs) -> RuleResult | None:
+    """The layout of an op whose Partial input autopar reduces first; None where none applies."""
+    return reduced_before_expand(n, in_specs) or reduced_before_random(n, in_specs)
+
+
+def reduced_before_random(n: fx.Node, in_specs) -> RuleResult | None:
+    """A seeded random op (dropout, bernoulli...) reading a Partial sum reads it reduced: sampling
+    from a partial sum is not sampling from the sum. Every output keeps the input's layout, reduced
+    (DTensor's strategy for these ops: the output follows the input; torch 2.12+ offers Replicate
+    or a Shard for a Partial input, and ``_select_strategy`` takes Replicate, no Shard invented;
+    torch 2.11 raised "native_dropout with Partial is not supported yet": GPT-2's dropout after
+    its attention's and MLP's row-parallel projections under megatron). None where that does not
+    apply."""
+    if torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ()) or not in_specs or in_specs[0] is None:
+        return None
+    have = in_specs[0].placements
+    if not any(isinstance(p, Partial) for p in have) or any(s is not None for s in in_specs[1:]):
+        return None
+    reduced = tuple(Replicate() if isinstance(p, Partial) else p for p in have)
+    val = n.meta.get("val")
+    outputs = tuple(reduced for _ in val) if isinstance(val, (tuple, list)) else reduced
+    return RuleResult([reduced], outputs, None, "dtensor")
 
 
 def reduced_before_expand(n: fx.Node, in_specs) -> RuleResult | None:

@@ -32,7 +32,7 @@ from autopar.derived_rules import DERIVED, derive, record
 from autopar.errors import ShardingError, TorchVersionError
 from autopar.experts import check_expert_parallel
 from autopar.layout import SequenceDims, check_context_parallel, heads_to_sequence, sequence_axes
-from autopar.passes.partials import (narrower, partial_through_a_copy, reduced_before_expand, reduced_elsewhere,
+from autopar.passes.partials import (narrower, partial_through_a_copy, reduced_elsewhere, reduced_first,
                                      returned, widens_a_partial)
 from autopar.ir import Program, ShardSpec, drop_unread, fmt_placements, info, source_line, spec_of, tensor_args
 from autopar.rules import ATTENTION_OPS, RULES, RuleResult, kept_layout, pointwise_rule, sound_indexing
@@ -344,7 +344,7 @@ def _dtensor_rule_uncached(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResul
         # every rank holds the whole value: any op runs as is (also ops DTensor lacks)
         return RuleResult([s.placements for s in in_specs], _replicated_outputs(n, ctx), None,
                           "replicated")
-    kept = reduced_before_expand(n, in_specs) or partial_through_a_copy(n, in_specs, ctx)
+    kept = reduced_first(n, in_specs) or partial_through_a_copy(n, in_specs, ctx)
     if kept is not None:
         return kept
     if not known and torch.Tag.pointwise in getattr(op, "tags", ()):  # elementwise: shards line up

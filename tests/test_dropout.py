@@ -8,6 +8,7 @@ its global position, the seed, the step, the micro-batch and the dropout's node.
   weights, residuals) under fsdp on dp=2 (batch shards) and on tp=2 with its blocks replicated
   (replicas: the tp ranks must draw the same masks, or their copies would differ); Llama with
   attention dropout 0.1 under megatron on tp=2 (the attention weights sharded by head).
+- a dropout reading a row-parallel projection's partial sum reads it reduced (on every torch).
 """
 
 from __future__ import annotations
@@ -106,3 +107,42 @@ def test_plans_draw_the_masks_one_process_draws(pools, one_process, name, axes, 
     for step, (g_ref, g_out) in enumerate(zip(ref["grads"], out["grads"])):
         for k in g_ref:
             torch.testing.assert_close(g_out[k], g_ref[k], rtol=1e-4, atol=3e-5, msg=f"grad {k} at step {step}")
+
+
+class _DropAfterRowParallel(torch.nn.Module):
+    """An MLP whose output (a partial sum under megatron: ``down`` is row-parallel) goes through a
+    dropout before the residual add, as GPT-2's ``resid_dropout`` does."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
+        self.drop = torch.nn.Dropout(P)
+
+    def forward(self, x):
+        return x + self.drop(self.down(torch.relu(self.up(x))))
+
+
+def test_a_dropout_reads_a_partial_sum_reduced():
+    """A seeded random op never samples a partial sum: the row-parallel projection's output is
+    all-reduced first, and the dropout's output is replicated (``partials.reduced_before_random``;
+    torch 2.11's DTensor raised "native_dropout with Partial is not supported yet", 2.12+ offers
+    Replicate, which autopar now decides itself on every version)."""
+    from torch.distributed.tensor.placement_types import Partial, Replicate
+
+    import autopar
+    from autopar.ir import spec_of
+    from autopar.mesh import fake_mesh
+    from test_tp_derive import LM, _ce
+
+    tokens = torch.zeros(4, 8, dtype=torch.long)
+    with fake_mesh({"tp": 2}, 0) as mesh:
+        pm = autopar.compile(LM([_DropAfterRowParallel() for _ in range(2)]), mesh, example_inputs=(tokens, tokens),
+                             loss_fn=_ce, plan={"tp": "megatron"}, capture_eval=False)
+    graph = pm.program.graph
+    drops = [n for n in graph.nodes if n.target is torch.ops.aten.native_dropout.default]
+    assert len(drops) == 2
+    for n in drops:
+        assert all(o.placements == (Replicate(),) for o in spec_of(n)), spec_of(n)  # (output, mask)
+        src = n.args[0]  # (the reduction autopar inserted, reading the row-parallel product's Partial sum)
+        assert not isinstance(spec_of(src).placements[0], Partial), src.format_node()
+        assert isinstance(spec_of(src.args[0]).placements[0], Partial), src.args[0].format_node()
