@@ -1,5 +1,5 @@
 """Where a Partial sum is reduced: the facts propagation's choices read (passes/propagate.py's
-``_select_strategy``, ``_dtensor_rule_uncached`` and ``_cache_key``) and the two ops it decides
+``_select_strategy``, ``_dtensor_rule_uncached`` and ``_cache_key``) and the ops it decides
 itself rather than take DTensor's one strategy for (docs/design-notes.md: each with the model that
 showed why).
 
