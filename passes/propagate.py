@@ -35,7 +35,9 @@ from autopar.layout import SequenceDims, check_context_parallel, heads_to_sequen
 from autopar.passes.partials import (narrower, partial_through_a_copy, reduced_elsewhere, reduced_first,
                                      returned, widens_a_partial)
 from autopar.ir import Program, ShardSpec, drop_unread, fmt_placements, info, source_line, spec_of, tensor_args
-from autopar.rules import ATTENTION_OPS, RULES, RuleResult, kept_layout, pointwise_rule, sound_indexing
+from autopar.indexing import index_put_layout, sound_indexing
+from autopar.passes.view_errors import check_view_keeps_shards, view_error
+from autopar.rules import ATTENTION_OPS, RULES, RuleResult, kept_layout, pointwise_rule
 from autopar.scoped import setting
 
 
@@ -375,7 +377,9 @@ def _dtensor_rule_uncached(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResul
         raise
     except Exception as e:  # noqa: BLE001
         if n.target in VIEW_OPS:
-            _view_error(n, in_specs[0], ctx, e)
+            view_error(n, in_specs[0], ctx, e)
+        if (own := index_put_layout(n, in_specs)) is not None:  # (torch 2.11: an index that is None)
+            return own
         raise ShardingError(
             f"DTensor has no strategy for {op} with inputs "
             + ", ".join(fmt_placements(s.placements) for s in in_specs if s) + f": {e}",
@@ -388,7 +392,7 @@ def _dtensor_rule_uncached(n: fx.Node, in_specs, ctx, read_as=None) -> RuleResul
     else:
         wanted = [s.placements for s in in_specs]
     if n.target in VIEW_OPS:
-        _check_view_keeps_shards(n, in_specs[0], wanted[0], ctx)
+        check_view_keeps_shards(n, in_specs[0], wanted[0], ctx)
     outs = out.output_spec
     if isinstance(outs, (tuple, list)):
         outputs = tuple(o.placements if o is not None else None for o in outs)
@@ -544,57 +548,3 @@ def _replicated_outputs(n: fx.Node, ctx):
     if isinstance(val, (tuple, list)):
         return tuple(rep if isinstance(v, torch.Tensor) else None for v in val)
     return rep
-
-
-def _check_view_keeps_shards(n: fx.Node, have: ShardSpec, want, ctx) -> None:
-    """A reshape that must gather a sharded dim means the dim does not split across the axis
-    (e.g. 4 heads on tp=8): that silently replicates the activation, so it is an error."""
-    for a, (p, q) in enumerate(zip(have.placements, want)):
-        if isinstance(p, Shard) and not isinstance(q, Shard):
-            _view_error(n, have, ctx, None, axis=a)
-
-
-def _flattened_behind(shape, out_shape, dim: int) -> bool:
-    """Whether a view of ``shape`` as ``out_shape`` merges input dim ``dim`` into one output dim
-    behind an input dim of size > 1 ([b, s, d] -> [b * s, d] for dim 1): the rank's rows of the
-    merged dim are then strided, which torch 2.12's DTensor expresses (_StridedShard) and 2.11's
-    refuses."""
-    if math.prod(shape) != math.prod(out_shape) or 0 in shape:
-        return False
-    i = o = 0
-    while i < len(shape) and o < len(out_shape):
-        i0, a, b = i, shape[i], out_shape[o]
-        i, o = i + 1, o + 1
-        while a != b:
-            if a < b:
-                a, i = a * shape[i], i + 1
-            else:
-                b, o = b * out_shape[o], o + 1
-        if i0 <= dim < i:
-            return math.prod(shape[i0:dim]) > 1
-    return False
-
-
-def _view_error(n: fx.Node, have: ShardSpec, ctx, cause, axis: int | None = None):
-    if cause is not None and not tc.views_fixed() and (
-            sum(isinstance(p, (Shard, tc.StridedShard)) for p in have.placements) > 1
-            or any(isinstance(p, Shard) and _flattened_behind(tuple(have.shape), tuple(n.meta["val"].shape), p.dim)
-                   for p in have.placements)):
-        # torch 2.11's view propagation refuses a view of a dim sharded on several mesh axes (dp x cp),
-        # and a flatten of a sharded dim behind another (the sequence dim of [b, s, d] -> [b * s, d] under cp)
-        what = f"reshaping {have} -> {list(n.meta['val'].shape)} at {source_line(n) or n.name}"
-        raise tc.unavailable("DTensor view propagation (_ViewShardingPropagator)", what, since="2.12") from cause
-    if axis is None:
-        axis = next((a for a, p in enumerate(have.placements) if isinstance(p, Shard)), 0)
-    p = have.placements[axis]
-    out_shape = tuple(n.meta["val"].shape)
-    size = have.shape[p.dim] if isinstance(p, Shard) else "?"
-    name, k = ctx.axis_names[axis], ctx.axis_sizes[axis]
-    raise ShardingError(
-        f"reshape {list(have.shape)} -> {list(out_shape)} cannot keep dim {p.dim if isinstance(p, Shard) else '?'} "
-        f"(size {size}) sharded over mesh axis '{name}' of size {k}: the leading dimension it splits into "
-        f"is not divisible by {k} (typically: the number of attention heads or KV heads is not divisible by {name})",
-        where=source_line(n) or n.name,
-        fix=f"use a '{name}' size that divides the head counts, or replicate these projections with a "
-        "plan rule (plan['rules'])",
-    ) from cause

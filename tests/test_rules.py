@@ -75,7 +75,7 @@ def test_kept_layout_is_the_choice_dtensor_makes(monkeypatch, model, mesh, plan)
 
 
 def test_an_index_put_is_never_sharded_on_what_its_global_indices_address():
-    """rules.sound_indexing (applied to DTensor's answer for every index_put): the indices hold global
+    """indexing.sound_indexing (applied to DTensor's answer for every index_put): the indices hold global
     positions, so a layout that shards an indexed dim of ``self``, the index result's dims of ``values``
     or the indices is replicated on that mesh axis; a shard of a dim nothing indexes stays. torch
     2.11's DTensor chose the first (DeepSeek-V3 under fsdp failed in its step)."""
@@ -84,7 +84,7 @@ def test_an_index_put_is_never_sharded_on_what_its_global_indices_address():
     from torch.distributed.tensor.placement_types import Replicate, Shard
 
     from autopar.ir import RuleResult
-    from autopar.rules import sound_indexing
+    from autopar.indexing import sound_indexing
 
     g = fx.Graph()
     vals = {"self": torch.empty(128, 64), "idx": torch.empty(96, dtype=torch.long), "values": torch.empty(96, 64)}
@@ -115,3 +115,47 @@ def test_an_index_put_is_never_sharded_on_what_its_global_indices_address():
     S2 = Shard(2)
     positions = RuleResult([(S2, R), (R, R), (S2, R)], (S2, R), None, "dtensor")
     assert sound_indexing(write, positions).outputs == (R, R)
+
+
+def test_an_index_put_dtensor_has_no_strategy_for_is_laid_out_from_its_indices():
+    """indexing.index_put_layout (where DTensor has no strategy: torch 2.11's asserts every index is
+    a tensor, so a KV cache written at ``[None, None, pos]`` under tp did not compile there): a
+    shard of ``self`` on a dim the indices do not address is kept and ``values`` sharded on the dim
+    that lands there (whole where it broadcasts); an indexed dim, a Partial, anything else: whole."""
+    import torch
+    from torch import fx
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+    from autopar.indexing import index_put_layout
+    from autopar.ir import ShardSpec
+
+    g = fx.Graph()
+
+    def ph(name, *shape, dtype=torch.float32):
+        n = g.placeholder(name)
+        n.meta["val"] = torch.empty(*shape, dtype=dtype)
+        return n
+
+    R, P = Replicate(), Partial()
+    cache, pos, new = ph("cache", 2, 8, 32, 16), ph("pos", 4, dtype=torch.long), ph("new", 2, 8, 4, 16)
+    write = g.call_function(torch.ops.aten.index_put.default, (cache, [None, None, pos], new))
+
+    def layout(node, *placements):
+        specs = [ShardSpec(p, tuple(a.meta["val"].shape), a.meta["val"].dtype)
+                 for p, a in zip(placements, [node.args[0], *[i for i in node.args[1] if i is not None], node.args[2]])]
+        res = index_put_layout(node, specs)
+        return res.inputs, res.outputs
+
+    assert layout(write, (Shard(1), R), (R, R), (Shard(1), R)) == ([(Shard(1), R), (R, R), (Shard(1), R)], (Shard(1), R))
+    assert layout(write, (Shard(2), R), (R, R), (R, R)) == ([(R, R)] * 3, (R, R))  # the positions' dim: whole
+    assert layout(write, (R, Shard(3)), (R, R), (R, P)) == ([(R, Shard(3)), (R, R), (R, Shard(3))], (R, Shard(3)))
+    assert layout(write, (P, R), (R, R), (P, R)) == ([(R, R)] * 3, (R, R))  # partial sums: reduced
+    one = g.call_function(torch.ops.aten.index_put.default, (cache, [None, None, pos], ph("bcast", 1, 8, 1, 16)))
+    assert layout(one, (Shard(0), Shard(1)), (R, R), (R, R)) == ([(Shard(0), Shard(1)), (R, R), (R, Shard(1))],
+                                                                 (Shard(0), Shard(1)))  # broadcast along dim 0
+    # indices apart ([i, None, j]): the index result's dim first, then self's dim 1
+    apart = g.call_function(torch.ops.aten.index_put.default,
+                            (ph("x", 4, 5, 6), [ph("i", 3, dtype=torch.long), None, ph("j", 3, dtype=torch.long)],
+                             ph("v", 3, 5)))
+    assert layout(apart, (Shard(1),), (R,), (R,), (R,)) == ([(Shard(1),), (R,), (R,), (Shard(1),)], (Shard(1),))
+    assert index_put_layout(g.call_function(torch.ops.aten.add.Tensor, (cache, cache)), []) is None
