@@ -28,6 +28,12 @@ that one; its traceback or the tail of its log is recorded and the next one runs
   calibrated-row.json: the autopar step sections predict with it too, beside the datasheet row.
   Then grouped-query SDPA (``enable_gqa``) against repeated K/V heads at the step's attention
   shape, and the kernels each ran.
+- ``planner-forks``: whether ``autopar plan``'s forked children can run autograd on this machine
+  (autograd's engine starts a thread per GPU at a process's first backward, and refuses a backward
+  in a child forked after; autopar/forked.py ``settle_autograd``): a model whose depths are all
+  traced (tests/foreign_models.py:alternating) planned with the fork forced, as it is and with the
+  GPUs hidden (``CUDA_VISIBLE_DEVICES=``), each run's ``extrapolated.forked`` (``[4]``: the child
+  did depth 4; ``[]``: it failed and this process redid it) and the child's error;
 - ``candidates`` (last: it compiles every configuration): every launch configuration the kernels'
   tuner may pick (kernels/attention_launches.py FWD / DKDV / DQ, kernels/matmul.py CANDIDATES),
   each forced on one bf16 shape of the kernel table's (B4 H32/8 S1024; 4096^3 with the
@@ -70,7 +76,7 @@ SMOKE_CAP_SCALE = 3  # --smoke on a CPU: Inductor's C++ compiles take longer tha
 SECTIONS = [("correctness", 150), ("kernel-table", 240), ("calibrate", 60), ("step-eager", 60),
             ("step-autopar-off", 90),
             ("step-autopar-auto", 100), ("step-compile", 120), ("step-autopar-inductor", 150),
-            ("step-autopar-on", 100), ("kernel-profile", 120), ("candidates", 200)]
+            ("step-autopar-on", 100), ("kernel-profile", 120), ("planner-forks", 60), ("candidates", 200)]
 
 # step variant: (system, autopar kernels, autopar inductor)
 VARIANTS = {"eager": ("eager", None, False), "compile": ("torch.compile", None, False),
@@ -663,6 +669,29 @@ def kernel_kinds(fn) -> dict:
     return kinds
 
 
+def planner_forks(out: dict, stage) -> None:
+    """``autopar plan`` on a model whose every depth is traced, the fork forced: as it is, and with
+    the GPUs hidden from the process; what each run's forked child did."""
+    import tempfile
+
+    spec = os.path.join(ROOT, "tests", "foreign_models.py") + ":alternating"
+    for label, extra in (("as is", {}), ("CUDA_VISIBLE_DEVICES=", {"CUDA_VISIBLE_DEVICES": ""})):
+        stage(f"autopar plan {spec} ({label})")
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "AUTOPAR_PLAN_FORK": "always", "AUTOPAR_CACHE_DIR": cache, **extra}
+            t0 = time.perf_counter()
+            run = subprocess.run([sys.executable, "-m", "autopar.tools.cli", "plan", spec, "--mesh", "dp=2",
+                                  "--plan", "dp=fsdp", "--json"], capture_output=True, text=True, env=env,
+                                 cwd=ROOT, timeout=120)
+        row = {"env": label, "rc": run.returncode, "seconds": round(time.perf_counter() - t0, 1),
+               "child_failed": [ln.strip() for ln in run.stderr.splitlines() if "forked process failed" in ln][:1]}
+        if run.returncode == 0:
+            row["forked"] = json.loads(run.stdout)[0]["extrapolated"]["forked"]
+        else:
+            row["stderr"] = run.stderr[-2000:]
+        out.setdefault("rows", []).append(row)
+
+
 class Record:
     """A section's record, rewritten at every stage (sections/SECTION.json): a section killed at its
     timeout leaves what it had measured and the stage it was in."""
@@ -698,6 +727,8 @@ def child(section: str, cfg: Config, out_dir: str) -> int:
             kernel_profile(cfg, out, out_dir, rec.stage)
         elif section == "calibrate":
             calibrate_device(cfg, out, out_dir, rec.stage)
+        elif section == "planner-forks":
+            planner_forks(out, rec.stage)
         else:
             train_step(cfg, section.removeprefix("step-"), out, rec.stage, out_dir)
         rec.data["status"] = "ok"
@@ -840,6 +871,12 @@ def summary_md(record: dict) -> str:
             if r.get("kernels"):
                 lines += ["", f"{r['side']}, {r['shape']}, device ms per call by kernel: " + ", ".join(
                     f"{k['name']} {k['ms']:.3f}" for k in r["kernels"])]
+    forks = record["sections"].get("planner-forks", {}).get("result", {}).get("rows")
+    if forks:
+        lines += ["", "## `autopar plan`'s forked children (tests/foreign_models.py:alternating, fork forced)", "",
+                  "| environment | exit | seconds | forked | the child's failure |", "|---|---|---|---|---|"]
+        lines += [f"| {r['env']} | {r['rc']} | {r['seconds']} | {r.get('forked', '-')} | "
+                  f"{(r['child_failed'] or ['-'])[0][:160]} |" for r in forks]
     cal = record["sections"].get("calibrate", {}).get("result", {}).get("row")
     if cal:
         from autopar.analysis.devices import Device
