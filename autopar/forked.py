@@ -77,11 +77,11 @@ def settle_autograd() -> None:
     depths 3-4, the search's confirmations). With a real GPU the threads start either way (its count
     is real): such children still fail and are redone here, and the progress line says so."""
     global _SETTLED
-    if _SETTLED:
-        return
-    _SETTLED = True
     import torch
 
+    if _SETTLED or torch.is_inference_mode_enabled():  # (no backward runs there: the next trace settles)
+        return
+    _SETTLED = True
     with torch.enable_grad():
         x = torch.zeros((), requires_grad=True)
         torch.autograd.grad(x * 1.0, x)

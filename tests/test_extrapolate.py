@@ -146,3 +146,19 @@ def test_a_forked_child_traces_a_joint_graph_after_this_process_traced_one(tmp_p
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "CHILD 0" in run.stdout, run.stderr[-2000:]
+
+
+def test_settling_autograd_waits_outside_inference_mode(monkeypatch):
+    """No backward runs under ``torch.inference_mode`` (a compile called inside one): the settling
+    backward is left to the next trace, not raised."""
+    import torch
+
+    from autopar import forked
+
+    monkeypatch.setattr(forked, "_SETTLED", False)
+    with torch.inference_mode():
+        forked.settle_autograd()
+    assert forked._SETTLED is False
+    with torch.no_grad():
+        forked.settle_autograd()
+    assert forked._SETTLED is True
