@@ -64,7 +64,7 @@ def index_put_layout(n: fx.Node, in_specs) -> RuleResult | None:
         return None
     own, vals = [], []
     for p in in_specs[0].placements:
-        if isinstance(p, Shard) and p.dim not in g.indexed:
+        if type(p) is Shard and p.dim not in g.indexed:  # (a strided shard: whole, as anything else)
             dv = g.values_dim(p.dim)
             own.append(p)
             vals.append(Shard(dv) if dv is not None else R)
