@@ -257,13 +257,13 @@ def _by_depth(args, rank: int, rep, at, progress) -> Analysis | None:
         if child is not None:
             child.kill()
         return None
-    figs = None
+    figs, fork_failed = None, None
     if child is not None:
         try:
             first, *figs = child.result()
         except RuntimeError as e:  # those depths again, here (where an error, if it is one, is raised)
-            progress(f"depths {[DEPTHS[0], *shallow]} in a forked process failed ({str(e).splitlines()[0][:120]}): "
-                     "compiling them here")
+            fork_failed = f"depths {[DEPTHS[0], *shallow]} in a forked process failed ({str(e).splitlines()[0][:120]})"
+            progress(f"{fork_failed}: compiling them here")
             _, first = figures_at(DEPTHS[0], progress)
             child = None
     if figs is None:
@@ -299,12 +299,15 @@ def _by_depth(args, rank: int, rep, at, progress) -> Analysis | None:
     out["extrapolated"] = {"depths": list(DEPTHS), "layers": layers, "blocks": rep.path, "period": rep.period,
                            "forked": shallow if child is not None else [],
                            **({"forked_after": "localize"} if child is not None else {}),
+                           **({"fork_failed": fork_failed} if fork_failed else {}),
                            "localized": {d: f.get("localized", []) for d, f in zip(DEPTHS, figs)}}
     # the masks pass's and the cut's lines count what the deepest compile holds, not the whole model: say so
     counted = (f" (counted in the depth-{DEPTHS[-1]} compile; the model has {layers} blocks): " if rep.period == 1 else
                f" (counted in the compile of {DEPTHS[-1] * rep.period} blocks; the model has {layers * rep.period}): ")
     notes = [n.replace(MASKS_NOTE, MASKS_NOTE[:-2] + counted, 1).replace(CUT_NOTE, CUT_NOTE[:-2] + counted, 1)
              for n in last.notes]
+    if fork_failed:  # (the same figures; the time the fork would have saved, spent here)
+        notes.append(f"{fork_failed}: compiled in this process instead")
     return Analysis(last.model, last.axes, last.plan, rank, last.coord, last.options, last.pm, last.memory,
                     last.time, last.device, last.links, seconds, notes, int(out["parameters"]),
                     extrapolated=out)
