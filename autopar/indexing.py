@@ -17,6 +17,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from autopar.ir import RuleResult
 
 R = Replicate()
+_INDEX_PUT = torch.ops.aten.index_put.default
 
 
 class _Geometry:
@@ -75,8 +76,6 @@ def index_put_layout(n: fx.Node, in_specs) -> RuleResult | None:
     return RuleResult([tuple(own), *(whole for _ in in_specs[1:-1]), tuple(vals)], tuple(own), None,
                       "index_put at global positions")
 
-
-_INDEX_PUT = torch.ops.aten.index_put.default
 
 
 def sound_indexing(n: fx.Node, res: RuleResult) -> RuleResult:

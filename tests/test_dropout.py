@@ -134,6 +134,23 @@ def test_a_dropout_reads_a_partial_sum_reduced():
     from autopar.mesh import fake_mesh
     from test_tp_derive import LM, _ce
 
+    from torch import fx
+    from torch.distributed.tensor.placement_types import Shard
+
+    from autopar.ir import ShardSpec
+    from autopar.passes.partials import reduced_first
+
+    # the rule itself (DTensor 2.12+ would choose the same below, so the compile alone cannot fail there)
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, 8)
+    drop = g.call_function(torch.ops.aten.native_dropout.default, (x, P, True))
+    drop.meta["val"] = (torch.empty(4, 8), torch.empty(4, 8, dtype=torch.bool))
+    got = reduced_first(drop, [ShardSpec((Shard(0), Partial()), (4, 8), torch.float32)])
+    assert (got.inputs, got.outputs) == ([(Shard(0), Replicate())], ((Shard(0), Replicate()),) * 2)
+    add = g.call_function(torch.ops.aten.add.Tensor, (x, x))
+    assert reduced_first(add, [ShardSpec((Partial(),), (4, 8), torch.float32)] * 2) is None
+
     tokens = torch.zeros(4, 8, dtype=torch.long)
     with fake_mesh({"tp": 2}, 0) as mesh:
         pm = autopar.compile(LM([_DropAfterRowParallel() for _ in range(2)]), mesh, example_inputs=(tokens, tokens),

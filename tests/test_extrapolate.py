@@ -117,9 +117,9 @@ def test_a_forked_depth_that_fails_is_compiled_here(monkeypatch, capsys):
     with contextlib.redirect_stdout(out):
         assert plan_main(["--json", *argv]) == 0
     got = json.loads(out.getvalue())[0]
-    assert "depths [3, 4] in a forked process failed (RuntimeError: a failure in the child)" in capsys.readouterr().err
-    assert got["extrapolated"]["forked"] == [] and "forked_after" not in got["extrapolated"]
     why = "depths [3, 4] in a forked process failed (RuntimeError: a failure in the child)"
+    assert why in capsys.readouterr().err
+    assert got["extrapolated"]["forked"] == [] and "forked_after" not in got["extrapolated"]
     assert got["extrapolated"]["fork_failed"] == why and f"{why}: compiled in this process instead" in got["notes"]
     for key in ("parameters", "comm_bytes", "comm_calls", "flops", "memory"):
         assert got[key] == alone[key], key
